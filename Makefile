@@ -1,0 +1,32 @@
+# One entry for users and CI. `make test` and `make demo` build .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+
+.PHONY: install test test-e2e demo bench clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pin torch first: an unpinned requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q -m "not e2e" tests
+
+test-e2e: install
+	$(PY) -m pytest -q -m e2e tests
+
+demo: install
+	$(PY) tools/demo.py
+
+bench: install
+	$(PY) benchmarks/model_forward_backward.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-composer",
+    version="0.1.0",
+    description="Megatron-style continued pretraining and asynchronous agentic RL for DeepSeek-V3/Kimi-style MoE models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+        "safetensors",
+        "megatron-core>=0.16,<0.20",
+    ],
+    extras_require={
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "transformers>=5,<6",
+            "torchao",
+            "triton",
+            "sentencepiece",
+            "tokenizers",
+            "matplotlib",
+        ],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+    },
+)
