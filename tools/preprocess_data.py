@@ -1,0 +1,113 @@
+"""Tokenize a corpus into a megatron-core indexed dataset (PREFIX.bin / PREFIX.idx), one document per JSONL
+record or source file, each followed by the end-of-document token.
+
+    python tools/preprocess_data.py --input corpus.jsonl src_dir/ --tokenizer data/tok --output-prefix data/code
+
+Also writes PREFIX.meta.json (tokenizer, vocab size, eod, counts) which training checks against the model.
+An existing dataset is never replaced unless --overwrite is given; output is written under a temporary name
+and renamed only when complete, so an interrupted run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron_composer.data.corpus import CorpusError, iter_documents, list_inputs  # noqa: E402
+from megatron_composer.data.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _encode(text: str) -> tuple[list[int], int]:
+    ids = _worker_tokenizer.encode(text)
+    ids.append(_worker_tokenizer.eod)
+    return ids, len(text.encode("utf-8"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", nargs="+", required=True, help="JSONL files and/or directories of source files")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer file or directory (see megatron_composer.data.load_tokenizer)")
+    ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
+    ap.add_argument("--json-key", default="text")
+    ap.add_argument("--extensions", default=".py", help="comma-separated source extensions read from directories")
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefix = Path(args.output_prefix)
+    outputs = [Path(f"{prefix}{s}") for s in (".bin", ".idx", ".meta.json")]
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.overwrite:
+        print(f"error: {existing[0]} exists; pass --overwrite to replace the dataset", file=sys.stderr)
+        return 1
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        files = list_inputs(args.input, tuple(args.extensions.split(",")))
+    except (TokenizerError, CorpusError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{prefix}.tmp{os.getpid()}")
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    n_docs = n_tokens = n_bytes = 0
+    t0 = time.time()
+    try:
+        with multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(str(tokenizer.path),)) as pool:
+            docs = iter_documents(files, args.json_key)
+            for ids, nb in tqdm(pool.imap(_encode, docs, chunksize=16), desc="tokenizing", unit="doc"):
+                builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+                n_docs += 1
+                n_tokens += len(ids)
+                n_bytes += nb
+        if n_docs == 0:
+            raise CorpusError(f"no documents found in {args.input}")
+        builder.finalize(f"{tmp}.idx")
+        meta = {
+            "tokenizer": tokenizer.describe(),
+            "vocab_size": tokenizer.vocab_size,
+            "eod": tokenizer.eod,
+            "documents": n_docs,
+            "tokens": n_tokens,
+            "bytes": n_bytes,
+            "inputs": [str(p) for p in args.input],
+        }
+        Path(f"{tmp}.meta.json").write_text(json.dumps(meta, indent=2))
+        for suffix in (".bin", ".idx", ".meta.json"):
+            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    except (CorpusError, KeyboardInterrupt) as e:
+        for suffix in (".bin", ".idx", ".meta.json"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    dt = time.time() - t0
+    print(
+        f"wrote {prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens ({n_bytes / max(n_tokens, 1):.2f} bytes/token) "
+        f"from {len(files)} files in {dt:.1f}s with {args.workers} workers"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
