@@ -1,0 +1,137 @@
+"""Attention: Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2) and grouped-query attention with q/k norm
+(Qwen3).
+
+Head counts are read from tensor shapes at run time, so tensor parallelism shards the projections by heads
+without touching this file. The attention core is the module attribute `core` (default `sdpa_attention`),
+so context parallelism and batch-invariant inference can swap it.
+
+Packed sequences: `doc_ids_BS` (see `document_ids`) labels the document of each token; attention is causal
+and never crosses documents.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelConfig
+from .norms import RMSNorm
+from .rope import apply_rope, softmax_scale
+
+
+def document_ids(position_ids_BS: torch.Tensor) -> Optional[torch.Tensor]:
+    """Document index per token for packed rows (a new document starts wherever the position does not
+    increase), or None when every row is a single document (the fast causal path)."""
+    restart = position_ids_BS[:, 1:] <= position_ids_BS[:, :-1]
+    if not bool(restart.any()):
+        return None
+    return F.pad(restart.long(), (1, 0)).cumsum(-1)
+
+
+def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
+                   doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention (within documents when doc_ids_BS is given). k/v may have fewer heads (GQA)."""
+    if k_BHSD.shape[1] != q_BHSD.shape[1]:
+        rep = q_BHSD.shape[1] // k_BHSD.shape[1]
+        k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
+        v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
+    if doc_ids_BS is None:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale)
+    S = q_BHSD.shape[2]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q_BHSD.device).tril()
+    mask_B1SS = (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]) & causal
+    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_B1SS[:, None], scale=scale)
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention. K/V come from a low-rank latent c_kv (kv_lora_rank) plus one shared rope
+    key per token; queries optionally from a low-rank latent c_q (q_lora_rank)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.num_heads
+        self.qk_nope_head_dim, self.qk_rope_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = softmax_scale(cfg)
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(cfg.hidden_size, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.core = sdpa_attention
+
+    def project_q(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries [B, S, H, qk_nope + qk_rope] with rope applied."""
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q_BSHD = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q_BSHD.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_interleave)], dim=-1)
+
+    def compress_kv(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token cache content: normed latent [B, S, kv_lora_rank] and rotated rope key [B, S, rope]."""
+        c_kv, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleave).squeeze(2)
+        return self.kv_norm(c_kv), k_rope
+
+    def expand_kv(self, c_kv_BSC: torch.Tensor, k_rope_BSR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent -> per-head keys [B, S, H, qk_head_dim] and values [B, S, H, v_head_dim]."""
+        B, S, _ = c_kv_BSC.shape
+        kv = self.wkv_b(c_kv_BSC).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope = k_rope_BSR.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.project_q(x_BSD, cos, sin)
+        k, v = self.expand_kv(*self.compress_kv(x_BSD, cos, sin))
+        o_BHSD = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, doc_ids_BS)
+        return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with optional per-head RMSNorm on q and k (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, KV, Dh = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, cfg.gqa_head_dim
+        self.head_dim = Dh
+        self.scale = softmax_scale(cfg)
+        self.rope_interleave = False
+        self.wq = nn.Linear(cfg.hidden_size, H * Dh, bias=cfg.attention_bias)
+        self.wk = nn.Linear(cfg.hidden_size, KV * Dh, bias=cfg.attention_bias)
+        self.wv = nn.Linear(cfg.hidden_size, KV * Dh, bias=cfg.attention_bias)
+        self.wo = nn.Linear(H * Dh, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.core = sdpa_attention
+
+    def project_qkv(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B,S,H,Dh], k and v [B,S,KV,Dh], rope applied to q and k."""
+        B, S, _ = x_BSD.shape
+        q = self.q_norm(self.wq(x_BSD).view(B, S, -1, self.head_dim))
+        k = self.k_norm(self.wk(x_BSD).view(B, S, -1, self.head_dim))
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        return apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False), v
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.project_qkv(x_BSD, cos, sin)
+        o_BHSD = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, doc_ids_BS)
+        return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+def build_attention(cfg: ModelConfig) -> nn.Module:
+    return MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg)

@@ -1,0 +1,234 @@
+"""Feed-forward layers: SwiGLU MLP and the mixture of experts (router, grouped experts, shared experts).
+
+Routing follows DeepSeek-V3 / Kimi K2 (sigmoid scores, aux-loss-free bias that only selects, group-limited
+top-k, normalised weights times routed_scaling_factor) and Qwen3-MoE (softmax scores, plain top-k).
+Experts run on tokens sorted by expert with grouped matmuls: the cost follows the routed load, never a
+matmul per expert regardless of load.
+
+Router replay: given `replay_indices_TK` the router uses those experts and recomputes their gate weights
+from the current scores, so the router keeps receiving gradient (the RL recipe's R3/R2 replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ---- grouped matmul ------------------------------------------------------------------------------------
+def _has_grouped_mm() -> bool:
+    try:
+        x, w = torch.zeros(2, 2), torch.zeros(1, 2, 2)
+        torch._grouped_mm(x, w, offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except Exception:
+        return False
+
+
+_GROUPED_MM = _has_grouped_mm()
+
+
+def _segment_mm(a: torch.Tensor, b_G: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Fallback: per-group matmul over the non-empty groups only."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    out = a.new_empty(a.shape[0], b_G.shape[-1])
+    start = 0
+    for g, c in enumerate(counts):
+        if c:
+            torch.matmul(a[start:start + c], b_G[g], out=out[start:start + c])
+            start += c
+    return out
+
+
+def _mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of a in group g times b[g]: [T, K] x [G, K, N] -> [T, N]."""
+    if _GROUPED_MM:
+        return torch._grouped_mm(a_TK, b_GKN, offs=offs)
+    return _segment_mm(a_TK, b_GKN, offs)
+
+
+def _mm_outer(a_TM: torch.Tensor, b_TN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per group g: a[rows of g]^T b[rows of g] -> [G, M, N] (weight gradients)."""
+    if _GROUPED_MM:
+        return torch._grouped_mm(a_TM.t(), b_TN, offs=offs)
+    G = offs.numel()
+    out = a_TM.new_zeros(G, a_TM.shape[1], b_TN.shape[1])
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    start = 0
+    for g, c in enumerate(counts):
+        if c:
+            torch.matmul(a_TM[start:start + c].t(), b_TN[start:start + c], out=out[g])
+            start += c
+    return out
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, w_EFD, offs):
+        ctx.save_for_backward(x_TD, w_EFD, offs)
+        return _mm_rows(x_TD, w_EFD.transpose(-2, -1), offs)
+
+    @staticmethod
+    def backward(ctx, dy_TF):
+        x_TD, w_EFD, offs = ctx.saved_tensors
+        dy_TF = dy_TF.contiguous()
+        dx = _mm_rows(dy_TF, w_EFD, offs) if ctx.needs_input_grad[0] else None
+        dw = _mm_outer(dy_TF, x_TD, offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm(x_TD: torch.Tensor, w_EFD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y[t] = x[t] @ w[e(t)]^T for tokens sorted by expert; offs = cumulative token counts (int32) per expert."""
+    return _GroupedMM.apply(x_TD, w_EFD, offs)
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts' SwiGLU weights stacked: w1/w3 [E, F, D], w2 [E, D, F].
+
+    `grouped_mm` is an attribute so quantised (FP8) kernels can replace it. With expert parallelism a rank
+    holds a slice of the experts; `expert_offset` is the global id of its first one.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.grouped_mm = grouped_mm
+        self.expert_offset = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
+        h = F.silu(self.grouped_mm(x_TD, self.w1, offs)) * self.grouped_mm(x_TD, self.w3, offs)
+        return self.grouped_mm(h, self.w2, offs)
+
+
+@dataclass
+class RouterOutput:
+    indices_TK: torch.Tensor  # chosen experts
+    weights_TK: torch.Tensor  # combine weights (float32)
+    scores_TE: torch.Tensor   # sigmoid/softmax scores (float32), for the balance loss
+
+
+class Router(nn.Module):
+    """Scores tokens against experts in float32 and picks the top-k."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.score_func, self.n_group, self.topk_group = cfg.score_func, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.expert_bias:
+            # Updated outside autograd by the balancing rule; selects experts but never weights them.
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        choice = scores_TE if self.e_score_correction_bias is None else scores_TE + self.e_score_correction_bias
+        if self.n_group > 1:
+            T = choice.shape[0]
+            grouped = choice.view(T, self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, -1)
+        return choice.topk(self.top_k, dim=-1, sorted=False).indices
+
+    def forward(self, x_TD: torch.Tensor, replay_indices_TK: Optional[torch.Tensor] = None) -> RouterOutput:
+        logits = F.linear(x_TD.float(), self.weight.float())
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        if replay_indices_TK is None:
+            with torch.no_grad():
+                indices = self.select(scores.detach())
+        else:
+            indices = replay_indices_TK.to(device=x_TD.device, dtype=torch.long)
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        return RouterOutput(indices, weights * self.routed_scaling_factor, scores)
+
+
+def sequence_balance_loss(scores_BSE: torch.Tensor, indices_BSK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (without alpha): per sequence,
+    sum_i f_i P_i with f_i = E/(K*S) * #tokens choosing i, P_i = mean_t normalised score of i; mean over B."""
+    B, S, K = indices_BSK.shape
+    counts_BE = torch.zeros(B, num_experts, device=scores_BSE.device).scatter_add_(
+        1, indices_BSK.reshape(B, -1), torch.ones(B, S * K, device=scores_BSE.device))
+    f_BE = counts_BE * (num_experts / (K * S))
+    p_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
+                               if cfg.num_shared_experts > 0 else None)
+        # Experts dispatch (local by default; expert parallelism swaps in an all-to-all dispatcher).
+        self.dispatch = local_dispatch
+
+    def forward(self, x_BSD: torch.Tensor, replay_indices_BSK: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (output, chosen experts [B, S, K], balance loss)."""
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        replay = None if replay_indices_BSK is None else replay_indices_BSK.reshape(B * S, -1)
+        r = self.router(x_TD, replay)
+        out_TD = self.dispatch(self.experts, x_TD, r.indices_TK, r.weights_TK)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        if self.aux_loss_coef > 0 and self.training:
+            aux = self.aux_loss_coef * sequence_balance_loss(
+                r.scores_TE.view(B, S, -1), r.indices_TK.view(B, S, -1), self.num_experts)
+        else:
+            aux = x_TD.new_zeros((), dtype=torch.float32)
+        return out_TD.view(B, S, D), r.indices_TK.view(B, S, -1), aux
+
+
+def sort_by_expert(indices_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order of the T*K (token, slot) pairs grouped by expert (stable), and per-expert counts."""
+    flat = indices_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torch.Tensor,
+                   weights_TK: torch.Tensor) -> torch.Tensor:
+    """Permute tokens by expert, run the grouped experts, weight and sum back per token."""
+    K = indices_TK.shape[1]
+    order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
+    token_of_slot = order // K
+    offs = counts.cumsum(0).to(torch.int32)
+    y = experts(x_TD[token_of_slot], offs)
+    y = y * weights_TK.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y)
