@@ -1,0 +1,7 @@
+"use strict";
+
+function deepMerge(target, source) {
+  throw new Error("not implemented");
+}
+
+module.exports = { deepMerge };

@@ -1,0 +1,161 @@
+"""One agentic episode: the model talks, its tool calls run in a sandbox, the task's verifier gives the reward.
+
+The conversation uses the project's chat template (megatron_composer.data.chat_template): the policy sees
+messages and returns the assistant's generated text; tool calls in it are parsed with `parse_assistant`.
+Budgets: turns, generated tokens and wall-clock time. Self-summarisation: when the context passes a token
+trigger, the `summarize` hook (the rollout, which asks the model) returns a summary and the episode continues
+in a new segment that holds only the system prompt, the task and that summary. The episode's reward applies to
+every segment.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from megatron_composer.data.chat_template import format_tool_call, parse_assistant, render_text
+from rl.envs.task import Task, VerifyResult
+from rl.envs.tools import ToolBox, tool_descriptions
+from rl.sandbox.base import Sandbox
+
+SYSTEM_PROMPT = """You are a software engineering agent working in an isolated Linux sandbox without network.
+The task's files are in {workdir}, your working directory. Use the tools below; you may call several per turn.
+{tools}
+When the task is done, call submit."""
+
+SUMMARY_REQUEST = ("Your context is full. Summarise the task, what you have done, what you learned about the code "
+                   "and what remains, so that you can continue from the summary alone.")
+
+
+class Policy(Protocol):
+    def __call__(self, messages: list[dict]) -> str:
+        """Return the assistant's generated text for the conversation so far."""
+
+
+def approx_tokens(text: str) -> int:
+    """Rough token count (4 bytes per token) for budgets when the rollout passes no tokenizer."""
+    return (len(text.encode()) + 3) // 4
+
+
+@dataclass
+class EpisodeConfig:
+    max_turns: int = 50
+    max_generated_tokens: int = 1 << 16
+    max_observation_chars: int = 8000
+    command_timeout_s: float = 120.0
+    time_budget_s: float | None = None  # default: the task's agent timeout
+    summary_trigger_tokens: int | None = None  # context size that starts self-summarisation (needs a hook)
+
+
+@dataclass
+class EpisodeResult:
+    reward: float
+    verify: VerifyResult | None
+    segments: list[list[dict]]  # each segment's messages; the last one is where the episode ended
+    summaries: list[str]
+    turns: int
+    generated_tokens: int
+    tool_calls: dict[str, int]
+    malformed_tool_calls: int
+    tool_errors: int
+    open_todos: int
+    submitted: bool
+    stop_reason: str  # submitted | no_tool_call | max_turns | token_budget | time_budget
+    duration_s: float
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.segments[-1]
+
+
+def initial_messages(task: Task, workdir: str) -> list[dict]:
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir, tools=tool_descriptions())},
+        {"role": "user", "content": task.instruction},
+    ]
+
+
+def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeConfig | None = None, *,
+                count_tokens: Callable[[str], int] = approx_tokens,
+                summarize: Callable[[list[dict]], str] | None = None, verify: bool = True) -> EpisodeResult:
+    config = config or EpisodeConfig()
+    t0 = time.monotonic()
+    budget_s = config.time_budget_s if config.time_budget_s is not None else task.limits.agent_timeout_s
+    max_turns = min(config.max_turns, task.limits.max_turns)
+    tools = ToolBox(sandbox, max_observation_chars=config.max_observation_chars,
+                    command_timeout_s=config.command_timeout_s)
+    messages = initial_messages(task, sandbox.workdir)
+    segments, summaries = [messages], []
+    generated = turns = 0
+    stop = "max_turns"
+    while turns < max_turns:
+        if time.monotonic() - t0 > budget_s:
+            stop = "time_budget"
+            break
+        if generated >= config.max_generated_tokens:
+            stop = "token_budget"
+            break
+        text = policy(messages)
+        turns += 1
+        generated += count_tokens(text)
+        parsed = parse_assistant(text)
+        messages.append({"role": "assistant", "content": text.split("<|im_end|>", 1)[0]})
+        for error in parsed.errors:
+            messages.append({"role": "tool", "content": tools.malformed(error).text})
+        if not parsed.tool_calls and not parsed.errors:
+            stop = "no_tool_call"
+            break
+        for call in parsed.tool_calls:
+            if tools.submitted:
+                break
+            obs = tools.call(call["name"], call["arguments"])
+            messages.append({"role": "tool", "content": obs.text})
+        if tools.submitted:
+            stop = "submitted"
+            break
+        if (summarize is not None and config.summary_trigger_tokens is not None
+                and count_tokens(render_text(messages)) >= config.summary_trigger_tokens):
+            summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
+            generated += count_tokens(summary)
+            summaries.append(summary)
+            messages = initial_messages(task, sandbox.workdir)
+            messages[-1] = {"role": "user", "content": f"{task.instruction}\n\nSummary of your work so far:\n"
+                                                       f"{summary}"}
+            segments.append(messages)
+    result = task.verifier.verify(sandbox, task) if verify else None
+    return EpisodeResult(
+        reward=result.reward if result else 0.0, verify=result, segments=segments, summaries=summaries,
+        turns=turns, generated_tokens=generated, tool_calls=dict(tools.stats.calls),
+        malformed_tool_calls=tools.stats.malformed, tool_errors=tools.stats.errors, open_todos=tools.open_todos,
+        submitted=tools.submitted, stop_reason=stop, duration_s=time.monotonic() - t0)
+
+
+class ScriptedPolicy:
+    """Replays fixed assistant turns (then submits). Used for oracle replays, tests and benchmarks."""
+
+    def __init__(self, turns: list[str]):
+        self.turns = list(turns)
+        self.i = 0
+
+    def __call__(self, messages: list[dict]) -> str:
+        self.i += 1
+        if self.i <= len(self.turns):
+            return self.turns[self.i - 1]
+        return format_tool_call("submit", {})
+
+
+def oracle_policy(task: Task) -> ScriptedPolicy:
+    """An agent that looks around, then replays the task's reference solution through the `run` tool."""
+    if task.solution is None:
+        raise ValueError(f"task {task.name} has no reference solution to replay")
+    turns = ["Let me look at the task tree." + format_tool_call("list_dir", {"path": "."}),
+             format_tool_call("todo", {"action": "add", "text": "apply the fix"})]
+    turns += [format_tool_call("run", {"command": cmd}) for cmd in task.solution.as_commands()]
+    turns += [format_tool_call("todo", {"action": "complete", "id": 1}),
+              "Done." + format_tool_call("submit", {"summary": "applied the reference solution"})]
+    return ScriptedPolicy(turns)
+
+
+def noop_policy() -> ScriptedPolicy:
+    return ScriptedPolicy([format_tool_call("submit", {"summary": "nothing"})])

@@ -1,0 +1,130 @@
+"""Load Harbor / Terminal-Bench 2 task folders, unmodified.
+
+    task/
+      instruction.md          what the agent is asked to do
+      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec and env,
+                              [environment] build_timeout_sec, memory_mb (or memory = "2G"), cpus,
+                              storage_mb (or storage), docker_image, env
+      environment/Dockerfile  the machine; build context environment/ (optional: empty /app otherwise)
+      tests/test.sh           verifier; copied to /tests after the agent finished, writes
+                              /logs/verifier/reward.txt
+      solution/solve.sh       reference solution (optional)
+
+The working tree is /app. `[agent].max_turns` is read as an extension (default 50).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from rl.envs.dockerfile import parse_dockerfile
+from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+_SIZE_MB = {"": 1 / (1024 * 1024), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def _number(table: dict, key: str, where: str, default: float, positive: bool = True) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        raise TaskError(f"{where}.{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _size_mb(table: dict, key_mb: str, key_str: str, where: str, default: int) -> int:
+    if key_mb in table:
+        return int(_number(table, key_mb, where, default))
+    if key_str in table:
+        value = table[key_str]
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise TaskError(f"{where}.{key_str} must look like '2G' or '512M', got {value!r}")
+        return max(1, int(float(m.group(1)) * _SIZE_MB[m.group(2).upper()]))
+    return default
+
+
+def _table(data: dict, key: str, where: str) -> dict:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise TaskError(f"{where}: [{key}] must be a table, got {value!r}")
+    return value
+
+
+def _env(table: dict, where: str) -> dict[str, str]:
+    env = table.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
+        raise TaskError(f"{where}.env must be a table of strings, got {env!r}")
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def read_task_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise TaskError(f"{path} is not valid TOML: {e}") from None
+
+
+def load_harbor_task(task_dir: str | Path) -> Task:
+    task_dir = Path(task_dir)
+    if not task_dir.is_dir():
+        raise TaskError(f"task folder {task_dir} does not exist")
+    instruction_path = task_dir / "instruction.md"
+    toml_path = task_dir / "task.toml"
+    test_sh = task_dir / "tests" / "test.sh"
+    if not instruction_path.is_file():
+        raise TaskError(f"{task_dir} has no instruction.md: a Harbor task states its instruction there")
+    if not toml_path.is_file():
+        raise TaskError(f"{task_dir} has no task.toml: a Harbor task declares its limits there")
+    if not test_sh.is_file():
+        raise TaskError(f"{task_dir} has no verifier: expected {test_sh.relative_to(task_dir)} "
+                        "(it runs as `bash /tests/test.sh` and writes /logs/verifier/reward.txt)")
+    data = read_task_toml(toml_path)
+    verifier_t = _table(data, "verifier", str(toml_path))
+    agent_t = _table(data, "agent", str(toml_path))
+    env_t = _table(data, "environment", str(toml_path))
+    where = f"{toml_path}: [verifier]"
+    limits = TaskLimits(
+        agent_timeout_s=_number(agent_t, "timeout_sec", f"{toml_path}: [agent]", 600.0),
+        verifier_timeout_s=_number(verifier_t, "timeout_sec", where, 600.0),
+        setup_timeout_s=_number(env_t, "build_timeout_sec", f"{toml_path}: [environment]", 600.0),
+        memory_mb=_size_mb(env_t, "memory_mb", "memory", f"{toml_path}: [environment]", 2048),
+        storage_mb=_size_mb(env_t, "storage_mb", "storage", f"{toml_path}: [environment]", 10240),
+        cpus=_number(env_t, "cpus", f"{toml_path}: [environment]", 1.0),
+        max_turns=int(_number(agent_t, "max_turns", f"{toml_path}: [agent]", 50)),
+    )
+    docker_image = env_t.get("docker_image")
+    if docker_image is not None and not isinstance(docker_image, str):
+        raise TaskError(f"{toml_path}: [environment].docker_image must be a string, got {docker_image!r}")
+    env = _env(env_t, f"{toml_path}: [environment]")
+    environment_dir = task_dir / "environment"
+    dockerfile = environment_dir / "Dockerfile"
+    setup, workdir, notes = [], "/app", []
+    if dockerfile.is_file():
+        plan = parse_dockerfile(dockerfile, environment_dir)
+        setup, workdir, notes = plan.steps, plan.workdir, plan.notes
+        env = {**plan.env, **env}
+    if env_t.get("allow_internet"):
+        notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
+    solution_dir = task_dir / "solution"
+    solution = ScriptSolution(solution_dir) if (solution_dir / "solve.sh").is_file() else None
+    return Task(
+        name=task_dir.name,
+        instruction=instruction_path.read_text(),
+        tree=EmptyTree(),
+        verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where)),
+        workdir=workdir,
+        env=env,
+        setup=setup,
+        solution=solution,
+        limits=limits,
+        source=task_dir,
+        environment_dir=environment_dir if dockerfile.is_file() else None,
+        docker_image=docker_image,
+        notes=notes,
+    )

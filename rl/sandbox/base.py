@@ -1,0 +1,316 @@
+"""What every sandbox offers: run a shell command with limits, move files in and out, snapshot and fork.
+
+Backends (local bubblewrap, container engines) differ only in how a command is launched. Everything an agent
+tool needs (reading, writing, listing files) is built here on top of `exec`, so it runs inside the sandbox and
+inherits its isolation: a symlink that points outside the task tree resolves inside the sandbox's own view of
+the filesystem, never the host's.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+# Environment of every sandboxed command before the task's own ENV entries.
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "TERM": "dumb",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot start or an operation on it failed; the message says what to do."""
+
+
+@dataclass
+class SandboxLimits:
+    """Per-sandbox resource limits. rlimits apply to each process; disk_mb to everything the sandbox wrote."""
+
+    command_timeout_s: float = 120.0  # wall clock per command; the whole process tree is killed after it
+    cpu_time_s: int = 600  # RLIMIT_CPU
+    memory_mb: int = 2048  # RLIMIT_AS (address space of each process)
+    max_processes: int = 256  # RLIMIT_NPROC (processes and threads of the sandbox user)
+    max_file_mb: int = 256  # RLIMIT_FSIZE (largest file a process may write)
+    max_open_files: int = 1024  # RLIMIT_NOFILE
+    disk_mb: int = 1024  # total size of the sandbox's writable directories
+    max_output_bytes: int = 1 << 20  # output kept per command; the rest is counted and dropped
+
+    def validate(self) -> None:
+        for name in ("command_timeout_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb",
+                     "max_open_files", "disk_mb", "max_output_bytes"):
+            if getattr(self, name) <= 0:
+                raise SandboxError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one command. `events` says in words what the sandbox had to do (kill, cap, ...)."""
+
+    exit_code: int
+    output: str  # stdout and stderr interleaved, capped at SandboxLimits.max_output_bytes
+    output_bytes: int  # everything the command wrote, including what was dropped
+    duration_s: float
+    timed_out: bool = False
+    output_truncated: bool = False
+    disk_exceeded: bool = False
+    leftover_processes: int = 0  # processes still alive when the command's shell exited (all killed)
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.disk_exceeded
+
+    def describe(self) -> str:
+        head = f"exit code {self.exit_code}" + (f" ({'; '.join(self.events)})" if self.events else "")
+        return head
+
+
+SIGNAL_MEANING = {
+    signal.SIGXCPU: "CPU time limit reached (SIGXCPU)",
+    signal.SIGXFSZ: "file size limit reached (SIGXFSZ)",
+    signal.SIGKILL: "killed (SIGKILL)",
+    signal.SIGSEGV: "segmentation fault (SIGSEGV)",
+    signal.SIGABRT: "aborted (SIGABRT)",
+}
+
+
+def describe_exit(code: int) -> str | None:
+    """Name a shell exit status that encodes a signal (128 + n)."""
+    if code > 128 and code - 128 < signal.NSIG:
+        sig = signal.Signals(code - 128)
+        return SIGNAL_MEANING.get(sig, f"terminated by {sig.name}")
+    return None
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    stack = [path]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        else:
+                            total += entry.stat(follow_symlinks=False).st_blocks * 512
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total
+
+
+def dir_size(paths: list[str]) -> int:
+    """Bytes allocated under `paths` (not following symlinks)."""
+    return sum(_dir_size(p) for p in paths)
+
+
+# Runs inside the sandbox: the user's command in its own shell, then a count of the processes it left behind,
+# reported on a private descriptor the command itself cannot write to (it is closed for the command).
+_WRAPPER = r"""
+status_fd=$1; shift
+( eval "exec ${status_fd}>&-"; exec bash -c "$1" ); rc=$?
+self=$$; n=0
+for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = 1 ] || [ "$p" = "$self" ] || n=$((n+1)); done
+printf '%s %s\n' "$rc" "$n" >&"$status_fd"
+exit $rc
+"""
+STATUS_FD = "{STATUS_FD}"
+
+
+def wrapper_argv(command: str) -> list[str]:
+    """argv that runs `command` in the sandbox and reports on the descriptor that replaces STATUS_FD."""
+    return ["bash", "--noprofile", "--norc", "-c", _WRAPPER, "sandbox-wrapper", STATUS_FD, command]
+
+
+def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: bytes | None = None,
+                cwd: str | None = None, env: dict | None = None, user: int | None = None,
+                group: int | None = None, status_pipe: bool = True,
+                over_disk: Callable[[], bool] | None = None, disk_poll_s: float = 0.25) -> ExecResult:
+    """Run argv in a new session, stream its merged output with a cap, kill its session on timeout.
+
+    With status_pipe, the argument STATUS_FD is replaced by the write end of a pipe on which the in-sandbox
+    wrapper reports the exit code and the number of leftover processes. Once the launched process exits,
+    output still arriving from processes it left behind is read for a short grace period, then its session
+    is killed.
+    """
+    status_r = status_w = -1
+    if status_pipe:
+        status_r, status_w = os.pipe()
+        argv = [str(status_w) if a == STATUS_FD else a for a in argv]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True, user=user, group=group,
+            extra_groups=[] if user is not None else None, pass_fds=(status_w,) if status_pipe else (),
+        )
+    except OSError as e:
+        if status_pipe:
+            os.close(status_r)
+            os.close(status_w)
+        raise SandboxError(f"cannot start {argv[0]}: {e}") from None
+    if status_pipe:
+        os.close(status_w)
+    kept = bytearray()
+    total = 0
+    status = b""
+    timed_out = disk_exceeded = False
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    if status_pipe:
+        sel.register(status_r, selectors.EVENT_READ, "status")
+    pending_in = memoryview(stdin) if stdin is not None else None
+    if pending_in is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
+    deadline = t0 + timeout
+    next_disk = t0 + disk_poll_s
+    open_streams = 2 if status_pipe else 1
+    drain_until = None
+    try:
+        while open_streams:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if drain_until is None and proc.poll() is not None:
+                drain_until = now + 0.5
+            if drain_until is not None and now >= drain_until:
+                break
+            if over_disk is not None and now >= next_disk:
+                t_disk = time.monotonic()
+                if over_disk():
+                    disk_exceeded = True
+                    break
+                # Poll less often when measuring is slow, so measuring never dominates the command.
+                next_disk = time.monotonic() + max(disk_poll_s, 10 * (time.monotonic() - t_disk))
+            wait = min(deadline, next_disk if over_disk else deadline, now + 0.1) - now
+            for key, _ in sel.select(timeout=max(0.0, wait)):
+                if key.data == "in":
+                    try:
+                        n = os.write(proc.stdin.fileno(), pending_in[:65536])
+                    except (BrokenPipeError, OSError):
+                        n = len(pending_in)
+                    pending_in = pending_in[n:]
+                    if not len(pending_in):
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                    continue
+                if key.data == "status":
+                    status += chunk
+                else:
+                    total += len(chunk)
+                    room = max_output - len(kept)
+                    if room > 0:
+                        kept += chunk[:room]
+    finally:
+        if open_streams or timed_out or disk_exceeded:
+            _kill_session(proc)
+        sel.close()
+        proc.stdout.close()
+        if proc.stdin and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        if status_pipe:
+            os.close(status_r)
+    rc = proc.wait()
+    duration = time.monotonic() - t0
+    events: list[str] = []
+    leftover = 0
+    exit_code = rc if rc >= 0 else 128 - rc
+    parts = status.decode(errors="replace").split()
+    if timed_out:
+        events.append(f"wall-clock timeout after {timeout:g}s: process tree killed")
+        exit_code = 124
+    elif disk_exceeded:
+        events.append("disk limit exceeded: process tree killed")
+        exit_code = 125
+    elif status_pipe and len(parts) == 2 and all(p.isdigit() for p in parts):
+        exit_code, leftover = int(parts[0]), int(parts[1])
+        if leftover:
+            events.append(f"{leftover} background process(es) left running were killed when the command ended")
+    elif status_pipe:
+        events.append("the command's shell was killed before it could report (killed its own parent?)")
+    meaning = describe_exit(exit_code) if not (timed_out or disk_exceeded) else None
+    if meaning:
+        events.append(meaning)
+    if total > len(kept):
+        events.append(f"output capped: kept {len(kept)} of {total} bytes")
+    return ExecResult(exit_code=exit_code, output=kept.decode("utf-8", errors="replace"), output_bytes=total,
+                      duration_s=duration, timed_out=timed_out, output_truncated=total > len(kept),
+                      disk_exceeded=disk_exceeded, leftover_processes=leftover, events=events)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher's whole session. For bubblewrap this also tears down the pid namespace."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+
+
+class Sandbox:
+    """Base class: subclasses implement `exec`, `copy_in`, `snapshot` and `close`."""
+
+    workdir: str = "/app"
+    limits: SandboxLimits
+
+    def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        raise NotImplementedError
+
+    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
+        """Place a host file or directory at `dest` inside the sandbox, replacing what was there.
+
+        With merge (Dockerfile COPY semantics) a directory's contents are added to an existing `dest`."""
+        raise NotImplementedError
+
+    def snapshot(self):
+        """Freeze the task tree so that `backend.fork(snapshot)` starts copies of it."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # File access, run inside the sandbox.
+    def read_text(self, path: str) -> str | None:
+        """Text of the file at `path` inside the sandbox, or None when there is no such file."""
+        q = shlex.quote(path)
+        res = self.exec(f"[ -f {q} ] || exit 3; cat -- {q}", timeout=60)
+        return res.output if res.exit_code == 0 else None
+
+    def write_file(self, path: str, data: bytes) -> None:
+        q = shlex.quote(path)
+        res = self.exec(f'mkdir -p -- "$(dirname -- {q})" && cat > {q}', stdin=data, timeout=60)
+        if res.exit_code != 0:
+            raise SandboxError(f"cannot write {path} in the sandbox: {res.output.strip()[:300]}")

@@ -1,0 +1,318 @@
+"""LocalSandbox: a task's files in a private directory, commands run under bubblewrap.
+
+Each command gets fresh user, pid, network, ipc, uts and mount namespaces. The sandbox sees the host's system
+directories read-only (they stand in for a container image), its own copy of the task tree at /app, and
+private /tmp and /logs; nothing else of the host exists inside (no /root, /home, /work, no host processes,
+only a loopback network). When the host user is root, commands run as a fresh unprivileged uid per sandbox,
+so file permissions protect host secrets and RLIMIT_NPROC (which root ignores) bounds the process count.
+When the command's shell exits, its pid namespace dies and every process it left behind is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.sandbox.base import (BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, dir_size, run_process,
+                             wrapper_argv)
+
+SANDBOX_UID_INSIDE = 1000
+# Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
+UID_BASE = 3_000_000
+UID_RANGE = 1_000_000
+# Writable directories every sandbox has; the task tree lives under /app (Harbor's convention).
+WRITABLE_DIRS = ("app", "tmp", "logs")
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+# Readable by root only; masked in case the sandbox user can read them anyway.
+MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
+RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs")
+
+
+class UnisolatedWarning(UserWarning):
+    pass
+
+
+@dataclass
+class LocalSnapshot:
+    """A frozen task tree on the host; forks copy it (copy-on-write where the filesystem supports reflinks)."""
+
+    path: Path
+    workdir: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def discard(self) -> None:
+        force_rmtree(self.path.parent)
+
+
+def force_rmtree(path: Path) -> None:
+    def onerror(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+def copy_tree(src: Path, dest: Path) -> None:
+    """Copy src's contents into dest, sharing blocks with src where the filesystem allows (reflink)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dest)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SandboxError(f"cannot copy task tree {src} -> {dest}: {res.stderr.strip()}")
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot isolate commands on this machine, or None when it can."""
+    exe = bwrap_path()
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed; install it (apt-get install bubblewrap, dnf install bubblewrap)"
+    probe = [exe, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "true"]
+    kwargs = {}
+    if os.geteuid() == 0:
+        kwargs = dict(user=UID_BASE, group=UID_BASE, extra_groups=[])
+    try:
+        res = subprocess.run(probe, capture_output=True, text=True, timeout=30, **kwargs)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap failed to start: {e}"
+    if res.returncode != 0:
+        return (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable unprivileged user namespaces "
+                "(sysctl kernel.unprivileged_userns_clone=1) or use a container backend")
+    return None
+
+
+def _processes_of(uid: int) -> int:
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+class LocalSandbox(Sandbox):
+    """Isolated copy of a task tree. Commands run under bubblewrap; file tools run as commands too.
+
+    `unisolated=True` runs commands as plain subprocesses of this host user with rlimits only: no namespaces,
+    the task tree at its host path rather than /app. Only for machines without bubblewrap and trusted code.
+    """
+
+    def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
+                 limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
+                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), check_bwrap: bool = True):
+        self.limits = limits or SandboxLimits()
+        self.limits.validate()
+        if workdir != "/app" and not workdir.startswith("/app/"):
+            raise SandboxError(f"LocalSandbox keeps the task tree at /app; workdir {workdir!r} must be under it")
+        self.unisolated = unisolated
+        self.env = dict(env or {})
+        self.extra_ro_binds = tuple(extra_ro_binds)
+        self._mounts: list[tuple[Path, str]] = []
+        self._closed = False
+        if not unisolated:
+            problem = bwrap_problem() if check_bwrap else None
+            self._bwrap = bwrap_path()
+            if problem or self._bwrap is None:
+                raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem or 'bwrap missing'}. "
+                                   "Pass unisolated=True only for trusted code (no isolation at all).")
+        else:
+            msg = ("LocalSandbox(unisolated=True): COMMANDS RUN WITHOUT ANY ISOLATION as this host user; only "
+                   "rlimits and timeouts apply. Never use this for model-generated code.")
+            warnings.warn(msg, UnisolatedWarning, stacklevel=2)
+        self.root = Path(tempfile.mkdtemp(prefix="mc-sandbox-", dir=root_parent))
+        os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
+        for d in WRITABLE_DIRS + ("mounts",):
+            (self.root / d).mkdir()
+        (self.root / "logs" / "verifier").mkdir()
+        (self.root / "logs" / "agent").mkdir()
+        if tree is not None:
+            copy_tree(Path(tree), self.root / "app")
+        self.uid: int | None = None
+        if os.geteuid() == 0 and not unisolated:
+            self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
+            self._chown(self.root)
+        self.workdir = str(self.host_path(workdir)) if unisolated else workdir
+        self.tree_root = str((self.root / "app").resolve()) if unisolated else "/app"
+
+    # Paths
+    def host_path(self, sandbox_path: str) -> Path:
+        """Host location of a path under /app, /tmp or /logs (what the sandbox can write)."""
+        parts = Path(sandbox_path).parts
+        if len(parts) >= 2 and parts[0] == "/" and parts[1] in WRITABLE_DIRS:
+            return self.root.joinpath(*parts[1:])
+        for host, dest in self._mounts:
+            if sandbox_path == dest or sandbox_path.startswith(dest + "/"):
+                return host / os.path.relpath(sandbox_path, dest)
+        raise SandboxError(f"{sandbox_path} is not inside the sandbox's writable directories /app, /tmp, /logs")
+
+    @property
+    def app_dir(self) -> Path:
+        return self.root / "app"
+
+    def _writable_host_dirs(self) -> list[str]:
+        return [str(self.root / d) for d in WRITABLE_DIRS] + [str(h) for h, _ in self._mounts]
+
+    def _chown(self, path: Path) -> None:
+        if self.uid is not None:
+            res = subprocess.run(["chown", "-R", "-h", f"{self.uid}:{self.uid}", str(path)], capture_output=True,
+                                 text=True)
+            if res.returncode != 0:
+                raise SandboxError(f"cannot hand {path} to the sandbox user: {res.stderr.strip()}")
+
+    # Commands
+    def _rlimit_argv(self) -> list[str]:
+        lim = self.limits
+        nproc = lim.max_processes
+        if self.uid is None and os.geteuid() != 0:
+            nproc += _processes_of(os.geteuid())  # RLIMIT_NPROC counts all of this user's processes
+        mb = 1024 * 1024
+        return ["prlimit", f"--cpu={lim.cpu_time_s}", f"--as={lim.memory_mb * mb}", f"--nproc={nproc}",
+                f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0", "--"]
+
+    def _bwrap_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
+        argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+                "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE), "--hostname", "sandbox"]
+        for name in SYSTEM_DIRS:
+            host = f"/{name}"
+            if os.path.islink(host):
+                argv += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                argv += ["--ro-bind", host, host]
+        for host in MASKED_FILES:
+            if os.path.exists(host):
+                argv += ["--ro-bind", "/dev/null", host]
+        for host in self.extra_ro_binds:
+            argv += ["--ro-bind", host, host]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
+        for d in WRITABLE_DIRS:
+            argv += ["--bind", str(self.root / d), f"/{d}"]
+        for host, dest in self._mounts:
+            argv += ["--bind", str(host), dest]
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--chdir", cwd, "--"]
+        return argv
+
+    def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        timeout = self.limits.command_timeout_s if timeout is None else timeout
+        full_env = {**BASE_ENV, **self.env, **(env or {})}
+        disk_limit = self.limits.disk_mb * 1024 * 1024
+        dirs = self._writable_host_dirs()
+
+        def over_disk() -> bool:
+            return dir_size(dirs) > disk_limit
+
+        if self.unisolated:
+            full_env["HOME"] = str(self.root / "tmp")
+            argv = self._rlimit_argv() + ["bash", "--noprofile", "--norc", "-c", command]
+            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
+                              cwd=cwd or self.workdir, env=full_env, status_pipe=False, over_disk=over_disk)
+        else:
+            argv = (self._rlimit_argv() + self._bwrap_argv(cwd or self.workdir, full_env)
+                    + wrapper_argv(command))
+            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
+                              env={"PATH": BASE_ENV["PATH"]}, user=self.uid, group=self.uid, over_disk=over_disk)
+        if not res.disk_exceeded and over_disk():
+            res.disk_exceeded = True
+            res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")
+        return res
+
+    # Files
+    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
+        host_path = Path(host_path)
+        if not dest.startswith("/") or ".." in Path(dest).parts:
+            raise SandboxError(f"copy_in destination must be an absolute path without '..', got {dest!r}")
+        if self.unisolated and dest.split("/")[1] not in WRITABLE_DIRS:
+            raise SandboxError(f"an unisolated sandbox cannot provide {dest}; it has only /app, /tmp and /logs")
+        try:
+            target = self.host_path(dest)
+        except SandboxError:
+            if dest.rstrip("/") in RESERVED_DESTS or dest.split("/")[1] in SYSTEM_DIRS + ("proc", "dev"):
+                raise SandboxError(f"cannot mount over system path {dest}") from None
+            target = self.root / "mounts" / str(len(self._mounts))
+            self._mounts.append((target, dest.rstrip("/")))
+        # The sandbox may have planted symlinks in its directories: never let a host-side copy follow them.
+        real_parent = os.path.realpath(target.parent)
+        if not (real_parent == str(self.root.resolve()) or real_parent.startswith(str(self.root.resolve()) + "/")):
+            raise SandboxError(f"copy_in destination {dest} resolves outside the sandbox (symlink); refusing")
+        if merge and host_path.is_dir() and target.is_dir() and not target.is_symlink():
+            pass
+        elif target.exists() or target.is_symlink():
+            if target.is_dir() and not target.is_symlink():
+                force_rmtree(target)
+            else:
+                target.unlink()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if host_path.is_dir():
+            copy_tree(host_path, target)
+        else:
+            shutil.copy2(host_path, target)
+        self._chown(target)
+
+    def snapshot(self) -> LocalSnapshot:
+        snap_root = Path(tempfile.mkdtemp(prefix="mc-snapshot-", dir=self.root.parent))
+        copy_tree(self.root / "app", snap_root / "app")
+        workdir = self.workdir if not self.unisolated else "/app"
+        return LocalSnapshot(path=snap_root / "app", workdir=workdir, env=dict(self.env))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            force_rmtree(self.root)
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+@dataclass
+class LocalBackend:
+    """Creates LocalSandboxes with shared settings; checks once that bubblewrap works."""
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    unisolated: bool = False
+    root_parent: str | None = None
+    extra_ro_binds: tuple[str, ...] = ()
+    name: str = "local"
+
+    def __post_init__(self):
+        if not self.unisolated:
+            problem = bwrap_problem()
+            if problem:
+                raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem}. "
+                                   "Pass unisolated=True only for trusted code (no isolation at all).")
+
+    def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
+               limits: SandboxLimits | None = None) -> LocalSandbox:
+        with warnings.catch_warnings():
+            if self.unisolated:  # warned once, here, instead of per sandbox
+                warnings.simplefilter("ignore", UnisolatedWarning)
+            return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
+                                root_parent=self.root_parent, unisolated=self.unisolated,
+                                extra_ro_binds=self.extra_ro_binds, check_bwrap=False)
+
+    def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
+        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env, limits=limits)
+
+    def warn_if_unisolated(self) -> None:
+        if self.unisolated:
+            print("WARNING: sandboxes run WITHOUT ISOLATION (unisolated=True)", file=sys.stderr)
