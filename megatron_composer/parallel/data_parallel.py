@@ -154,6 +154,17 @@ class DistributedAdamW:
                         p.grad.copy_(g)
                     off += p.numel()
 
+    def gather_grads(self) -> None:
+        """Under ZeRO-1, all-gather the reduced gradient shards into every p.grad (for inspection and tests)."""
+        if not self.zero1:
+            return
+        for fam, b in self._all_buckets():
+            flat = C.all_gather(b.grad_shard, 0, self.family_group[fam][0])
+            off = 0
+            for _, p in b.params:
+                p.grad = flat[off:off + p.numel()].view_as(p).to(p.dtype).clone()
+                off += p.numel()
+
     def _local_grads(self):
         """(bucket, flat reduced gradient this rank holds for it)."""
         for fam, b in self._all_buckets():

@@ -30,8 +30,6 @@ class ParallelConfig:
     sequence_parallel: bool = field(default=False, metadata={"help": "shard norms/residual along sequence over tp"})
     zero1: bool = field(default=True, metadata={"help": "shard AdamW states across data-parallel ranks"})
     grad_bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size"})
-    cp_attention: Literal["allgather", "ring"] = field(
-        default="allgather", metadata={"help": "how K/V reach every context-parallel rank"})
     activation_checkpointing: Literal["none", "full", "selective"] = field(
         default="none", metadata={"help": "recompute whole layers (full) or attention core + experts (selective)"})
 

@@ -1,0 +1,111 @@
+"""Context parallelism: each sequence is cut into 2*cp chunks and rank r keeps chunks r and 2cp-1-r (head-tail),
+so every rank has the same amount of causal attention work.
+
+Attention all-gathers K/V over the cp group (for MLA the compressed latent and the rope key are gathered
+before their up-projection, which is 1/(heads) of the traffic) and masks with the global token index and the
+global document id, so packed documents and causality hold across shards. RoPE needs nothing special: the
+position ids are sharded with the tokens. MTP's shifted ids are fetched across shard boundaries by gathering
+the (integer) ids over cp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_composer.parallel import collectives as C
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Chunks cp_rank and 2*cp-1-cp_rank of `dim` (split into 2*cp equal chunks), concatenated."""
+    if cp == 1:
+        return x
+    if x.shape[dim] % (2 * cp) != 0:
+        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by 2*cp = {2 * cp}; "
+                         f"change the sequence length or parallel.cp")
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]], dim=dim)
+
+
+def global_token_index(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Index in the full sequence of each local token."""
+    return shard_sequence(torch.arange(seq_len, device=device), 0, cp, cp_rank)
+
+
+def unshard_sequence(x_gathered: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """Inverse of shard_sequence applied to the cp shards concatenated in rank order."""
+    if cp == 1:
+        return x_gathered
+    pieces = x_gathered.chunk(2 * cp, dim=dim)  # rank r contributed pieces 2r (chunk r) and 2r+1 (chunk 2cp-1-r)
+    ordered = [None] * (2 * cp)
+    for r in range(cp):
+        ordered[r], ordered[2 * cp - 1 - r] = pieces[2 * r], pieces[2 * r + 1]
+    return torch.cat(ordered, dim=dim)
+
+
+def _document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    from megatron_composer.model.attention import document_ids  # the model's rule for packed rows
+
+    doc = document_ids(position_ids_BS)
+    return torch.zeros_like(position_ids_BS) if doc is None else doc
+
+
+class ContextParallelAttention:
+    """Replacement for an attention module's `core` (q/k/v [B, H, S, D], scale, doc ids) under cp > 1.
+
+    `set_positions` must see each forward's local position ids first (a forward pre-hook on the model does
+    it): the local doc ids the model computes cannot know about documents on other ranks.
+    """
+
+    def __init__(self, cp_group):
+        self.group = cp_group
+        self.cp, self.cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
+        self.q_idx = self.k_idx = self.doc_q = self.doc_k = None
+
+    @torch.no_grad()
+    def set_positions(self, position_ids_BS: torch.Tensor) -> None:
+        S_local = position_ids_BS.shape[1]
+        S = S_local * self.cp
+        self.q_idx = global_token_index(S, self.cp, self.cp_rank, position_ids_BS.device)
+        self.k_idx = torch.cat([global_token_index(S, self.cp, r, position_ids_BS.device) for r in range(self.cp)])
+        full_pos = unshard_sequence(C.all_gather(position_ids_BS, 1, self.group), 1, self.cp)
+        doc = _document_ids(full_pos)
+        self.doc_q, self.doc_k = doc[:, self.q_idx], doc[:, self.k_idx]
+
+    def gather_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """All-gather along the sequence; gradients from every rank's queries are summed back."""
+        return C.gather_from_parallel(t, dim, self.group, grad_is_partial=True)
+
+    def __call__(self, q_BHSD, k_BHSD, v_BHSD, scale: float, doc_ids_BS: Optional[torch.Tensor] = None):
+        if self.q_idx is None:
+            raise RuntimeError("context-parallel attention ran without position ids; call the parallelised model "
+                               "with the sharded position_ids")
+        if k_BHSD.shape[2] == q_BHSD.shape[2]:  # not gathered upstream (GQA); MLA gathers its latent instead
+            k_BHSD, v_BHSD = self.gather_kv(k_BHSD, 2), self.gather_kv(v_BHSD, 2)
+        if k_BHSD.shape[1] != q_BHSD.shape[1]:
+            rep = q_BHSD.shape[1] // k_BHSD.shape[1]
+            k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
+            v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
+        causal = self.q_idx[:, None] >= self.k_idx[None, :]
+        mask_BQK = causal & (self.doc_q[:, :, None] == self.doc_k[:, None, :])
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_BQK[:, None], scale=scale)
+
+
+class ContextParallelShiftedIds:
+    """Replacement for the model's `mtp_shifted_ids`: shift within the full sequence, then re-shard, so the
+    ids that cross a shard boundary come from the rank holding the next chunk."""
+
+    def __init__(self, cp_group, shifted_ids_fn):
+        self.group, self.fn = cp_group, shifted_ids_fn
+        self.cp, self.cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
+
+    @torch.no_grad()
+    def __call__(self, input_ids_BS: torch.Tensor, k: int) -> torch.Tensor:
+        full = unshard_sequence(C.all_gather(input_ids_BS, 1, self.group), 1, self.cp)
+        return shard_sequence(self.fn(full, k), 1, self.cp, self.cp_rank)
+
+
+__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "ContextParallelAttention",
+           "ContextParallelShiftedIds"]

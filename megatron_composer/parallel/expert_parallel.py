@@ -1,0 +1,77 @@
+"""Expert parallelism: an all-to-all token dispatcher for `MoE.dispatch`.
+
+Each rank of the expert-parallel group holds E/ep consecutive experts. A rank sorts its (token, slot) pairs by
+global expert id, which also groups them by destination rank; exchanges per-expert counts; sends the token
+rows with one all_to_all_single (uneven splits); runs its local experts on the received rows with one grouped
+matmul; sends the outputs back with the reverse all-to-all; and combines them with the gate weights on the
+token's own rank. Dropless: every routed pair is computed, whatever the load. The routing decision (including
+a replayed one) is made on the token's rank and travels as the expert a row is sent to.
+
+With tensor parallelism and without sequence parallelism the tokens at an MoE layer are replicated over tp;
+each tp rank then dispatches a disjoint 1/tp slice and the outputs are all-gathered, so no expert computes a
+token twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_composer.parallel import collectives as C
+
+
+class AllToAllDispatcher:
+    """Callable with MoE.dispatch's signature: (experts, x_TD, indices_TK, weights_TK) -> out_TD."""
+
+    def __init__(self, ep_group, num_experts: int, tp_group=None, slice_tokens_over_tp: bool = False):
+        self.ep_group, self.num_experts = ep_group, num_experts
+        self.ep = C.group_size(ep_group)
+        self.tp_group, self.slice_tp = tp_group, slice_tokens_over_tp and C.group_size(tp_group) > 1
+        if num_experts % self.ep != 0:
+            raise ValueError(f"{num_experts} experts do not split over ep={self.ep}; change parallel.ep")
+        self.local_experts = num_experts // self.ep
+
+    def __call__(self, experts, x_TD, indices_TK, weights_TK):
+        if self.slice_tp:
+            T = x_TD.shape[0]
+            n = C.group_size(self.tp_group)
+            pad = (-T) % n  # pad so the token set splits evenly; padded rows carry zero weight
+            if pad:
+                x_TD = torch.cat([x_TD, x_TD.new_zeros(pad, x_TD.shape[1])])
+                indices_TK = torch.cat([indices_TK, indices_TK[:1].expand(pad, -1)])
+                weights_TK = torch.cat([weights_TK, weights_TK.new_zeros(pad, weights_TK.shape[1])])
+            x_TD = C.scatter_to_parallel(x_TD, 0, self.tp_group)
+            weights_TK = C.scatter_to_parallel(weights_TK, 0, self.tp_group)
+            indices_TK = C.split(indices_TK, 0, self.tp_group)
+            out = self.dispatch(experts, x_TD, indices_TK, weights_TK)
+            return C.gather_from_parallel(out, 0, self.tp_group)[:T]
+        return self.dispatch(experts, x_TD, indices_TK, weights_TK)
+
+    def dispatch(self, experts, x_TD, indices_TK, weights_TK):
+        K = indices_TK.shape[1]
+        flat = indices_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, hence by destination rank
+        token_of_slot = order // K
+        counts_E = torch.bincount(flat, minlength=self.num_experts)
+        send_counts_RL = counts_E.view(self.ep, self.local_experts)
+        # recv_counts_RL[s, e]: rows rank s sends to this rank's local expert e
+        recv_counts_RL = C.exchange_splits(send_counts_RL.contiguous(), self.ep_group).view(self.ep, -1)
+        send_splits = send_counts_RL.sum(1).tolist()
+        recv_splits = recv_counts_RL.sum(1).tolist()
+
+        x_send = x_TD[token_of_slot]
+        x_recv = C.all_to_all_autograd(x_send, recv_splits, send_splits, self.ep_group)
+        # received rows are grouped by source rank, then expert; the grouped matmul wants expert-major
+        src_expert = torch.arange(self.ep * self.local_experts, device=x_TD.device).view(self.ep, -1) % self.local_experts
+        row_expert = torch.repeat_interleave(src_expert.reshape(-1), recv_counts_RL.reshape(-1))
+        by_expert = torch.argsort(row_expert, stable=True)
+        offs = recv_counts_RL.sum(0).cumsum(0).to(torch.int32)
+        y_sorted = experts(x_recv[by_expert], offs)
+        unsort = torch.empty_like(by_expert)
+        unsort[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        y_recv = y_sorted[unsort]
+        y_back = C.all_to_all_autograd(y_recv, send_splits, recv_splits, self.ep_group)
+        y_back = y_back * weights_TK.reshape(-1)[order, None].to(y_back.dtype)
+        return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y_back)
+
+
+__all__ = ["AllToAllDispatcher"]

@@ -1,0 +1,48 @@
+"""Every parallel layout of the tiny DeepSeek-V3 (MLA, sigmoid MoE, MTP) and Qwen3-MoE (GQA, softmax MoE)
+models equals one process: loss, every parameter gradient (per tensor, max |diff| <= 1e-5 x max |ref|), the
+clipped global gradient norm, and the loss sequence of 5 AdamW steps (relative 1e-5).
+
+Layouts run as groups of cases inside one torchrun launch per world size (2 and 4 gloo ranks on CPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("dist_torchrun", Path(__file__).parent / "dist" / "torchrun.py")
+torchrun = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torchrun)
+
+TOL = 1e-5
+LAYOUTS_2 = ["tp2", "tp2_sp", "tp2_sp_mla_full_ac", "ep2", "ep2_replay", "cp2", "cp2_gqa_selective_ac", "dp2_zero1"]
+LAYOUTS_4 = ["tp2_cp2", "tp2_ep2", "tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_zero1"]
+
+
+@pytest.fixture(scope="module")
+def results2(tmp_path_factory):
+    return torchrun.run_worker("model_worker.py", 2, [], tmp_path_factory.mktemp("model2"))
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    return torchrun.run_worker("model_worker.py", 4, [], tmp_path_factory.mktemp("model4"))
+
+
+def _check(res):
+    assert res["ok"], res.get("error")
+    bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
+    assert not bad, f"errors above {TOL}: {bad}"
+    assert res["n_params"] >= 20, "too few parameters compared"
+    assert len(res["losses"]) >= 2 and res["losses"][0] != res["losses"][-1], "training did not move the loss"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+def test_layout_two_ranks(results2, layout):
+    _check(results2[layout])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS_4)
+def test_layout_four_ranks(results4, layout):
+    _check(results4[layout])
