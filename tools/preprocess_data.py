@@ -46,12 +46,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", required=True, help="tokenizer file or directory (see megatron_composer.data.load_tokenizer)")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
     ap.add_argument("--json-key", default="text")
+    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib", help="comma-separated directory names skipped inside input directories")
     ap.add_argument("--extensions", default=".py", help="comma-separated source extensions read from directories")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
 
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core warns at import about optional GPU libraries
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     prefix = Path(args.output_prefix)
     outputs = [Path(f"{prefix}{s}") for s in (".bin", ".idx", ".meta.json")]
@@ -61,7 +66,7 @@ def main(argv=None) -> int:
         return 1
     try:
         tokenizer = load_tokenizer(args.tokenizer)
-        files = list_inputs(args.input, tuple(args.extensions.split(",")))
+        files = list_inputs(args.input, tuple(args.extensions.split(",")), [x for x in args.exclude.split(",") if x])
     except (TokenizerError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

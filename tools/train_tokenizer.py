@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--extensions", default=".py", help="comma-separated source file extensions to read from directories")
     ap.add_argument("--json-key", default="text")
+    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib", help="comma-separated directory names skipped inside input directories")
     ap.add_argument("--max-lines", type=int, default=2_000_000, help="lines sampled for training")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
         print(f"error: {out / 'tokenizer.model'} exists; pass --overwrite to replace it", file=sys.stderr)
         return 1
     try:
-        files = list_inputs(args.input, tuple(args.extensions.split(",")))
+        files = list_inputs(args.input, tuple(args.extensions.split(",")), [x for x in args.exclude.split(",") if x])
         lines = []
         for doc in tqdm(iter_documents(files, args.json_key), desc="reading corpus", unit="doc"):
             lines.extend(line for line in doc.split("\n") if line.strip())

@@ -11,13 +11,21 @@ class CorpusError(ValueError):
     """An input path or record cannot be read as training text."""
 
 
-def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py",)) -> list[Path]:
-    """Expand files and directories into a sorted, deterministic list of files to read."""
+def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py",), exclude: Sequence[str] = ()) -> list[Path]:
+    """Expand files and directories into a sorted, deterministic list of files to read.
+
+    Directories contribute files with the given extensions (and .jsonl files), skipping any path that has a
+    component listed in `exclude` (e.g. site-packages, tests).
+    """
     files: list[Path] = []
+    skip = set(exclude)
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and (f.suffix in extensions or f.name.endswith((".jsonl", ".json"))))
+            found = sorted(
+                f for f in p.rglob("*")
+                if (f.suffix in extensions or f.suffix == ".jsonl") and not skip.intersection(f.relative_to(p).parts) and f.is_file()
+            )
             files.extend(found)
         elif p.is_file():
             files.append(p)

@@ -49,7 +49,9 @@ class DataError(ValueError):
 
 def check_indexed_dataset(prefix: str, vocab_size: int, eod: int) -> dict:
     """Check PREFIX.bin/.idx exist, are consistent, and were built with a tokenizer that fits; return meta."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core warns at import about optional GPU libraries
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():

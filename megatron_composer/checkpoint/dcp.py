@@ -1,0 +1,166 @@
+"""Distributed training checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout under a run directory::
+
+    checkpoints/step_<N>/     DCP shards of {"model", "optim"}, trainer_state.json, meta.json, rng/rank_<r>.pt
+    latest                    text file naming the newest *complete* checkpoint (e.g. "checkpoints/step_200")
+
+A save writes into checkpoints/.step_<N>.tmp, renames it to step_<N> once every rank has finished, and only
+then atomically replaces `latest`; a process killed mid-save leaves the previous `latest` valid, and the
+stale .tmp directory is removed by the next save. DCP stores parameters by fully-qualified name with their
+global shapes, so a checkpoint loads into a different parallel layout or world size (DTensor-sharded and
+replicated parameters are resharded on load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, or does not match the model being trained."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_latest(run_dir: str | Path) -> Path | None:
+    """The checkpoint named by run_dir/latest, or None for a fresh run."""
+    run_dir = Path(run_dir)
+    marker = run_dir / "latest"
+    if not marker.is_file():
+        return None
+    ckpt = run_dir / marker.read_text().strip()
+    if not (ckpt / "trainer_state.json").is_file():
+        raise CheckpointError(f"{marker} names '{ckpt}', which is not a complete checkpoint; restore it or start a fresh run.dir")
+    return ckpt
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run directory (its latest checkpoint) or a checkpoint directory."""
+    path = Path(path)
+    if (path / "trainer_state.json").is_file():
+        return path
+    latest = find_latest(path) if path.is_dir() else None
+    if latest is None:
+        raise CheckpointError(f"'{path}' is neither a checkpoint directory nor a run directory with a 'latest' checkpoint")
+    return latest
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict,
+    meta: dict,
+    keep_last: int = 0,
+) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step_{step}"
+    tmp = ckpt_root / f".step_{step}.tmp"
+    if _rank() == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_state_dict(model, [])[0]}
+    dcp.save(state, checkpoint_id=str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    _barrier()
+    if _rank() == 0:
+        os.replace(tmp, final)
+        marker_tmp = run_dir / "latest.tmp"
+        marker_tmp.write_text(str(final.relative_to(run_dir)))
+        with open(marker_tmp) as fh:
+            os.fsync(fh.fileno())
+        os.replace(marker_tmp, run_dir / "latest")
+        if keep_last > 0:
+            steps = sorted(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if p.name.split("_")[1].isdigit())
+            for old in steps[:-keep_last]:
+                shutil.rmtree(ckpt_root / f"step_{old}", ignore_errors=True)
+    _barrier()
+    return final
+
+
+def check_meta(ckpt: Path, expected: dict) -> None:
+    """Raise if the checkpoint was written for a different architecture than `expected['model']`."""
+    meta_path = ckpt / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint '{ckpt}' has no meta.json; it was not written by this trainer")
+    saved = json.loads(meta_path.read_text()).get("model", {})
+    want = expected.get("model", {})
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' was saved for a different model architecture ({'; '.join(diffs[:3])}); "
+            "use a fresh run.dir or the model config it was trained with"
+        )
+
+
+def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, expected_meta: dict | None = None, restore_rng: bool = True) -> dict:
+    """Load model (+ optimizer, RNG) in place; returns the trainer_state dict saved with it."""
+    ckpt = Path(ckpt)
+    if expected_meta is not None:
+        check_meta(ckpt, expected_meta)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_state_dict(model, [])[0]}
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except Exception as e:  # DCP wraps per-rank failures in CheckpointException
+        raise CheckpointError(f"cannot load checkpoint '{ckpt}': {str(e).splitlines()[0][:300]}") from None
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=StateDictOptions(strict=True))
+    rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
+    if restore_rng and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((ckpt / "trainer_state.json").read_text())

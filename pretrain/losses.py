@@ -1,0 +1,124 @@
+"""Continued-pretraining losses: next-token cross-entropy and MTP self-distillation.
+
+MTP depth k (1-based; the model's mtp_logits[k-1]) at position t predicts token t+1+k, the same token the
+main head predicts at position t+k. Self-distillation trains the MTP head's distribution toward the main
+head's distribution there, with the main logits detached so the main head is not pulled toward MTP:
+forward KL(main || mtp) by default (mass-covering, matches speculative-decoding acceptance), reverse KL as
+an option, plus an optional cross-entropy term on the true token. Pairs (t, t+k) that straddle a document
+boundary of a packed row, or whose target is masked, are excluded.
+
+All functions return *sums* and counts; the caller divides by counts reduced over the whole global batch,
+so the loss of a step does not depend on how it is split into micro-batches or data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from megatron_composer.config import ConfigError
+
+
+@dataclass
+class MTPLossConfig:
+    weight: float = field(default=0.2, metadata={"help": "weight of the MTP loss relative to the LM loss (0 disables MTP)"})
+    divergence: Literal["forward_kl", "reverse_kl"] = field(default="forward_kl", metadata={"help": "forward_kl = KL(main || mtp)"})
+    ce_weight: float = field(default=0.0, metadata={"help": "extra cross-entropy on the true token, mixed into each depth's loss"})
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature of both distributions in the KL"})
+
+    def validate(self) -> None:
+        if self.weight < 0 or self.ce_weight < 0:
+            raise ConfigError("mtp.weight and mtp.ce_weight must be >= 0")
+        if self.temperature <= 0:
+            raise ConfigError(f"mtp.temperature={self.temperature} must be > 0")
+
+
+def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, S-depth] bool: position t has a depth-`depth` target inside its own document with loss on it."""
+    same_doc = position_ids_BS[:, depth:] == position_ids_BS[:, :-depth] + depth
+    return same_doc & (loss_mask_BS[:, depth:] > 0)
+
+
+def token_counts(batch: dict[str, torch.Tensor], num_mtp_depths: int) -> torch.Tensor:
+    """[1 + depths] float: LM tokens with loss, then valid MTP pairs per depth, for global normalisation."""
+    counts = [batch["loss_mask"].sum()]
+    S = batch["loss_mask"].shape[1]
+    for k in range(1, num_mtp_depths + 1):
+        counts.append(mtp_valid_mask(batch["loss_mask"], batch["position_ids"], k).sum() if k < S else torch.zeros(()))
+    return torch.stack([c.float() for c in counts])
+
+
+def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
+    losses = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="none")
+    return (losses * loss_mask_BS.flatten()).sum()
+
+
+def mtp_self_distillation_sums(
+    main_logits_BSV: torch.Tensor,
+    mtp_logits: list[torch.Tensor],
+    labels_BS: torch.Tensor,
+    loss_mask_BS: torch.Tensor,
+    position_ids_BS: torch.Tensor,
+    cfg: MTPLossConfig,
+) -> list[dict[str, torch.Tensor]]:
+    """Per depth: sums over valid pairs of the trained loss, KL, CE and top-1 agreement with the main head."""
+    out = []
+    S = main_logits_BSV.shape[1]
+    for k, mtp_BSV in enumerate(mtp_logits, start=1):
+        if k >= S:
+            zero = mtp_BSV.sum() * 0
+            out.append({"loss": zero, "kl": zero.detach(), "ce": zero.detach(), "agree": zero.detach()})
+            continue
+        valid = mtp_valid_mask(loss_mask_BS, position_ids_BS, k).flatten().float()
+        student_NV = mtp_BSV[:, : S - k].flatten(0, 1).float()
+        teacher_NV = main_logits_BSV[:, k:].detach().flatten(0, 1).float()
+        logq = F.log_softmax(student_NV / cfg.temperature, dim=-1)
+        logp = F.log_softmax(teacher_NV / cfg.temperature, dim=-1)
+        if cfg.divergence == "forward_kl":
+            kl_N = (logp.exp() * (logp - logq)).sum(-1)
+        else:
+            kl_N = (logq.exp() * (logq - logp)).sum(-1)
+        ce_N = F.cross_entropy(student_NV, labels_BS[:, k:].flatten(), reduction="none")
+        loss_N = kl_N + cfg.ce_weight * ce_N if cfg.ce_weight else kl_N
+        agree_N = (student_NV.argmax(-1) == teacher_NV.argmax(-1)).float()
+        out.append({
+            "loss": (loss_N * valid).sum(),
+            "kl": (kl_N.detach() * valid).sum(),
+            "ce": (ce_N.detach() * valid).sum(),
+            "agree": (agree_N * valid).sum(),
+        })
+    return out
+
+
+def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor):
+    """Loss to backpropagate for one micro-batch (already divided by global counts) and detached stats.
+
+    `output` is the model's ModelOutput (logits, mtp_logits, aux_loss); `global_counts` is the sum over the
+    global batch of token_counts(). Returns (loss, stats) where stats holds this micro-batch's contribution to
+    each logged metric (summing stats over micro-batches and ranks gives the step's values).
+    """
+    lm_sum = lm_loss_sum(output.logits, batch["labels"], batch["loss_mask"])
+    lm = lm_sum / global_counts[0].clamp(min=1)
+    loss = lm
+    stats = {"lm_loss": lm.detach()}
+    mtp_logits = list(getattr(output, "mtp_logits", None) or [])
+    if mtp_logits and mtp_cfg.weight > 0:
+        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg)
+        mtp_total = 0.0
+        for k, d in enumerate(per_depth, start=1):
+            n = global_counts[k].clamp(min=1)
+            mtp_total = mtp_total + d["loss"] / n
+            stats[f"mtp{k}_kl"] = d["kl"] / n
+            stats[f"mtp{k}_ce"] = d["ce"] / n
+            stats[f"mtp{k}_top1"] = d["agree"] / n
+        loss = loss + mtp_cfg.weight * mtp_total / len(per_depth)
+    aux = getattr(output, "aux_loss", None)
+    if aux is not None and torch.is_tensor(aux):
+        # aux_loss is a per-micro-batch mean (already weighted by the model config); average over micro-batches
+        share = batch["loss_mask"].sum() / global_counts[0].clamp(min=1)
+        loss = loss + aux * share
+        stats["aux_loss"] = (aux * share).detach()
+    return loss, stats

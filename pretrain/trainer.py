@@ -1,0 +1,370 @@
+"""Continued-pretraining / SFT stage: config schema and the training loop.
+
+One stage = one run directory. `run_stage(cfg)` builds tokenizer, data, model and optimizer, resumes from
+run.dir/latest when it exists (otherwise initialises from checkpoint.init_from, e.g. the previous stage's
+weights, with a fresh optimizer and schedule), then trains train.steps optimizer steps. Each step consumes
+exactly train.global_batch_tokens tokens, split over data-parallel ranks and micro-batches; the loss is
+normalised by the token count of the whole global batch, so a step's numbers do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_composer.config import ConfigError, save_config, to_dict
+from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_datasets, collate
+from megatron_composer.data.sft import build_sft_datasets
+from megatron_composer.data.tokenizer import load_tokenizer
+from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
+from megatron_composer.training.flops import peak_flops, training_flops_per_token
+from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
+from megatron_composer.training.optim import OptimizerConfig, build_optimizer, lr_at, set_lr
+from pretrain.losses import MTPLossConfig, pretrain_loss, token_counts
+
+
+@dataclass
+class RunConfig:
+    dir: str = field(default="runs/default", metadata={"help": "outputs; running again with the same dir resumes from its latest checkpoint"})
+
+
+@dataclass
+class ModelSection:
+    preset: str = field(default="tiny-deepseek-v3", metadata={"help": "megatron_composer.model preset name"})
+    vocab_size: int = field(default=0, metadata={"help": "0: the tokenizer's vocab size rounded up to a multiple of 64"})
+    yarn_original_length: int = field(default=0, metadata={"help": ">0 turns on YaRN with factor data.seq_length / this (the previous stage's context)"})
+    overrides: dict = field(default_factory=dict, metadata={"help": "any ModelConfig field, e.g. {num_layers: 2}"})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    global_batch_tokens: int = field(default=4096, metadata={"help": "tokens per optimizer step, over all data-parallel ranks"})
+    micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward pass per rank"})
+    precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA, fp32 on CPU; master weights are fp32"})
+    eval_interval: int = field(default=50, metadata={"help": "validation loss every N steps (0: only at start and end)"})
+    eval_samples: int = field(default=32, metadata={"help": "validation sequences per evaluation"})
+    expert_bias_update_rate: float = field(default=1e-3, metadata={"help": "aux-loss-free balancing: bias step toward uniform expert load (0 disables)"})
+    peak_flops: float = field(default=0.0, metadata={"help": "per-device peak FLOP/s for MFU; 0: datasheet for known GPUs, else measured matmul peak"})
+    max_skipped_steps: int = field(default=20, metadata={"help": "abort after this many consecutive non-finite steps"})
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = field(default=100, metadata={"help": "save every N steps (and at the end)"})
+    keep_last: int = field(default=3, metadata={"help": "checkpoints kept (0 keeps all)"})
+    init_from: str = field(default="", metadata={"help": "fresh runs load model weights from this run dir or checkpoint; 'previous' = the previous stage of a chain"})
+
+
+@dataclass
+class PretrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mtp: MTPLossConfig = field(default_factory=MTPLossConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        self.data.validate()
+        self.optim.validate()
+        self.mtp.validate()
+        self.parallel.validate()
+        if self.train.steps < 1:
+            raise ConfigError(f"train.steps={self.train.steps} must be >= 1")
+        if self.train.global_batch_tokens % self.data.seq_length:
+            raise ConfigError(f"train.global_batch_tokens={self.train.global_batch_tokens} is not a multiple of data.seq_length={self.data.seq_length}")
+        if self.checkpoint.interval < 1:
+            raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
+
+
+# Fields that do not change parameter shapes: a stage may change them and still load the previous weights.
+_NON_ARCH_FIELDS = {"rope_scaling", "max_position_embeddings", "init_std", "aux_loss_coef", "rope_theta", "routed_scaling_factor"}
+
+
+def model_config(cfg: PretrainConfig, tokenizer):
+    from megatron_composer.model import ModelConfig, RopeScaling, get_preset
+
+    mc = get_preset(cfg.model.preset)
+    overrides = dict(cfg.model.overrides)
+    if isinstance(overrides.get("rope_scaling"), dict):
+        overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"model.overrides has unknown ModelConfig field(s) {sorted(unknown)}")
+    vocab = cfg.model.vocab_size or -(-tokenizer.vocab_size // 64) * 64
+    mc = dataclasses.replace(mc, vocab_size=vocab, **overrides)
+    if cfg.model.yarn_original_length:
+        old = cfg.model.yarn_original_length
+        base = mc.rope_scaling or RopeScaling()
+        mc = dataclasses.replace(
+            mc,
+            rope_scaling=dataclasses.replace(base, factor=cfg.data.seq_length / old, original_max_position_embeddings=old),
+            max_position_embeddings=max(mc.max_position_embeddings, cfg.data.seq_length),
+        )
+    tokenizer.check_fits_model(mc.vocab_size)
+    return mc.validate()
+
+
+def architecture(mc) -> dict:
+    return {k: v for k, v in to_dict(mc).items() if k not in _NON_ARCH_FIELDS}
+
+
+class Layout:
+    """Where this rank sits: data-parallel coordinates for data sharding and gradient reduction.
+
+    Data parallelism over plain replicated modules is done here (one flat all-reduce per step). Tensor,
+    context and expert parallelism need megatron_composer.parallel.parallelize_model, which returns the model
+    with its parallel layers and takes over gradient reduction.
+    """
+
+    def __init__(self, pcfg: ParallelConfig):
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dims = ParallelDims.from_config(pcfg, self.world)
+        self.groups = None
+        self.dp_size = self.dims.dp
+        self.dp_rank = self.dims.coords(self.rank)["dp"]
+        self.needs_model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not self.needs_model_parallel:
+            return model
+        try:
+            from megatron_composer.parallel import parallelize_model
+        except ImportError:
+            raise ConfigError(
+                "parallel.tp/cp/ep > 1 needs megatron_composer.parallel.parallelize_model, which this checkout lacks; "
+                "set parallel.tp=1 parallel.cp=1 parallel.ep=1 (data parallel only)"
+            ) from None
+        self.groups = self.dims.build()
+        return parallelize_model(model, self.groups)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum gradients over data-parallel replicas (each micro-batch loss is already globally normalised)."""
+        if self.world == 1 or self.needs_model_parallel:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+
+def _autocast(precision: str, device: torch.device):
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def update_expert_bias(model, routed_experts: torch.Tensor | None, rate: float, layout: Layout) -> None:
+    """DeepSeek-V3 aux-loss-free balancing: raise the selection bias of under-loaded experts, lower over-loaded."""
+    if routed_experts is None or rate <= 0:
+        return
+    layers = model.moe_layers
+    E = model.config.num_experts
+    load = torch.stack([torch.bincount(routed_experts[i].flatten(), minlength=E) for i in range(len(layers))]).float()
+    layout.all_reduce_sum(load)
+    for layer, load_E in zip(layers, load):
+        bias = getattr(layer.feed_forward.router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.add_(rate * torch.sign(load_E.mean() - load_E))
+
+
+class Batches:
+    """Deterministic micro-batches: step s, data-parallel rank r, micro-batch m read fixed sample indices."""
+
+    def __init__(self, dataset, global_seqs: int, micro_batch_size: int, layout: Layout):
+        if global_seqs % (micro_batch_size * layout.dp_size):
+            raise ConfigError(
+                f"global batch of {global_seqs} sequences is not divisible by micro_batch_size ({micro_batch_size}) x data-parallel size "
+                f"({layout.dp_size}); change train.global_batch_tokens or train.micro_batch_size"
+            )
+        self.dataset = dataset
+        self.global_seqs = global_seqs
+        self.mbs = micro_batch_size
+        self.per_rank = global_seqs // layout.dp_size
+        self.rank_offset = layout.dp_rank * self.per_rank
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.per_rank // self.mbs
+
+    def step(self, step: int) -> list[dict[str, torch.Tensor]]:
+        base = step * self.global_seqs + self.rank_offset
+        return [collate([self.dataset[base + m * self.mbs + i] for i in range(self.mbs)]) for m in range(self.accumulation_steps)]
+
+
+def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
+    global_seqs = cfg.train.global_batch_tokens // cfg.data.seq_length
+    eval_samples = cfg.train.eval_samples
+    if cfg.data.kind == "sft":
+        train, valid = build_sft_datasets(cfg.data, tokenizer, cfg.train.seed)
+    else:
+        cache = cfg.data.cache_dir or str(Path(cfg.run.dir) / "data_cache")
+        train, valid = build_pretrain_datasets(cfg.data, tokenizer, cfg.train.steps * global_seqs, eval_samples, cfg.train.seed, cache)
+    return Batches(train, global_seqs, cfg.train.micro_batch_size, layout), valid
+
+
+def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing):
+    with autocast:
+        out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing)
+    return pretrain_loss(out, batch, mtp_cfg, counts), out
+
+
+@torch.no_grad()
+def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast) -> dict[str, float]:
+    if valid is None or cfg.train.eval_samples == 0:
+        return {}
+    model.eval()
+    idx = list(range(layout.dp_rank, min(cfg.train.eval_samples, len(valid)), layout.dp_size))
+    batches = [collate([valid[i] for i in idx[j: j + cfg.train.micro_batch_size]]) for j in range(0, len(idx), cfg.train.micro_batch_size)]
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    depths = model.config.num_mtp_layers if cfg.mtp.weight > 0 else 0
+    counts = layout.all_reduce_sum(sum((token_counts(b, depths) for b in batches), torch.zeros(1 + depths)).to(device))
+    totals: dict[str, torch.Tensor] = {}
+    for b in batches:
+        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False)
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0) + v.float()
+    keys = sorted(totals)
+    vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0))
+    model.train()
+    return {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
+
+
+def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
+    """Train one stage to completion (resuming if run.dir has a checkpoint). Returns run.dir."""
+    run_dir = Path(cfg.run.dir)
+    layout = Layout(cfg.parallel)
+    is_main = layout.rank == 0
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    mc = model_config(cfg, tokenizer)
+    meta = {"model": architecture(mc), "tokenizer": tokenizer.describe()}
+    latest = find_latest(run_dir)
+    if latest is not None:
+        from megatron_composer.checkpoint.dcp import check_meta
+
+        check_meta(latest, meta)  # before anything in run.dir is touched
+    init_path = resolve_checkpoint(init_from) if (latest is None and init_from) else None
+    if init_path is not None:
+        from megatron_composer.checkpoint.dcp import check_meta
+
+        check_meta(init_path, meta)
+
+    batches, valid = build_data(cfg, tokenizer, layout)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+
+    from megatron_composer.model import Transformer
+
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(mc).to(device)
+    model = layout.parallelize(model)
+    optimizer = build_optimizer(model, cfg.optim)
+    logger = MetricsLogger(run_dir, cfg.logging, is_main, to_dict(cfg))
+
+    start_step = 0
+    if latest is not None:
+        state = load_checkpoint(latest, model, optimizer, meta)
+        start_step = state["step"]
+        logger.truncate_after(start_step)
+        if is_main:
+            print(f"resumed from {latest} at step {start_step}")
+    elif init_path is not None:
+        load_checkpoint(init_path, model, None, meta, restore_rng=False)
+        if is_main:
+            print(f"initialised weights from {init_path} (fresh optimizer and schedule)")
+
+    autocast = _autocast(cfg.train.precision, device)
+    train_dtype = torch.bfloat16 if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda") else torch.float32
+    flops_per_token = training_flops_per_token(mc, cfg.data.seq_length, include_mtp=cfg.mtp.weight > 0)
+    peak, peak_source = peak_flops(device, train_dtype, cfg.train.peak_flops)
+    depths = mc.num_mtp_layers if cfg.mtp.weight > 0 else 0
+    want_routing = cfg.train.expert_bias_update_rate > 0 and mc.expert_bias and mc.num_experts > 0
+    if is_main:
+        print(
+            f"stage {run_dir}: {cfg.train.steps} steps x {cfg.train.global_batch_tokens} tokens, seq {cfg.data.seq_length}, "
+            f"dp={layout.dp_size} accum={batches.accumulation_steps} mbs={cfg.train.micro_batch_size}, "
+            f"{flops_per_token / 1e6:.1f} MFLOP/token, peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
+        )
+
+    if start_step == 0:
+        logger.log(0, evaluate(model, valid, cfg, layout, device, autocast), console=True)
+
+    skipped_in_a_row = 0
+    model.train()
+    for step in range(start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.train.steps, cfg.optim)
+        set_lr(optimizer, lr)
+        micro = [{k: v.to(device) for k, v in b.items()} for b in batches.step(step)]
+        counts = layout.all_reduce_sum(sum((token_counts(b, depths) for b in micro), torch.zeros(1 + depths)).to(device))
+        totals: dict[str, torch.Tensor] = {}
+        routed = []
+        for b in micro:
+            (loss, stats), out = _forward_stats(model, b, cfg.mtp, counts, autocast, want_routing)
+            loss.backward()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0) + v.float()
+            if want_routing:
+                routed.append(out.routed_experts.flatten(1, -1))
+        layout.reduce_gradients(model)
+        keys = sorted(totals)
+        vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())
+        metrics = {k.replace("lm_loss", "loss"): float(v) for k, v in zip(keys, vec)}
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+        finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
+        if finite:
+            optimizer.step()
+            update_expert_bias(model, torch.cat(routed, dim=1) if routed else None, cfg.train.expert_bias_update_rate, layout)
+            skipped_in_a_row = 0
+        else:
+            skipped_in_a_row += 1
+            if skipped_in_a_row > cfg.train.max_skipped_steps:
+                raise RuntimeError(f"{skipped_in_a_row} consecutive steps had non-finite loss/gradients; lower optim.lr or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        tokens = cfg.train.global_batch_tokens
+        metrics.update(
+            lr=lr, grad_norm=float(grad_norm), skipped=0 if finite else 1, step_time=dt, tokens_per_s=tokens / dt,
+            mfu=flops_per_token * tokens / dt / (peak * layout.world), memory_gb=memory_gb(), tokens_seen=(step + 1) * tokens,
+        )
+        done = step + 1
+        if (cfg.train.eval_interval and done % cfg.train.eval_interval == 0) or done == cfg.train.steps:
+            metrics.update(evaluate(model, valid, cfg, layout, device, autocast))
+        console = done % cfg.logging.interval == 0 or done == cfg.train.steps or not finite or "val_loss" in metrics
+        logger.log(done, metrics, console=console)
+        if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps:
+            save_checkpoint(run_dir, done, model, optimizer, {"step": done, "consumed_samples": done * batches.global_seqs, "lr": lr}, meta, cfg.checkpoint.keep_last)
+    logger.close()
+    return run_dir
