@@ -120,7 +120,8 @@ def dir_size(paths: list[str]) -> int:
 # reported on a private descriptor the command itself cannot write to (it is closed for the command).
 _WRAPPER = r"""
 status_fd=$1; shift
-( eval "exec ${status_fd}>&-"; exec bash -c "$1" ); rc=$?
+exec {err}>&2 2>/dev/null  # the wrapper's own messages (e.g. "Killed") are not the command's output
+( eval "exec ${status_fd}>&- 2>&${err} ${err}>&-"; exec bash -c "$1" ); rc=$?
 self=$$; n=0
 for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = 1 ] || [ "$p" = "$self" ] || n=$((n+1)); done
 printf '%s %s\n' "$rc" "$n" >&"$status_fd"

@@ -182,7 +182,7 @@ class LocalSandbox(Sandbox):
         if self.uid is None and os.geteuid() != 0:
             nproc += _processes_of(os.geteuid())  # RLIMIT_NPROC counts all of this user's processes
         mb = 1024 * 1024
-        return ["prlimit", f"--cpu={lim.cpu_time_s}", f"--as={lim.memory_mb * mb}", f"--nproc={nproc}",
+        return ["prlimit", f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}", f"--nproc={nproc}",
                 f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0", "--"]
 
     def _bwrap_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
@@ -280,7 +280,7 @@ class LocalSandbox(Sandbox):
             force_rmtree(self.root)
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and hasattr(self, "root"):
             self.close()
 
 
