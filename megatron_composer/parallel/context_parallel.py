@@ -52,6 +52,34 @@ def _document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(position_ids_BS) if doc is None else doc
 
 
+def cp_shift_left(x: torch.Tensor, k: int, dim: int, cp_group, fill=0) -> torch.Tensor:
+    """For head-tail sharded x, the local view of the full sequence shifted left by k: y[t] = x[t + k]
+    (positions past the end get `fill`). Only the first k entries of every chunk cross ranks (one small
+    all-gather), e.g. the main-head logits or position ids at t + k for the MTP loss at t."""
+    cp, r = C.group_size(cp_group), C.group_rank(cp_group)
+    n_chunks = 2 * cp
+    chunk = x.shape[dim] // 2
+    if k > chunk:
+        raise ValueError(f"shift {k} exceeds the context-parallel chunk length {chunk}; use a shorter MTP depth or "
+                         f"a smaller parallel.cp")
+    mine = x.split(chunk, dim=dim)  # chunks r and 2cp-1-r
+    heads = torch.cat([mine[0].narrow(dim, 0, k), mine[1].narrow(dim, 0, k)], dim=dim)
+    all_heads = C.gather_from_parallel(heads, dim, cp_group, grad_is_partial=True).split(k, dim=dim)
+    head_of_chunk = {}
+    for src in range(cp):
+        head_of_chunk[src], head_of_chunk[n_chunks - 1 - src] = all_heads[2 * src], all_heads[2 * src + 1]
+    out = []
+    for c, local in zip((r, n_chunks - 1 - r), mine):
+        if c + 1 < n_chunks:
+            nxt = head_of_chunk[c + 1]
+        else:
+            shape = list(local.shape)
+            shape[dim] = k
+            nxt = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+        out.append(torch.cat([local.narrow(dim, k, chunk - k), nxt], dim=dim))
+    return torch.cat(out, dim=dim)
+
+
 class ContextParallelAttention:
     """Replacement for an attention module's `core` (q/k/v [B, H, S, D], scale, doc ids) under cp > 1.
 
@@ -107,5 +135,5 @@ class ContextParallelShiftedIds:
         return shard_sequence(self.fn(full, k), 1, self.cp, self.cp_rank)
 
 
-__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "ContextParallelAttention",
+__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "cp_shift_left", "ContextParallelAttention",
            "ContextParallelShiftedIds"]

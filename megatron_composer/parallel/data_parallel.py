@@ -59,7 +59,9 @@ class DistributedAdamW:
                  weight_decay: float = 0.0, zero1: bool = True, bucket_mb: float = 25.0,
                  decay_filter: Callable[[str, torch.Tensor], bool] = default_decay_filter):
         self.groups, self.zero1 = groups, zero1
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        # One group, for schedules that set param_groups[i]["lr"] as on a torch optimizer.
+        self.param_groups = [{"lr": lr, "weight_decay": weight_decay}]
         self.step_count = 0
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
@@ -72,6 +74,10 @@ class DistributedAdamW:
         self.buckets: dict[str, list[_Bucket]] = {}
         for fam, items in families.items():
             self.buckets[fam] = self._make_buckets(fam, items, bucket_bytes, decay_filter)
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
 
     # -- layout --------------------------------------------------------------------------------------
     def _make_buckets(self, fam, items, bucket_bytes, decay_filter) -> list[_Bucket]:

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import compare_grads, init, max_rel_err, reduce_max, run_cases  # noqa: E402
 
 from megatron_composer.parallel import collectives as C  # noqa: E402
+from megatron_composer.parallel.context_parallel import cp_shift_left, shard_sequence  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: E402
@@ -168,6 +169,27 @@ def case_vocab_losses():
     return {"max_err": max(errs.values()), "errs": errs}
 
 
+def case_cp_shift():
+    """cp_shift_left on head-tail shards equals shifting the full sequence, values and gradients."""
+    g = dist.group.WORLD
+    cp, r = dist.get_world_size(), dist.get_rank()
+    S = 4 * cp
+    full = torch.randn(2, S, 3, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    wts = torch.randn(2, S, 3, generator=torch.Generator().manual_seed(6))
+    errs = {}
+    for k in (1, 2):
+        ref = torch.cat([full[:, k:], torch.zeros(2, k, 3)], dim=1)
+        (ref * wts).sum().backward()
+        local = shard_sequence(full.detach(), 1, cp, r).clone().requires_grad_()
+        got = cp_shift_left(local, k, 1, g)
+        (got * shard_sequence(wts, 1, cp, r)).sum().backward()
+        errs[f"shift{k}"] = max_rel_err(got, shard_sequence(ref, 1, cp, r), ref)
+        errs[f"shift{k}_grad"] = max_rel_err(local.grad, shard_sequence(full.grad, 1, cp, r), full.grad)
+        full.grad = None
+    errs = reduce_max(errs)
+    return {"max_err": max(errs.values()), "errs": errs}
+
+
 def case_train(tp: int, sp: bool, zero1: bool, steps: int = 5, wd: float = 0.1, clip: float = 0.5):
     """tp x dp training of TinyNet: grads after sync and the loss sequence match one process."""
     def run():
@@ -230,11 +252,13 @@ CASES_2 = {
     "tp2": case_tp(sp=False),
     "tp2_sp": case_tp(sp=True),
     "vocab_losses": case_vocab_losses,
+    "cp_shift": case_cp_shift,
     "dp2_allreduce_train": case_train(tp=1, sp=False, zero1=False),
     "dp2_zero1_train": case_train(tp=1, sp=False, zero1=True),
 }
 CASES_4 = {
     "collectives4": case_collectives,
+    "cp4_shift": case_cp_shift,
     "tp2_sp_dp2_zero1_train": case_train(tp=2, sp=True, zero1=True),
     "tp2_dp2_allreduce_train": case_train(tp=2, sp=False, zero1=False),
 }
