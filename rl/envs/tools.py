@@ -136,7 +136,7 @@ class ToolBox:
             return self.malformed(f"{name} needs argument(s) {', '.join(missing)}")
         self.stats.calls[name] = self.stats.calls.get(name, 0) + 1
         obs = getattr(self, f"_tool_{name}")(**arguments)
-        if obs.error:
+        if obs.error and not obs.malformed:
             self.stats.errors += 1
         obs.text, obs.truncated = truncate(obs.text, self.max_observation_chars)
         return obs

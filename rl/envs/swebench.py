@@ -1,0 +1,158 @@
+"""Load SWE-bench instances (one JSON object per line) as Tasks, given local clones of their repositories.
+
+Fields used: instance_id, repo ("owner/name"), base_commit, problem_statement, test_patch, FAIL_TO_PASS,
+PASS_TO_PASS (lists, or JSON strings of lists as in the published dataset), and optionally patch (the gold
+patch, used as the reference solution) and test_cmd (this project's extension: the command that runs the
+tests; default `python -m pytest -rA`). An instance is resolved when every FAIL_TO_PASS test passes and every
+PASS_TO_PASS test still passes after the test patch is applied to the agent's tree.
+
+Test results are read from the log of pytest (`-rA` lines such as `PASSED tests/test_x.py::test_y`) or of
+unittest/Django (`test_y (module.Class) ... ok`), the two formats SWE-bench's Python repositories use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl.envs.task import GitTree, PatchSolution, Task, TaskError, TaskLimits, VerifyResult
+from rl.sandbox.base import Sandbox
+
+REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
+_PYTEST_RE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)")
+_UNITTEST_RE = re.compile(r"^(\S+ \([^)]*\))(?: \.\.\. |.*\.\.\. )(ok|FAIL|ERROR|skipped|expected failure)")
+PASSING = {"PASSED", "XPASS", "ok", "XFAIL", "expected failure"}
+
+
+def parse_test_log(log: str) -> dict[str, str]:
+    """Test name -> status from pytest -rA or unittest -v output; later lines win."""
+    status: dict[str, str] = {}
+    for line in log.splitlines():
+        m = _PYTEST_RE.match(line)
+        if m:
+            status[m.group(2)] = m.group(1)
+            continue
+        m = _UNITTEST_RE.match(line)
+        if m:
+            status[m.group(1)] = m.group(2)
+    return status
+
+
+def _test_files(patch: str) -> list[str]:
+    return sorted({m.group(1) for m in re.finditer(r"^\+\+\+ b/(\S+)", patch, re.MULTILINE)})
+
+
+@dataclass
+class SWEBenchVerifier:
+    base_commit: str
+    test_patch: str
+    fail_to_pass: list[str]
+    pass_to_pass: list[str]
+    test_cmd: str
+
+    def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
+        # Tests the agent may have edited go back to the base commit before the official test patch applies.
+        files = " ".join(shlex.quote(f) for f in _test_files(self.test_patch))
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "test.patch").write_text(self.test_patch)
+            sandbox.copy_in(tmp, "/tests")
+        base = shlex.quote(self.base_commit)
+        reset = (f'for f in {files}; do git checkout -q {base} -- "$f" 2>/dev/null || rm -f -- "$f"; done; '
+                 if files else "")
+        apply = sandbox.exec(f"{reset}git apply --whitespace=nowarn /tests/test.patch", cwd=task.workdir, timeout=120)
+        if apply.exit_code != 0:
+            return VerifyResult(0.0, apply.output, {"error": f"test patch does not apply: {apply.output[-500:]}"},
+                                apply)
+        tests = " ".join(shlex.quote(t) for t in self._selectors())
+        res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, timeout=task.limits.verifier_timeout_s)
+        status = parse_test_log(res.output)
+        f2p_failed = [t for t in self.fail_to_pass if status.get(t) not in PASSING]
+        p2p_failed = [t for t in self.pass_to_pass if status.get(t) not in PASSING]
+        details = {"FAIL_TO_PASS failing": f2p_failed, "PASS_TO_PASS failing": p2p_failed,
+                   "tests": res.describe()}
+        return VerifyResult(float(not f2p_failed and not p2p_failed), res.output, details, res)
+
+    def _selectors(self) -> list[str]:
+        """Arguments naming the tests: pytest node ids as given, unittest names as module.Class.method."""
+        out = []
+        for t in self.fail_to_pass + self.pass_to_pass:
+            m = re.match(r"^(\S+) \(([^)]*)\)$", t)
+            if m:  # unittest names print as "test (module.Class)" or "test (module.Class.test)" (Python 3.11+)
+                dotted = m.group(2)
+                out.append(dotted if dotted.endswith("." + m.group(1)) else f"{dotted}.{m.group(1)}")
+            else:
+                out.append(t)
+        return list(dict.fromkeys(out))
+
+
+def _list_field(record: dict, key: str, where: str) -> list[str]:
+    value = record[key]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise TaskError(f"{where}: field {key!r} must be a list of test names or a JSON string of one") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TaskError(f"{where}: field {key!r} must be a list of test names, got {value!r:.100}")
+    return value
+
+
+def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench instance") -> Task:
+    """A Task from one instance. repo_dir is a local clone of record['repo'] that contains base_commit."""
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        raise TaskError(f"{where}: missing field(s) {', '.join(repr(k) for k in missing)} "
+                        f"(an instance needs {', '.join(REQUIRED)})")
+    for key in ("instance_id", "repo", "base_commit", "problem_statement", "test_patch"):
+        if not isinstance(record[key], str) or not record[key]:
+            raise TaskError(f"{where}: field {key!r} must be a non-empty string")
+    repo_dir = Path(repo_dir)
+    if not (repo_dir / ".git").exists():
+        raise TaskError(f"{where}: {repo_dir} is not a git clone of {record['repo']}")
+    f2p = _list_field(record, "FAIL_TO_PASS", where)
+    p2p = _list_field(record, "PASS_TO_PASS", where)
+    if not f2p:
+        raise TaskError(f"{where}: field 'FAIL_TO_PASS' is empty; an instance needs at least one failing test")
+    test_cmd = record.get("test_cmd", "python -m pytest -rA")
+    if not isinstance(test_cmd, str) or not test_cmd.strip():
+        raise TaskError(f"{where}: field 'test_cmd' must be a non-empty string")
+    patch = record.get("patch")
+    return Task(
+        name=record["instance_id"],
+        instruction=(f"Resolve this issue in the repository {record['repo']} (checked out at /app):\n\n"
+                     f"{record['problem_statement']}"),
+        tree=GitTree(repo_dir, record["base_commit"]),
+        verifier=SWEBenchVerifier(record["base_commit"], record["test_patch"], f2p, p2p, test_cmd),
+        solution=PatchSolution(patch) if isinstance(patch, str) and patch else None,
+        limits=TaskLimits(agent_timeout_s=1800.0, verifier_timeout_s=900.0),
+    )
+
+
+def load_swebench(path: str | Path, repos_dir: str | Path) -> list[Task]:
+    """Tasks from a JSONL file; the clone of "owner/name" is repos_dir/owner__name (SWE-bench's naming) or
+    repos_dir/name."""
+    path, repos_dir = Path(path), Path(repos_dir)
+    tasks = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise TaskError(f"{where}: each line must be a JSON object")
+        repo = record.get("repo")
+        if not isinstance(repo, str):
+            raise TaskError(f"{where}: missing field 'repo' (an instance needs {', '.join(REQUIRED)})")
+        candidates = [repos_dir / repo.replace("/", "__"), repos_dir / repo.split("/")[-1]]
+        clone = next((c for c in candidates if (c / ".git").exists()), None)
+        if clone is None:
+            raise TaskError(f"{where}: no local clone of {repo}; expected {candidates[0]} or {candidates[1]}")
+        tasks.append(swebench_task(record, clone, where))
+    return tasks

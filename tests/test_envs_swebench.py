@@ -1,0 +1,100 @@
+"""SWE-bench instances from a local clone: resolved only when FAIL_TO_PASS tests pass and PASS_TO_PASS still do."""
+
+import json
+import subprocess
+
+import pytest
+
+from rl.envs.agent import noop_policy, oracle_policy, run_episode
+from rl.envs.swebench import load_swebench, parse_test_log, swebench_task
+from rl.envs.task import TaskError, prepare_task
+from rl.sandbox.local import LocalBackend, bwrap_problem
+
+CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
+TESTS = ("import unittest\n\nfrom calc import sub\n\n\nclass TestCalc(unittest.TestCase):\n"
+         "    def test_sub(self):\n        self.assertEqual(sub(5, 3), 2)\n")
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+def _diff(repo, path, new_text):
+    old = (repo / path).read_text()
+    (repo / path).write_text(new_text)
+    d = subprocess.run(["git", "-C", str(repo), "diff"], capture_output=True, text=True, check=True).stdout
+    (repo / path).write_text(old)
+    return d
+
+
+@pytest.fixture
+def instance(tmp_path):
+    repo = tmp_path / "repos" / "acme__calc"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text(CALC)
+    (repo / "tests" / "__init__.py").write_text("")
+    (repo / "tests" / "test_calc.py").write_text(TESTS)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    test_patch = _diff(repo, "tests/test_calc.py", TESTS.replace("from calc import sub", "from calc import add, sub")
+                       + "\n    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n")
+    gold = _diff(repo, "calc.py", CALC.replace("return a - b", "return a + b", 1))
+    (repo / "calc.py").write_text(CALC.replace("a - b", "a * b"))  # later history the task must not see
+    _git(repo, "commit", "-qam", "later")
+    record = {"instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": base,
+              "problem_statement": "add() subtracts instead of adding.", "test_patch": test_patch, "patch": gold,
+              "FAIL_TO_PASS": json.dumps(["test_add (tests.test_calc.TestCalc.test_add)"]),
+              "PASS_TO_PASS": ["test_sub (tests.test_calc.TestCalc.test_sub)"], "test_cmd": "python3 -m unittest -v"}
+    jsonl = tmp_path / "instances.jsonl"
+    jsonl.write_text(json.dumps(record) + "\n")
+    return jsonl, tmp_path / "repos", record
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+def test_swebench_gold_patch_resolves_and_noop_does_not(instance):
+    jsonl, repos, _ = instance
+    (task,) = load_swebench(jsonl, repos)
+    backend = LocalBackend()
+    snap = prepare_task(task, backend)
+    try:
+        with backend.fork(snap) as sbx:
+            assert "return a - b" in sbx.read_text("/app/calc.py")  # base commit, not later history
+            res = run_episode(task, sbx, noop_policy())
+            assert res.reward == 0.0
+            assert res.verify.details["FAIL_TO_PASS failing"] == ["test_add (tests.test_calc.TestCalc.test_add)"]
+        with backend.fork(snap) as sbx:
+            res = run_episode(task, sbx, oracle_policy(task))
+            assert res.reward == 1.0, res.verify.output
+        with backend.fork(snap) as sbx:  # breaking a PASS_TO_PASS test is not a resolution
+            sbx.exec("git apply - <<'EOF'\n" + task.solution.patch + "EOF\nsed -i 's/return a - b/return 0/' calc.py")
+            res = task.verifier.verify(sbx, task)
+            assert res.reward == 0.0 and res.details["PASS_TO_PASS failing"]
+        with backend.fork(snap) as sbx:  # editing the tests to pass trivially does not help either
+            sbx.exec("printf 'import unittest\\n' > tests/test_calc.py")
+            assert task.verifier.verify(sbx, task).reward == 0.0
+    finally:
+        snap.discard()
+
+
+def test_swebench_missing_field_names_file_and_field(instance, tmp_path):
+    jsonl, repos, record = instance
+    del record["FAIL_TO_PASS"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n" + json.dumps(record) + "\n")
+    with pytest.raises(TaskError, match=r"bad.jsonl:2: missing field\(s\) 'FAIL_TO_PASS'"):
+        load_swebench(bad, repos)
+    record["FAIL_TO_PASS"] = "not json"
+    with pytest.raises(TaskError, match=r"field 'FAIL_TO_PASS' must be a list"):
+        swebench_task(record, repos / "acme__calc", where="x.jsonl:1")
+    with pytest.raises(TaskError, match=r"no local clone of acme/calc"):
+        load_swebench(jsonl, tmp_path / "elsewhere")
+
+
+def test_parse_test_log_formats():
+    log = ("PASSED tests/test_a.py::test_one\nFAILED tests/test_a.py::test_two - assert 1 == 2\n"
+           "test_x (pkg.tests.T.test_x) ... ok\ntest_y (pkg.tests.T) ... FAIL\n")
+    assert parse_test_log(log) == {"tests/test_a.py::test_one": "PASSED", "tests/test_a.py::test_two": "FAILED",
+                                   "test_x (pkg.tests.T.test_x)": "ok", "test_y (pkg.tests.T)": "FAIL"}

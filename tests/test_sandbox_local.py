@@ -1,0 +1,141 @@
+"""LocalSandbox basics: private task tree, snapshots and forks, copy_in, exit reporting, and the forking pool."""
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from rl.envs.harbor import load_harbor_task
+from rl.envs.task import DirectoryTree, RunStep, ScriptVerifier, Task, TaskError
+from rl.sandbox import LocalBackend, LocalSandbox, SandboxError
+from rl.sandbox.local import bwrap_problem
+from rl.sandbox.pool import SandboxPool
+
+pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    t = tmp_path / "tree"
+    (t / "pkg").mkdir(parents=True)
+    (t / "pkg" / "a.txt").write_text("original\n")
+    return t
+
+
+def test_tree_is_a_private_copy(tree):
+    with LocalSandbox(tree) as sbx:
+        res = sbx.exec("cat pkg/a.txt && echo changed > pkg/a.txt && pwd")
+        assert res.ok and res.output == "original\n/app\n"
+        assert sbx.read_text("/app/pkg/a.txt") == "changed\n"
+        assert sbx.read_text("/app/missing") is None
+    assert (tree / "pkg" / "a.txt").read_text() == "original\n"
+
+
+def test_exit_codes_env_stdin_and_persistent_tmp(tree):
+    with LocalSandbox(tree, env={"GREETING": "hi"}) as sbx:
+        assert sbx.exec("exit 7").exit_code == 7
+        assert sbx.exec("echo $GREETING $EXTRA", env={"EXTRA": "there"}).output == "hi there\n"
+        assert sbx.exec("wc -c", stdin=b"x" * 300_000).output.strip() == "300000"
+        sbx.exec("echo kept > /tmp/note")
+        assert sbx.exec("cat /tmp/note").output == "kept\n"  # /tmp lives as long as the sandbox
+        sbx.write_file("/app/new/dir/f.txt", b"data")
+        assert sbx.exec("cat new/dir/f.txt", cwd="/app").output == "data"
+        res = sbx.exec("kill -SEGV $$")
+        assert "SIGSEGV" in res.describe()
+
+
+def test_snapshot_and_forks_are_independent(tree):
+    backend = LocalBackend()
+    with backend.create(tree) as base:
+        base.exec("echo prepared > pkg/b.txt")
+        snap = base.snapshot()
+    try:
+        with backend.fork(snap) as f1, backend.fork(snap) as f2:
+            f1.exec("echo one > pkg/b.txt")
+            assert f2.exec("cat pkg/b.txt").output == "prepared\n"
+            assert f1.exec("cat pkg/b.txt").output == "one\n"
+        assert (snap.path / "pkg" / "b.txt").read_text() == "prepared\n"
+    finally:
+        snap.discard()
+    assert not snap.path.exists()
+
+
+def test_copy_in_mounts_new_paths_read_by_commands(tree, tmp_path):
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "t.sh").write_text("echo from-tests\n")
+    with LocalSandbox(tree) as sbx:
+        assert sbx.exec("ls /tests").exit_code != 0
+        sbx.copy_in(extra, "/tests")
+        assert sbx.exec("bash /tests/t.sh").output == "from-tests\n"
+        with pytest.raises(SandboxError, match="system path"):
+            sbx.copy_in(extra, "/usr/lib")
+        sbx.exec("ln -s /etc /app/etc_link")
+        with pytest.raises(SandboxError, match="outside the sandbox"):
+            sbx.copy_in(extra / "t.sh", "/app/etc_link/evil.sh")
+
+
+def test_workdir_must_be_inside_tree(tree):
+    with pytest.raises(SandboxError, match="must be under"):
+        LocalSandbox(tree, workdir="/srv")
+
+
+def _counting_task(tmp_path) -> Task:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    return Task(name="count", instruction="-", tree=DirectoryTree(tmp_path / "tree"), verifier=ScriptVerifier(tests),
+                setup=[RunStep("echo ran >> /app/setup_runs", "/app", {}, "test")])
+
+
+def test_pool_prepares_once_forks_per_sample_and_runs_concurrently(tree, tmp_path):
+    task = _counting_task(tmp_path)
+    barrier = threading.Barrier(2, timeout=60)
+
+    def sample(sbx, i):
+        barrier.wait()  # two samples must be live at the same time for this to pass
+        sbx.exec(f"echo sample{i} >> /app/setup_runs")
+        return sbx.exec("cat /app/setup_runs").output
+
+    with SandboxPool(LocalBackend(), concurrency=2) as pool:
+        outputs = pool.run_group(task, sample, group_size=4)
+    assert outputs == [f"ran\nsample{i}\n" for i in range(4)]
+
+
+def test_failed_setup_names_its_origin(tmp_path):
+    task_dir = tmp_path / "broken"
+    (task_dir / "environment").mkdir(parents=True)
+    (task_dir / "tests").mkdir()
+    (task_dir / "instruction.md").write_text("x")
+    (task_dir / "task.toml").write_text("")
+    (task_dir / "tests" / "test.sh").write_text("exit 0\n")
+    (task_dir / "environment" / "Dockerfile").write_text("FROM debian\nWORKDIR /app\nRUN apt-get install -y foo\n")
+    task = load_harbor_task(task_dir)
+    with SandboxPool(LocalBackend(), concurrency=1) as pool:
+        with pytest.raises(TaskError, match=r"Dockerfile:3: setup command failed"):
+            pool.prepare(task)
+
+
+def _cmdline_has(proc: Path, marker: str) -> bool:
+    try:
+        return marker.encode() in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_unisolated_mode_still_applies_limits(tmp_path):
+    import warnings
+
+    from rl.sandbox.local import UnisolatedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnisolatedWarning)
+        backend = LocalBackend(unisolated=True)
+        with backend.create(None) as sbx:
+            marker = f"mc-unisolated-{id(sbx)}"
+            res = sbx.exec(f"(exec -a {marker} sleep 30) & echo started", timeout=60)
+            assert res.output == "started\n" and not res.timed_out
+            alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, marker)]
+            assert alive == []  # the command's session was killed when its shell exited
+            assert sbx.exec("sleep 3", timeout=0.5).timed_out
+            assert Path(sbx.workdir).is_dir() and str(sbx.root) in sbx.workdir
