@@ -22,9 +22,9 @@ def make_backend(name: str, unisolated: bool = False, limits: SandboxLimits | No
         from rl.sandbox.local import LocalBackend
 
         return LocalBackend(limits=limits, unisolated=unisolated)
-    from rl.sandbox.container import ContainerBackend
+    from rl.sandbox.container import make_container_backend
 
-    return ContainerBackend(engine=name, limits=limits)
+    return make_container_backend(name, limits=limits)
 
 
 def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:

@@ -125,7 +125,7 @@ class LocalSandbox(Sandbox):
         self.extra_ro_binds = tuple(extra_ro_binds)
         self._mounts: list[tuple[Path, str]] = []
         self._closed = False
-        if not unisolated:
+        if not unisolated and self.needs_bwrap:
             problem = bwrap_problem() if check_bwrap else None
             self._bwrap = bwrap_path()
             if problem or self._bwrap is None:
@@ -185,7 +185,10 @@ class LocalSandbox(Sandbox):
         return ["prlimit", f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}", f"--nproc={nproc}",
                 f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0", "--"]
 
-    def _bwrap_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
+    needs_bwrap = True
+    reports_status = True  # the launcher passes the wrapper's status descriptor through
+
+    def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
         argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
                 "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE), "--hostname", "sandbox"]
         for name in SYSTEM_DIRS:
@@ -227,10 +230,11 @@ class LocalSandbox(Sandbox):
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
                               cwd=cwd or self.workdir, env=full_env, status_pipe=False, over_disk=over_disk)
         else:
-            argv = (self._rlimit_argv() + self._bwrap_argv(cwd or self.workdir, full_env)
-                    + wrapper_argv(command))
+            inner = wrapper_argv(command) if self.reports_status else ["bash", "--noprofile", "--norc", "-c", command]
+            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env) + inner
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              env={"PATH": BASE_ENV["PATH"]}, user=self.uid, group=self.uid, over_disk=over_disk)
+                              env={"PATH": BASE_ENV["PATH"]}, user=self.uid, group=self.uid, over_disk=over_disk,
+                              status_pipe=self.reports_status)
         if not res.disk_exceeded and over_disk():
             res.disk_exceeded = True
             res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")

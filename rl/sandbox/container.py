@@ -1,0 +1,233 @@
+"""Sandboxes on container engines, driven through their command-line tools.
+
+- docker / podman (`ContainerSandbox`): the task's environment/Dockerfile is built as an image (its RUN lines run
+  in the build); a container started from it with no network, a memory limit, a pid limit and rlimits stays up
+  for the episode and each command runs with `exec` under `timeout -s KILL`. Snapshots are committed images,
+  so every fork starts from the prepared state.
+- apptainer (`ApptainerSandbox`): like LocalSandbox, each command is a fresh `apptainer exec --containall` of
+  the backend's image (default docker://python:3.11-slim-bookworm) with the task tree bound at /app; the
+  Dockerfile subset is applied as for the local backend.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, run_process
+from rl.sandbox.local import LocalSandbox, LocalSnapshot
+
+ENGINES = ("docker", "podman", "apptainer")
+
+
+def engine_problem(engine: str) -> str | None:
+    """Why `engine` cannot run containers here, or None when it can."""
+    if engine not in ENGINES:
+        return f"unknown container engine {engine!r}; choose one of {list(ENGINES)}"
+    exe = shutil.which(engine)
+    if exe is None:
+        return f"{engine} is not installed"
+    probe = [exe, "version"] if engine == "apptainer" else [exe, "info", "--format", "{{.ServerVersion}}"]
+    try:
+        res = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{engine} does not respond: {e}"
+    if res.returncode != 0:
+        lines = (res.stderr or res.stdout).strip().splitlines()
+        return f"{engine} cannot run containers: {lines[-1] if lines else 'exit ' + str(res.returncode)}"
+    return None
+
+
+def _cli(argv: list[str], what: str, timeout: float = 600, stdin: bytes | None = None) -> str:
+    try:
+        res = subprocess.run(argv, capture_output=True, timeout=timeout, input=stdin)
+    except subprocess.TimeoutExpired:
+        raise SandboxError(f"{what} timed out after {timeout:g}s: {shlex.join(argv[:6])}") from None
+    if res.returncode != 0:
+        raise SandboxError(f"{what} failed: {res.stderr.decode(errors='replace').strip()[-2000:]}")
+    return res.stdout.decode(errors="replace").strip()
+
+
+@dataclass
+class ContainerSnapshot:
+    engine: str
+    image: str
+    workdir: str
+    env: dict[str, str] = field(default_factory=dict)
+    owned: bool = True  # a committed image this project made (removed on discard), not a task's base image
+
+    def discard(self) -> None:
+        if self.owned:
+            subprocess.run([self.engine, "rmi", "-f", self.image], capture_output=True)
+
+
+class ContainerSandbox(Sandbox):
+    """A docker or podman container kept running for the episode; commands run via `exec`."""
+
+    def __init__(self, engine: str, image: str, *, workdir: str = "/app", env: dict[str, str] | None = None,
+                 limits: SandboxLimits | None = None):
+        self.engine = engine
+        self.limits = limits or SandboxLimits()
+        self.workdir = workdir
+        self.tree_root = "/app"
+        self.env = dict(env or {})
+        lim = self.limits
+        mb = 1024 * 1024
+        self.name = f"mc-sandbox-{secrets.token_hex(6)}"
+        argv = [engine, "run", "-d", "--name", self.name, "--network", "none", "--memory", f"{lim.memory_mb}m",
+                "--pids-limit", str(lim.max_processes), "--security-opt", "no-new-privileges",
+                "--ulimit", f"fsize={lim.max_file_mb * mb}", "--ulimit", f"nofile={lim.max_open_files}",
+                "--ulimit", f"cpu={lim.cpu_time_s}", "--ulimit", "core=0", "--workdir", workdir,
+                "--entrypoint", "sleep", image, "infinity"]
+        self.container = _cli(argv, f"{engine} run")
+        self._closed = False
+
+    def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
+             env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        timeout = self.limits.command_timeout_s if timeout is None else timeout
+        argv = [self.engine, "exec", "-i", "-w", cwd or self.workdir]
+        for k, v in {**BASE_ENV, **self.env, **(env or {})}.items():
+            argv += ["-e", f"{k}={v}"]
+        # timeout inside the container kills the command there; the host-side limit is a backstop.
+        argv += [self.container, "timeout", "-s", "KILL", f"{timeout:g}", "bash", "--noprofile", "--norc", "-c",
+                 command]
+        res = run_process(argv, timeout=timeout + 10, max_output=self.limits.max_output_bytes, stdin=stdin,
+                          status_pipe=False)
+        if res.exit_code == 137 and res.duration_s >= timeout:
+            res.timed_out = True
+            res.events = [f"wall-clock timeout after {timeout:g}s: process killed"]
+        return res
+
+    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
+        host_path = Path(host_path)
+        q = shlex.quote(dest)
+        prep = f"mkdir -p {q}" if merge and host_path.is_dir() else f"rm -rf {q} && mkdir -p \"$(dirname {q})\""
+        _cli([self.engine, "exec", self.container, "sh", "-c", prep], "preparing " + dest)
+        if host_path.is_dir():
+            if not merge:
+                _cli([self.engine, "exec", self.container, "mkdir", "-p", dest], "mkdir " + dest)
+            _cli([self.engine, "cp", f"{host_path}/.", f"{self.container}:{dest}"], f"copying {host_path}")
+        else:
+            _cli([self.engine, "cp", str(host_path), f"{self.container}:{dest}"], f"copying {host_path}")
+
+    def snapshot(self) -> ContainerSnapshot:
+        image = f"mc-snapshot-{secrets.token_hex(6)}"
+        _cli([self.engine, "commit", self.container, image], f"{self.engine} commit")
+        return ContainerSnapshot(self.engine, image, self.workdir, dict(self.env))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            subprocess.run([self.engine, "rm", "-f", self.container], capture_output=True)
+
+
+@dataclass
+class ContainerBackend:
+    """docker or podman. `build(task)` builds the task's Dockerfile (or starts from its docker_image / the
+    default image and applies its setup steps) and commits the prepared container as the snapshot."""
+
+    engine: str = "docker"
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    default_image: str = "python:3.11-slim-bookworm"
+    name: str = "container"
+
+    def __post_init__(self):
+        if self.engine == "apptainer":
+            raise SandboxError("use ApptainerBackend for apptainer (see make_container_backend)")
+        problem = engine_problem(self.engine)
+        if problem:
+            raise SandboxError(problem)
+
+    def build(self, task) -> ContainerSnapshot:
+        limits = task.limits.sandbox_limits(self.limits)
+        if task.environment_dir is not None:
+            image = f"mc-task-{secrets.token_hex(6)}"
+            _cli([self.engine, "build", "-q", "-t", image, "-f", str(task.environment_dir / "Dockerfile"),
+                  str(task.environment_dir)], f"building {task.environment_dir}/Dockerfile",
+                 timeout=task.limits.setup_timeout_s)
+            base = ContainerSnapshot(self.engine, image, task.workdir, dict(task.env))
+            steps = []  # the Dockerfile's own COPY/RUN lines ran in the build
+        else:
+            base = ContainerSnapshot(self.engine, task.docker_image or self.default_image, task.workdir,
+                                     dict(task.env), owned=False)
+            steps = task.setup
+        sandbox = ContainerSandbox(self.engine, base.image, workdir="/", env=task.env, limits=limits)
+        try:
+            with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
+                task.tree.materialize(Path(tmp) / "tree")
+                if any(Path(tmp, "tree").iterdir()):
+                    sandbox.copy_in(Path(tmp) / "tree", "/app", merge=True)
+            for step in steps:
+                step.apply(sandbox, task.limits.setup_timeout_s)
+            sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
+            snap = sandbox.snapshot()
+            snap.workdir, snap.env = task.workdir, dict(task.env)
+            return snap
+        finally:
+            sandbox.close()
+            base.discard()
+
+    def create(self, tree, workdir: str = "/app", env=None, limits=None) -> ContainerSandbox:
+        sandbox = ContainerSandbox(self.engine, self.default_image, workdir="/", env=env, limits=limits or self.limits)
+        if tree is not None:
+            sandbox.copy_in(tree, "/app", merge=True)
+        sandbox.workdir = workdir
+        return sandbox
+
+    def fork(self, snapshot: ContainerSnapshot, limits: SandboxLimits | None = None) -> ContainerSandbox:
+        return ContainerSandbox(self.engine, snapshot.image, workdir=snapshot.workdir, env=snapshot.env,
+                                limits=limits or self.limits)
+
+
+class ApptainerSandbox(LocalSandbox):
+    """LocalSandbox whose commands run in `apptainer exec --containall` of an image instead of bubblewrap."""
+
+    needs_bwrap = False
+    reports_status = False
+
+    def __init__(self, tree, *, image: str, **kwargs):
+        self.image = image
+        self._apptainer = shutil.which("apptainer")
+        super().__init__(tree, check_bwrap=False, **kwargs)
+
+    def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
+        binds = [f"{self.root / d}:/{d}" for d in ("app", "tmp", "logs")]
+        binds += [f"{host}:{dest}" for host, dest in self._mounts]
+        argv = [self._apptainer, "exec", "--containall", "--cleanenv", "--no-home", "--net", "--network", "none",
+                "--pwd", cwd, "--bind", ",".join(binds)]
+        for k, v in env.items():
+            argv += ["--env", f"{k}={v}"]
+        return argv + [self.image]
+
+
+@dataclass
+class ApptainerBackend:
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    default_image: str = "docker://python:3.11-slim-bookworm"
+    name: str = "apptainer"
+
+    def __post_init__(self):
+        problem = engine_problem("apptainer")
+        if problem:
+            raise SandboxError(problem)
+
+    def create(self, tree, workdir: str = "/app", env=None, limits=None) -> ApptainerSandbox:
+        return ApptainerSandbox(tree, image=self.default_image, workdir=workdir, env=env,
+                                limits=limits or self.limits)
+
+    def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> ApptainerSandbox:
+        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env, limits=limits)
+
+
+def make_container_backend(engine: str, limits: SandboxLimits | None = None):
+    limits = limits or SandboxLimits()
+    if engine == "apptainer":
+        return ApptainerBackend(limits=limits)
+    return ContainerBackend(engine=engine, limits=limits)
