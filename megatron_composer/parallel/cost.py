@@ -1,0 +1,205 @@
+"""Analytic cost of a parallel layout: per-rank parameter/gradient/optimizer memory and collective traffic
+per training step, following exactly what `parallelize_model`, the vocab-parallel losses and
+`DistributedAdamW` do. `benchmarks/parallel_comm.py` checks it against wrapped collectives on tiny models;
+`tools/plan_parallel.py` applies it to the real presets.
+
+Traffic is counted as collective *payload* bytes per rank: the tensor handed to all-reduce, the full
+(gathered) tensor of all-gather and reduce-scatter, and the rows an all-to-all sends to other ranks. A ring
+moves about 2(n-1)/n (all-reduce) or (n-1)/n (the others) of the payload over each rank's link.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_composer.parallel.dims import ParallelDims
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass
+class Layout:
+    dims: ParallelDims
+    seq_len: int  # tokens per sequence (global, before context parallelism)
+    micro_batch: int  # sequences per data-parallel rank per micro-batch
+    zero1: bool = True
+    mtp: bool = True  # MTP heads run (and are trained)
+    param_bytes: int = 4  # parameters and gradients (2 for bf16 training, with an fp32 master in the optimizer)
+    act_bytes: int = 4
+    activation_checkpointing: str = "none"
+
+    @property
+    def local_tokens(self) -> int:
+        return self.micro_batch * self.seq_len // self.dims.cp
+
+
+def param_kind(name: str, sp: bool, attention: str) -> str:
+    """The ShardSpec kind `parallelize_model` gives a parameter when tp > 1."""
+    parts = name.split(".")
+    if ".experts." in name and ".shared_experts." not in name:
+        return "expert"
+    if parts[0] in ("tok_embeddings", "output"):
+        return "tp_sharded"
+    if "attention" in parts:
+        sub = parts[parts.index("attention") + 1]
+        if sub in ("wq", "wq_b", "wkv_b", "wo", "wk", "wv"):
+            return "tp_sharded"
+        if attention == "gqa" and sub in ("q_norm", "k_norm"):  # per-head-dim weights shared by split heads
+            return "tp_partial"
+        return "replicated"  # MLA's low-rank down-projections and their norms
+    if "shared_experts" in parts or (len(parts) > 2 and parts[-3] == "feed_forward" and parts[-2] in ("w1", "w2", "w3")):
+        return "tp_sharded"
+    if "router" in parts or parts[-2] in ("attention_norm", "ffn_norm", "norm", "enorm", "hnorm", "eh_proj"):
+        return "tp_partial" if sp else "replicated"
+    return "replicated"
+
+
+def model_params(cfg) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, from the model built on the meta device (no memory)."""
+    from megatron_composer.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def _local_numel(name, shape, kind, dims: ParallelDims) -> int:
+    n = math.prod(shape)
+    if kind == "tp_sharded":
+        return n // dims.tp
+    if kind == "expert":
+        return n // dims.ep
+    return n
+
+
+def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state (AdamW moments, fp32 master when params are not
+    fp32) on one rank."""
+    dims = lay.dims
+    params = params if params is not None else model_params(cfg)
+    dense = expert = 0
+    for name, shape in params:
+        kind = param_kind(name, dims.sequence_parallel, cfg.attention)
+        if dims.tp == 1 and kind != "expert":
+            kind = "replicated"
+        n = _local_numel(name, shape, kind, dims)
+        if kind == "expert":
+            expert += n
+        else:
+            dense += n
+    state_per_elem = 8 + (4 if lay.param_bytes != 4 else 0)
+    dense_share = dims.dp * dims.cp if lay.zero1 else 1
+    expert_share = dims.edp if lay.zero1 else 1
+    return {
+        "params": (dense + expert) * lay.param_bytes,
+        "grads": (dense + expert) * lay.param_bytes,
+        "optimizer": state_per_elem * (math.ceil(dense / dense_share) + math.ceil(expert / expert_share)),
+        "dense_params_local": dense,
+        "expert_params_local": expert,
+    }
+
+
+def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, params: Optional[list] = None
+                  ) -> dict[str, float]:
+    """Payload bytes per rank of one micro-batch forward+backward plus the optimizer step.
+
+    offrank_slots: (token, expert) pairs per MoE layer this rank sends to other expert-parallel ranks; by
+    default the uniform-routing expectation T*K*(ep-1)/ep (T tokens the rank dispatches). The all-to-all
+    return trip and the backward pass move the same number of rows.
+    """
+    d = lay.dims
+    tp, cp, ep, sp = d.tp, d.cp, d.ep, d.sequence_parallel
+    b, s = lay.micro_batch, lay.seq_len // d.cp
+    D, p = cfg.hidden_size, lay.act_bytes
+    bsD = b * s * D * p
+    vol = dict.fromkeys(OPS, 0.0)
+    depths = cfg.num_mtp_layers if lay.mtp else 0
+    blocks = [(i, cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]
+    blocks += [(cfg.num_layers + k, cfg.is_moe_layer(cfg.num_layers + k)) for k in range(depths)]
+
+    def row_exit(n_bytes):  # RowParallelLinear output (+ its backward)
+        if sp:
+            vol["reduce_scatter"] += n_bytes
+            vol["all_gather"] += n_bytes
+        else:
+            vol["all_reduce"] += n_bytes
+
+    if tp > 1:
+        # embedding (main + one lookup per MTP depth) and output head (+ per depth), vocab-parallel CE
+        for _ in range(1 + depths):
+            row_exit(bsD)
+            if sp:  # head gathers the sequence; its input gradient is partial -> reduce-scatter
+                vol["all_gather"] += bsD
+                vol["reduce_scatter"] += bsD
+            else:
+                vol["all_reduce"] += bsD
+            vol["all_reduce"] += 3 * b * s * 4  # max, target logit, sum of exponentials (fp32)
+        for _, is_moe in blocks:
+            # attention
+            if sp:
+                vol["all_gather"] += bsD
+            if cfg.attention == "mla":
+                q_in = D if cfg.q_lora_rank is None else cfg.q_lora_rank
+                # column inputs' gradients: q latent, and the kv latent + rope key (cp-gathered first)
+                vol["all_reduce"] += b * s * (q_in + cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)) * p
+            else:
+                vol["all_reduce"] += 3 * bsD
+            row_exit(bsD)
+            # feed-forward
+            if not is_moe:
+                if sp:
+                    vol["all_gather"] += bsD
+                vol["all_reduce"] += 2 * bsD
+                row_exit(bsD)
+                continue
+            if cfg.num_shared_experts:
+                if sp:
+                    vol["all_gather"] += b * s * D * p
+                vol["all_reduce"] += 2 * b * s * D * p
+                row_exit(b * s * D * p)
+            if sp:
+                vol["all_gather"] += b * s * cfg.num_experts_per_tok * 8  # chosen experts, gathered back
+            else:  # token slice per tp rank: output gathered; x and gate-weight gradients gathered back
+                T_pad = math.ceil(b * s / tp) * tp
+                vol["all_gather"] += T_pad * D * p * 2 + T_pad * cfg.num_experts_per_tok * 4
+    if cp > 1:
+        vol["all_gather"] += b * s * cp * 8 * (1 + depths)  # position ids once, token ids per MTP depth
+        for _ in blocks:
+            if cfg.attention == "mla":
+                kv = b * s * cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * p
+            else:
+                kv = 2 * b * (cfg.num_kv_heads or cfg.num_heads) // tp * s * cp * cfg.gqa_head_dim * p
+            vol["all_gather"] += kv
+            vol["reduce_scatter"] += kv
+    if ep > 1:
+        n_moe = sum(1 for _, m in blocks if m)
+        T_disp = b * s // tp if sp else math.ceil(b * s / tp)
+        K = cfg.num_experts_per_tok
+        slots = offrank_slots if offrank_slots is not None else T_disp * K * (ep - 1) / ep
+        vol["all_to_all"] += n_moe * (4 * slots * D * p + (ep - 1) * (cfg.num_experts // ep) * 8)
+    # gradients and optimizer
+    params = params if params is not None else model_params(cfg)
+    mem = memory_per_rank(cfg, lay, params)
+    dense, expert = mem["dense_params_local"], mem["expert_params_local"]
+    g = lay.param_bytes if lay.param_bytes == 4 else 4
+    if tp > 1:
+        vol["all_reduce"] += sum(math.prod(sh) for n, sh in params
+                                 if param_kind(n, sp, cfg.attention) == "tp_partial") * g
+    for n_local, replicas in ((dense, d.dp * d.cp), (expert, d.edp)):
+        if replicas == 1 or n_local == 0:
+            continue
+        if lay.zero1:
+            vol["reduce_scatter"] += n_local * 4
+            vol["all_gather"] += n_local * 4
+        else:
+            vol["all_reduce"] += n_local * 4
+    if d.world_size > 1:
+        vol["all_reduce"] += 8  # global gradient norm (fp64 scalar)
+    return vol
+
+
+__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step"]
