@@ -90,9 +90,11 @@ def main() -> None:
         ax_bias.errorbar(mus, [r[f"{kind}_bias"] / r["true_kl"] for r in rows],
                          yerr=[r[f"{kind}_bias_stderr"] / r["true_kl"] for r in rows], fmt="x--", color=color,
                          alpha=0.6, label=f"{kind}: mean over all samples")
-        ax_std.semilogy(mus, [r[f"{kind}_std"] / r["true_kl"] for r in rows], "o-", color=color, label=f"{kind} measured")
-    ax_std.semilogy(mus, [r["k1_std_analytic"] / r["true_kl"] for r in rows], ":", color="tab:blue", label="k1 analytic")
-    ax_std.semilogy(mus, [r["k3_std_analytic"] / r["true_kl"] for r in rows], ":", color="tab:red", label="k3 analytic")
+        ax_std.semilogy(mus, [r[f"{kind}_std"] / r["true_kl"] for r in rows], "o-", color=color,
+                        label=f"{kind} measured")
+    for kind, color in (("k1", "tab:blue"), ("k3", "tab:red")):
+        ax_std.semilogy(mus, [r[f"{kind}_std_analytic"] / r["true_kl"] for r in rows], ":", color=color,
+                        label=f"{kind} analytic")
     ax_bias.axhline(0.0, color="gray", lw=0.5)
     ax_bias.set(xlabel="mean separation mu", ylabel="relative bias (estimate - KL) / KL",
                 title=f"Bias (batches of {args.batch})")

@@ -38,8 +38,9 @@ class Segment:
             if v is not None and len(v) != n:
                 raise ValueError(f"segment {name} has {len(v)} entries for {n} response tokens")
         total = len(self.prompt_ids) + n
-        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[1] != total):
-            raise ValueError(f"segment routed_experts must be [layers, {total}, top_k], got {tuple(self.routed_experts.shape)}")
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 3 or routed.shape[1] != total):
+            raise ValueError(f"segment routed_experts must be [layers, {total}, top_k], got {tuple(routed.shape)}")
 
 
 @dataclass
@@ -76,7 +77,8 @@ def episodes_to_samples(groups: list[list[Episode]], cfg) -> tuple[list[Training
         raise ValueError("episodes_to_samples got no groups")
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
-        raise ValueError(f"every group must hold the same number of episodes (fixed group size); got sizes {sorted(sizes)}")
+        raise ValueError("every group must hold the same number of episodes (fixed group size); "
+                         f"got sizes {sorted(sizes)}")
     rewards_NG = torch.tensor([[float(ep.reward) for ep in g] for g in groups], dtype=torch.float32)
     result = advantages_from_config(rewards_NG, cfg)
     samples: list[TrainingSample] = []

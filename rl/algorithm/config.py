@@ -23,7 +23,8 @@ def _f(default, help: str, **kw):
 @dataclass
 class RLObjectiveConfig:
     # Advantages
-    advantage_baseline: Literal["mean", "leave_one_out"] = _f("mean", "group baseline: mean of the group or of the others")
+    advantage_baseline: Literal["mean", "leave_one_out"] = _f(
+        "mean", "group baseline: mean of the group or of the others")
     advantage_std_normalize: bool = _f(False, "divide group advantages by the group std (GRPO); off in the recipe")
     advantage_eps: float = _f(1e-6, "added to the group std before dividing")
     filter_zero_variance_groups: bool = _f(False, "drop groups whose rewards are all equal from the loss")
@@ -43,7 +44,8 @@ class RLObjectiveConfig:
     ppo_clip_low: float = _f(0.2, "ppo_clip: ratio lower bound is 1 - ppo_clip_low")
     ppo_clip_high: float = _f(0.2, "ppo_clip: ratio upper bound is 1 + ppo_clip_high (0.28 = DAPO clip-higher)")
     tis_cap: Optional[float] = _f(
-        None, "truncated importance sampling cap C: weights min(ratio, C); null = untruncated")
+        None, "truncated importance sampling cap C. is: weight min(pi/mu, C); ppo_clip with an old-policy pass: "
+              "extra weight min(pi_old/mu, C); null = untruncated")
 
     # Train/inference mismatch masking
     mismatch_mask: Literal["off", "token", "sequence"] = _f(

@@ -33,7 +33,8 @@ Aggregation = Literal["token_sum_constant", "seq_mean_token_mean", "token_mean"]
 def token_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor) -> torch.Tensor:
     """logp[b, t] = log softmax(logits[b, t - 1])[input_ids[b, t]] in float32; logp[:, 0] = 0 (no context)."""
     if logits_BSV.shape[:2] != input_ids_BS.shape:
-        raise ValueError(f"logits {tuple(logits_BSV.shape)} and input_ids {tuple(input_ids_BS.shape)} disagree on [B, S]")
+        raise ValueError(f"logits {tuple(logits_BSV.shape)} and input_ids {tuple(input_ids_BS.shape)} "
+                         "disagree on [B, S]")
     logp_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
     picked_BS = logp_BSV.gather(-1, input_ids_BS[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked_BS, (1, 0))
@@ -194,7 +195,8 @@ class PolicyGradientLoss(torch.nn.Module):
         if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
             advantages = advantages[:, None].expand_as(logp)
         if advantages.shape != logp.shape:
-            raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)} for logp {tuple(logp.shape)}")
+            raise ValueError(f"advantages must be [B] or [B, T]; got {tuple(advantages.shape)} "
+                             f"for logp {tuple(logp.shape)}")
         adv_BT = advantages.detach().float()
 
         train_side_BT = old_logp if old_logp is not None else logp.detach()
@@ -204,7 +206,8 @@ class PolicyGradientLoss(torch.nn.Module):
         n_tok = m_BT.sum().clamp(min=1)
 
         def masked_mean(x_BT: torch.Tensor) -> float:
-            return (torch.where(mask_BT, x_BT.detach().float(), torch.zeros((), device=x_BT.device)).sum() / n_tok).item()
+            x_BT = torch.where(mask_BT, x_BT.detach().float(), torch.zeros((), device=x_BT.device))
+            return (x_BT.sum() / n_tok).item()
 
         kl_loss_BT = torch.zeros_like(logp)
         if cfg.kl_coef > 0:

@@ -22,7 +22,8 @@ class PromptSampler:
     def __init__(self, num_prompts: int, prompts_per_step: int, group_size: int, seed: int = 0,
                  drop_last: bool = False):
         if num_prompts <= 0:
-            raise ValueError(f"the prompt set is empty (num_prompts={num_prompts}); point the RL data at a non-empty file")
+            raise ValueError(f"the prompt set is empty (num_prompts={num_prompts}); "
+                             "point the RL data at a non-empty file")
         if prompts_per_step <= 0:
             raise ValueError(f"prompts_per_step must be positive, got {prompts_per_step}")
         if group_size <= 0:

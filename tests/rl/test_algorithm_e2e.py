@@ -1,10 +1,11 @@
 """A one-step-per-batch RL loop with the default objective raises the reward of a toy verifiable task.
 
 Task: the prompt is [BOS, p, q] with p, q random content tokens; the response (RESPONSE_LEN sampled tokens)
-earns the fraction of its positions that match the target pattern TARGET. The model is the project's MoE Transformer (tiny-qwen3-moe
-shape, small vocab); rollouts record behaviour log-probs and routed experts as the inference engine does,
-and training replays those experts (R3), applies mismatch masking, the k1-in-reward KL to a frozen reference
-and the Dr. GRPO aggregation.
+earns the fraction of its positions that match the target pattern TARGET. The model is the project's MoE
+Transformer (tiny-qwen3-moe shape, small vocab); rollouts record behaviour log-probs and routed experts as the
+inference engine does, and training replays those experts (R3), applies mismatch masking, the k1-in-reward KL
+to a frozen reference and the Dr. GRPO aggregation. Groups that reach equal rewards stop contributing (zero
+advantage), so the reward plateaus below 1; the test asks for a clear rise, not for a solved task.
 """
 
 import copy
@@ -83,7 +84,8 @@ def run_loop(steps: int = STEPS, seed: int = 0) -> list[float]:
             free = policy(batch["input_ids"], return_routing=True).routed_experts
             ref_logp = token_logprobs(reference(batch["input_ids"]), batch["input_ids"])
         # On-policy with identical weights and batch: routing without replay agrees with the engine's.
-        assert routing_mismatch(free, batch["routed_experts"], batch["loss_mask"])["routing_mismatch_token_fraction"] == 0
+        mismatch = routing_mismatch(free, batch["routed_experts"], batch["loss_mask"])
+        assert mismatch["routing_mismatch_token_fraction"] == 0
         logp = token_logprobs(out.logits, batch["input_ids"])
         loss, metrics = objective(logp, batch["loss_mask"], batch["advantages"], batch["behaviour_logp"],
                                   ref_logp=ref_logp, num_sequences=int(adv.metrics["num_episodes"]))

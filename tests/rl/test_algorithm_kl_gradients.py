@@ -109,7 +109,8 @@ def test_k1_in_reward_reward_to_go_gives_the_sequence_kl_gradient():
     V = 3
     gen = torch.Generator().manual_seed(5)
     th1_0, th2_0 = torch.randn(V, generator=gen), torch.randn(V, V, generator=gen)
-    ref1, ref2 = torch.log_softmax(torch.randn(V, generator=gen), -1), torch.log_softmax(torch.randn(V, V, generator=gen), -1)
+    ref1 = torch.log_softmax(torch.randn(V, generator=gen), -1)
+    ref2 = torch.log_softmax(torch.randn(V, V, generator=gen), -1)
     y1, y2 = torch.arange(V).repeat_interleave(V), torch.arange(V).repeat(V)  # all V*V sequences
 
     def exact():

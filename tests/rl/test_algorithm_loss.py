@@ -30,7 +30,8 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 def test_token_sum_constant():
     assert aggregate_loss(LOSS, MASK, "token_sum_constant").item() == pytest.approx(7 / (2 * 3))
-    assert aggregate_loss(LOSS, MASK, "token_sum_constant", constant=10, num_sequences=4).item() == pytest.approx(7 / 40)
+    loss = aggregate_loss(LOSS, MASK, "token_sum_constant", constant=10, num_sequences=4)
+    assert loss.item() == pytest.approx(7 / 40)
 
 
 def test_seq_mean_token_mean_with_empty_response():
