@@ -36,18 +36,27 @@ class MTPLossConfig:
             raise ConfigError(f"mtp.temperature={self.temperature} must be > 0")
 
 
-def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, S-depth] bool: position t has a depth-`depth` target inside its own document with loss on it."""
-    same_doc = position_ids_BS[:, depth:] == position_ids_BS[:, :-depth] + depth
-    return same_doc & (loss_mask_BS[:, depth:] > 0)
+def shift_left_local(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """y[:, t] = x[:, t + k] along dim 1, `fill` past the end (the single-shard case of cp_shift_left)."""
+    pad = torch.full_like(x.narrow(1, 0, k), fill)
+    return torch.cat([x.narrow(1, k, x.shape[1] - k), pad], dim=1)
 
 
-def token_counts(batch: dict[str, torch.Tensor], num_mtp_depths: int) -> torch.Tensor:
+def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int, shift_left=shift_left_local) -> torch.Tensor:
+    """[B, S] bool: position t has a depth-`depth` target inside its own document with loss on it.
+
+    `shift_left(x, k, fill)` returns x[t + k] for this rank's positions; with context parallelism it is
+    cp_shift_left, so pairs that straddle sequence shards are kept exactly.
+    """
+    same_doc = shift_left(position_ids_BS, depth, -1) == position_ids_BS + depth
+    return same_doc & (shift_left(loss_mask_BS, depth, 0) > 0)
+
+
+def token_counts(batch: dict[str, torch.Tensor], num_mtp_depths: int, shift_left=shift_left_local) -> torch.Tensor:
     """[1 + depths] float: LM tokens with loss, then valid MTP pairs per depth, for global normalisation."""
     counts = [batch["loss_mask"].sum()]
-    S = batch["loss_mask"].shape[1]
     for k in range(1, num_mtp_depths + 1):
-        counts.append(mtp_valid_mask(batch["loss_mask"], batch["position_ids"], k).sum() if k < S else torch.zeros(()))
+        counts.append(mtp_valid_mask(batch["loss_mask"], batch["position_ids"], k, shift_left).sum())
     return torch.stack([c.float() for c in counts])
 
 
@@ -63,25 +72,23 @@ def mtp_self_distillation_sums(
     loss_mask_BS: torch.Tensor,
     position_ids_BS: torch.Tensor,
     cfg: MTPLossConfig,
+    shift_left=shift_left_local,
 ) -> list[dict[str, torch.Tensor]]:
     """Per depth: sums over valid pairs of the trained loss, KL, CE and top-1 agreement with the main head."""
     out = []
-    S = main_logits_BSV.shape[1]
+    main_detached = main_logits_BSV.detach()
     for k, mtp_BSV in enumerate(mtp_logits, start=1):
-        if k >= S:
-            zero = mtp_BSV.sum() * 0
-            out.append({"loss": zero, "kl": zero.detach(), "ce": zero.detach(), "agree": zero.detach()})
-            continue
-        valid = mtp_valid_mask(loss_mask_BS, position_ids_BS, k).flatten().float()
-        student_NV = mtp_BSV[:, : S - k].flatten(0, 1).float()
-        teacher_NV = main_logits_BSV[:, k:].detach().flatten(0, 1).float()
+        valid = mtp_valid_mask(loss_mask_BS, position_ids_BS, k, shift_left).flatten().float()
+        student_NV = mtp_BSV.flatten(0, 1).float()
+        teacher_NV = shift_left(main_detached, k, 0).flatten(0, 1).float()
+        target_N = shift_left(labels_BS, k, 0).flatten()
         logq = F.log_softmax(student_NV / cfg.temperature, dim=-1)
         logp = F.log_softmax(teacher_NV / cfg.temperature, dim=-1)
         if cfg.divergence == "forward_kl":
             kl_N = (logp.exp() * (logp - logq)).sum(-1)
         else:
             kl_N = (logq.exp() * (logq - logp)).sum(-1)
-        ce_N = F.cross_entropy(student_NV, labels_BS[:, k:].flatten(), reduction="none")
+        ce_N = F.cross_entropy(student_NV, target_N, reduction="none")
         loss_N = kl_N + cfg.ce_weight * ce_N if cfg.ce_weight else kl_N
         agree_N = (student_NV.argmax(-1) == teacher_NV.argmax(-1)).float()
         out.append({
@@ -93,7 +100,7 @@ def mtp_self_distillation_sums(
     return out
 
 
-def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor):
+def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor, shift_left=shift_left_local):
     """Loss to backpropagate for one micro-batch (already divided by global counts) and detached stats.
 
     `output` is the model's ModelOutput (logits, mtp_logits, aux_loss); `global_counts` is the sum over the
@@ -106,7 +113,7 @@ def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig
     stats = {"lm_loss": lm.detach()}
     mtp_logits = list(getattr(output, "mtp_logits", None) or [])
     if mtp_logits and mtp_cfg.weight > 0:
-        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg)
+        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg, shift_left)
         mtp_total = 0.0
         for k, d in enumerate(per_depth, start=1):
             n = global_counts[k].clamp(min=1)

@@ -31,7 +31,7 @@ from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
 from megatron_composer.training.optim import OptimizerConfig, build_optimizer, lr_at, set_lr
-from pretrain.losses import MTPLossConfig, pretrain_loss, token_counts
+from pretrain.losses import MTPLossConfig, pretrain_loss, shift_left_local, token_counts
 
 
 @dataclass
@@ -126,38 +126,58 @@ def architecture(mc) -> dict:
 
 
 class Layout:
-    """Where this rank sits: data-parallel coordinates for data sharding and gradient reduction.
+    """Where this rank sits: data-parallel coordinates for data sharding, context-parallel sequence shards.
 
-    Data parallelism over plain replicated modules is done here (one flat all-reduce per step). Tensor,
-    context and expert parallelism need megatron_composer.parallel.parallelize_model, which returns the model
-    with its parallel layers and takes over gradient reduction.
+    Data parallelism over replicated parameters is done here (one flat all-reduce of gradients per step).
+    Context parallelism uses megatron_composer.parallel.parallelize_model (attention over the head-tail
+    sequence shards; MTP targets fetched across shards with cp_shift_left); parameters stay replicated, so
+    gradients are summed over every rank.
     """
 
     def __init__(self, pcfg: ParallelConfig):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if pcfg.tp > 1 or pcfg.ep > 1:
+            raise ConfigError(
+                f"parallel.tp={pcfg.tp} parallel.ep={pcfg.ep}: the pretraining loop does not yet reduce gradients or save "
+                "checkpoints for tensor/expert-sharded parameters; use parallel.tp=1 parallel.ep=1 (data + context parallel)"
+            )
+        self.pcfg = pcfg
         self.dims = ParallelDims.from_config(pcfg, self.world)
         self.groups = None
         self.dp_size = self.dims.dp
         self.dp_rank = self.dims.coords(self.rank)["dp"]
-        self.needs_model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1
+        self.cp = pcfg.cp
 
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not self.needs_model_parallel:
+        if self.cp == 1 and self.pcfg.activation_checkpointing == "none":
             return model
-        try:
-            from megatron_composer.parallel import parallelize_model
-        except ImportError:
-            raise ConfigError(
-                "parallel.tp/cp/ep > 1 needs megatron_composer.parallel.parallelize_model, which this checkout lacks; "
-                "set parallel.tp=1 parallel.cp=1 parallel.ep=1 (data parallel only)"
-            ) from None
+        from megatron_composer.parallel import parallelize_model
+
         self.groups = self.dims.build()
-        return parallelize_model(model, self.groups)
+        return parallelize_model(model, self.groups, activation_checkpointing=self.pcfg.activation_checkpointing)
+
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's context-parallel slice of each [B, S] tensor (identity without CP)."""
+        if self.cp == 1:
+            return batch
+        from megatron_composer.parallel import shard_sequence
+
+        cp_rank = self.dims.coords(self.rank)["cp"]
+        return {k: shard_sequence(v, 1, self.cp, cp_rank).contiguous() for k, v in batch.items()}
+
+    @property
+    def shift_left(self):
+        if self.cp == 1:
+            return shift_left_local
+        from megatron_composer.parallel import cp_shift_left
+
+        group = self.groups.cp_group
+        return lambda x, k, fill=0: cp_shift_left(x, k, 1, group, fill)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over data-parallel replicas (each micro-batch loss is already globally normalised)."""
-        if self.world == 1 or self.needs_model_parallel:
+        """Sum gradients over all ranks (each micro-batch loss is already normalised by the global count)."""
+        if self.world == 1:
             return
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
@@ -230,10 +250,10 @@ def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
     return Batches(train, global_seqs, cfg.train.micro_batch_size, layout), valid
 
 
-def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing):
+def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, shift_left):
     with autocast:
         out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing)
-    return pretrain_loss(out, batch, mtp_cfg, counts), out
+    return pretrain_loss(out, batch, mtp_cfg, counts, shift_left), out
 
 
 @torch.no_grad()
@@ -243,12 +263,12 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
     model.eval()
     idx = list(range(layout.dp_rank, min(cfg.train.eval_samples, len(valid)), layout.dp_size))
     batches = [collate([valid[i] for i in idx[j: j + cfg.train.micro_batch_size]]) for j in range(0, len(idx), cfg.train.micro_batch_size)]
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    batches = [layout.shard({k: v.to(device) for k, v in b.items()}) for b in batches]
     depths = model.config.num_mtp_layers if cfg.mtp.weight > 0 else 0
-    counts = layout.all_reduce_sum(sum((token_counts(b, depths) for b in batches), torch.zeros(1 + depths)).to(device))
+    counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in batches), torch.zeros(1 + depths, device=device)))
     totals: dict[str, torch.Tensor] = {}
     for b in batches:
-        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False)
+        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False, layout.shift_left)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.float()
     keys = sorted(totals)
@@ -327,12 +347,12 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.train.steps, cfg.optim)
         set_lr(optimizer, lr)
-        micro = [{k: v.to(device) for k, v in b.items()} for b in batches.step(step)]
-        counts = layout.all_reduce_sum(sum((token_counts(b, depths) for b in micro), torch.zeros(1 + depths)).to(device))
+        micro = [layout.shard({k: v.to(device) for k, v in b.items()}) for b in batches.step(step)]
+        counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in micro), torch.zeros(1 + depths, device=device)))
         totals: dict[str, torch.Tensor] = {}
         routed = []
         for b in micro:
-            (loss, stats), out = _forward_stats(model, b, cfg.mtp, counts, autocast, want_routing)
+            (loss, stats), out = _forward_stats(model, b, cfg.mtp, counts, autocast, want_routing, layout.shift_left)
             loss.backward()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0) + v.float()

@@ -18,9 +18,9 @@ def _batch(B=2, S=12, V=11, seed=0):
 def test_valid_mask_excludes_pairs_across_documents():
     b = _batch()
     m = mtp_valid_mask(b["loss_mask"], b["position_ids"], 1)
-    assert m.shape == (2, 11)
-    assert not m[0, 4]  # t=4 is the last token of doc 1; its depth-1 target (t+1=5) is in doc 2
-    assert m[0, 3] and m[0, 5] and m[1].all()
+    assert m.shape == (2, 12)
+    assert not m[0, 4] and not m[:, 11].any()  # t=4 is the last token of doc 1; its depth-1 target (t+1=5) is in doc 2
+    assert m[0, 3] and m[0, 5] and m[1, :11].all()
 
 
 def test_kl_is_zero_and_agreement_one_when_mtp_matches_shifted_main():
