@@ -16,12 +16,12 @@ from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
 from rl.sandbox import SandboxError, SandboxLimits
 
 
-def make_backend(name: str, unisolated: bool = False, limits: SandboxLimits | None = None):
+def make_backend(name: str, limits: SandboxLimits | None = None):
     limits = limits or SandboxLimits()
     if name == "local":
         from rl.sandbox.local import LocalBackend
 
-        return LocalBackend(limits=limits, unisolated=unisolated)
+        return LocalBackend(limits=limits)
     from rl.sandbox.container import make_container_backend
 
     return make_container_backend(name, limits=limits)
@@ -52,12 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task_dir", help="a Harbor/Terminal-Bench task folder")
     parser.add_argument("--oracle", action="store_true", help="apply solution/solve.sh before verifying")
     parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
-    parser.add_argument("--unisolated", action="store_true",
-                        help="local backend without bubblewrap: NO ISOLATION, trusted tasks only")
     args = parser.parse_args(argv)
     try:
         task = load_harbor_task(args.task_dir)
-        backend = make_backend(args.backend, unisolated=args.unisolated)
+        backend = make_backend(args.backend)
         result = check_task(task, backend, args.oracle)
     except (TaskError, SandboxError) as e:
         print(f"error: {e}", file=sys.stderr)

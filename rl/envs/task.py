@@ -7,6 +7,7 @@ the reward. Loaders for public formats (Harbor/Terminal-Bench folders, SWE-bench
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -34,8 +35,6 @@ class TaskLimits:
 
     def sandbox_limits(self, base: SandboxLimits | None = None) -> SandboxLimits:
         """The sandbox limits this task asks for, on top of a backend's defaults."""
-        import dataclasses
-
         base = base or SandboxLimits()
         return dataclasses.replace(base, memory_mb=self.memory_mb, disk_mb=min(base.disk_mb, self.storage_mb),
                                    cpu_time_s=max(base.cpu_time_s, int(self.agent_timeout_s)))

@@ -208,8 +208,8 @@ class ToolBox:
                      ignore_case: bool = False) -> Observation:
         flags = "-rnIE" + ("i" if ignore_case else "")
         include = f" --include={shlex.quote(glob)}" if glob else ""
-        body = (f'cd "$(dirname -- "$p")" && grep {flags}{include} --exclude-dir=.git -e {shlex.quote(pattern)} '
-                '-- "$(basename -- "$p")" | head -n 200; rc=${PIPESTATUS[0]}; [ $rc -le 1 ] || exit 5; exit 0\n')
+        body = (f'grep {flags}{include} --exclude-dir=.git -e {shlex.quote(pattern)} -- "$p" | head -n 200; '
+                'rc=${PIPESTATUS[0]}; [ $rc -le 1 ] || exit 5; exit 0\n')
         res = self._script("-e", body, path)
         if res.exit_code != 0:
             return Observation(res.output.strip() or f"search failed: {res.describe()}", error=True)

@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ WRITABLE_DIRS = ("app", "tmp", "logs")
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # Readable by root only; masked in case the sandbox user can read them anyway.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
+SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
 RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs")
 
 
@@ -169,11 +169,16 @@ class LocalSandbox(Sandbox):
         return [str(self.root / d) for d in WRITABLE_DIRS] + [str(h) for h, _ in self._mounts]
 
     def _chown(self, path: Path) -> None:
-        if self.uid is not None:
-            res = subprocess.run(["chown", "-R", "-h", f"{self.uid}:{self.uid}", str(path)], capture_output=True,
-                                 text=True)
-            if res.returncode != 0:
-                raise SandboxError(f"cannot hand {path} to the sandbox user: {res.stderr.strip()}")
+        """Give `path` (recursively, never following symlinks) to the sandbox user."""
+        if self.uid is None:
+            return
+        try:
+            os.lchown(path, self.uid, self.uid)
+            for dirpath, dirnames, filenames in os.walk(path):
+                for name in dirnames + filenames:
+                    os.lchown(os.path.join(dirpath, name), self.uid, self.uid)
+        except OSError as e:
+            raise SandboxError(f"cannot hand {path} to the sandbox user: {e}") from None
 
     # Commands
     def _rlimit_argv(self) -> list[str]:
@@ -202,11 +207,14 @@ class LocalSandbox(Sandbox):
                 argv += ["--ro-bind", "/dev/null", host]
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
+                 "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self.root / d), f"/{d}"]
         for host, dest in self._mounts:
             argv += ["--bind", str(host), dest]
+        # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         for k, v in env.items():
             argv += ["--setenv", k, v]
         argv += ["--chdir", cwd, "--"]
@@ -304,6 +312,10 @@ class LocalBackend:
             if problem:
                 raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem}. "
                                    "Pass unisolated=True only for trusted code (no isolation at all).")
+        else:
+            warnings.warn("LocalBackend(unisolated=True): SANDBOXES RUN COMMANDS WITHOUT ANY ISOLATION as this host "
+                          "user; only rlimits and timeouts apply. Never use this for model-generated code.",
+                          UnisolatedWarning, stacklevel=2)
 
     def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
                limits: SandboxLimits | None = None) -> LocalSandbox:
@@ -316,7 +328,3 @@ class LocalBackend:
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env, limits=limits)
-
-    def warn_if_unisolated(self) -> None:
-        if self.unisolated:
-            print("WARNING: sandboxes run WITHOUT ISOLATION (unisolated=True)", file=sys.stderr)
