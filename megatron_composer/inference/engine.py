@@ -1,0 +1,490 @@
+"""Inference engine on the shared model: paged KV cache, continuous batching, exact log-probs, routing capture,
+MTP speculative decoding and live weight updates.
+
+The engine runs the model's own modules (embedding, RoPE, each block's norms / attention projections /
+MoE router and experts, final norm, head, MTP modules); only the attention core is its own, because it
+reads keys and values from the cache. A block is computed exactly as `TransformerBlock.forward` does:
+x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)).
+
+Scheduling (`step`): waiting requests are admitted in arrival order while the batch has room and the cache
+can reserve their whole budget; admitted prompts are prefilled together (padded batch) and sample their
+first token; then every running request advances by one decode step (or one speculative verify step).
+Finished requests release their blocks, so requests join and leave between decode steps.
+
+Per generated token i the result holds: the id, `logprobs[i]` (temperature-1 log-probability, what the
+trainer recomputes), `sampling_logprobs[i]` (under the distribution it was drawn from), `routed_experts[i]`
+([num_moe_layers, top_k] experts of the forward position that produced it, i.e. the position of the
+token before it) and `weight_versions[i]`. `GenerationResult.routing_for_training()` lays prompt and
+generated routing out for `model(prompt + token_ids[:-1], routed_experts=...)`.
+
+Speculative decoding: the first MTP module drafts D tokens (used recurrently beyond the first: its output
+hidden state stands in for the main model's at the next position, as vLLM reuses MTP layers); the main
+model scores the last token and the D drafts in one forward; `sampling.accept_drafts` applies the standard
+rejection rule, so outputs are distributed exactly as the main model's. The MTP module keeps its own KV
+cache: entries at positions whose next token is known are exact; draft-time entries beyond are provisional
+and overwritten on the next step.
+
+Weight updates (`update_weights`) take effect between steps. By default the KV cache of tokens computed
+under the old weights is kept: in-flight requests continue at once, attending to old-version keys/values,
+and their later tokens carry the new version (the choice asynchronous RL pipelines make; the importance
+ratio against training log-probs corrects it). With recompute_cache=True every running request's cache is
+rebuilt from its tokens with the new weights first, so its next tokens equal a fresh engine's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_composer.model import Transformer
+
+from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
+from .kv_cache import CacheError, PagedKVCache
+from .sampling import SamplingError, SamplingParams, accept_drafts, sample_token, sampling_probs
+
+
+class EngineError(ValueError):
+    """A request or weight update the engine cannot take; the message says why and how to fix it."""
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)           # temperature 1, untruncated
+    sampling_logprobs: list[float] = field(default_factory=list)  # under the sampling distribution
+    routed_experts: Optional[torch.Tensor] = None                 # [T, num_moe_layers, top_k]
+    prompt_routed_experts: Optional[torch.Tensor] = None          # [P - 1, num_moe_layers, top_k]
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None                           # "stop" | "length"
+    text: Optional[str] = None                                    # with a detokenize callback
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def routing_for_training(self) -> Optional[torch.Tensor]:
+        """[num_moe_layers, S, top_k] for the training input prompt + token_ids[:-1] (S = P + T - 1)."""
+        if self.routed_experts is None:
+            return None
+        return torch.cat([self.prompt_routed_experts, self.routed_experts]).permute(1, 0, 2).contiguous()
+
+
+class _Sequence:
+    def __init__(self, rid: int, prompt: list[int], params: SamplingParams, generator: torch.Generator,
+                 blocks: list[int]):
+        self.rid, self.params, self.generator, self.blocks = rid, params, generator, blocks
+        self.tokens = list(prompt)
+        self.result = GenerationResult(rid, list(prompt))
+        self.routes: list[torch.Tensor] = []
+        self.processed = 0  # positions held in the main cache; tokens[processed:] not yet fed
+        self.text_len = 0
+        # speculative state
+        self.pending_hidden: Optional[torch.Tensor] = None  # main normed hidden for positions [mtp_valid, processed)
+        self.mtp_valid = 0
+        self.drafts: list[int] = []
+        self.draft_probs: list[torch.Tensor] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.result.finish_reason is not None
+
+
+@dataclass
+class _Batch:
+    """Positions and cache slots of a padded batch of new tokens ([B, N])."""
+    pos_BN: torch.Tensor
+    valid_BN: torch.Tensor
+    write_slots_BN: torch.Tensor
+    read_slots_BL: torch.Tensor
+    mask_B1NL: torch.Tensor
+    lengths: list[int]
+    starts: list[int]
+
+
+class Engine:
+    """`Engine(model).generate(prompts, max_new_tokens, temperature=0.0, ...)`; see the module docstring."""
+
+    def __init__(self, model: Transformer, *, max_batch_size: int = 64, max_seq_len: Optional[int] = None,
+                 cache_memory_bytes: int = 1 << 30, block_size: int = 16, batch_invariant: bool = False,
+                 detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0):
+        self.model = model.eval()
+        self.cfg = model.config
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len or self.cfg.max_position_embeddings
+        self.batch_invariant = batch_invariant
+        self.detokenize = detokenize
+        self.weight_version = 0
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, model.tok_embeddings.weight.dtype
+        self.num_mtp = len(model.mtp)
+        self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
+                                  cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._finished: dict[int, GenerationResult] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self.stats = {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 0}
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request; it joins the running batch at the next step with room. Returns its id."""
+        V = self.cfg.vocab_size
+        if len(prompt) == 0:
+            raise EngineError("prompt is empty; give at least one token id")
+        prompt = [int(t) for t in prompt]
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        params.validate(V)
+        if params.stop_strings and self.detokenize is None:
+            raise EngineError("stop_strings need a detokenize callback: Engine(model, detokenize=tokenizer.decode)")
+        if params.speculative and self.num_mtp == 0:
+            raise EngineError("speculative decoding needs MTP modules; this model has num_mtp_layers=0")
+        budget = self._token_budget(len(prompt), params)
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise EngineError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                              f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_new_tokens")
+        if self.cache.blocks_for(budget) > self.cache.usable_blocks:
+            raise CacheError(f"request needs {self.cache.blocks_for(budget)} cache blocks but the cache has "
+                             f"{self.cache.usable_blocks}; raise cache_memory_bytes or lower max_new_tokens")
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(0, 2**62, (), generator=self._generator))
+            seq = _Sequence(rid, prompt, params, torch.Generator().manual_seed(seed), [])
+            self._waiting.append(seq)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def pop_result(self, rid: int) -> Optional[GenerationResult]:
+        with self._lock:
+            return self._finished.pop(rid, None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, temperature: float = 0.0, *,
+                 top_p: float = 1.0, top_k: int = 0, stop_token_ids: Sequence[int] = (),
+                 stop_strings: Sequence[str] = (), seed: Optional[int | Sequence[int]] = None,
+                 speculative: bool = False, num_draft_tokens: int = 2) -> list[GenerationResult]:
+        """Generate for every prompt (token id lists); returns one GenerationResult per prompt, in order.
+        seed: one int (prompt i uses seed + i), a list (one per prompt) or None (drawn from the engine)."""
+        if isinstance(seed, int) or seed is None:
+            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        else:
+            seeds = list(seed)
+            if len(seeds) != len(prompts):
+                raise EngineError(f"got {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt")
+        ids = [self.add_request(p, SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            stop_token_ids=list(stop_token_ids), stop_strings=list(stop_strings), seed=s,
+            speculative=speculative, num_draft_tokens=num_draft_tokens)) for p, s in zip(prompts, seeds)]
+        pending = set(ids)
+        while pending - self._finished.keys():
+            self.step()
+        return [self.pop_result(i) for i in ids]
+
+    # ---- scheduling --------------------------------------------------------------------------------
+    def _token_budget(self, prompt_len: int, params: SamplingParams) -> int:
+        return prompt_len + params.max_new_tokens + (params.num_draft_tokens if params.speculative else 0)
+
+    def step(self) -> list[GenerationResult]:
+        """Admit and prefill waiting requests, advance every running one; returns those finished now."""
+        with self._lock, torch.no_grad(), batch_invariant_mode(self.batch_invariant):
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+                seq = self._waiting[0]
+                blocks = self.cache.allocate(self._token_budget(len(seq.tokens), seq.params))
+                if blocks is None:
+                    break
+                seq.blocks = blocks
+                admitted.append(self._waiting.popleft())
+            if admitted:
+                self._prefill(admitted)
+            self._running.extend(s for s in admitted if not s.finished)
+            plain = [s for s in self._running if not s.params.speculative and not s.finished]
+            spec = [s for s in self._running if s.params.speculative and not s.finished]
+            if plain:
+                self._decode(plain)
+            if spec:
+                self._verify(spec)
+            if plain or spec:
+                self.stats["decode_steps"] += 1
+            done = [s for s in admitted + self._running if s.finished]
+            self._running = [s for s in self._running if not s.finished]
+            for s in done:
+                self._finish(s)
+            return [s.result for s in done]
+
+    def _finish(self, seq: _Sequence) -> None:
+        self.cache.release(seq.blocks)
+        seq.blocks = []
+        r = seq.result
+        L = len(self.model.moe_layers)
+        if L:
+            K = self.cfg.num_experts_per_tok
+            r.routed_experts = torch.stack(seq.routes) if seq.routes else torch.empty(0, L, K, dtype=torch.long)
+        self._finished[seq.rid] = r
+
+    # ---- emitting tokens ---------------------------------------------------------------------------
+    def _emit(self, seq: _Sequence, token: int, logprob: float, sampling_logprob: float,
+              route: Optional[torch.Tensor]) -> None:
+        r, p = seq.result, seq.params
+        seq.tokens.append(token)
+        r.token_ids.append(token)
+        r.logprobs.append(logprob)
+        r.sampling_logprobs.append(sampling_logprob)
+        r.weight_versions.append(self.weight_version)
+        if route is not None:
+            seq.routes.append(route)
+        if token in p.stop_token_ids:
+            r.finish_reason = "stop"
+        if self.detokenize is not None:
+            text = self.detokenize(r.token_ids)
+            if p.stop_strings and r.finish_reason is None:
+                for s in p.stop_strings:
+                    at = text.find(s, max(0, seq.text_len - len(s) + 1))
+                    if at >= 0:
+                        r.finish_reason, text = "stop", text[:at]
+                        break
+            seq.text_len = len(text)
+            r.text = text
+        if r.finish_reason is None and (len(r.token_ids) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len):
+            r.finish_reason = "length"
+
+    def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
+        logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
+        greedy_BV = logits_BV.argmax(-1).tolist()
+        for b, seq in enumerate(seqs):
+            route = None if routes is None else routes[b]
+            if seq.params.greedy:
+                tok = greedy_BV[b]
+                self._emit(seq, tok, float(logp_BV[b, tok]), 0.0, route)
+            else:
+                self._emit(seq, *sample_token(logits_BV[b], seq.params, seq.generator), route)
+
+    # ---- forward passes ----------------------------------------------------------------------------
+    def _batch(self, seqs: list[_Sequence], starts: list[int], lengths: list[int]) -> _Batch:
+        bs, dev = self.cache.block_size, self.device
+        B, N = len(seqs), max(lengths)
+        width = max(len(s.blocks) for s in seqs)
+        table_BM = torch.zeros(B, width, dtype=torch.long, device=dev)
+        for b, s in enumerate(seqs):
+            table_BM[b, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
+        start_B = torch.tensor(starts, device=dev)
+        len_B = torch.tensor(lengths, device=dev)
+        r_N = torch.arange(N, device=dev)
+        pos_BN = start_B[:, None] + r_N
+        valid_BN = r_N[None, :] < len_B[:, None]
+        blk_BN = table_BM.gather(1, (pos_BN // bs).clamp(max=width - 1))
+        write_BN = torch.where(valid_BN, blk_BN * bs + pos_BN % bs, pos_BN % bs)  # padding -> scratch block 0
+        L = int((start_B + len_B).max())
+        j_L = torch.arange(L, device=dev)
+        read_BL = table_BM.gather(1, (j_L // bs).clamp(max=width - 1).expand(B, L)) * bs + j_L % bs
+        end_B = start_B + len_B
+        mask = (j_L[None, None, :] <= pos_BN[:, :, None]) & (j_L[None, None, :] < end_B[:, None, None])
+        return _Batch(pos_BN, valid_BN, write_BN, read_BL, mask[:, None], lengths, starts)
+
+    def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
+        B, N, _ = x_BND.shape
+        valid = batch.valid_BN
+        if self.cfg.attention == "mla":
+            q = attn.project_q(x_BND, cos, sin)
+            c_kv, k_rope = attn.compress_kv(x_BND, cos, sin)
+            self.cache.write(cache_layer, batch.write_slots_BN[valid], c_kv[valid], k_rope[valid])
+            c_BLC, r_BLR = self.cache.read(cache_layer, batch.read_slots_BL)
+            k, v = attn.expand_kv(c_BLC.to(x_BND.dtype), r_BLR.to(x_BND.dtype))
+        else:
+            q, k_new, v_new = attn.project_qkv(x_BND, cos, sin)
+            self.cache.write(cache_layer, batch.write_slots_BN[valid], k_new[valid], v_new[valid])
+            k, v = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
+            if k.shape[2] != q.shape[2]:
+                rep = q.shape[2] // k.shape[2]
+                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q_BHND, k_BHLD, v_BHLD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.batch_invariant:
+            o_BHND = q_BHND.new_zeros(B, q_BHND.shape[1], N, v_BHLD.shape[-1])
+            for b in range(B):
+                for r in range(batch.lengths[b]):
+                    stop = batch.starts[b] + r + 1
+                    o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop],
+                                                       v_BHLD[b, :, :stop], attn.scale)
+        else:
+            o_BHND = F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=batch.mask_B1NL,
+                                                    scale=attn.scale)
+        return attn.wo(o_BHND.transpose(1, 2).reshape(B, N, -1))
+
+    def _block(self, layer, cache_layer: int, h_BND, cos, sin, batch: _Batch):
+        """TransformerBlock.forward with cached attention; returns (h, chosen experts [B, N, K] or None)."""
+        h_BND = h_BND + self._attention(cache_layer, layer.attention, layer.attention_norm(h_BND), cos, sin, batch)
+        f = layer.ffn_norm(h_BND)
+        if layer.is_moe:
+            out, indices, _ = layer.feed_forward(f)
+            return h_BND + out, indices
+        return h_BND + layer.feed_forward(f), None
+
+    def _ids(self, token_lists: list[list[int]]) -> torch.Tensor:
+        N = max(len(t) for t in token_lists)
+        return torch.tensor([t + [0] * (N - len(t)) for t in token_lists], dtype=torch.long, device=self.device)
+
+    def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
+        """Main model over new tokens at positions start.. of each sequence, writing the cache.
+        Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, batch)."""
+        batch = self._batch(seqs, starts, [len(t) for t in token_lists])
+        h = self.model.tok_embeddings(self._ids(token_lists))
+        cos, sin = self.model.rope(batch.pos_BN, h.dtype)
+        routes = []
+        for i, layer in enumerate(self.model.layers):
+            h, indices = self._block(layer, i, h, cos, sin, batch)
+            if indices is not None:
+                routes.append(indices)
+        return self.model.norm(h), (torch.stack(routes) if routes else None), batch
+
+    def _mtp_forward(self, seqs: list[_Sequence], hidden_list: list[torch.Tensor], token_lists: list[list[int]],
+                     starts: list[int]) -> torch.Tensor:
+        """First MTP module over (previous hidden, next token) pairs; returns its block output [B, N, D]."""
+        module = self.model.mtp[0]
+        batch = self._batch(seqs, starts, [len(t) for t in token_lists])
+        N = max(len(t) for t in token_lists)
+        h_prev = torch.stack([F.pad(h, (0, 0, 0, N - h.shape[0])) for h in hidden_list])
+        emb = self.model.tok_embeddings(self._ids(token_lists))
+        cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
+        x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev)], dim=-1))
+        x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
+        return x
+
+    def _mtp_logits(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return self.model.output(self.model.mtp[0].norm(x_RD))
+
+    # ---- prefill / decode / verify -----------------------------------------------------------------
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        lengths = [len(s.tokens) for s in seqs]
+        hidden, routes, _ = self._main_forward(seqs, [s.tokens for s in seqs], [0] * len(seqs))
+        last = torch.tensor(lengths, device=self.device) - 1
+        rows = torch.arange(len(seqs), device=self.device)
+        logits_BV = self.model.output(hidden[rows, last])
+        for b, s in enumerate(seqs):
+            s.processed = lengths[b]
+            if routes is not None:
+                s.result.prompt_routed_experts = routes[:, b, :lengths[b] - 1].permute(1, 0, 2).clone()
+            if s.params.speculative:
+                s.pending_hidden, s.mtp_valid = hidden[b, :lengths[b]], 0
+        self._sample_rows(seqs, logits_BV, None if routes is None else routes[:, rows, last].transpose(0, 1))
+        spec = [s for s in seqs if s.params.speculative and not s.finished]
+        if spec:
+            self._draft(spec)
+
+    def _decode(self, seqs: list[_Sequence]) -> None:
+        hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs])
+        for s in seqs:
+            s.processed += 1
+        self._sample_rows(seqs, self.model.output(hidden[:, 0]), None if routes is None else routes[:, :, 0].transpose(0, 1))
+
+    def _verify(self, seqs: list[_Sequence]) -> None:
+        inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
+        hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
+        logits = self.model.output(hidden)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        for b, s in enumerate(seqs):
+            D = len(s.drafts)
+            emitted = accept_drafts(logits[b, :D + 1], s.drafts, s.draft_probs, s.params, s.generator)
+            accepted = len(emitted) - 1
+            s.result.num_draft_tokens += D
+            s.result.num_accepted_tokens += accepted
+            self.stats["draft_tokens"] += D
+            self.stats["accepted_tokens"] += accepted
+            for j, tok in enumerate(emitted):
+                slp = 0.0 if s.params.greedy else float(sampling_probs(logits[b, j], s.params)[tok].log())
+                self._emit(s, tok, float(logp[b, j, tok]), slp, None if routes is None else routes[:, b, j])
+                if s.finished:
+                    break
+            s.pending_hidden = torch.cat([s.pending_hidden, hidden[b, :len(emitted)]])
+            s.processed += len(emitted)
+        live = [s for s in seqs if not s.finished]
+        if live:
+            self._draft(live)
+
+    def _draft(self, seqs: list[_Sequence]) -> None:
+        """Propose num_draft_tokens per sequence with the first MTP module (see module docstring)."""
+        starts = [s.mtp_valid for s in seqs]
+        # position t pairs the main hidden at t with the token at t + 1 (the last one is the newest token)
+        tokens = [s.tokens[s.mtp_valid + 1:s.processed + 1] for s in seqs]
+        x = self._mtp_forward(seqs, [s.pending_hidden for s in seqs], tokens, starts)
+        last = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
+        x_prev = x[torch.arange(len(seqs), device=self.device), last]
+        for s in seqs:
+            s.mtp_valid, s.pending_hidden = s.processed, s.pending_hidden[:0]
+            s.drafts, s.draft_probs = [], []
+        for j in range(max(s.params.num_draft_tokens for s in seqs)):
+            if j > 0:
+                active = [b for b, s in enumerate(seqs) if len(s.drafts) < s.params.num_draft_tokens]
+                sub = [seqs[b] for b in active]
+                x_new = self._mtp_forward(sub, [x_prev[b:b + 1] for b in active], [[seqs[b].drafts[-1]] for b in active],
+                                             [seqs[b].processed - 1 + j for b in active])
+                x_prev = x_prev.clone()
+                x_prev[active] = x_new[:, 0]
+            else:
+                active = list(range(len(seqs)))
+            logits = self._mtp_logits(x_prev[active])
+            for row, b in enumerate(active):
+                s = seqs[b]
+                q = sampling_probs(logits[row], s.params)
+                tok = int(q.argmax()) if s.params.greedy else int(torch.multinomial(q, 1, generator=s.generator))
+                s.drafts.append(tok)
+                s.draft_probs.append(q)
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, delta: bool = False,
+                       recompute_cache: bool = False) -> None:
+        """Load new weights between steps and tag later tokens with `version`.
+
+        weights: parameter/buffer name -> tensor, the whole state dict or any part of it. With delta=True each
+        tensor is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for
+        bfloat16) against the current values, the lossless format of the weight-sync pipeline.
+        Everything is checked before anything is changed. See the module docstring for recompute_cache.
+        """
+        state = self.model.state_dict(keep_vars=True)
+        unknown = sorted(set(weights) - set(state))
+        if unknown:
+            raise EngineError(f"update_weights got names the model does not have: {unknown[:5]}; "
+                              "use the model's state_dict names")
+        int_of_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        for name, t in weights.items():
+            cur = state[name]
+            if tuple(t.shape) != tuple(cur.shape):
+                raise EngineError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the model's is {tuple(cur.shape)}")
+            if delta and t.dtype != int_of_size[cur.element_size()]:
+                raise EngineError(f"update_weights(delta=True): '{name}' must be {int_of_size[cur.element_size()]} "
+                                  f"(XOR of the raw {cur.dtype} bits), got {t.dtype}")
+        with self._lock, torch.no_grad():
+            for name, t in weights.items():
+                cur = state[name]
+                if delta:
+                    bits = cur.data.view(int_of_size[cur.element_size()])
+                    bits.bitwise_xor_(t.to(bits.device))
+                else:
+                    cur.data.copy_(t)
+            self.weight_version = version
+            if recompute_cache:
+                self._recompute_cache()
+
+    def _recompute_cache(self) -> None:
+        seqs = [s for s in self._running if not s.finished]
+        if not seqs:
+            return
+        with batch_invariant_mode(self.batch_invariant):
+            hidden, _, _ = self._main_forward(seqs, [s.tokens[:s.processed] for s in seqs], [0] * len(seqs))
+        for b, s in enumerate(seqs):
+            if s.params.speculative:
+                s.pending_hidden, s.mtp_valid = hidden[b, :s.processed], 0
