@@ -3,7 +3,7 @@
 Fields used: instance_id, repo ("owner/name"), base_commit, problem_statement, test_patch, FAIL_TO_PASS,
 PASS_TO_PASS (lists, or JSON strings of lists as in the published dataset), and optionally patch (the gold
 patch, used as the reference solution) and test_cmd (this project's extension: the command that runs the
-tests; default `python -m pytest -rA`). An instance is resolved when every FAIL_TO_PASS test passes and every
+tests; default `python3 -m pytest -rA`). An instance is resolved when every FAIL_TO_PASS test passes and every
 PASS_TO_PASS test still passes after the test patch is applied to the agent's tree.
 
 Test results are read from the log of pytest (`-rA` lines such as `PASSED tests/test_x.py::test_y`) or of
@@ -117,7 +117,7 @@ def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench in
     p2p = _list_field(record, "PASS_TO_PASS", where)
     if not f2p:
         raise TaskError(f"{where}: field 'FAIL_TO_PASS' is empty; an instance needs at least one failing test")
-    test_cmd = record.get("test_cmd", "python -m pytest -rA")
+    test_cmd = record.get("test_cmd", "python3 -m pytest -rA")
     if not isinstance(test_cmd, str) or not test_cmd.strip():
         raise TaskError(f"{where}: field 'test_cmd' must be a non-empty string")
     patch = record.get("patch")

@@ -222,11 +222,11 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     build = getattr(backend, "build", None)
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
+    limits = limits or task.limits.sandbox_limits(backend.limits)
     with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
         tree_dir = Path(tmp) / "tree"
         task.tree.materialize(tree_dir)
-        sandbox = backend.create(tree_dir, workdir="/app", env=task.env,
-                                 limits=limits or task.limits.sandbox_limits(backend.limits))
+        sandbox = backend.create(tree_dir, workdir="/app", env=task.env, limits=limits)
     try:
         for step in task.setup:
             step.apply(sandbox, task.limits.setup_timeout_s)
@@ -235,6 +235,7 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
         snapshot = sandbox.snapshot()
         snapshot.workdir = task.workdir
         snapshot.env = dict(task.env)
+        snapshot.limits = limits
         return snapshot
     finally:
         sandbox.close()

@@ -60,6 +60,7 @@ class ContainerSnapshot:
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
     owned: bool = True  # a committed image this project made (removed on discard), not a task's base image
+    limits: SandboxLimits | None = None
 
     def discard(self) -> None:
         if self.owned:
@@ -168,7 +169,7 @@ class ContainerBackend:
                 step.apply(sandbox, task.limits.setup_timeout_s)
             sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
             snap = sandbox.snapshot()
-            snap.workdir, snap.env = task.workdir, dict(task.env)
+            snap.workdir, snap.env, snap.limits = task.workdir, dict(task.env), limits
             return snap
         finally:
             sandbox.close()
@@ -183,7 +184,7 @@ class ContainerBackend:
 
     def fork(self, snapshot: ContainerSnapshot, limits: SandboxLimits | None = None) -> ContainerSandbox:
         return ContainerSandbox(self.engine, snapshot.image, workdir=snapshot.workdir, env=snapshot.env,
-                                limits=limits or self.limits)
+                                limits=limits or snapshot.limits or self.limits)
 
 
 class ApptainerSandbox(LocalSandbox):
@@ -223,7 +224,8 @@ class ApptainerBackend:
                                 limits=limits or self.limits)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> ApptainerSandbox:
-        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env, limits=limits)
+        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
+                           limits=limits or snapshot.limits)
 
 
 def make_container_backend(engine: str, limits: SandboxLimits | None = None):

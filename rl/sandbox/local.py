@@ -46,6 +46,7 @@ class LocalSnapshot:
     path: Path
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
+    limits: SandboxLimits | None = None  # the task's limits, applied to every fork
 
     def discard(self) -> None:
         force_rmtree(self.path.parent)
@@ -92,6 +93,15 @@ def bwrap_problem() -> str | None:
         return (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable unprivileged user namespaces "
                 "(sysctl kernel.unprivileged_userns_clone=1) or use a container backend")
     return None
+
+
+def _check_traversable(path: Path) -> None:
+    """The unprivileged sandbox uid must be able to reach its directories through every parent."""
+    for parent in path.resolve().parents:
+        if not os.stat(parent).st_mode & 0o001:
+            force_rmtree(path)
+            raise SandboxError(f"sandbox directories under {path.parent} are unreachable for the unprivileged "
+                               f"sandbox user ({parent} is not world-searchable); choose another root_parent")
 
 
 def _processes_of(uid: int) -> int:
@@ -145,6 +155,7 @@ class LocalSandbox(Sandbox):
             copy_tree(Path(tree), self.root / "app")
         self.uid: int | None = None
         if os.geteuid() == 0 and not unisolated:
+            _check_traversable(self.root)
             self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
             self._chown(self.root)
         self.workdir = str(self.host_path(workdir)) if unisolated else workdir
@@ -327,4 +338,5 @@ class LocalBackend:
                                 extra_ro_binds=self.extra_ro_binds, check_bwrap=False)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
-        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env, limits=limits)
+        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
+                           limits=limits or snapshot.limits)
