@@ -1,6 +1,7 @@
 """Every parallel layout of the tiny DeepSeek-V3 (MLA, sigmoid MoE, MTP) and Qwen3-MoE (GQA, softmax MoE)
 models equals one process: loss, every parameter gradient (per tensor, max |diff| <= 1e-5 x max |ref|), the
-clipped global gradient norm, and the loss sequence of 5 AdamW steps (relative 1e-5).
+clipped global gradient norm, and the loss sequence of 5 AdamW steps (relative 1e-5). The analytic activation
+memory of each layout is checked against the bytes autograd saves (within 15%).
 
 Layouts run as groups of cases inside one torchrun launch per world size (2 and 4 gloo ranks on CPU)."""
 
@@ -34,6 +35,9 @@ def _check(res):
     assert not bad, f"errors above {TOL}: {bad}"
     assert res["n_params"] >= 20, "too few parameters compared"
     assert len(res["losses"]) >= 2 and res["losses"][0] != res["losses"][-1], "training did not move the loss"
+    if res["activation_analytic_over_measured"] is not None:  # megatron_composer.parallel.cost's activation model
+        ratio, measured = res["activation_analytic_over_measured"]
+        assert measured > 0 and 0.85 <= ratio <= 1.15, f"analytic/measured activation bytes = {ratio:.3f}"
 
 
 @pytest.mark.dist

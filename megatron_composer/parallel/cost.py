@@ -31,6 +31,7 @@ class Layout:
     param_bytes: int = 4  # parameters and gradients (2 for bf16 training, with an fp32 master in the optimizer)
     act_bytes: int = 4
     activation_checkpointing: str = "none"
+    packed: bool = False  # rows pack several documents (attention needs an explicit mask)
 
     @property
     def local_tokens(self) -> int:
@@ -203,3 +204,100 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
 
 
 __all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step"]
+
+
+def _norm_bytes(n: int, w: int, p: int) -> float:
+    """RMSNorm saves its fp32 input (the input itself when fp32), the normed tensor and 1/rms."""
+    return n * w * (4 + p) + 4 * n
+
+
+def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[str, float]:
+    """Bytes held for backward by one micro-batch on one rank at the end of the forward pass (logits and
+    the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
+    (block inputs plus one recomputed block).
+
+    attention_backend: "flash" (q, k, v, output, log-sum-exp) or "math" (q, k, v and two [s, s] score
+    tensors per head); "auto" follows PyTorch's CPU rule: flash when the q/k and v head dims are equal.
+    """
+    d = lay.dims
+    tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
+    b, s = lay.micro_batch, lay.seq_len // cp
+    T, D = b * s, cfg.hidden_size
+    Tr = T // tp if sp else T  # residual-stream tokens (sequence-parallel regions hold 1/tp)
+    Tk = T * cp  # keys and values seen by a query shard
+    H = cfg.num_heads // tp
+    depths = cfg.num_mtp_layers if lay.mtp else 0
+
+    def attention() -> float:
+        x = _norm_bytes(Tr, D, p) + T * D * p  # attention_norm + the normed input the projections save
+        if cfg.attention == "mla":
+            qk, vd = cfg.qk_head_dim, cfg.v_head_dim
+            if cfg.q_lora_rank is not None:
+                # q_norm saves wq_a's output and the normed latent; its output is saved by wq_b
+                x += _norm_bytes(T, cfg.q_lora_rank, p) + T * cfg.q_lora_rank * p
+            x += T * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * p + T * cfg.kv_lora_rank * p + 4 * T  # kv_norm
+            x += Tk * cfg.kv_lora_rank * p  # latent (cp-gathered) saved by wkv_b
+            v_saved = Tk * H * (cfg.qk_nope_head_dim + vd) * p  # flash keeps values as views of wkv_b's output
+        else:
+            qk = vd = cfg.gqa_head_dim
+            KV = (cfg.num_kv_heads or cfg.num_heads) // tp
+            if cfg.qk_norm:  # per-head norms: input, normed, and 1/rms per head
+                x += T * H * qk * (4 + p) + 4 * T * H + T * KV * qk * (4 + p) + 4 * T * KV
+            v_saved = Tk * H * vd * p
+        backend = attention_backend if attention_backend != "auto" else ("flash" if qk == vd else "math")
+        q_saved, k_saved = T * H * qk * p, Tk * H * qk * p
+        if backend == "flash":  # q, k, v, output, log-sum-exp (+ a float copy of a boolean mask)
+            x += q_saved + k_saved + v_saved + T * H * vd * p + T * H * 4
+            if cp > 1 or lay.packed:
+                x += T * (Tk // b) * 4
+        else:  # scaled q, k and v copies, the probabilities, and the (non-contiguous) output copied for wo
+            x += q_saved + k_saved + Tk * H * vd * p + b * H * s * (Tk // b) * p + T * H * vd * p
+        return x
+
+    def ffn(is_moe: bool) -> float:
+        x = _norm_bytes(Tr, D, p)
+        if not is_moe:
+            F_ = cfg.intermediate_size // tp
+            return x + T * D * p + 4 * T * F_ * p
+        K, E, Fm = cfg.num_experts_per_tok, cfg.num_experts, cfg.moe_intermediate_size
+        Td = Tr if (sp or tp == 1) else math.ceil(T / tp)  # tokens this rank dispatches
+        x += Tr * D * p + Tr * E * 4 + Tr * K * (8 + 4 + 4)  # router input, scores, choice and weights
+        x += 3 * Td * K * D * p + 4 * Td * K * Fm * p + Td * K * (8 + 8 + 4)  # experts and combine
+        if cfg.num_shared_experts:
+            Fs = Fm * cfg.num_shared_experts // tp
+            x += 4 * T * Fs * p + (T * D * p if sp else 0)
+        return x
+
+    def head() -> float:  # final norm, head input, logits and the cross-entropy softmax (fp32)
+        V = cfg.vocab_size // tp
+        return _norm_bytes(Tr, D, p) + T * D * p + T * V * p + T * V * 4
+
+    blocks = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+    mtp_blocks = [cfg.is_moe_layer(cfg.num_layers + k) for k in range(depths)]
+    block_bytes = [attention() + ffn(m) for m in blocks + mtp_blocks]
+    rest = T * 8 + T * cfg.rope_dim * p + head()  # token ids, rope cos/sin (shared by layers), the main head
+    for _ in range(depths):  # enorm, hnorm, the concatenation eh_proj saves, norm + head
+        rest += T * 8 + 2 * _norm_bytes(Tr, D, p) + Tr * 2 * D * p + head()
+    none = sum(block_bytes) + rest
+    full = len(block_bytes) * Tr * D * p + rest + max(block_bytes)
+    return {"none": none, "full": full, "per_block_max": max(block_bytes)}
+
+
+def saved_tensor_bytes(run, exclude=()) -> int:
+    """Bytes of distinct storages autograd saves for backward while `run()` executes (the activation memory
+    a backward pass needs), excluding the storages of `exclude` (parameters). Returns (bytes, run's result)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(seen.values()), out
+
+
+__all__ += ["activation_bytes", "saved_tensor_bytes"]

@@ -19,6 +19,7 @@ from common import compare_grads, init, reduce_max, run_cases  # noqa: E402
 
 from megatron_composer.model import Transformer, get_preset  # noqa: E402
 from megatron_composer.parallel import collectives as C  # noqa: E402
+from megatron_composer.parallel.cost import Layout, activation_bytes, saved_tensor_bytes  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
@@ -85,8 +86,19 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
             routed_l = None
             if routed is not None:
                 (routed_l,) = shard_batch(groups, routed, seq_dim=2, batch_dim=1)
-            pout = par(ids_l, position_ids=pos_l, routed_experts=routed_l, return_routing=True, mtp=use_mtp)
-            loss = loss_terms(pout.logits, pout.mtp_logits, labels_l, mtp_l, groups.tp_group, n_main, n_mtp)
+            def forward():
+                o = par(ids_l, position_ids=pos_l, routed_experts=routed_l, return_routing=True, mtp=use_mtp)
+                return o, loss_terms(o.logits, o.mtp_logits, labels_l, mtp_l, groups.tp_group, n_main, n_mtp)
+            if step == 0 and ac == "none":  # activation memory against the analytic model
+                saved, (pout, loss) = saved_tensor_bytes(forward, list(par.parameters()))
+                saved += sum(t.numel() * t.element_size() for t in [pout.logits, *pout.mtp_logits])
+                lay = Layout(dims, seq_len=S, micro_batch=B // dims.dp, mtp=use_mtp, packed=True)
+                act_ratio = C.all_reduce(torch.tensor([activation_bytes(cfg, lay)["none"] / saved, saved], dtype=torch.float64),
+                                         groups.group("world")).div(world).tolist()
+            elif step == 0:
+                act_ratio = None
+            if not (step == 0 and ac == "none"):
+                pout, loss = forward()
             loss.backward()
             losses.append(C.all_reduce(loss.detach().clone(), groups.group("dp_cp")).item())
             if step == 0:
@@ -109,7 +121,8 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
             errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
-                "n_params": len([k for k in errs if k.startswith("grad:")])}
+                "n_params": len([k for k in errs if k.startswith("grad:")]),
+                "activation_analytic_over_measured": act_ratio}
     return run
 
 
