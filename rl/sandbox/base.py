@@ -92,6 +92,27 @@ def describe_exit(code: int) -> str | None:
     return None
 
 
+# Messages by which programs say that an rlimit stopped them; the sandbox names the limit in its report.
+# Program messages count only when the command failed; the shell's own job reports count always.
+_LIMIT_MARKERS = (
+    (("MemoryError", "Cannot allocate memory", "std::bad_alloc", "JavaScript heap out of memory"), False,
+     "memory limit reached (address space {memory_mb} MB)"),
+    (("Resource temporarily unavailable",), False, "process limit reached ({max_processes} processes)"),
+    (("fork: retry: Resource temporarily unavailable",), True, "process limit reached ({max_processes} processes)"),
+    (("File size limit exceeded",), True, "file size limit reached ({max_file_mb} MB per file)"),
+)
+
+
+def note_limits(result: "ExecResult", limits: SandboxLimits) -> None:
+    """Add an event when the output shows that a program ran into one of the sandbox's rlimits."""
+    failed = result.exit_code != 0 or result.leftover_processes > 0
+    for markers, always, event in _LIMIT_MARKERS:
+        if (always or failed) and any(m in result.output for m in markers):
+            text = event.format(**vars(limits))
+            if text not in result.events:
+                result.events.append(text)
+
+
 def _dir_size(path: str) -> int:
     total = 0
     stack = [path]

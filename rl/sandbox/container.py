@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, run_process
+from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, note_limits, run_process
 from rl.sandbox.local import LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
@@ -104,6 +104,7 @@ class ContainerSandbox(Sandbox):
         if res.exit_code == 137 and res.duration_s >= timeout:
             res.timed_out = True
             res.events = [f"wall-clock timeout after {timeout:g}s: process killed"]
+        note_limits(res, self.limits)
         return res
 
     def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:

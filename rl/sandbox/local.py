@@ -19,8 +19,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import (BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, dir_size, run_process,
-                             wrapper_argv)
+from rl.sandbox.base import (BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, dir_size, note_limits,
+                             run_process, wrapper_argv)
 
 SANDBOX_UID_INSIDE = 1000
 # Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
@@ -257,6 +257,7 @@ class LocalSandbox(Sandbox):
         if not res.disk_exceeded and over_disk():
             res.disk_exceeded = True
             res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")
+        note_limits(res, self.limits)
         return res
 
     # Files
