@@ -185,3 +185,14 @@ def test_dockerfile_copy_source_must_exist_in_context(tmp_path):
     path, ctx = _dockerfile(tmp_path, "FROM debian\nCOPY ../secret /app/\n")
     with pytest.raises(TaskError, match=r"Dockerfile:2: COPY source '../secret'"):
         parse_dockerfile(path, ctx)
+
+
+@needs_bwrap
+def test_reward_written_by_the_agent_does_not_count(tmp_path):
+    task = _task(tmp_path)
+    hack = call("run", command="mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt") + call("submit")
+    with LocalSandbox(tmp_path / "tree") as sbx:
+        assert run_episode(task, sbx, ScriptedPolicy([hack])).reward == 0.0
+        (tmp_path / "tests" / "test.sh").write_text("echo lots > /logs/verifier/reward.txt\n")
+        res = task.verifier.verify(sbx, task)
+    assert res.reward == 0.0 and "must hold a number" in res.details["error"]

@@ -112,7 +112,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     if env_t.get("allow_internet"):
         notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
     solution_dir = task_dir / "solution"
-    solution = ScriptSolution(solution_dir) if (solution_dir / "solve.sh").is_file() else None
+    solution_env = _env(_table(data, "solution", str(toml_path)), f"{toml_path}: [solution]")
+    solution = ScriptSolution(solution_dir, solution_env) if (solution_dir / "solve.sh").is_file() else None
     return Task(
         name=task_dir.name,
         instruction=instruction_path.read_text(),

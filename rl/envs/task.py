@@ -142,7 +142,11 @@ class ScriptVerifier:
         details: dict = {"verifier": res.describe()}
         text = sandbox.read_text("/logs/verifier/reward.txt")
         if text is not None:
-            reward = _parse_reward(text, "/logs/verifier/reward.txt")
+            try:
+                reward = float(text.strip().splitlines()[-1]) if text.strip() else 0.0
+            except ValueError:
+                details["error"] = f"/logs/verifier/reward.txt must hold a number, got {text[:100]!r}"
+                return VerifyResult(0.0, res.output, details, res)
         else:
             raw = sandbox.read_text("/logs/verifier/reward.json")
             if raw is None:
@@ -156,30 +160,26 @@ class ScriptVerifier:
         return VerifyResult(reward, res.output, details, res)
 
 
-def _parse_reward(text: str, where: str) -> float:
-    try:
-        return float(text.strip().splitlines()[-1] if text.strip() else "0")
-    except ValueError:
-        raise TaskError(f"{where} must hold a number, got {text[:100]!r}") from None
-
-
 # Reference solutions ------------------------------------------------------------------------------------------
 @dataclass
 class ScriptSolution:
     """Harbor's solution/solve.sh, run from the task's working directory with the folder at /solution."""
 
     solution_dir: Path
+    env: dict[str, str] = field(default_factory=dict)  # task.toml [solution.env]
 
     def apply(self, sandbox: Sandbox, task: "Task") -> ExecResult:
         sandbox.copy_in(self.solution_dir, "/solution")
-        return sandbox.exec("bash /solution/solve.sh", cwd=task.workdir, timeout=task.limits.agent_timeout_s)
+        return sandbox.exec("bash /solution/solve.sh", cwd=task.workdir, env=self.env,
+                            timeout=task.limits.agent_timeout_s)
 
     def as_commands(self) -> list[str]:
         """The solution as shell commands an agent can send through the `run` tool."""
         others = [p.name for p in self.solution_dir.iterdir() if p.name != "solve.sh"]
         if others:
             raise TaskError(f"{self.solution_dir}: replaying through tools needs solve.sh alone, found {others}")
-        return [(self.solution_dir / "solve.sh").read_text()]
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.env.items())
+        return [exports + (self.solution_dir / "solve.sh").read_text()]
 
 
 @dataclass

@@ -223,7 +223,9 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                 if key.data == "in":
                     try:
                         n = os.write(proc.stdin.fileno(), pending_in[:65536])
-                    except (BrokenPipeError, OSError):
+                    except BlockingIOError:
+                        n = 0
+                    except OSError:  # the command closed its input; the rest is not wanted
                         n = len(pending_in)
                     pending_in = pending_in[n:]
                     if not len(pending_in):
