@@ -45,3 +45,23 @@ def test_single_process_memory_is_the_whole_model():
     n = sum(p.numel() for p in Transformer(cfg).parameters())
     mem = memory_per_rank(cfg, Layout(ParallelDims(1), seq_len=64, micro_batch=1))
     assert mem["params"] == mem["grads"] == 4 * n and mem["optimizer"] == 8 * n
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan_parallel.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def test_plan_parallel_reports_memory_and_comm_for_kimi():
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--tp", "8", "--ep", "64", "--cp", "8",
+              "--seq", "262144")
+    assert r.returncode == 0, r.stderr
+    for needle in ("optimizer state", "activations", "full recompute", "all_to_all", "dp=8"):
+        assert needle in r.stdout
+
+
+def test_plan_parallel_rejects_impossible_layout_in_one_line():
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--tp", "3", "--seq", "4096")
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert "\n" not in err and "change parallel.tp" in err

@@ -104,9 +104,9 @@ def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str
     }
 
 
-def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, params: Optional[list] = None
-                  ) -> dict[str, float]:
-    """Payload bytes per rank of one micro-batch forward+backward plus the optimizer step.
+def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, params: Optional[list] = None,
+                  micro_batches: int = 1) -> dict[str, float]:
+    """Payload bytes per rank of `micro_batches` micro-batch forward+backward passes plus the optimizer step.
 
     offrank_slots: (token, expert) pairs per MoE layer this rank sends to other expert-parallel ranks; by
     default the uniform-routing expectation T*K*(ep-1)/ep (T tokens the rank dispatches). The all-to-all
@@ -182,7 +182,8 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
         K = cfg.num_experts_per_tok
         slots = offrank_slots if offrank_slots is not None else T_disp * K * (ep - 1) / ep
         vol["all_to_all"] += n_moe * (4 * slots * D * p + (ep - 1) * (cfg.num_experts // ep) * 8)
-    # gradients and optimizer
+    vol = {k: v * micro_batches for k, v in vol.items()}
+    # gradients and optimizer (once per step)
     params = params if params is not None else model_params(cfg)
     mem = memory_per_rank(cfg, lay, params)
     dense, expert = mem["dense_params_local"], mem["expert_params_local"]
@@ -216,8 +217,9 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
 
-    attention_backend: "flash" (q, k, v, output, log-sum-exp) or "math" (q, k, v and two [s, s] score
-    tensors per head); "auto" follows PyTorch's CPU rule: flash when the q/k and v head dims are equal.
+    attention_backend: "flash" (q, k, v, output, log-sum-exp, and the boolean mask when one is needed) or "math"
+    (q, k, v copies and the [s, s] probabilities per head); "auto" follows PyTorch's CPU rule: flash when the
+    q/k and v head dims are equal, with the mask kept as float.
     """
     d = lay.dims
     tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
@@ -248,8 +250,8 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
         q_saved, k_saved = T * H * qk * p, Tk * H * qk * p
         if backend == "flash":  # q, k, v, output, log-sum-exp (+ a float copy of a boolean mask)
             x += q_saved + k_saved + v_saved + T * H * vd * p + T * H * 4
-            if cp > 1 or lay.packed:
-                x += T * (Tk // b) * 4
+            if cp > 1 or lay.packed:  # the dense causal/document mask: bool, kept as float by the CPU kernel
+                x += T * (Tk // b) * (4 if attention_backend == "auto" else 1)
         else:  # scaled q, k and v copies, the probabilities, and the (non-contiguous) output copied for wo
             x += q_saved + k_saved + Tk * H * vd * p + b * H * s * (Tk // b) * p + T * H * vd * p
         return x
