@@ -1,7 +1,6 @@
 """The agent protocol: tool calls in the chat template's format, malformed calls counted, observations truncated
 with a marker, budgets, self-summarisation segments; and the Dockerfile subset the local backend honours."""
 
-from pathlib import Path
 
 import pytest
 

@@ -16,7 +16,7 @@ from rl.sandbox.pool import SandboxPool
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = sorted(p for p in (REPO / "examples" / "tasks").iterdir() if (p / "task.toml").is_file())
-pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,7 @@ def test_bundled_tasks_cover_three_languages():
     assert {"python", "shell", "c", "js"} <= kinds
 
 
+@needs_bwrap
 @pytest.mark.parametrize("task_dir", TASKS, ids=[p.name for p in TASKS])
 def test_task_untouched_zero_oracle_one_scripted_agent_one(task_dir, pool):
     task = load_harbor_task(task_dir)
@@ -51,6 +52,7 @@ def test_task_untouched_zero_oracle_one_scripted_agent_one(task_dir, pool):
     pool.release(task)
 
 
+@needs_bwrap
 def test_check_task_cli_prints_reward_last(tmp_path):
     task = REPO / "examples" / "tasks" / "python-roman-numerals"
     for flag, want in (([], "0"), (["--oracle"], "1")):
@@ -60,6 +62,7 @@ def test_check_task_cli_prints_reward_last(tmp_path):
         assert res.stdout.strip().splitlines()[-1] == want
 
 
+@needs_bwrap
 def test_check_task_function_harbor_oracle():
     task = load_harbor_task(REPO / "examples" / "tasks" / "shell-config-lookup")
     backend = LocalBackend()

@@ -10,8 +10,7 @@ protocol and episodes.
     rewards = [r.reward for r in results]
 """
 
-from rl.envs.agent import (EpisodeConfig, EpisodeResult, ScriptedPolicy, noop_policy, oracle_policy,
-                           run_episode)
+from rl.envs.agent import EpisodeConfig, EpisodeResult, ScriptedPolicy, noop_policy, oracle_policy, run_episode
 from rl.envs.harbor import load_harbor_task
 from rl.envs.swebench import load_swebench, swebench_task
 from rl.envs.task import Task, TaskError, TaskLimits, VerifyResult, prepare_task

@@ -11,7 +11,7 @@ every segment.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from megatron_composer.data.chat_template import format_tool_call, parse_assistant, render_text

@@ -197,7 +197,7 @@ class ApptainerSandbox(LocalSandbox):
     def __init__(self, tree, *, image: str, **kwargs):
         self.image = image
         self._apptainer = shutil.which("apptainer")
-        super().__init__(tree, check_bwrap=False, **kwargs)
+        super().__init__(tree, **kwargs)
 
     def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
         binds = [f"{self.root / d}:/{d}" for d in ("app", "tmp", "logs")]

@@ -19,8 +19,17 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import (BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, dir_size, note_limits,
-                             run_process, wrapper_argv)
+from rl.sandbox.base import (
+    BASE_ENV,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    dir_size,
+    note_limits,
+    run_process,
+    wrapper_argv,
+)
 
 SANDBOX_UID_INSIDE = 1000
 # Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
@@ -32,6 +41,10 @@ SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # Readable by root only; masked in case the sandbox user can read them anyway.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
+# Root mode (no user namespace): everything else is unshared; setpriv needs these capabilities to drop to
+# the sandbox uid, after which the command has none.
+ROOT_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                   "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP")
 RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs")
 
 
@@ -76,23 +89,46 @@ def bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
-def bwrap_problem() -> str | None:
-    """Why bubblewrap cannot isolate commands on this machine, or None when it can."""
+def probe_bwrap() -> tuple[str | None, str | None]:
+    """How bubblewrap can isolate commands here: (mode, None), or (None, why it cannot).
+
+    "userns": bwrap runs unprivileged (as the sandbox uid when the host user is root) in a new user namespace.
+    "root": the host user is root but unprivileged user namespaces are disabled; bwrap runs as root without a
+    user namespace and the command drops to the sandbox uid with setpriv before anything else runs.
+    """
     exe = bwrap_path()
     if exe is None:
-        return "bubblewrap (bwrap) is not installed; install it (apt-get install bubblewrap, dnf install bubblewrap)"
+        return None, ("bubblewrap (bwrap) is not installed; install it (apt-get install bubblewrap, "
+                      "dnf install bubblewrap)")
     probe = [exe, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "true"]
-    kwargs = {}
-    if os.geteuid() == 0:
-        kwargs = dict(user=UID_BASE, group=UID_BASE, extra_groups=[])
+    kwargs = dict(user=UID_BASE, group=UID_BASE, extra_groups=[]) if os.geteuid() == 0 else {}
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=30, **kwargs)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bwrap failed to start: {e}"
-    if res.returncode != 0:
-        return (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable unprivileged user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1) or use a container backend")
-    return None
+        return None, f"bwrap failed to start: {e}"
+    if res.returncode == 0:
+        return "userns", None
+    problem = (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable unprivileged user namespaces "
+               "(sysctl kernel.unprivileged_userns_clone=1) or use a container backend")
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        root_probe = [exe, *ROOT_NAMESPACES, "--die-with-parent", "--ro-bind", "/", "/",
+                      *setpriv_argv(UID_BASE), "true"]
+        try:
+            if subprocess.run(root_probe, capture_output=True, timeout=30).returncode == 0:
+                return "root", None
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return None, problem
+
+
+def bwrap_problem() -> str | None:
+    """Why bubblewrap cannot isolate commands on this machine, or None when it can."""
+    return probe_bwrap()[1]
+
+
+def setpriv_argv(uid: int) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--"]
 
 
 def _check_traversable(path: Path) -> None:
@@ -125,7 +161,7 @@ class LocalSandbox(Sandbox):
 
     def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
                  limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
-                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), check_bwrap: bool = True):
+                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None):
         self.limits = limits or SandboxLimits()
         self.limits.validate()
         if workdir != "/app" and not workdir.startswith("/app/"):
@@ -135,13 +171,16 @@ class LocalSandbox(Sandbox):
         self.extra_ro_binds = tuple(extra_ro_binds)
         self._mounts: list[tuple[Path, str]] = []
         self._closed = False
+        self._bwrap = bwrap_path()
+        self._mode = bwrap_mode
         if not unisolated and self.needs_bwrap:
-            problem = bwrap_problem() if check_bwrap else None
-            self._bwrap = bwrap_path()
+            problem = None
+            if self._mode is None:
+                self._mode, problem = probe_bwrap()
             if problem or self._bwrap is None:
                 raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem or 'bwrap missing'}. "
                                    "Pass unisolated=True only for trusted code (no isolation at all).")
-        else:
+        elif unisolated:
             msg = ("LocalSandbox(unisolated=True): COMMANDS RUN WITHOUT ANY ISOLATION as this host user; only "
                    "rlimits and timeouts apply. Never use this for model-generated code.")
             warnings.warn(msg, UnisolatedWarning, stacklevel=2)
@@ -205,8 +244,11 @@ class LocalSandbox(Sandbox):
     reports_status = True  # the launcher passes the wrapper's status descriptor through
 
     def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
-        argv = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-                "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE), "--hostname", "sandbox"]
+        if self._mode == "root":
+            argv = [self._bwrap, *ROOT_NAMESPACES]
+        else:
+            argv = [self._bwrap, "--unshare-all", "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
+        argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
         for name in SYSTEM_DIRS:
             host = f"/{name}"
             if os.path.islink(host):
@@ -218,8 +260,8 @@ class LocalSandbox(Sandbox):
                 argv += ["--ro-bind", "/dev/null", host]
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
-                 "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
+                 "--tmpfs", "/dev/shm", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self.root / d), f"/{d}"]
         for host, dest in self._mounts:
@@ -249,11 +291,16 @@ class LocalSandbox(Sandbox):
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
                               cwd=cwd or self.workdir, env=full_env, status_pipe=False, over_disk=over_disk)
         else:
-            inner = wrapper_argv(command) if self.reports_status else ["bash", "--noprofile", "--norc", "-c", command]
-            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env) + inner
-            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              env={"PATH": BASE_ENV["PATH"]}, user=self.uid, group=self.uid, over_disk=over_disk,
-                              status_pipe=self.reports_status)
+            inner = (wrapper_argv(command) if self.reports_status
+                     else ["bash", "--noprofile", "--norc", "-c", command])
+            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env)
+            launcher_uid = self.uid
+            if self._mode == "root":  # bwrap runs as root; the command drops to the sandbox uid first thing
+                argv += setpriv_argv(self.uid)
+                launcher_uid = None
+            res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
+                              env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
+                              over_disk=over_disk, status_pipe=self.reports_status)
         if not res.disk_exceeded and over_disk():
             res.disk_exceeded = True
             res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")
@@ -318,9 +365,14 @@ class LocalBackend:
     extra_ro_binds: tuple[str, ...] = ()
     name: str = "local"
 
+    bwrap_mode: str | None = None  # probed when not given
+
     def __post_init__(self):
         if not self.unisolated:
-            problem = bwrap_problem()
+            if self.bwrap_mode is None:
+                self.bwrap_mode, problem = probe_bwrap()
+            else:
+                problem = None
             if problem:
                 raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem}. "
                                    "Pass unisolated=True only for trusted code (no isolation at all).")
@@ -336,7 +388,7 @@ class LocalBackend:
                 warnings.simplefilter("ignore", UnisolatedWarning)
             return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
                                 root_parent=self.root_parent, unisolated=self.unisolated,
-                                extra_ro_binds=self.extra_ro_binds, check_bwrap=False)
+                                extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
