@@ -237,8 +237,10 @@ class LocalSandbox(Sandbox):
         if self.uid is None and os.geteuid() != 0:
             nproc += _processes_of(os.geteuid())  # RLIMIT_NPROC counts all of this user's processes
         mb = 1024 * 1024
-        return ["prlimit", f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}", f"--nproc={nproc}",
-                f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0", "--"]
+        # CPU: soft limit sends SIGXCPU (reported by name), the hard limit one second later kills.
+        return ["prlimit", f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}",
+                f"--nproc={nproc}", f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0",
+                "--"]
 
     needs_bwrap = True
     reports_status = True  # the launcher passes the wrapper's status descriptor through
