@@ -4,38 +4,12 @@ import pytest
 import torch
 
 from megatron_composer.fp8.formats import (
-    dequantize_blockwise, dequantize_mx, quantize_blockwise, quantize_mx)
+    dequantize_blockwise, dequantize_mx, quantize_blockwise, quantize_mx, special_value_blocks)
 
 torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
 
 MODES = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
-
-
-def edge_case_rows(dtype: torch.dtype, block: int) -> torch.Tensor:
-    """One block per row, each exercising a special case."""
-    nan, inf = float("nan"), float("inf")
-    tiny = torch.finfo(dtype).tiny
-    rows = [
-        [0.0] * block,                                   # all zero
-        [-0.0] * block,                                  # negative zeros
-        [3.0] * block,                                   # all equal
-        [448.0] * block,                                 # exactly at E4M3 max
-        [448.0 * 2 ** 20, 1.0] + [449.0] * (block - 2),  # above E4M3 max
-        [1e30, -1e-30] + [0.5] * (block - 2),            # huge dynamic range
-        [tiny / 4, tiny / 2] + [tiny / 8] * (block - 2),  # denormals only
-        [tiny, tiny * 1.5] + [0.0] * (block - 2),        # smallest normals
-        [nan, 1.0] + [2.0] * (block - 2),                # NaN must surface
-        [1.0, -nan] + [0.0] * (block - 2),
-        [inf, 1.0] + [-2.0] * (block - 2),               # +inf
-        [-inf, 1.0] + [0.25] * (block - 2),              # -inf
-        [inf, nan] + [1.0] * (block - 2),                # inf and NaN
-        [1.75 * 2 ** 10] + [1.0] * (block - 1),          # amax/448 exactly a power of two
-        [1.7578125 * 2 ** 10] + [-1.0] * (block - 1),    # just above
-        [448.0 * 2 ** -130] + [1.0e-38] * (block - 1),   # rceil scale clamps at 2^-127
-        [-(2.0 ** -9) * 1.5, 2.0 ** -10] + [1.0] * (block - 2),  # E4M3 subnormal rounding ties
-    ]
-    return torch.tensor(rows, dtype=torch.float32).to(dtype)
 
 
 def random_input(dtype, shape=(8, 256), seed=0):
@@ -57,7 +31,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block", [32, 16])
 def test_quantize_mx_bit_identical_to_torchao(rounding, dtype, block):
-    for x in (random_input(dtype), random_input(dtype, (4, 3, 64), seed=1), edge_case_rows(dtype, block)):
+    for x in (random_input(dtype), random_input(dtype, (4, 3, 64), seed=1), special_value_blocks(dtype, block)):
         data, scale = quantize_mx(x, block, rounding)
         ao_scale, ao_data = torchao_mx.to_mx(x.contiguous(), torch.float8_e4m3fn, block, MODES[rounding])
         assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
@@ -73,7 +47,7 @@ def test_quantize_mx_bit_identical_to_torchao(rounding, dtype, block):
 
 @pytest.mark.parametrize("rounding", ["floor", "rceil"])
 def test_mx_special_values(rounding):
-    x = edge_case_rows(torch.float32, 32)
+    x = special_value_blocks(torch.float32, 32)
     data, scale = quantize_mx(x, 32, rounding)
     deq = dequantize_mx(data, scale, 32, torch.float32)
     has_nan = x.isnan().any(-1)

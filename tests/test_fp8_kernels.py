@@ -10,7 +10,6 @@ import torch  # noqa: E402
 
 from megatron_composer.fp8 import formats  # noqa: E402
 from megatron_composer.fp8.kernels import gemm, quantize as kq  # noqa: E402
-from test_fp8_formats import edge_case_rows  # noqa: E402
 
 # NaN/inf edge cases make numpy (the interpreter's engine) warn about invalid operations, as intended
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -42,7 +41,7 @@ def inputs(dtype, block_len, rows=96, cols=160):
     """Random wide-range data with edge-case blocks along rows, in an [rows, cols] matrix (cols % 32 == 0)."""
     g = torch.Generator().manual_seed(block_len)
     x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-40, 40, (rows, 1), generator=g).float())
-    edge = edge_case_rows(torch.float32, block_len)
+    edge = formats.special_value_blocks(torch.float32, block_len)
     n = min(edge.shape[0], rows)
     x[:n, :block_len] = edge[:n]
     x[:n, -block_len:] = edge[:n].flip(0)

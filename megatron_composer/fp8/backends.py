@@ -164,7 +164,8 @@ class ScaledMMBackend(TritonBackend):
 
 
 class TEBackend(TritonBackend):
-    """Dense layers run as TransformerEngine Linear modules (see `fp8.linear.TELinear`)."""
+    """`apply_fp8` runs dense layers as TransformerEngine Linear modules (`fp8.linear.TELinear`); the GEMM methods
+    inherited here serve the grouped expert GEMMs and direct `fp8_linear` calls."""
     name = "te"
 
 
@@ -202,7 +203,13 @@ def unavailable_reason(name: str, cfg: FP8Config) -> str | None:
             return "needs a CUDA GPU"
         if importlib.util.find_spec("transformer_engine") is None:
             return "transformer_engine is not installed"
-        return None
+        try:
+            from transformer_engine.pytorch import fp8 as te_fp8
+            check = te_fp8.check_mxfp8_support if cfg.recipe == "mxfp8" else te_fp8.check_fp8_block_scaling_support
+            ok, why = check()
+        except Exception as e:  # an old TE without the recipe
+            return f"this TransformerEngine lacks the {cfg.recipe} recipe ({e})"
+        return None if ok else f"TransformerEngine: {why}"
     raise ValueError(f"unknown FP8 backend '{name}'; choose one of {list(BACKENDS)} or auto")
 
 

@@ -180,3 +180,29 @@ def dequantize_blockwise(data: torch.Tensor, scale: torch.Tensor, tile: tuple[in
     R, C = data.shape[-2:]
     t = data.float().reshape(*data.shape[:-2], R // tr, tr, C // tc, tc)
     return (t * scale[..., :, None, :, None]).reshape(data.shape).to(dtype)
+
+
+def special_value_blocks(dtype: torch.dtype, block: int) -> torch.Tensor:
+    """One block per row, each an edge case the formats must get exactly right (used by tests and the GPU check)."""
+    nan, inf = float("nan"), float("inf")
+    tiny = torch.finfo(dtype).tiny
+    rows = [
+        [0.0] * block,                                   # all zero
+        [-0.0] * block,                                  # negative zeros
+        [3.0] * block,                                   # all equal
+        [448.0] * block,                                 # exactly at E4M3 max
+        [448.0 * 2 ** 20, 1.0] + [449.0] * (block - 2),  # above E4M3 max
+        [1e30, -1e-30] + [0.5] * (block - 2),            # huge dynamic range
+        [tiny / 4, tiny / 2] + [tiny / 8] * (block - 2),  # denormals only
+        [tiny, tiny * 1.5] + [0.0] * (block - 2),        # smallest normals
+        [nan, 1.0] + [2.0] * (block - 2),                # NaN must surface
+        [1.0, -nan] + [0.0] * (block - 2),
+        [inf, 1.0] + [-2.0] * (block - 2),               # +inf
+        [-inf, 1.0] + [0.25] * (block - 2),              # -inf
+        [inf, nan] + [1.0] * (block - 2),                # inf and NaN
+        [1.75 * 2 ** 10] + [1.0] * (block - 1),          # amax/448 exactly a power of two
+        [1.7578125 * 2 ** 10] + [-1.0] * (block - 1),    # just above
+        [448.0 * 2 ** -130] + [1.0e-38] * (block - 1),   # rceil scale clamps at 2^-127
+        [-(2.0 ** -9) * 1.5, 2.0 ** -10] + [1.0] * (block - 2),  # E4M3 subnormal rounding ties
+    ]
+    return torch.tensor(rows, dtype=torch.float32).to(dtype)

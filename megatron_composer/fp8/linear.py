@@ -125,6 +125,34 @@ class FP8Linear(nn.Linear):
         return super().extra_repr() + f", fp8={self.ops.cfg.recipe}/{self.ops.backend.name}"
 
 
+class TELinear(nn.Module):
+    """A dense layer run by TransformerEngine's Linear under fp8_autocast with the matching recipe
+    (MXFP8BlockScaling or Float8BlockScaling). Parameters stay ours (state dict unchanged); TE's module is kept
+    out of the module tree so it does not register them twice. TE chooses its own scale rounding."""
+
+    def __init__(self, linear: nn.Linear, ops: FP8Ops):
+        super().__init__()
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.ops = ops
+        te_linear = te.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                              params_dtype=self.weight.dtype, device=self.weight.device)
+        te_linear.weight = self.weight
+        if self.bias is not None:
+            te_linear.bias = self.bias
+        object.__setattr__(self, "_te_linear", te_linear)
+        self._te = te
+        self._recipe = recipe.MXFP8BlockScaling() if ops.cfg.recipe == "mxfp8" else recipe.Float8BlockScaling()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._te.fp8_autocast(enabled=True, fp8_recipe=self._recipe):
+            return self._te_linear(x)
+
+
 def _padded_groups(offs: torch.Tensor, T: int, block: int):
     """Destination row of each token when every group is padded to a multiple of `block` (no host sync), the
     padded group ends, and an upper bound on the padded row count."""
@@ -215,7 +243,7 @@ def apply_fp8(model: nn.Module, cfg: FP8Config, backend=None) -> nn.Module:
         if keeps_high_precision(name, cfg.keep_high_precision):
             continue
         try:
-            if isinstance(module, nn.Linear) and not isinstance(module, FP8Linear):
+            if isinstance(module, nn.Linear) and not isinstance(module, (FP8Linear, TELinear)):
                 ops.check_weight(module.out_features, module.in_features, f"'{name}'")
                 linears.append(name)
             elif _is_grouped_experts(module):
@@ -229,10 +257,11 @@ def apply_fp8(model: nn.Module, cfg: FP8Config, backend=None) -> nn.Module:
         raise ValueError(f"fp8.recipe={cfg.recipe} cannot quantise {len(problems)} layer(s): " + "; ".join(problems)
                          + ". Add them to fp8.keep_high_precision" + (" or use fp8.block_size=16" if cfg.recipe ==
                                                                       "mxfp8" and cfg.block_size == 32 else ""))
+    dense_cls = TELinear if ops.backend.name == "te" else FP8Linear
     for name in linears:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, FP8Linear(getattr(parent, child), ops))
+        setattr(parent, child, dense_cls(getattr(parent, child), ops))
     for name in experts:
         model.get_submodule(name).grouped_mm = FP8GroupedMM(ops)
     log.info("fp8 %s via %s backend: %d linear layers and %d expert groups quantised", cfg.recipe, ops.backend.name,

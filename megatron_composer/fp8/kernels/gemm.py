@@ -42,16 +42,17 @@ def _scaled_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, offs_ptr, M, N, K, G,
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     KS = K // KB  # scale columns per operand row block
+    # loop-carried scalars start as int32/int64 tensors so compiled Triton sees one type throughout
     m_start = pid_m * BM
-    m_end = M
-    k_start = 0
-    k_end = K
-    b_base = tl.zeros((), tl.int64)
-    sb_base = tl.zeros((), tl.int64)
-    c_base = tl.zeros((), tl.int64)
+    m_end = tl.full([], 0, tl.int32) + M
+    k_start = tl.full([], 0, tl.int32)
+    k_end = tl.full([], 0, tl.int32) + K
+    b_base = tl.full([], 0, tl.int64)
+    sb_base = tl.full([], 0, tl.int64)
+    c_base = tl.full([], 0, tl.int64)
     if MODE == 1:  # m-grouped: find the group whose row tiles include pid_m
-        tiles_before = 0
-        group = -1
+        tiles_before = tl.full([], 0, tl.int32)
+        group = tl.full([], -1, tl.int32)
         for g in range(0, G):
             g_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
             g_end = tl.load(offs_ptr + g)
@@ -61,7 +62,7 @@ def _scaled_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, offs_ptr, M, N, K, G,
             m_start = tl.where(hit, g_start + (pid_m - tiles_before) * BM, m_start)
             m_end = tl.where(hit, g_end, m_end)
             tiles_before += n_tiles
-        k_end = tl.where(group < 0, 0, K)  # a spare tile past the last group: no work, no stores
+        k_end = tl.where(group < 0, 0, k_end)  # a spare tile past the last group: no work, no stores
         m_end = tl.where(group < 0, m_start, m_end)
         b_base = group.to(tl.int64) * N * K
         sb_base = group.to(tl.int64) * (N // B_RB) * KS
@@ -79,7 +80,7 @@ def _scaled_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, offs_ptr, M, N, K, G,
     b_rows = b_ptr + b_base + offs_n.to(tl.int64)[:, None] * K
     sa_rows = (offs_m // A_RB).to(tl.int64) * KS
     sb_rows = sb_base + (offs_n // B_RB).to(tl.int64) * KS
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = tl.full((BM, BN), 0.0, tl.float32)
     for k in range(k_start, k_end, KB):
         kb = k // KB
         sa = _load_scale(sa_ptr, sa_rows + kb, m_mask, MX)

@@ -114,8 +114,12 @@ def _quantize_tile(x, BM: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, CB: 
                    KIND: tl.constexpr):
     """Quantise an fp32 tile [BM, BN] in blocks of RB x CB. Returns (E4M3 bits [BM, BN], scales [BM/RB, BN/CB])."""
     x4 = tl.reshape(x, (BM // RB, RB, BN // CB, CB))
-    amax = tl.max(tl.max(tl.abs(x4), axis=3), axis=1)
-    nan = tl.max(tl.max((x4 != x4).to(tl.int32), axis=3), axis=1)
+    # tl.reduce with tl.max's own combine rather than tl.max: the wrapper is compiled, not interpreted, when
+    # triton was imported before TRITON_INTERPRET was set, and the interpreter cannot call it; the combine it
+    # recognises and runs as a numpy max. Max drops NaNs on GPUs, so NaNs are counted separately.
+    amax = tl.reduce(tl.reduce(tl.abs(x4), 3, tl.standard._elementwise_max), 1, tl.standard._elementwise_max)
+    nan = (x4 != x4).to(tl.int32)
+    nan = tl.reduce(tl.reduce(nan, 3, tl.standard._elementwise_max), 1, tl.standard._elementwise_max)
     amax = tl.where(nan > 0, float("nan"), amax)
     scale, factor, multiply = _block_scale(amax, KIND)
     f4 = tl.reshape(factor, (BM // RB, 1, BN // CB, 1))
