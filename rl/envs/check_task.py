@@ -3,7 +3,8 @@
     python -m rl.envs.check_task TASK_DIR            # a valid task prints reward 0 (nothing solved yet)
     python -m rl.envs.check_task TASK_DIR --oracle   # after solution/solve.sh it prints reward 1
 
-The reward is the last line of output. Exit status 2 means the task itself is broken.
+The reward is the last line of output. Exit status 2: the task or the sandbox backend is broken (the message
+says which).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def engine_problem(engine: str) -> str | None:
     exe = shutil.which(engine)
     if exe is None:
         return f"{engine} is not installed"
-    probe = [exe, "version"] if engine == "apptainer" else [exe, "info", "--format", "{{.ServerVersion}}"]
+    probe = [exe, "version"] if engine == "apptainer" else [exe, "info"]
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
