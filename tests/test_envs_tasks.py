@@ -1,6 +1,7 @@
 """The bundled Harbor tasks: untouched they score 0, after their reference solution 1, through the sandbox and
 the agent tool protocol; loaders reject broken task folders with messages naming the file and field."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from rl.sandbox.local import LocalBackend, bwrap_problem
 from rl.sandbox.pool import SandboxPool
 
 REPO = Path(__file__).resolve().parents[1]
+# What the host system (standing in for the task images) needs for each kind of bundled task.
+TOOLS = {"python": ["python3"], "shell": ["bash"], "c": ["gcc", "make"], "js": ["node"]}
 TASKS = sorted(p for p in (REPO / "examples" / "tasks").iterdir() if (p / "task.toml").is_file())
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
@@ -34,6 +37,9 @@ def test_bundled_tasks_cover_three_languages():
 @needs_bwrap
 @pytest.mark.parametrize("task_dir", TASKS, ids=[p.name for p in TASKS])
 def test_task_untouched_zero_oracle_one_scripted_agent_one(task_dir, pool):
+    missing = [t for t in TOOLS[task_dir.name.split("-")[0]] if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{task_dir.name} needs {', '.join(missing)} on this machine")
     task = load_harbor_task(task_dir)
     noop = pool.submit(task, lambda sbx: run_episode(task, sbx, noop_policy()))
     scripted = pool.submit(task, lambda sbx: run_episode(task, sbx, oracle_policy(task)))
@@ -73,8 +79,6 @@ def test_check_task_function_harbor_oracle():
 
 # Bad task folders ---------------------------------------------------------------------------------------------
 def _copy_task(tmp_path, name="python-lru-cache-bug"):
-    import shutil
-
     dest = tmp_path / name
     shutil.copytree(REPO / "examples" / "tasks" / name, dest)
     return dest
