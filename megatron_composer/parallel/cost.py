@@ -265,6 +265,7 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
         Td = Tr if (sp or tp == 1) else math.ceil(T / tp)  # tokens this rank dispatches
         x += Tr * D * p + Tr * E * 4 + Tr * K * (8 + 4 + 4)  # router input, scores, choice and weights
         x += 3 * Td * K * D * p + 4 * Td * K * Fm * p + Td * K * (8 + 8 + 4)  # experts and combine
+        x += (E // d.ep) * 2 * Fm * D * p  # the concatenated w1|w3 the grouped gate/up matmul saves
         if cfg.num_shared_experts:
             Fs = Fm * cfg.num_shared_experts // tp
             x += 4 * T * Fs * p + (T * D * p if sp else 0)
