@@ -7,6 +7,9 @@ forward KL(main || mtp) by default (mass-covering, matches speculative-decoding 
 an option, plus an optional cross-entropy term on the true token. Pairs (t, t+k) that straddle a document
 boundary of a packed row, or whose target is masked, are excluded.
 
+With tensor parallelism the logits are vocab-sharded [.., V/tp]; pass the tp group as `vocab_group` and the
+softmaxes, cross-entropies, KL sums and argmaxes are computed across shards (megatron_composer.parallel).
+
 All functions return *sums* and counts; the caller divides by counts reduced over the whole global batch,
 so the loss of a step does not depend on how it is split into micro-batches or data-parallel ranks.
 """
@@ -60,8 +63,46 @@ def token_counts(batch: dict[str, torch.Tensor], num_mtp_depths: int, shift_left
     return torch.stack([c.float() for c in counts])
 
 
-def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
-    losses = F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), reduction="none")
+def _cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, vocab_group) -> torch.Tensor:
+    if vocab_group is None:
+        return F.cross_entropy(logits_NV.float(), target_N, reduction="none")
+    from megatron_composer.parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits_NV.float(), target_N, vocab_group)
+
+
+def _log_softmax(logits_NV: torch.Tensor, vocab_group) -> torch.Tensor:
+    if vocab_group is None:
+        return F.log_softmax(logits_NV, dim=-1)
+    from megatron_composer.parallel import vocab_parallel_log_softmax
+
+    return vocab_parallel_log_softmax(logits_NV, vocab_group)
+
+
+def _vocab_sum(x_NV: torch.Tensor, vocab_group) -> torch.Tensor:
+    if vocab_group is None:
+        return x_NV.sum(-1)
+    from megatron_composer.parallel.collectives import reduce_from_parallel
+
+    return reduce_from_parallel(x_NV.sum(-1), vocab_group)
+
+
+@torch.no_grad()
+def _argmax(logits_NV: torch.Tensor, vocab_group) -> torch.Tensor:
+    """Global vocabulary index of the largest logit (ties -> lowest index, as torch.argmax)."""
+    value_N, index_N = logits_NV.max(-1)
+    if vocab_group is None:
+        return index_N
+    from megatron_composer.parallel.collectives import all_gather, group_rank
+
+    index_N = index_N + group_rank(vocab_group) * logits_NV.shape[-1]
+    values_NR = all_gather(value_N[:, None].contiguous(), 1, vocab_group)
+    indices_NR = all_gather(index_N[:, None].contiguous(), 1, vocab_group)
+    return indices_NR.gather(1, values_NR.argmax(1, keepdim=True)).squeeze(1)
+
+
+def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, vocab_group=None) -> torch.Tensor:
+    losses = _cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), vocab_group)
     return (losses * loss_mask_BS.flatten()).sum()
 
 
@@ -73,6 +114,7 @@ def mtp_self_distillation_sums(
     position_ids_BS: torch.Tensor,
     cfg: MTPLossConfig,
     shift_left=shift_left_local,
+    vocab_group=None,
 ) -> list[dict[str, torch.Tensor]]:
     """Per depth: sums over valid pairs of the trained loss, KL, CE and top-1 agreement with the main head."""
     out = []
@@ -82,15 +124,15 @@ def mtp_self_distillation_sums(
         student_NV = mtp_BSV.flatten(0, 1).float()
         teacher_NV = shift_left(main_detached, k, 0).flatten(0, 1).float()
         target_N = shift_left(labels_BS, k, 0).flatten()
-        logq = F.log_softmax(student_NV / cfg.temperature, dim=-1)
-        logp = F.log_softmax(teacher_NV / cfg.temperature, dim=-1)
+        logq = _log_softmax(student_NV / cfg.temperature, vocab_group)
+        logp = _log_softmax(teacher_NV / cfg.temperature, vocab_group)
         if cfg.divergence == "forward_kl":
-            kl_N = (logp.exp() * (logp - logq)).sum(-1)
+            kl_N = _vocab_sum(logp.exp() * (logp - logq), vocab_group)
         else:
-            kl_N = (logq.exp() * (logq - logp)).sum(-1)
-        ce_N = F.cross_entropy(student_NV, target_N, reduction="none")
+            kl_N = _vocab_sum(logq.exp() * (logq - logp), vocab_group)
+        ce_N = _cross_entropy(student_NV, target_N, vocab_group)
         loss_N = kl_N + cfg.ce_weight * ce_N if cfg.ce_weight else kl_N
-        agree_N = (student_NV.argmax(-1) == teacher_NV.argmax(-1)).float()
+        agree_N = (_argmax(student_NV, vocab_group) == _argmax(teacher_NV, vocab_group)).float()
         out.append({
             "loss": (loss_N * valid).sum(),
             "kl": (kl_N.detach() * valid).sum(),
@@ -100,20 +142,21 @@ def mtp_self_distillation_sums(
     return out
 
 
-def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor, shift_left=shift_left_local):
+def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor, shift_left=shift_left_local,
+                  vocab_group=None):
     """Loss to backpropagate for one micro-batch (already divided by global counts) and detached stats.
 
     `output` is the model's ModelOutput (logits, mtp_logits, aux_loss); `global_counts` is the sum over the
     global batch of token_counts(). Returns (loss, stats) where stats holds this micro-batch's contribution to
     each logged metric (summing stats over micro-batches and ranks gives the step's values).
     """
-    lm_sum = lm_loss_sum(output.logits, batch["labels"], batch["loss_mask"])
+    lm_sum = lm_loss_sum(output.logits, batch["labels"], batch["loss_mask"], vocab_group)
     lm = lm_sum / global_counts[0].clamp(min=1)
     loss = lm
     stats = {"lm_loss": lm.detach()}
     mtp_logits = list(getattr(output, "mtp_logits", None) or [])
     if mtp_logits and mtp_cfg.weight > 0:
-        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg, shift_left)
+        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg, shift_left, vocab_group)
         mtp_total = 0.0
         for k, d in enumerate(per_depth, start=1):
             n = global_counts[k].clamp(min=1)

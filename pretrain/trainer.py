@@ -126,36 +126,44 @@ def architecture(mc) -> dict:
 
 
 class Layout:
-    """Where this rank sits: data-parallel coordinates for data sharding, context-parallel sequence shards.
+    """This rank's place in the parallel layout (parallel.tp/cp/ep from config, dp inferred).
 
-    Data parallelism over replicated parameters is done here (one flat all-reduce of gradients per step).
-    Context parallelism uses megatron_composer.parallel.parallelize_model (attention over the head-tail
-    sequence shards; MTP targets fetched across shards with cp_shift_left); parameters stay replicated, so
-    gradients are summed over every rank.
+    Pure data parallelism keeps the model unchanged and all-reduces gradients in one flat buffer. Tensor,
+    context and expert parallelism use megatron_composer.parallel.parallelize_model; gradients are then
+    reduced per parameter family (dense over dp x cp replicas, routed experts over expert-data-parallel
+    replicas), the grad norm counts each distinct element once, logits are vocab-sharded under tp and
+    sequence-sharded under cp. Counts and logged sums are reduced over the dp x cp ranks, which hold
+    distinct tokens.
     """
 
     def __init__(self, pcfg: ParallelConfig):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if pcfg.tp > 1 or pcfg.ep > 1:
-            raise ConfigError(
-                f"parallel.tp={pcfg.tp} parallel.ep={pcfg.ep}: the pretraining loop does not yet reduce gradients or save "
-                "checkpoints for tensor/expert-sharded parameters; use parallel.tp=1 parallel.ep=1 (data + context parallel)"
-            )
         self.pcfg = pcfg
         self.dims = ParallelDims.from_config(pcfg, self.world)
         self.groups = None
-        self.dp_size = self.dims.dp
-        self.dp_rank = self.dims.coords(self.rank)["dp"]
+        coords = self.dims.coords(self.rank)
+        self.dp_size, self.dp_rank, self.cp_rank = self.dims.dp, coords["dp"], coords["cp"]
         self.cp = pcfg.cp
+        self.model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1 or pcfg.activation_checkpointing != "none"
+        if self.model_parallel:
+            self.groups = self.dims.build()
+
+    def validate(self, mc, seq_length: int) -> None:
+        from megatron_composer.parallel import validate_layout
+
+        validate_layout(self.dims, mc, seq_len=seq_length)
 
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.cp == 1 and self.pcfg.activation_checkpointing == "none":
+        if not self.model_parallel:
             return model
         from megatron_composer.parallel import parallelize_model
 
-        self.groups = self.dims.build()
         return parallelize_model(model, self.groups, activation_checkpointing=self.pcfg.activation_checkpointing)
+
+    @property
+    def vocab_group(self):
+        return self.groups.tp_group if self.groups is not None and self.dims.tp > 1 else None
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's context-parallel slice of each [B, S] tensor (identity without CP)."""
@@ -163,8 +171,7 @@ class Layout:
             return batch
         from megatron_composer.parallel import shard_sequence
 
-        cp_rank = self.dims.coords(self.rank)["cp"]
-        return {k: shard_sequence(v, 1, self.cp, cp_rank).contiguous() for k, v in batch.items()}
+        return {k: shard_sequence(v, 1, self.cp, self.cp_rank).contiguous() for k, v in batch.items()}
 
     @property
     def shift_left(self):
@@ -175,22 +182,68 @@ class Layout:
         group = self.groups.cp_group
         return lambda x, k, fill=0: cp_shift_left(x, k, 1, group, fill)
 
+    def _family(self, p) -> str:
+        from megatron_composer.parallel.layers import spec_of
+
+        return "expert" if spec_of(p).kind == "expert" else "dense"
+
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over all ranks (each micro-batch loss is already normalised by the global count)."""
+        """Sum gradients over replicas (each micro-batch loss is already normalised by the global count)."""
         if self.world == 1:
             return
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.groups is None:
+            _all_reduce_flat([p.grad for p in params], None)
+            return
+        from megatron_composer.parallel.layers import spec_of
+
+        if self.dims.tp > 1:  # sequence-sharded inputs leave partial sums across tp
+            _all_reduce_flat([p.grad for p in params if spec_of(p).kind == "tp_partial"], self.groups.tp_group)
+        for family, kind in (("dense", "dp_cp"), ("expert", "edp")):
+            if self.groups.size(kind) > 1:
+                _all_reduce_flat([p.grad for p in params if self._family(p) == family], self.groups.group(kind))
+
+    def clip_gradients(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradient (each distinct element counted once); scales it to max_norm."""
+        max_norm = max_norm if max_norm > 0 else float("inf")
+        if self.groups is None:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        from megatron_composer.parallel.layers import spec_of
+
+        sq = torch.zeros((), dtype=torch.float64)
+        first_replica = {kind: self.groups.ranks(kind).index(self.rank) == 0 for kind in ("dp_cp", "edp")}
+        grads = []
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            kind = spec_of(p).kind
+            distinct = kind in ("tp_sharded", "expert") or self.groups.tp_rank == 0
+            if distinct and first_replica["edp" if kind == "expert" else "dp_cp"]:
+                sq += p.grad.double().square().sum().cpu()
+        dist.all_reduce(sq)
+        norm = sq.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+            g.mul_(coef.to(g.dtype))
+        return norm
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks holding distinct tokens (dp x cp)."""
         if self.world > 1:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.groups.group("dp_cp") if self.groups is not None else None)
         return t
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _autocast(precision: str, device: torch.device):
@@ -250,10 +303,10 @@ def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
     return Batches(train, global_seqs, cfg.train.micro_batch_size, layout), valid
 
 
-def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, shift_left):
+def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout):
     with autocast:
         out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing)
-    return pretrain_loss(out, batch, mtp_cfg, counts, shift_left), out
+    return pretrain_loss(out, batch, mtp_cfg, counts, layout.shift_left, layout.vocab_group), out
 
 
 @torch.no_grad()
@@ -268,7 +321,7 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
     counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in batches), torch.zeros(1 + depths, device=device)))
     totals: dict[str, torch.Tensor] = {}
     for b in batches:
-        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False, layout.shift_left)
+        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False, layout)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.float()
     keys = sorted(totals)
@@ -288,6 +341,7 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     mc = model_config(cfg, tokenizer)
+    layout.validate(mc, cfg.data.seq_length)
     meta = {"model": architecture(mc), "tokenizer": tokenizer.describe()}
     latest = find_latest(run_dir)
     if latest is not None:
@@ -315,13 +369,13 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
 
     start_step = 0
     if latest is not None:
-        state = load_checkpoint(latest, model, optimizer, meta)
+        state = load_checkpoint(latest, model, optimizer, meta, groups=layout.groups)
         start_step = state["step"]
         logger.truncate_after(start_step)
         if is_main:
             print(f"resumed from {latest} at step {start_step}")
     elif init_path is not None:
-        load_checkpoint(init_path, model, None, meta, restore_rng=False)
+        load_checkpoint(init_path, model, None, meta, restore_rng=False, groups=layout.groups)
         if is_main:
             print(f"initialised weights from {init_path} (fresh optimizer and schedule)")
 
@@ -352,7 +406,7 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         totals: dict[str, torch.Tensor] = {}
         routed = []
         for b in micro:
-            (loss, stats), out = _forward_stats(model, b, cfg.mtp, counts, autocast, want_routing, layout.shift_left)
+            (loss, stats), out = _forward_stats(model, b, cfg.mtp, counts, autocast, want_routing, layout)
             loss.backward()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0) + v.float()
@@ -362,7 +416,7 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         keys = sorted(totals)
         vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())
         metrics = {k.replace("lm_loss", "loss"): float(v) for k, v in zip(keys, vec)}
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+        grad_norm = layout.clip_gradients(model, cfg.optim.grad_clip)
         finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
@@ -385,6 +439,6 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         console = done % cfg.logging.interval == 0 or done == cfg.train.steps or not finite or "val_loss" in metrics
         logger.log(done, metrics, console=console)
         if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps:
-            save_checkpoint(run_dir, done, model, optimizer, {"step": done, "consumed_samples": done * batches.global_seqs, "lr": lr}, meta, cfg.checkpoint.keep_last)
+            save_checkpoint(run_dir, done, model, optimizer, {"step": done, "consumed_samples": done * batches.global_seqs, "lr": lr}, meta, cfg.checkpoint.keep_last, groups=layout.groups)
     logger.close()
     return run_dir

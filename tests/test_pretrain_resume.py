@@ -82,18 +82,21 @@ def test_resume_after_sigkill_reproduces_loss_sequence(setup):
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_layout_change_two_ranks_to_one(setup):
+def test_layout_change_expert_parallel_to_single_rank_and_tensor_parallel(setup):
+    """A checkpoint written by 2 ranks with ep=2 (experts sharded) resumes on 1 rank and on tp=2."""
     cfg = setup / "cfg.yaml"
-    two = setup / "two"
-    r = _run(cfg, f"run.dir={two}", "train.steps=5", nproc=2)
+    ep2 = setup / "ep2"
+    r = _run(cfg, f"run.dir={ep2}", "train.steps=5", "parallel.ep=2", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    one = setup / "one"
-    shutil.copytree(two, one)
-    shutil.rmtree(one / "checkpoints" / "step_5")
-    (one / "latest").write_text("checkpoints/step_4")
-    r = _run(cfg, f"run.dir={one}", "train.steps=5")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert abs(_losses(one)[-1][1] - _losses(two)[-1][1]) < 1e-5
+    for name, nproc, layout in (("one", 1, []), ("tp2", 2, ["parallel.tp=2"])):
+        run = setup / name
+        shutil.copytree(ep2, run)
+        shutil.rmtree(run / "checkpoints" / "step_5")
+        (run / "latest").write_text("checkpoints/step_4")
+        r = _run(cfg, f"run.dir={run}", "train.steps=5", *layout, nproc=nproc)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert _losses(run)[:4] == _losses(ep2)[:4]
+        assert abs(_losses(run)[-1][1] - _losses(ep2)[-1][1]) < 1e-5, name
 
 
 def test_bad_inputs_fail_cleanly_without_overwriting(setup):

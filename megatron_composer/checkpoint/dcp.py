@@ -10,6 +10,10 @@ then atomically replaces `latest`; a process killed mid-save leaves the previous
 stale .tmp directory is removed by the next save. DCP stores parameters by fully-qualified name with their
 global shapes, so a checkpoint loads into a different parallel layout or world size (DTensor-sharded and
 replicated parameters are resharded on load).
+
+Parameters sharded by megatron_composer.parallel (tensor- or expert-parallel, labelled with a ShardSpec) are
+saved as DTensors over their tp/ep process group, i.e. as chunks of the full tensor; AdamW moments likewise.
+Loading builds the same view for the current layout, so DCP reads exactly the slice each rank owns.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 
 class CheckpointError(ValueError):
@@ -78,6 +81,55 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def _shard_view(t: torch.Tensor, spec, meshes: dict):
+    """`t` as a DTensor chunk of the full tensor when its parameter is tp/ep-sharded, else `t` itself."""
+    if spec is None or spec.kind not in ("tp_sharded", "expert") or spec.size == 1:
+        return t
+    if spec.blocks != 1:
+        raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, meshes[spec.kind], [Shard(spec.dim)], run_check=False)
+
+
+def _meshes(groups) -> dict:
+    if groups is None:
+        return {}
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"tp_sharded": DeviceMesh.from_group(groups.tp_group, device), "expert": DeviceMesh.from_group(groups.ep_group, device)}
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, groups=None) -> dict:
+    """{"model": {fqn: tensor}, "optim": {fqn.exp_avg / .exp_avg_sq / .step}} aliasing the live tensors, so
+    dcp.save writes them and dcp.load fills them in place. AdamW state is created (zeros) if absent."""
+    from megatron_composer.parallel.layers import spec_of
+
+    meshes = _meshes(groups)
+    params = dict(model.named_parameters())
+    model_sd = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        spec = spec_of(params[name]) if name in params else None
+        model_sd[name] = _shard_view(t.detach(), spec, meshes)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        optim_sd = {}
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim_sd[f"{name}.{key}"] = _shard_view(st[key], spec_of(p), meshes)
+            optim_sd[f"{name}.step"] = st["step"]
+        state["optim"] = optim_sd
+    return state
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -86,6 +138,7 @@ def save_checkpoint(
     trainer_state: dict,
     meta: dict,
     keep_last: int = 0,
+    groups=None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory."""
     run_dir = Path(run_dir)
@@ -100,12 +153,7 @@ def save_checkpoint(
             shutil.rmtree(final)
         tmp.mkdir()
     _barrier()
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_state_dict(model, [])[0]}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(training_state(model, optimizer, groups), checkpoint_id=str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:
@@ -142,24 +190,18 @@ def check_meta(ckpt: Path, expected: dict) -> None:
         )
 
 
-def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, expected_meta: dict | None = None, restore_rng: bool = True) -> dict:
+def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, expected_meta: dict | None = None,
+                    restore_rng: bool = True, groups=None) -> dict:
     """Load model (+ optimizer, RNG) in place; returns the trainer_state dict saved with it."""
     ckpt = Path(ckpt)
     if expected_meta is not None:
         check_meta(ckpt, expected_meta)
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_state_dict(model, [])[0]}
+    state = training_state(model, optimizer, groups)
     try:
-        dcp.load(state, checkpoint_id=str(ckpt))
+        with torch.no_grad():
+            dcp.load(state, checkpoint_id=str(ckpt))
     except Exception as e:  # DCP wraps per-rank failures in CheckpointException
         raise CheckpointError(f"cannot load checkpoint '{ckpt}': {str(e).splitlines()[0][:300]}") from None
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=StateDictOptions(strict=True))
     rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
     if restore_rng and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
