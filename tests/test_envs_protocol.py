@@ -189,9 +189,14 @@ def test_dockerfile_copy_source_must_exist_in_context(tmp_path):
 @needs_bwrap
 def test_reward_written_by_the_agent_does_not_count(tmp_path):
     task = _task(tmp_path)
-    hack = call("run", command="mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt") + call("submit")
+    hack = (call("run", command="ls /tests") + call("run", command="mkdir -p /tests")
+            + call("run", command="mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt") + call("submit"))
     with LocalSandbox(tmp_path / "tree") as sbx:
-        assert run_episode(task, sbx, ScriptedPolicy([hack])).reward == 0.0
+        res = run_episode(task, sbx, ScriptedPolicy([hack]))
+        assert res.reward == 0.0
+        ls_tests, mkdir_tests = [m["content"] for m in res.messages if m["role"] == "tool"][:2]
+        assert "No such file or directory" in ls_tests  # tests arrive only after the agent finished
+        assert "Read-only file system" in mkdir_tests
         (tmp_path / "tests" / "test.sh").write_text("echo lots > /logs/verifier/reward.txt\n")
         res = task.verifier.verify(sbx, task)
     assert res.reward == 0.0 and "must hold a number" in res.details["error"]

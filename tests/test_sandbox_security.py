@@ -104,8 +104,11 @@ def _q(s):
     return shlex.quote(s)
 
 
-def test_cannot_read_host_secrets_or_checkout(sbx):
-    res = sbx.exec(f"cat /etc/shadow; ls /root; ls {REPO}; cat {REPO}/setup.py; ls /home; id -u")
+def test_cannot_read_host_secrets_or_checkout(sbx, monkeypatch):
+    monkeypatch.setenv("MC_TEST_SECRET_TOKEN", "s3cr3t-value")
+    res = sbx.exec(f"cat /etc/shadow; ls /root; ls {REPO}; cat {REPO}/setup.py; ls /home; env; ls /run /var/run; "
+                   "id -u")
+    assert "s3cr3t-value" not in res.output  # the host's environment does not leak in
     assert "root:" not in res.output
     assert "megatron-composer" not in res.output  # setup.py's content
     assert "No such file or directory" in res.output
