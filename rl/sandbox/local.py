@@ -3,8 +3,10 @@
 Each command gets fresh user, pid, network, ipc, uts and mount namespaces. The sandbox sees the host's system
 directories read-only (they stand in for a container image), its own copy of the task tree at /app, and
 private /tmp and /logs; nothing else of the host exists inside (no /root, /home, /work, no host processes,
-only a loopback network). When the host user is root, commands run as a fresh unprivileged uid per sandbox,
-so file permissions protect host secrets and RLIMIT_NPROC (which root ignores) bounds the process count.
+only a loopback network). The new root, /dev and /var are read-only; /dev/shm is a small per-command tmpfs.
+When the host user is root, commands run as a fresh unprivileged uid per sandbox, so file permissions protect
+host secrets and RLIMIT_NPROC (which root ignores) bounds the process count; where unprivileged user
+namespaces are disabled, bwrap runs as root without one and the command drops to that uid with setpriv.
 When the command's shell exits, its pid namespace dies and every process it left behind is killed.
 """
 
@@ -135,7 +137,6 @@ def _check_traversable(path: Path) -> None:
     """The unprivileged sandbox uid must be able to reach its directories through every parent."""
     for parent in path.resolve().parents:
         if not os.stat(parent).st_mode & 0o001:
-            force_rmtree(path)
             raise SandboxError(f"sandbox directories under {path.parent} are unreachable for the unprivileged "
                                f"sandbox user ({parent} is not world-searchable); choose another root_parent")
 
@@ -185,18 +186,23 @@ class LocalSandbox(Sandbox):
                    "rlimits and timeouts apply. Never use this for model-generated code.")
             warnings.warn(msg, UnisolatedWarning, stacklevel=2)
         self.root = Path(tempfile.mkdtemp(prefix="mc-sandbox-", dir=root_parent))
-        os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
-        for d in WRITABLE_DIRS + ("mounts",):
-            (self.root / d).mkdir()
-        (self.root / "logs" / "verifier").mkdir()
-        (self.root / "logs" / "agent").mkdir()
-        if tree is not None:
-            copy_tree(Path(tree), self.root / "app")
         self.uid: int | None = None
-        if os.geteuid() == 0 and not unisolated:
-            _check_traversable(self.root)
-            self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
-            self._chown(self.root)
+        try:
+            os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
+            for d in WRITABLE_DIRS + ("mounts",):
+                (self.root / d).mkdir()
+            (self.root / "logs" / "verifier").mkdir()
+            (self.root / "logs" / "agent").mkdir()
+            if tree is not None:
+                copy_tree(Path(tree), self.root / "app")
+            if os.geteuid() == 0 and not unisolated:
+                _check_traversable(self.root)
+                self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
+                self._chown(self.root)
+        except BaseException:
+            force_rmtree(self.root)
+            self._closed = True
+            raise
         self.workdir = str(self.host_path(workdir)) if unisolated else workdir
         self.tree_root = str((self.root / "app").resolve()) if unisolated else "/app"
 
