@@ -27,6 +27,7 @@ from megatron_composer.config import ConfigError, save_config, to_dict
 from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_datasets, collate
 from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
+from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
@@ -77,6 +78,7 @@ class PretrainConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     mtp: MTPLossConfig = field(default_factory=MTPLossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -85,6 +87,7 @@ class PretrainConfig:
         self.optim.validate()
         self.mtp.validate()
         self.parallel.validate()
+        self.fp8.validate()
         if self.train.steps < 1:
             raise ConfigError(f"train.steps={self.train.steps} must be >= 1")
         if self.train.global_batch_tokens % self.data.seq_length:
@@ -364,6 +367,11 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
     torch.manual_seed(cfg.train.seed)
     model = Transformer(mc).to(device)
     model = layout.parallelize(model)
+    try:
+        # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped experts
+        model = apply_fp8(model, cfg.fp8)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     optimizer = build_optimizer(model, cfg.optim)
     logger = MetricsLogger(run_dir, cfg.logging, is_main, to_dict(cfg))
 
