@@ -47,7 +47,8 @@ def instance(tmp_path):
     record = {"instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": base,
               "problem_statement": "add() subtracts instead of adding.", "test_patch": test_patch, "patch": gold,
               "FAIL_TO_PASS": json.dumps(["test_add (tests.test_calc.TestCalc.test_add)"]),
-              "PASS_TO_PASS": ["test_sub (tests.test_calc.TestCalc.test_sub)"], "test_cmd": "python3 -m unittest -v"}
+              "PASS_TO_PASS": ["test_sub (tests.test_calc.TestCalc.test_sub)"], "test_cmd": "python3 -m unittest -v",
+              "setup_cmd": "git rev-parse HEAD > .prepared_at"}
     jsonl = tmp_path / "instances.jsonl"
     jsonl.write_text(json.dumps(record) + "\n")
     return jsonl, tmp_path / "repos", record
@@ -62,6 +63,7 @@ def test_swebench_gold_patch_resolves_and_noop_does_not(instance):
     try:
         with backend.fork(snap) as sbx:
             assert "return a - b" in sbx.read_text("/app/calc.py")  # base commit, not later history
+            assert sbx.read_text("/app/.prepared_at").strip() == task.verifier.base_commit  # setup ran once
             res = run_episode(task, sbx, noop_policy())
             assert res.reward == 0.0
             assert res.verify.details["FAIL_TO_PASS failing"] == ["test_add (tests.test_calc.TestCalc.test_add)"]

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.envs.task import GitTree, PatchSolution, Task, TaskError, TaskLimits, VerifyResult
+from rl.envs.task import GitTree, PatchSolution, RunStep, Task, TaskError, TaskLimits, VerifyResult
 from rl.sandbox.base import Sandbox
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -120,6 +120,9 @@ def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench in
     test_cmd = record.get("test_cmd", "python3 -m pytest -rA")
     if not isinstance(test_cmd, str) or not test_cmd.strip():
         raise TaskError(f"{where}: field 'test_cmd' must be a non-empty string")
+    setup_cmd = record.get("setup_cmd")
+    if setup_cmd is not None and (not isinstance(setup_cmd, str) or not setup_cmd.strip()):
+        raise TaskError(f"{where}: field 'setup_cmd' must be a non-empty string")
     patch = record.get("patch")
     return Task(
         name=record["instance_id"],
@@ -127,6 +130,7 @@ def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench in
                      f"{record['problem_statement']}"),
         tree=GitTree(repo_dir, record["base_commit"]),
         verifier=SWEBenchVerifier(record["base_commit"], record["test_patch"], f2p, p2p, test_cmd),
+        setup=[RunStep(setup_cmd, "/app", {}, f"{where}: setup_cmd")] if setup_cmd else [],
         solution=PatchSolution(patch) if isinstance(patch, str) and patch else None,
         limits=TaskLimits(agent_timeout_s=1800.0, verifier_timeout_s=900.0),
     )
