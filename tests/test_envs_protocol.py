@@ -200,3 +200,21 @@ def test_reward_written_by_the_agent_does_not_count(tmp_path):
         (tmp_path / "tests" / "test.sh").write_text("echo lots > /logs/verifier/reward.txt\n")
         res = task.verifier.verify(sbx, task)
     assert res.reward == 0.0 and "must hold a number" in res.details["error"]
+
+
+def test_dockerfile_add_unpacks_local_archives(tmp_path):
+    import tarfile
+
+    path, ctx = _dockerfile(tmp_path, "FROM debian\nWORKDIR /app\nADD src.tar.gz lib/\nADD a.py /app/b.py\n")
+    member = tmp_path / "m.txt"
+    member.write_text("inside\n")
+    with tarfile.open(ctx / "src.tar.gz", "w:gz") as tf:
+        tf.add(member, arcname="pkg/m.txt")
+    unpack, plain = parse_dockerfile(path, ctx).steps
+    assert unpack.dest == "/app/lib" and unpack.unpack and not plain.unpack
+    assert plain.dest == "/app/b.py" and plain.src == ctx / "a.py"
+    if bwrap_problem() is None:
+        with LocalSandbox(None) as sbx:
+            for step in (unpack, plain):
+                step.apply(sbx, timeout=60)
+            assert sbx.exec("cat lib/pkg/m.txt b.py").output == "inside\nx\n"

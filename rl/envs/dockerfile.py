@@ -14,8 +14,6 @@ import json
 import os
 import re
 import shlex
-import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -185,21 +183,10 @@ def _copy_steps(keyword: str, rest: str, where: str, context: Path, plan: Docker
                 raise TaskError(f"{where}: {keyword} source {src!r} is outside the build context {context}")
             host = Path(m)
             if keyword == "ADD" and host.is_file() and host.name.endswith(_ARCHIVE_SUFFIXES):
-                steps.append(CopyStep(_extract(host, where), dest_abs, where))
+                steps.append(CopyStep(host, dest_abs, where, unpack=True))
             elif host.is_dir():
                 steps.append(CopyStep(host, dest_abs, where))
             else:
                 target = str(PurePosixPath(dest_abs) / host.name) if dest_is_dir else dest_abs
                 steps.append(CopyStep(host, target, where))
     return steps
-
-
-def _extract(archive: Path, where: str) -> Path:
-    """ADD of a local tar archive unpacks it (as docker does); members may not escape the destination."""
-    out = Path(tempfile.mkdtemp(prefix="mc-add-"))
-    with tarfile.open(archive) as tf:
-        try:
-            tf.extractall(out, filter="data")
-        except tarfile.TarError as e:
-            raise TaskError(f"{where}: cannot unpack {archive.name}: {e}") from None
-    return out

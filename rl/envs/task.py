@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import subprocess
+import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,12 +89,31 @@ class CopyStep:
     src: Path
     dest: str
     origin: str
+    unpack: bool = False  # src is a tar archive whose members go to dest (Dockerfile ADD)
 
     def apply(self, sandbox: Sandbox, timeout: float) -> None:
         try:
-            sandbox.copy_in(self.src, self.dest, merge=True)
-        except SandboxError as e:
+            if not self.unpack:
+                sandbox.copy_in(self.src, self.dest, merge=True)
+                return
+            with tempfile.TemporaryDirectory(prefix="mc-add-") as tmp:
+                _safe_extract(self.src, Path(tmp))
+                sandbox.copy_in(tmp, self.dest, merge=True)
+        except (SandboxError, tarfile.TarError) as e:
             raise TaskError(f"{self.origin}: {e}") from None
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    """Unpack a tar archive whose members may not escape dest (no absolute paths, '..' or device files)."""
+    with tarfile.open(archive) as tf:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4
+            tf.extractall(dest, filter="data")
+            return
+        for m in tf.getmembers():
+            target = os.path.realpath(dest / m.name)
+            if not target.startswith(os.path.realpath(dest) + os.sep) or not (m.isfile() or m.isdir()):
+                raise tarfile.TarError(f"{archive.name}: member {m.name!r} is not a plain file inside the archive")
+        tf.extractall(dest)
 
 
 @dataclass
