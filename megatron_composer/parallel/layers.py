@@ -153,5 +153,44 @@ class VocabParallelEmbedding(nn.Module):
         return C.reduce_from_parallel(out, self.group)
 
 
+
+
+def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    if spec.kind in ("replicated", "tp_partial") or spec.size == 1:
+        return local
+    pieces = C.all_gather(local.detach().contiguous(), spec.dim, group).chunk(spec.size, dim=spec.dim)
+    # each rank's piece holds its slice of every block; regroup block-major
+    per_block = [p.chunk(spec.blocks, dim=spec.dim) for p in pieces]
+    return torch.cat([per_block[r][b] for b in range(spec.blocks) for r in range(spec.size)], dim=spec.dim)
+
+
+def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (every rank gets it): tensor-parallel pieces gathered over tp, experts over ep.
+    Feeds single-file checkpoints, conversion to Hugging Face format and loading under another layout."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, t in model.state_dict().items():
+        spec = spec_of(params[name]) if name in params else ShardSpec()
+        group = groups.group("ep") if spec.kind == "expert" else groups.group("tp")
+        out[name] = _gather_full(t, spec, group)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's pieces of an unsharded state dict into a parallelised model (any layout)."""
+    params = dict(model.named_parameters())
+    own = model.state_dict()
+    missing = sorted(set(own) - set(full))
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}; was it saved from this model?")
+    for name, t in own.items():
+        spec = spec_of(params[name]) if name in params else ShardSpec()
+        piece = spec.take(full[name])
+        if piece.shape != t.shape:
+            raise ValueError(f"{name}: checkpoint piece {tuple(piece.shape)} does not match {tuple(t.shape)}")
+        t.copy_(piece)
+
+
 __all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding"]
+           "VocabParallelEmbedding", "full_state_dict", "load_full_state_dict"]

@@ -20,7 +20,7 @@ from megatron_composer.parallel.context_parallel import cp_shift_left, shard_seq
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: E402
-                                               VocabParallelEmbedding, set_spec, spec_of)
+                                               VocabParallelEmbedding, full_state_dict, set_spec, spec_of)
 from megatron_composer.parallel.vocab_parallel import (vocab_parallel_cross_entropy,  # noqa: E402
                                                        vocab_parallel_kl, vocab_parallel_logprobs_entropy)
 
@@ -113,6 +113,8 @@ def case_tp(sp: bool):
         torch.manual_seed(0)
         ref = TinyNet()
         par = parallelize_tiny(ref, groups.tp_group, sp)
+        full = full_state_dict(par, groups)  # fused gate/up (two interleaved blocks) regrouped correctly
+        gather_err = float(any(not torch.equal(full[k], v) for k, v in ref.state_dict().items()))
         ids, labels = data()
         loss_ref = ref_loss(ref, ids, labels)
         loss_ref.backward()
@@ -124,6 +126,7 @@ def case_tp(sp: bool):
         opt.finish_grad_sync()
         errs = compare_grads(dict(par.named_parameters()), dict(ref.named_parameters()))
         errs["loss"] = abs(loss.item() - loss_ref.item()) / abs(loss_ref.item())
+        errs["state_dict_gather"] = gather_err
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs}
     return run

@@ -23,6 +23,7 @@ from megatron_composer.parallel import collectives as C  # noqa: E402
 from megatron_composer.parallel.cost import Layout, activation_bytes, saved_tensor_bytes  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
+from megatron_composer.parallel.layers import full_state_dict, load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
 from megatron_composer.parallel.vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
 
@@ -66,6 +67,10 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
         par = parallelize_model(copy.deepcopy(ref), groups, activation_checkpointing=ac)
         ref.train()
         par.train()
+        # gathering the shards gives back the full model's tensors exactly
+        gathered, ref_sd = full_state_dict(par, groups), ref.state_dict()
+        errs = {"state_dict_gather": float(set(gathered) != set(ref_sd)
+                                           or any(not torch.equal(gathered[k], ref_sd[k]) for k in ref_sd))}
         decay = [p for p in ref.parameters() if p.ndim >= 2]
         nodecay = [p for p in ref.parameters() if p.ndim < 2]
         ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
@@ -73,7 +78,7 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
         opt = DistributedAdamW(par.named_parameters(), groups, lr=LR, betas=(0.9, 0.95), eps=1e-8,
                                weight_decay=0.1, zero1=zero1)
         use_mtp = cfg.num_mtp_layers > 0
-        errs, losses, ref_losses = {}, [], []
+        losses, ref_losses = [], []
         for step in range(steps):
             ids, pos, labels, mtp_labels, routed = batch(step, cfg, replay)
             n_main, n_mtp = (labels != -100).sum(), (mtp_labels != -100).sum()
@@ -123,6 +128,12 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
             opt.zero_grad()
         for step in range(steps):
             errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
+        # the trained shards, gathered to full tensors, load back exactly into a freshly parallelised model
+        full = full_state_dict(par, groups)
+        fresh = parallelize_model(Transformer(cfg), groups)
+        load_full_state_dict(fresh, full)
+        errs["state_dict_reload"] = float(any(not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                                                    par.state_dict().values())))
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
                 "n_params": len([k for k in errs if k.startswith("grad:")]),
