@@ -1,15 +1,19 @@
 """Batch-invariant numerics: a token's results do not depend on what else is in the batch.
 
 Why results move with the batch on CPU (and GPU): a matmul's reduction order depends on the whole problem
-shape (BLAS picks a gemv for one row and blocked gemm kernels for many, with different blocking per M),
-and fused attention kernels split the key axis into blocks whose sums are associated differently for
-different key lengths or masks. Elementwise ops, row-wise reductions over the last dimension (RMSNorm,
-softmax, log-softmax, for rows below ~32k elements), top-k, gathers and `index_add_` are already
+shape (BLAS picks a gemv for one row and blocked gemm kernels for many, with different blocking per M);
+fused attention kernels split the key axis into blocks whose sums are associated differently for
+different key lengths or masks; and transcendental elementwise ops (sigmoid, exp, cos, silu) run SIMD
+code on whole vectors but scalar code, rounding differently, on the tail of a buffer, so the last token
+of a batch gets different bits. Row-wise reductions over the last dimension (RMSNorm, softmax,
+log-softmax, for rows below ~32k elements), arithmetic, top-k, gathers and `index_add_` are already
 independent of the batch.
 
 The approach: run every shape-sensitive op with one fixed shape per token.
-- `F.linear` / 2-D `torch.matmul` / `torch._grouped_mm` are computed one row at a time (M = 1), so a
-  token's projection is the same whether it is alone, in a batch of 16, or one of 500 prompt tokens.
+- `F.linear`, `torch.matmul` / `mm` / `bmm` (functions and tensor methods) and `torch._grouped_mm` are computed as a batch of independent one-row
+  products (a bmm whose entries are all [1, K] x [K, N]), so a token's projection is the same whether it
+  is alone, in a batch of 16, or one of 500 prompt tokens.
+- Transcendental elementwise ops run on inputs padded to whole SIMD vectors (`_pointwise`).
 - Attention is computed one query at a time over exactly the keys it may see (`attend_row`): scores
   [H, 1, L], a float32 softmax over L, and [H, 1, L] x [H, L, Dv]; a decode step with a KV cache of length
   L and the training forward's row t (keys 0..t, L = t + 1) make the identical call.
@@ -17,7 +21,7 @@ The approach: run every shape-sensitive op with one fixed shape per token.
 `batch_invariant()` is a torch function mode, so the same model code runs invariantly on both sides:
 the inference engine enters it for its forward passes, and the training forward pass does
 `with batch_invariant(): model(ids, routed_experts=...)` to get log-probabilities bit-identical to the
-engine's. It is slow (a Python loop over rows): a correctness mode for RL numerics and tests, not for speed.
+engine's. It is slower (one-row products, a Python loop over attention rows): a correctness mode for RL numerics and tests, not for speed.
 """
 
 from __future__ import annotations
@@ -30,30 +34,47 @@ from torch.overrides import TorchFunctionMode
 
 
 def attend_row(q_H1D: torch.Tensor, k_HLD: torch.Tensor, v_HLD: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row against L keys, with shapes fixed by L alone: [H, 1, Dqk] x [H, L, Dqk] -> [H, 1, Dv]."""
-    k_HLD, v_HLD = k_HLD.contiguous(), v_HLD.contiguous()
-    scores_H1L = torch.matmul(q_H1D.contiguous(), k_HLD.transpose(-1, -2)) * scale
-    probs_H1L = torch.softmax(scores_H1L.float(), dim=-1).to(v_HLD.dtype)
-    return torch.matmul(probs_H1L, v_HLD)
+    """One query row against L keys, with shapes fixed by L alone: [H, 1, Dqk] x [H, L, Dqk] -> [H, 1, Dv].
+    Runs the raw kernels whether or not the mode is active, so the engine and the training side agree."""
+    with torch._C.DisableTorchFunction():
+        k_HLD, v_HLD = k_HLD.contiguous(), v_HLD.contiguous()
+        scores_H1L = torch.bmm(q_H1D.contiguous(), k_HLD.transpose(-1, -2)) * scale
+        probs_H1L = torch.softmax(scores_H1L.float(), dim=-1).to(v_HLD.dtype)
+        return torch.bmm(probs_H1L, v_HLD)
 
 
-def _rows(fn, x: torch.Tensor) -> torch.Tensor:
-    """Apply fn to each row of a 2-D x separately (M = 1) and stack."""
-    if x.shape[0] == 0:
-        return fn(x)
-    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+def _row_mm(a_TK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """a @ b computed as T independent [1, K] x [K, N] products: a batched matmul whose every batch entry
+    has the same shape, so row t's result cannot depend on T or on the other rows."""
+    T, K = a_TK.shape
+    with torch._C.DisableTorchFunction():
+        return torch.bmm(a_TK[:, None, :], b_KN.expand(T, K, b_KN.shape[-1]))[:, 0]
 
 
 def _linear(x, weight, bias=None):
     x_TK = x.reshape(-1, x.shape[-1])
-    out = _rows(lambda r: F.linear(r, weight, bias), x_TK)
+    out = _row_mm(x_TK, weight.t())
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _batched_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., M, K] x [..., K, N] (broadcast batch dims) with every row computed by _row_mm."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = torch.stack([_row_mm(a3[i], b3[i]) for i in range(a3.shape[0])])
+    return out.view(*batch, a.shape[-2], b.shape[-1])
+
+
 def _matmul(a, b, *, out=None):
-    if a.dim() != 2 or b.dim() != 2:
-        return torch.matmul(a, b, out=out)
-    result = _rows(lambda r: torch.matmul(r, b), a)
+    if a.dim() == 1 or b.dim() == 1:
+        result = torch.matmul(a, b)  # vector products reduce one row: nothing to vary
+    elif a.dim() == 2 and b.dim() == 2:
+        result = _row_mm(a, b)
+    else:
+        result = _batched_rows(a, b)
     if out is not None:
         return out.copy_(result)
     return result
@@ -62,13 +83,36 @@ def _matmul(a, b, *, out=None):
 def _grouped_mm(a_TK, b_GKN, *, offs=None, bias=None, out_dtype=None):
     if a_TK.dim() != 2 or b_GKN.dim() != 3 or offs is None or bias is not None:
         raise NotImplementedError("batch_invariant() supports torch._grouped_mm(a [T,K], b [G,K,N], offs=...) only")
-    ends = offs.tolist()
-    group_of_row = torch.bucketize(torch.arange(a_TK.shape[0], device=offs.device), offs, right=True).tolist()
-    rows = [torch.matmul(a_TK[i:i + 1], b_GKN[g]) for i, g in enumerate(group_of_row) if i < ends[-1]]
-    out = torch.cat(rows) if rows else a_TK.new_empty(0, b_GKN.shape[-1])
-    if out.shape[0] < a_TK.shape[0]:  # rows past the last offset are left as zeros, as in the fused kernel
-        out = torch.cat([out, out.new_zeros(a_TK.shape[0] - out.shape[0], out.shape[1])])
-    return out.to(out_dtype) if out_dtype is not None else out
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out.append(_row_mm(a_TK[start:end], b_GKN[g]))
+        start = end
+    y = torch.cat(out) if out else a_TK.new_zeros(0, b_GKN.shape[-1])
+    if y.shape[0] < a_TK.shape[0]:  # rows past the last offset are zero, as in the fused kernel
+        y = torch.cat([y, y.new_zeros(a_TK.shape[0] - y.shape[0], y.shape[1])])
+    return y.to(out_dtype) if out_dtype is not None else y
+
+
+_CHUNK = 1 << 15  # elements per call: below ATen's parallel grain, and a multiple of every SIMD width
+
+
+def _pointwise(fn):
+    """Wrap a transcendental elementwise op (sigmoid, exp, cos, ...) so every element takes the SIMD path.
+    ATen computes the whole vectors of a buffer with SIMD kernels and the leftover tail with scalar code
+    whose rounding differs, so an element's value would depend on where the tensor ends (e.g. the last
+    token of a batch). Padding the flat input to whole vectors, in chunks below the parallel grain size,
+    removes the tail."""
+    def run(x, *args, **kwargs):
+        kwargs.pop("inplace", None)
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return fn(x, *args, **kwargs)
+        n = x.numel()
+        flat = F.pad(x.reshape(-1), (0, (-n) % 64))
+        parts = [fn(flat[i:i + _CHUNK], *args, **kwargs) for i in range(0, flat.numel(), _CHUNK)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[:n].view(x.shape)
+    return run
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -105,13 +149,23 @@ def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
 
 
 class BatchInvariantMode(TorchFunctionMode):
-    """Routes shape-sensitive ops to per-row implementations (see module docstring)."""
+    """Routes shape-sensitive ops to per-row implementations (see module docstring). Everything else,
+    including the bodies of custom autograd Functions (which run their ops under the mode), is unchanged."""
 
     _HANDLERS = {
         F.linear: _linear,
-        torch.matmul: _matmul,
+        torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
+        torch.mm: _matmul, torch.Tensor.mm: _matmul,
+        torch.bmm: _matmul, torch.Tensor.bmm: _matmul,
         F.scaled_dot_product_attention: _sdpa,
     }
+    for _fn in (torch.sigmoid, torch.exp, torch.expm1, torch.log, torch.log1p, torch.cos, torch.sin, torch.tanh,
+                torch.erf, torch.rsqrt, F.silu, F.gelu, F.softplus):
+        _HANDLERS[_fn] = _pointwise(_fn)
+        _method = getattr(torch.Tensor, _fn.__name__, None)
+        if _method is not None:
+            _HANDLERS[_method] = _pointwise(_method)
+    del _fn, _method
     if hasattr(torch, "_grouped_mm"):
         _HANDLERS[torch._grouped_mm] = _grouped_mm
 
