@@ -271,6 +271,26 @@ def update_expert_bias(model, routed_experts: torch.Tensor | None, rate: float, 
             bias.add_(rate * torch.sign(load_E.mean() - load_E))
 
 
+def load_hf_weights(model, path: str) -> None:
+    """Copy a Hugging Face checkpoint's weights into the full (not yet parallelised) model. MTP depths the
+    checkpoint lacks (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are learned by
+    self-distillation; every other weight must be present with the same shape."""
+    from megatron_composer.checkpoint.hf import load_hf_checkpoint
+
+    hf = load_hf_checkpoint(path)
+    mine, theirs = architecture(model.config), architecture(hf.config)
+    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k != "num_mtp_layers" and mine.get(k) != theirs.get(k)]
+    if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
+        diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
+        raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
+    result = model.load_state_dict(hf.state_dict(), strict=False)
+    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf.config.num_mtp_layers  # noqa: E731
+    missing = [k for k in result.missing_keys if not fresh_mtp(k)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {result.unexpected_keys[:3]}")
+    del hf
+
+
 class Batches:
     """Deterministic micro-batches: step s, data-parallel rank r, micro-batch m read fixed sample indices."""
 
@@ -351,11 +371,15 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         from megatron_composer.checkpoint.dcp import check_meta
 
         check_meta(latest, meta)  # before anything in run.dir is touched
-    init_path = resolve_checkpoint(init_from) if (latest is None and init_from) else None
-    if init_path is not None:
-        from megatron_composer.checkpoint.dcp import check_meta
+    init_path = hf_init = None
+    if latest is None and init_from:
+        if (Path(init_from) / "config.json").is_file():
+            hf_init = init_from  # a Hugging Face base model (config.json + safetensors)
+        else:
+            from megatron_composer.checkpoint.dcp import check_meta
 
-        check_meta(init_path, meta)
+            init_path = resolve_checkpoint(init_from)
+            check_meta(init_path, meta)
 
     batches, valid = build_data(cfg, tokenizer, layout)
     if is_main:
@@ -365,8 +389,12 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
     from megatron_composer.model import Transformer
 
     torch.manual_seed(cfg.train.seed)
-    model = Transformer(mc).to(device)
-    model = layout.parallelize(model)
+    model = Transformer(mc)
+    if hf_init is not None:
+        load_hf_weights(model, hf_init)
+        if is_main:
+            print(f"initialised weights from Hugging Face checkpoint {hf_init} (fresh optimizer and schedule)")
+    model = layout.parallelize(model.to(device))
     try:
         # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped experts
         model = apply_fp8(model, cfg.fp8)
