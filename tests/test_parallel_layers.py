@@ -33,7 +33,7 @@ def _check(res):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "dp2_allreduce_train",
+@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "dp2_allreduce_train",
                                   "dp2_zero1_train"])
 def test_two_ranks(results2, case):
     _check(results2[case])
@@ -48,7 +48,7 @@ def test_zero1_halves_optimizer_state(results2):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives4", "cp4_shift", "tp2_sp_dp2_zero1_train", "tp2_dp2_allreduce_train"])
+@pytest.mark.parametrize("case", ["collectives4", "cp4_shift", "balance_loss4", "tp2_sp_dp2_zero1_train", "tp2_dp2_allreduce_train"])
 def test_four_ranks(results4, case):
     _check(results4[case])
 
@@ -60,6 +60,7 @@ def test_dims_infers_dp_and_builds_coordinates():
     assert sorted(d.dense_groups("cp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert d.dense_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert d.dense_groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.dense_groups("cp_tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert d.expert_groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert d.expert_groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 

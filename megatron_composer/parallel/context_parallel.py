@@ -80,6 +80,24 @@ def cp_shift_left(x: torch.Tensor, k: int, dim: int, cp_group, fill=0) -> torch.
     return torch.cat(out, dim=dim)
 
 
+def sharded_sequence_balance_loss(scores_BSE: torch.Tensor, indices_BSK: torch.Tensor, num_experts: int,
+                                  seq_group, seq_len: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss when each sequence is split over `seq_group` (context and/or
+    sequence parallel ranks; ParallelGroups kind "cp_tp" covers both): expert counts and summed normalised
+    scores are all-reduced over the sequence's shards. Each rank returns 1/n of the loss, so summing the ranks'
+    losses (as their gradients are summed) gives the single-process loss and gradient."""
+    B, S_local, K = indices_BSK.shape
+    n = C.group_size(seq_group)
+    counts_BE = torch.zeros(B, num_experts, device=scores_BSE.device).scatter_add_(
+        1, indices_BSK.reshape(B, -1), torch.ones(B, S_local * K, device=scores_BSE.device))
+    counts_BE = C.all_reduce(counts_BE, seq_group)
+    f_BE = counts_BE * (num_experts / (K * seq_len))
+    p_sum_BE = (scores_BSE / scores_BSE.sum(-1, keepdim=True).clamp_min(1e-20)).sum(1)
+    # every rank uses the total in its own (later summed) 1/n share: all-reduce forward and backward
+    p_BE = C.copy_to_parallel(C.reduce_from_parallel(p_sum_BE, seq_group), seq_group) / seq_len
+    return (f_BE * p_BE).sum(-1).mean() / n
+
+
 class ContextParallelAttention:
     """Replacement for an attention module's `core` (q/k/v [B, H, S, D], scale, doc ids) under cp > 1.
 
@@ -135,5 +153,6 @@ class ContextParallelShiftedIds:
         return shard_sequence(self.fn(full, k), 1, self.cp, self.cp_rank)
 
 
-__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "cp_shift_left", "ContextParallelAttention",
+__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "cp_shift_left",
+           "sharded_sequence_balance_loss", "ContextParallelAttention",
            "ContextParallelShiftedIds"]

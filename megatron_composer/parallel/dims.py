@@ -101,13 +101,14 @@ class ParallelDims:
         return dict(tp=tp_rank, cp=cp_rank, dp=dp_rank, ep=rank % self.ep, edp=rank // self.ep)
 
     def dense_groups(self, kind: str) -> list[list[int]]:
-        """All rank lists of one dense group kind: tp, cp, dp, dp_cp (gradient replicas), dp_cp_tp (world)."""
+        """All rank lists of one dense group kind: tp, cp, dp, dp_cp (gradient replicas), cp_tp, world."""
         ranks = range(self.world_size)
         key = {
             "tp": lambda r: (r // self.tp,),
             "cp": lambda r: (r % self.tp, r // (self.tp * self.cp)),
             "dp": lambda r: (r % (self.tp * self.cp),),
             "dp_cp": lambda r: (r % self.tp,),
+            "cp_tp": lambda r: (r // (self.tp * self.cp),),  # every shard of one sequence (SP and CP)
             "world": lambda r: (),
         }[kind]
         return _partition(ranks, key)
@@ -147,7 +148,7 @@ class ParallelDims:
             raise ConfigError(f"ParallelDims was sized for {self.world_size} ranks but torch.distributed has "
                               f"{dist.get_world_size()}; launch with --nproc-per-node {self.world_size}")
         mine = {}
-        for kind in ("tp", "cp", "dp", "dp_cp", "world"):
+        for kind in ("tp", "cp", "dp", "dp_cp", "cp_tp", "world"):
             mine[kind] = _new_groups(self.dense_groups(kind), rank)
         for kind in ("ep", "edp"):
             mine[kind] = _new_groups(self.expert_groups(kind), rank)
@@ -185,6 +186,7 @@ class ParallelGroups:
     cp: tuple
     dp: tuple
     dp_cp: tuple
+    cp_tp: tuple
     world: tuple
     ep: tuple
     edp: tuple

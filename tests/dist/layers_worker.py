@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import compare_grads, init, max_rel_err, reduce_max, run_cases  # noqa: E402
 
 from megatron_composer.parallel import collectives as C  # noqa: E402
-from megatron_composer.parallel.context_parallel import cp_shift_left, shard_sequence  # noqa: E402
+from megatron_composer.parallel.context_parallel import (cp_shift_left, shard_sequence,  # noqa: E402
+                                                         sharded_sequence_balance_loss)
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: E402
@@ -193,6 +194,27 @@ def case_cp_shift():
     return {"max_err": max(errs.values()), "errs": errs}
 
 
+def case_balance_loss():
+    """The sequence-wise balance loss over head-tail shards equals the full-sequence loss (value and grads)."""
+    from megatron_composer.model.moe import sequence_balance_loss
+    g = dist.group.WORLD
+    n, r = dist.get_world_size(), dist.get_rank()
+    Bn, S, E, K = 3, 8 * n, 8, 2
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(Bn, S, E, generator=gen).requires_grad_()
+    idx = torch.rand(Bn, S, E, generator=gen).argsort(-1)[..., :K]
+    ref = sequence_balance_loss(logits.sigmoid(), idx, E)
+    ref.backward()
+    local = shard_sequence(logits.detach(), 1, n, r).clone().requires_grad_()
+    loss = sharded_sequence_balance_loss(local.sigmoid(), shard_sequence(idx, 1, n, r), E, g, S)
+    loss.backward()
+    total = C.all_reduce(loss.detach().clone(), g)
+    errs = {"value": abs(total.item() - ref.item()) / abs(ref.item()),
+            "grad": max_rel_err(local.grad, shard_sequence(logits.grad, 1, n, r), logits.grad)}
+    errs = reduce_max(errs)
+    return {"max_err": max(errs.values()), "errs": errs}
+
+
 def case_train(tp: int, sp: bool, zero1: bool, steps: int = 5, wd: float = 0.1, clip: float = 0.5):
     """tp x dp training of TinyNet: grads after sync and the loss sequence match one process."""
     def run():
@@ -256,12 +278,14 @@ CASES_2 = {
     "tp2_sp": case_tp(sp=True),
     "vocab_losses": case_vocab_losses,
     "cp_shift": case_cp_shift,
+    "balance_loss": case_balance_loss,
     "dp2_allreduce_train": case_train(tp=1, sp=False, zero1=False),
     "dp2_zero1_train": case_train(tp=1, sp=False, zero1=True),
 }
 CASES_4 = {
     "collectives4": case_collectives,
     "cp4_shift": case_cp_shift,
+    "balance_loss4": case_balance_loss,
     "tp2_sp_dp2_zero1_train": case_train(tp=2, sp=True, zero1=True),
     "tp2_dp2_allreduce_train": case_train(tp=2, sp=False, zero1=False),
 }
