@@ -1,0 +1,151 @@
+"""OpenAI-compatible server on localhost, driven with plain HTTP: completions, chat with a tool call in the
+project's format, the extra RL fields, concurrency, and 4xx answers to bad requests."""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from megatron_composer.data.chat_template import IM_END, IM_START, TOOL_CALL_END, TOOL_CALL_START
+from megatron_composer.data.tokenizer import load_tokenizer
+from megatron_composer.inference import Engine
+from megatron_composer.inference.server import InferenceServer
+from megatron_composer.model import Transformer, get_preset
+
+TOOL_JSON = '{"name": "ls", "arguments": {"path": "."}}'
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", IM_START, IM_END, TOOL_CALL_START, TOOL_CALL_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["user assistant system tool list the files hello world"] * 10, trainer)
+    tok.add_tokens([TOOL_JSON])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return load_tokenizer(tmp_path)
+
+
+def _scripted_model(tok):
+    """Attention and FFN outputs zeroed so logits depend on the current token only; the head then maps
+    'assistant\\n' -> <tool_call> -> tool JSON -> </tool_call> -> <|im_end|> (a real model, scripted weights)."""
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-qwen3-moe").replace(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2,
+                                               head_dim=16, intermediate_size=64, moe_intermediate_size=32)
+    model = Transformer(cfg).eval()
+    newline = tok.encode("assistant\n")[-1]
+    script = [newline, tok.token_to_id(TOOL_CALL_START), tok._tok.token_to_id(TOOL_JSON),
+              tok.token_to_id(TOOL_CALL_END), tok.token_to_id(IM_END)]
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wo.weight.zero_()
+            ff = layer.feed_forward
+            (ff.experts.w2 if hasattr(ff, "experts") else ff.w2.weight).zero_()
+        for i, (a, b) in enumerate(zip(script, script[1:])):
+            model.tok_embeddings.weight[a] = 0.0
+            model.tok_embeddings.weight[a, i] = 1.0
+            model.output.weight[:, i] = 0.0
+            model.output.weight[b, i] = 5.0
+    return model, script
+
+
+@pytest.fixture
+def served(tmp_path):
+    tok = _tokenizer(tmp_path)
+    model, script = _scripted_model(tok)
+    server = InferenceServer(Engine(model, max_batch_size=8, cache_memory_bytes=8 << 20), tok, "tiny").start()
+    yield server, tok, model, script
+    server.stop()
+
+
+def _call(server, path, body=None, raw=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_models_and_completions(served):
+    server, tok, model, _ = served
+    assert _call(server, "/health") == (200, {"status": "ok", "weight_version": 0})
+    status, models = _call(server, "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny"
+    prompt = "hello world"
+    status, out = _call(server, "/v1/completions",
+                        {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1})
+    assert status == 200, out
+    choice = out["choices"][0]
+    want = Engine(model).generate([tok.encode(prompt)], max_new_tokens=6, stop_token_ids=[tok.eod])[0]
+    assert choice["token_ids"] == want.token_ids
+    assert choice["text"] == tok.decode(want.token_ids)
+    assert choice["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
+    assert choice["logprobs"]["token_logprobs"] == choice["token_logprobs"]
+    assert choice["weight_versions"] == [0] * len(want.token_ids)
+    T = len(want.token_ids)
+    assert torch.tensor(choice["routed_experts"]).shape == (T, len(model.moe_layers), model.config.num_experts_per_tok)
+    assert out["usage"]["completion_tokens"] == T
+
+
+def test_chat_tool_call_roundtrip_and_concurrency(served):
+    server, tok, _, script = served
+    body = {"messages": [{"role": "system", "content": "You run tools."}, {"role": "user", "content": "list the files"}],
+            "max_tokens": 10, "temperature": 0}
+    results = [None] * 4
+
+    def ask(i):
+        results[i] = _call(server, "/v1/chat/completions", body)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for status, out in results:
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["token_ids"] == script[1:]  # stops at <|im_end|>
+        assert choice["finish_reason"] == "tool_calls"
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "ls" and json.loads(call["arguments"]) == {"path": "."}
+        assert choice["message"]["content"] == "" and choice["tool_call_errors"] == []
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/completions", {"max_tokens": 3}, 400, "'prompt' is required"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "'temperature'"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens'"),
+    ("/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "stream": True}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "not served"),
+    ("/v1/completions", {"prompt": "hi", "speculative": True}, 400, "MTP"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "'messages'"),
+    ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+])
+def test_bad_requests_get_4xx_and_server_survives(served, path, body, status, needle):
+    server = served[0]
+    got, out = _call(server, path, body)
+    assert got == status and needle in out["error"]["message"], out
+    got, out = _call(server, "/v1/completions", raw=b"{not json")
+    assert got == 400 and "JSON" in out["error"]["message"]
+    assert _call(server, "/health")[0] == 200
