@@ -39,3 +39,13 @@ def test_unknown_key_is_one_clear_error(tmp_path):
     bad.write_text("train:\n  stepz: 3\n")
     with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
         load_config(PretrainConfig, bad)
+
+
+def test_help_prints_the_schema():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "pretrain_composer.py"), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0
+    for key in ("run:", "dir:", "train:", "steps:", "seed:", "checkpoint:", "interval:", "parallel:", "tp:", "cp:", "ep:", "mtp:", "fp8:"):
+        assert key in r.stdout, key

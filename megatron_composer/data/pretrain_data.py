@@ -95,9 +95,10 @@ def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, 
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    if not torch.distributed.is_initialized():
-        # megatron-core's BlendedDataset calls torch.distributed.get_rank() unconditionally; a private
-        # single-rank group lets tools and tests build blends without torchrun.
+    private_group = not torch.distributed.is_initialized()
+    if private_group:
+        # megatron-core's BlendedDataset calls torch.distributed.get_rank() unconditionally while building its
+        # indices; a private single-rank group (removed again below) lets tools and tests build blends.
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     core_cfg = GPTDatasetConfig(
@@ -120,6 +121,9 @@ def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, 
         train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, core_cfg).build()
     except AssertionError as e:
         raise DataError(f"cannot build datasets from {cfg.paths} with split '{cfg.split}': {e or 'a split is empty'}; use more data or a different data.split") from None
+    finally:
+        if private_group:
+            torch.distributed.destroy_process_group()
     if train is None or len(train) == 0:
         raise DataError(f"training split of {cfg.paths} is empty; use more data or raise the first number of data.split")
     if num_valid_samples and (valid is None or len(valid) == 0):
