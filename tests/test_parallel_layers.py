@@ -33,10 +33,16 @@ def _check(res):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "dp2_allreduce_train",
+@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "ep2_capacity", "dp2_allreduce_train",
                                   "dp2_zero1_train"])
 def test_two_ranks(results2, case):
     _check(results2[case])
+
+
+@pytest.mark.dist
+def test_capacity_factor_drops_only_when_tight(results2):
+    res = results2["ep2_capacity"]
+    assert res["dropped_small_cf"] > 0 and res["dropped_large_cf"] == 0
 
 
 @pytest.mark.dist

@@ -30,6 +30,8 @@ class ParallelConfig:
     sequence_parallel: bool = field(default=False, metadata={"help": "shard norms/residual along sequence over tp"})
     zero1: bool = field(default=True, metadata={"help": "shard AdamW states across data-parallel ranks"})
     grad_bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size"})
+    moe_capacity_factor: Optional[float] = field(
+        default=None, metadata={"help": "expert capacity per rank as a multiple of the mean load; null = dropless"})
     activation_checkpointing: Literal["none", "full", "selective"] = field(
         default="none", metadata={"help": "recompute whole layers (full) or attention core + experts (selective)"})
 
@@ -39,6 +41,8 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name} is {getattr(self, name)}; it must be >= 1")
         if self.dp == 0 or self.dp < -1:
             raise ConfigError(f"parallel.dp is {self.dp}; give a positive size or -1 to infer it")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"parallel.moe_capacity_factor is {self.moe_capacity_factor}; give a value > 0 or null")
         if self.grad_bucket_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_mb is {self.grad_bucket_mb}; it must be > 0")
 

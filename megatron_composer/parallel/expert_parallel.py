@@ -4,7 +4,9 @@ Each rank of the expert-parallel group holds E/ep consecutive experts. A rank so
 global expert id, which also groups them by destination rank; exchanges per-expert counts; sends the token
 rows with one all_to_all_single (uneven splits); runs its local experts on the received rows with one grouped
 matmul; sends the outputs back with the reverse all-to-all; and combines them with the gate weights on the
-token's own rank. Dropless: every routed pair is computed, whatever the load. The routing decision (including
+token's own rank. Dropless by default: every routed pair is computed, whatever the load; with a capacity
+factor each rank sends at most ceil(factor * its slots / experts) pairs to an expert, keeping the
+highest-weight ones. The routing decision (including
 a replayed one) is made on the token's rank and travels as the expert a row is sent to.
 
 With tensor parallelism and without sequence parallelism the tokens at an MoE layer are replicated over tp;
@@ -14,6 +16,9 @@ token twice.
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from megatron_composer.parallel import collectives as C
@@ -22,7 +27,11 @@ from megatron_composer.parallel import collectives as C
 class AllToAllDispatcher:
     """Callable with MoE.dispatch's signature: (experts, x_TD, indices_TK, weights_TK) -> out_TD."""
 
-    def __init__(self, ep_group, num_experts: int, tp_group=None, slice_tokens_over_tp: bool = False):
+    def __init__(self, ep_group, num_experts: int, tp_group=None, slice_tokens_over_tp: bool = False,
+                 capacity_factor: Optional[float] = None):
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity factor {capacity_factor} must be > 0 (or None for dropless)")
+        self.capacity_factor = capacity_factor
         self.ep_group, self.num_experts = ep_group, num_experts
         self.ep = C.group_size(ep_group)
         self.tp_group, self.slice_tp = tp_group, slice_tokens_over_tp and C.group_size(tp_group) > 1
@@ -49,9 +58,12 @@ class AllToAllDispatcher:
     def dispatch(self, experts, x_TD, indices_TK, weights_TK):
         K = indices_TK.shape[1]
         flat = indices_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # by expert, hence by destination rank
+        if self.capacity_factor is None:
+            order = torch.argsort(flat, stable=True)  # by expert, hence by destination rank
+            counts_E = torch.bincount(flat, minlength=self.num_experts)
+        else:
+            order, counts_E = self.keep_within_capacity(flat, weights_TK.reshape(-1).detach())
         token_of_slot = order // K
-        counts_E = torch.bincount(flat, minlength=self.num_experts)
         send_counts_RL = counts_E.view(self.ep, self.local_experts)
         # recv_counts_RL[s, e]: rows rank s sends to this rank's local expert e
         recv_counts_RL = C.exchange_splits(send_counts_RL.contiguous(), self.ep_group).view(self.ep, -1)
@@ -72,6 +84,18 @@ class AllToAllDispatcher:
         y_back = C.all_to_all_autograd(y_recv, send_splits, recv_splits, self.ep_group)
         y_back = y_back * weights_TK.reshape(-1)[order, None].to(y_back.dtype)
         return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y_back)
+
+    def keep_within_capacity(self, expert_of_slot: torch.Tensor, weight_of_slot: torch.Tensor):
+        """Slots sorted by expert keeping, per expert, the `capacity` highest-weight ones, where capacity =
+        ceil(capacity_factor * slots / experts) of this rank's slots; dropped slots contribute nothing (their
+        token keeps its other experts and the residual)."""
+        capacity = math.ceil(self.capacity_factor * expert_of_slot.numel() / self.num_experts)
+        by_weight = torch.argsort(-weight_of_slot, stable=True)
+        order = by_weight[torch.argsort(expert_of_slot[by_weight], stable=True)]
+        counts_E = torch.bincount(expert_of_slot, minlength=self.num_experts)
+        starts_E = counts_E.cumsum(0) - counts_E
+        position = torch.arange(order.numel(), device=order.device) - starts_E[expert_of_slot[order]]
+        return order[position < capacity], counts_E.clamp(max=capacity)
 
 
 __all__ = ["AllToAllDispatcher"]

@@ -146,7 +146,8 @@ def _blocks(model) -> list[nn.Module]:
 
 
 def parallelize_model(model: nn.Module, groups: ParallelGroups,
-                      activation_checkpointing: Literal["none", "full", "selective"] = "none") -> nn.Module:
+                      activation_checkpointing: Literal["none", "full", "selective"] = "none",
+                      capacity_factor: Optional[float] = None) -> nn.Module:
     """Shard `model` (a full Transformer, modified in place and returned) for this rank's coordinates."""
     cfg, dims = model.config, groups.dims
     validate_layout(dims, cfg)
@@ -198,9 +199,9 @@ def parallelize_model(model: nn.Module, groups: ParallelGroups,
         if getattr(block, "is_moe", False):
             ff = block.feed_forward
             _shard_experts(ff.experts, groups)
-            if dims.ep > 1 or dims.tp > 1:
+            if dims.ep > 1 or dims.tp > 1 or capacity_factor is not None:
                 ff.dispatch = AllToAllDispatcher(groups.ep_group, ff.num_experts, tp_group=tp,
-                                                 slice_tokens_over_tp=not sp)
+                                                 slice_tokens_over_tp=not sp, capacity_factor=capacity_factor)
         if activation_checkpointing == "full":
             block.forward = _checkpointed(block.forward)
         elif activation_checkpointing == "selective":  # the memory-heavy, compute-light parts

@@ -215,6 +215,49 @@ def case_balance_loss():
     return {"max_err": max(errs.values()), "errs": errs}
 
 
+def case_capacity():
+    """Expert-parallel dispatch with a capacity factor equals dispatching, in one process, each rank's tokens
+    with the same per-rank capacity rule over all experts; a large factor is dropless."""
+    from megatron_composer.model.moe import GroupedExperts
+    from megatron_composer.parallel.expert_parallel import AllToAllDispatcher
+    g = dist.group.WORLD
+    ep, r = dist.get_world_size(), dist.get_rank()
+    E, K, T, Dm, Fm = 4 * ep, 2, 24, 8, 6
+    torch.manual_seed(0)
+    full = GroupedExperts(E, Dm, Fm)
+    for w in (full.w1, full.w2, full.w3):
+        torch.nn.init.normal_(w, std=0.3)
+    local = GroupedExperts(E // ep, Dm, Fm)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(local, name).copy_(getattr(full, name).chunk(ep)[r])
+    gen = torch.Generator().manual_seed(20 + r)  # each rank has its own tokens, skewed towards expert 0
+    x = torch.randn(T, Dm, generator=gen).requires_grad_()
+    idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.randint(1, E, (T,), generator=gen)], 1)
+    w = torch.rand(T, K, generator=gen).requires_grad_()
+    errs, dropped = {}, {}
+    for cf in (0.5, 100.0):
+        ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        ref_out = AllToAllDispatcher(None, E, capacity_factor=cf)(full, ref_x, idx, ref_w)
+        (ref_out * torch.arange(Dm)).sum().backward()
+        out = AllToAllDispatcher(g, E, capacity_factor=cf)(local, x, idx, w)
+        (out * torch.arange(Dm)).sum().backward()
+        errs[f"out_{cf}"] = max_rel_err(out, ref_out)
+        errs[f"dx_{cf}"] = max_rel_err(x.grad, ref_x.grad)
+        errs[f"dw_{cf}"] = max_rel_err(w.grad, ref_w.grad)
+        for name in ("w1", "w2", "w3"):
+            g_full = C.all_reduce(getattr(full, name).grad.clone(), g)  # every rank's tokens reach all experts
+            errs[f"{name}_{cf}"] = max_rel_err(getattr(local, name).grad, g_full.chunk(ep)[r], g_full)
+        dropped[cf] = float((w.grad == 0).sum())
+        for t in (x, w, *full.parameters(), *local.parameters()):
+            t.grad = None
+    free = AllToAllDispatcher(g, E)(local, x, idx, w)  # dropless equals a capacity nothing hits
+    errs["dropless"] = max_rel_err(free, AllToAllDispatcher(g, E, capacity_factor=100.0)(local, x, idx, w))
+    errs = reduce_max(errs)
+    return {"max_err": max(errs.values()), "errs": errs, "dropped_small_cf": dropped[0.5],
+            "dropped_large_cf": dropped[100.0]}
+
+
 def case_train(tp: int, sp: bool, zero1: bool, steps: int = 5, wd: float = 0.1, clip: float = 0.5):
     """tp x dp training of TinyNet: grads after sync and the loss sequence match one process."""
     def run():
@@ -279,6 +322,7 @@ CASES_2 = {
     "vocab_losses": case_vocab_losses,
     "cp_shift": case_cp_shift,
     "balance_loss": case_balance_loss,
+    "ep2_capacity": case_capacity,
     "dp2_allreduce_train": case_train(tp=1, sp=False, zero1=False),
     "dp2_zero1_train": case_train(tp=1, sp=False, zero1=True),
 }
