@@ -39,6 +39,13 @@ def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Ten
         k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
         v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
     if doc_ids_BS is None:
+        dv, dqk = v_BHSD.shape[-1], q_BHSD.shape[-1]
+        if dv < dqk:
+            # Flash kernels want one head dim for q, k and v (MLA has v_head_dim < qk_head_dim): zero-pad v
+            # and drop the padding, which is exact and avoids the materialised-softmax fallback.
+            out = F.scaled_dot_product_attention(q_BHSD, k_BHSD, F.pad(v_BHSD, (0, dqk - dv)), is_causal=True,
+                                                 scale=scale)
+            return out[..., :dv]
         return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale)
     S = q_BHSD.shape[2]
     causal = torch.ones(S, S, dtype=torch.bool, device=q_BHSD.device).tril()

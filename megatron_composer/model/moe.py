@@ -122,8 +122,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
-        h = F.silu(self.grouped_mm(x_TD, self.w1, offs)) * self.grouped_mm(x_TD, self.w3, offs)
-        return self.grouped_mm(h, self.w2, offs)
+        w13 = torch.cat([self.w1, self.w3], dim=1)  # one grouped matmul for gate and up
+        gate, up = self.grouped_mm(x_TD, w13, offs).chunk(2, dim=-1)
+        return self.grouped_mm(F.silu(gate) * up, self.w2, offs)
 
 
 @dataclass

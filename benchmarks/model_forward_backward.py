@@ -1,0 +1,109 @@
+"""Forward+backward tokens/s of our model versus transformers' DeepseekV3ForCausalLM with identical weights.
+
+Both sides run in the same process, interleaved step by step, in float32 and bfloat16; transformers is run
+with each of its expert implementations (eager loop, grouped_mm, batched_mm) and the fastest is the
+baseline. MFU is quoted against the peak matmul FLOP/s of the same dtype measured in this run.
+
+    python benchmarks/model_forward_backward.py [--layers 4 --hidden 256 --experts 32 --topk 4 --seq 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_composer.checkpoint.hf import load_hf_checkpoint  # noqa: E402
+from megatron_composer.training.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
+
+
+def build_reference(args):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers, num_attention_heads=8,
+        num_key_value_heads=8, n_routed_experts=args.experts, n_shared_experts=1, num_experts_per_tok=args.topk,
+        n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def step_fn(model, ids, hf: bool):
+    def run():
+        logits = model(ids).logits if hf else model(ids)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    args = p.parse_args()
+
+    ref = build_reference(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_pretrained(tmp)
+        ours = load_hf_checkpoint(tmp, dtype=torch.float32, progress=False)
+    ours.train()
+    ref.train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (ours(ids) - ref(ids).logits).abs().max().item()
+    print(f"config: layers={args.layers} hidden={args.hidden} experts={args.experts} top{args.topk} seq={args.seq} "
+          f"batch={args.batch} vocab={args.vocab}; float32 logits max|ours-transformers| = {err:.2e}")
+    flops_tok = training_flops_per_token(ours.config, args.seq, include_mtp=False)
+    tokens = args.batch * args.seq
+    impls = ["eager", "grouped_mm", "batched_mm"]
+    print(f"{'dtype':9} {'implementation':28} {'tokens/s':>10} {'MFU':>7}   ours / this")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        ours.to(dtype)
+        ref.to(dtype)
+        peak = measure_matmul_peak(torch.device("cpu"), dtype, seconds=1.0)
+        runners = {"ours": step_fn(ours, ids, hf=False)}
+        for impl in impls:
+            runners[f"transformers[{impl}]"] = (impl, step_fn(ref, ids, hf=True))
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for it in range(args.steps + 1):  # first round is warm-up; rounds interleave the contenders
+            for name, r in runners.items():
+                if isinstance(r, tuple):
+                    ref.set_experts_implementation(r[0])
+                    r = r[1]
+                t0 = time.perf_counter()
+                r()
+                if it:
+                    times[name].append(time.perf_counter() - t0)
+        tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+        fastest_hf = max((k for k in tps if k != "ours"), key=tps.get)
+        for name, value in tps.items():
+            mfu = value * flops_tok / peak
+            ratio = tps["ours"] / value
+            print(f"{dtype_name:9} {name:28} {value:10.0f} {mfu:7.1%}   {ratio:5.2f}x")
+        print(f"{dtype_name:9} peak matmul {peak / 1e12:.2f} TFLOP/s; ours vs fastest transformers ({fastest_hf}): "
+              f"{tps['ours'] / tps[fastest_hf]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
