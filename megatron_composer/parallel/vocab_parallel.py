@@ -96,5 +96,16 @@ def vocab_parallel_kl(logits_p: torch.Tensor, logits_q: torch.Tensor, group) -> 
     return C.reduce_from_parallel((logp.exp() * (logp - logq)).sum(dim=-1), group)
 
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_logprobs",
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
+    """Global vocabulary index of the largest logit per token (ties go to the lowest index, as torch.argmax)."""
+    start, _ = _vocab_range(logits, group)
+    local_max, local_idx = logits.float().max(dim=-1)
+    best = C.all_reduce_max(local_max, group)
+    # among ranks holding the maximum, the lowest global index wins
+    candidate = torch.where(local_max == best, local_idx + start, torch.full_like(local_idx, torch.iinfo(torch.long).max))
+    return -C.all_reduce_max(-candidate, group)
+
+
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_logprobs",
            "vocab_parallel_logprobs_entropy", "vocab_parallel_kl"]

@@ -22,7 +22,8 @@ from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: E402
                                                VocabParallelEmbedding, full_state_dict, set_spec, spec_of)
-from megatron_composer.parallel.vocab_parallel import (vocab_parallel_cross_entropy,  # noqa: E402
+from megatron_composer.parallel.vocab_parallel import (vocab_parallel_argmax,  # noqa: E402
+                                                       vocab_parallel_cross_entropy,
                                                        vocab_parallel_kl, vocab_parallel_logprobs_entropy)
 
 V, D, FF, B, S = 32, 16, 24, 4, 8
@@ -169,6 +170,10 @@ def case_vocab_losses():
     errs["kl"] = max_rel_err(kl, ref_kl)
     errs["lp_ent_kl_grad"] = max_rel_err(local.grad, full.grad.chunk(w, -1)[r], full.grad)
     errs["kl_q_grad"] = max_rel_err(local_q.grad, full_q.grad.chunk(w, -1)[r], full_q.grad)
+    tied = full.detach().clone()
+    tied[0, :, :] = 1.0  # ties across shards resolve to the lowest index, as torch.argmax does
+    errs["argmax"] = float(not torch.equal(vocab_parallel_argmax(tied.chunk(w, -1)[r].contiguous(), g),
+                                           tied.argmax(-1)))
     errs = reduce_max(errs)
     return {"max_err": max(errs.values()), "errs": errs}
 
