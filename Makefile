@@ -3,15 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: install test test-e2e demo bench clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	# Pin torch first: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
+	# LocalSandbox needs bubblewrap; install it where apt is available (sandbox tests skip with the reason otherwise).
+	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; } || echo "WARNING: bubblewrap not installed: sandbox tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

@@ -13,6 +13,7 @@ setup(
         "tqdm",
         "safetensors",
         "megatron-core>=0.16,<0.20",
+        "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
         "dev": [
