@@ -33,7 +33,7 @@ def _check(res):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "ep2_capacity", "dp2_allreduce_train",
+@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "ep2_capacity", "dp2_bf16_master", "dp2_bf16_master_zero1", "dp2_allreduce_train",
                                   "dp2_zero1_train"])
 def test_two_ranks(results2, case):
     _check(results2[case])

@@ -97,8 +97,9 @@ class DistributedAdamW:
         for params in buckets:
             numel = sum(p.numel() for _, p in params)
             padded = math.ceil(numel / n) * n
-            decay = torch.zeros(padded)
-            count = torch.zeros(padded)
+            dev = params[0][1].device
+            decay = torch.zeros(padded, device=dev)
+            count = torch.zeros(padded, device=dev)
             off = 0
             for name, p in params:
                 k = spec_of(p).kind
@@ -113,13 +114,14 @@ class DistributedAdamW:
                 b.lo, b.hi = me * padded // n, (me + 1) * padded // n
                 b.count_mask = count[b.lo:b.hi].clone()
                 b.decay_mask = decay[b.lo:b.hi].clone()
-                b.exp_avg = torch.zeros(b.hi - b.lo)
-                b.exp_avg_sq = torch.zeros(b.hi - b.lo)
-                if any(p.dtype != torch.float32 for _, p in params):
-                    b.master = self._flat_params(b)[b.lo:b.hi].float().clone()
+                b.exp_avg = torch.zeros(b.hi - b.lo, device=dev)
+                b.exp_avg_sq = torch.zeros(b.hi - b.lo, device=dev)
             else:
-                b.exp_avg = torch.zeros(padded)
-                b.exp_avg_sq = torch.zeros(padded)
+                b.exp_avg = torch.zeros(padded, device=dev)
+                b.exp_avg_sq = torch.zeros(padded, device=dev)
+            if any(p.dtype != torch.float32 for _, p in params):  # low-precision params: keep an fp32 master
+                flat = self._flat_params(b)
+                b.master = (flat[b.lo:b.hi] if self.zero1 else flat).clone()
             out.append(b)
         return out
 
@@ -177,7 +179,7 @@ class DistributedAdamW:
             yield b, (b.grad_shard if self.zero1 else self._flat_grads(b))
 
     def global_grad_norm(self) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for b, g in self._local_grads():
             sq += (g.double().square() * b.count_mask.double()).sum()
         sq = C.all_reduce(sq, self.groups.group("world"))
@@ -217,7 +219,7 @@ class DistributedAdamW:
                 self._adamw(shard, b.grad_shard, b.exp_avg, b.exp_avg_sq, b.decay_mask)
                 flat = C.all_gather(shard, 0, self.family_group[fam][0])
             else:
-                flat = self._flat_params(b)
+                flat = b.master if b.master is not None else self._flat_params(b)
                 self._adamw(flat, self._flat_grads(b), b.exp_avg, b.exp_avg_sq, b.decay_mask)
             off = 0
             for _, p in b.params:

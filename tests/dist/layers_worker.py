@@ -263,6 +263,49 @@ def case_capacity():
             "dropped_large_cf": dropped[100.0]}
 
 
+def case_bf16_master(zero1: bool):
+    """bf16 parameters: DistributedAdamW keeps an fp32 master; fed the same gradients, the master follows an
+    fp32 AdamW exactly and the bf16 parameters are its rounding (tiny updates are not lost)."""
+    def run():
+        groups = ParallelDims(dist.get_world_size()).build()
+        torch.manual_seed(0)
+        net = TinyNet().to(torch.bfloat16)
+        ref = copy.deepcopy(net).float()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                    foreach=False)
+        opt = DistributedAdamW(net.named_parameters(), groups, lr=1e-4, zero1=zero1, bucket_mb=0.001)
+        errs = {}
+        for step in range(3):
+            ids, labels = data(seed=200 + step)
+            ids, labels = ids.chunk(dist.get_world_size())[dist.get_rank()], labels.chunk(dist.get_world_size())[dist.get_rank()]
+            F.cross_entropy(net(ids).float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+            opt.finish_grad_sync()
+            refp = dict(ref.named_parameters())
+            for fam, b in opt._all_buckets():  # the reduced fp32 gradient the update uses
+                flat = C.all_gather(b.grad_shard, 0, opt.family_group[fam][0]) if zero1 else opt._flat_grads(b)
+                off = 0
+                for n, p in b.params:
+                    refp[n].grad = flat[off:off + p.numel()].view(p.shape).clone()
+                    off += p.numel()
+            ref_opt.step()
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            errs[f"bf16:{name}"] = float(not torch.equal(p, q.detach().to(torch.bfloat16)))
+        masters = torch.cat([b.master.float() for _, b in opt._all_buckets()])
+        ref_flat = torch.cat([q.detach().reshape(-1) for q in ref.parameters()])
+        if zero1:  # this rank holds a slice of each bucket's master
+            ref_flat = torch.cat([torch.nn.functional.pad(torch.cat([q.detach().reshape(-1) for _, q in
+                                  zip(b.params, [dict(ref.named_parameters())[n] for n, _ in b.params])]),
+                                  (0, b.padded - b.numel))[b.lo:b.hi] for _, b in opt._all_buckets()])
+        errs["master"] = max_rel_err(masters, ref_flat)
+        moved = (masters != torch.cat([b.master for _, b in opt._all_buckets()]).bfloat16().float()).any()
+        errs["master_finer_than_bf16"] = float(not bool(moved))
+        errs = reduce_max(errs)
+        return {"max_err": max(errs.values()), "errs": errs}
+    return run
+
+
 def case_train(tp: int, sp: bool, zero1: bool, steps: int = 5, wd: float = 0.1, clip: float = 0.5):
     """tp x dp training of TinyNet: grads after sync and the loss sequence match one process."""
     def run():
@@ -330,6 +373,8 @@ CASES_2 = {
     "ep2_capacity": case_capacity,
     "dp2_allreduce_train": case_train(tp=1, sp=False, zero1=False),
     "dp2_zero1_train": case_train(tp=1, sp=False, zero1=True),
+    "dp2_bf16_master": case_bf16_master(zero1=False),
+    "dp2_bf16_master_zero1": case_bf16_master(zero1=True),
 }
 CASES_4 = {
     "collectives4": case_collectives,
