@@ -303,27 +303,64 @@ class Engine:
             q = attn.project_q(x_BND, cos, sin)
             c_kv, k_rope = attn.compress_kv(x_BND, cos, sin)
             self.cache.write(cache_layer, batch.write_slots_BN[valid], c_kv[valid], k_rope[valid])
-            c_BLC, r_BLR = self.cache.read(cache_layer, batch.read_slots_BL)
-            k, v = attn.expand_kv(c_BLC.to(x_BND.dtype), r_BLR.to(x_BND.dtype))
+            c_BLC, r_BLR = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
+            if not self.batch_invariant:
+                o_BNHD = self._mla_absorbed(attn, q, c_BLC, r_BLR, batch.mask_B1NL)
+                return attn.wo(o_BNHD.reshape(B, N, -1))
+            k, v = attn.expand_kv(c_BLC, r_BLR)
         else:
             q, k_new, v_new = attn.project_qkv(x_BND, cos, sin)
             self.cache.write(cache_layer, batch.write_slots_BN[valid], k_new[valid], v_new[valid])
             k, v = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
+            if not self.batch_invariant:
+                o_BNHD = self._gqa(attn, q, k, v, batch.mask_B1NL)
+                return attn.wo(o_BNHD.reshape(B, N, -1))
             if k.shape[2] != q.shape[2]:
                 rep = q.shape[2] // k.shape[2]
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        # batch-invariant: one query row at a time over exactly its keys, as the training side computes it
         q_BHND, k_BHLD, v_BHLD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.batch_invariant:
-            o_BHND = q_BHND.new_zeros(B, q_BHND.shape[1], N, v_BHLD.shape[-1])
-            for b in range(B):
-                for r in range(batch.lengths[b]):
-                    stop = batch.starts[b] + r + 1
-                    o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop],
-                                                       v_BHLD[b, :, :stop], attn.scale)
-        else:
-            o_BHND = F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=batch.mask_B1NL,
-                                                    scale=attn.scale)
+        o_BHND = q_BHND.new_zeros(B, q_BHND.shape[1], N, v_BHLD.shape[-1])
+        for b in range(B):
+            for r in range(batch.lengths[b]):
+                stop = batch.starts[b] + r + 1
+                o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop],
+                                                   v_BHLD[b, :, :stop], attn.scale)
         return attn.wo(o_BHND.transpose(1, 2).reshape(B, N, -1))
+
+    @staticmethod
+    def _masked_softmax(scores, mask, dtype):
+        return scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(dtype)
+
+    def _mla_absorbed(self, attn, q_BNHD, c_BLC, r_BLR, mask_B1NL) -> torch.Tensor:
+        """MLA straight from the latent cache (DeepSeek's weight absorption): the key up-projection is folded
+        into the query and the value up-projection applied after attending, so nothing of size L is expanded.
+        Same function as expand_kv + attention, different rounding."""
+        B, N, H, _ = q_BNHD.shape
+        Dn, Dv = attn.qk_nope_head_dim, attn.v_head_dim
+        w_HXC = attn.wkv_b.weight.view(H, Dn + Dv, -1)
+        q_nope, q_rope = q_BNHD.split([Dn, attn.qk_rope_head_dim], dim=-1)
+        q_lat_HTC = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * N, Dn), w_HXC[:, :Dn])
+        # heads folded into the rows of one [B, H*N, .] x [B, ., L] product per sequence (no broadcast copies)
+        q_lat_BMC = q_lat_HTC.view(H, B, N, -1).transpose(0, 1).reshape(B, H * N, -1)
+        q_rope_BMR = q_rope.permute(0, 2, 1, 3).reshape(B, H * N, -1)
+        scores = (torch.bmm(q_lat_BMC, c_BLC.transpose(1, 2)) + torch.bmm(q_rope_BMR, r_BLR.transpose(1, 2))) * attn.scale
+        p_BML = self._masked_softmax(scores.view(B, H, N, -1), mask_B1NL, q_BNHD.dtype).view(B, H * N, -1)
+        o_lat_BMC = torch.bmm(p_BML, c_BLC)
+        o_HTD = torch.bmm(o_lat_BMC.view(B, H, N, -1).transpose(0, 1).reshape(H, B * N, -1),
+                          w_HXC[:, Dn:].transpose(1, 2))
+        return o_HTD.view(H, B, N, Dv).permute(1, 2, 0, 3)
+
+    def _gqa(self, attn, q_BNHD, k_BLKD, v_BLKD, mask_B1NL) -> torch.Tensor:
+        """Grouped-query attention over the cache without repeating k/v per query head."""
+        B, N, H, D = q_BNHD.shape
+        KV, L = k_BLKD.shape[2], k_BLKD.shape[1]
+        rep = H // KV
+        q = q_BNHD.permute(0, 2, 1, 3).reshape(B, KV, rep * N, D)
+        scores = torch.matmul(q, k_BLKD.permute(0, 2, 3, 1)) * attn.scale  # [B, KV, rep*N, L]
+        p = self._masked_softmax(scores.view(B, KV, rep, N, L), mask_B1NL[:, :, None], q.dtype)
+        o = torch.matmul(p.view(B, KV, rep * N, L), v_BLKD.transpose(1, 2))  # [B, KV, rep*N, D]
+        return o.view(B, H, N, D).transpose(1, 2)
 
     def _block(self, layer, cache_layer: int, h_BND, cos, sin, batch: _Batch):
         """TransformerBlock.forward with cached attention; returns (h, chosen experts [B, N, K] or None)."""

@@ -1,0 +1,158 @@
+"""Decode throughput of the inference engine versus transformers' `generate` with the same weights, and
+speculative (MTP-drafted) versus plain decoding.
+
+Both contenders run in this process on the same float32 weights: our model is exported with
+save_hf_checkpoint and loaded by transformers (DeepseekV3ForCausalLM); each measures greedy generation of
+--new-tokens tokens after --prompt-len prompt tokens at batch 1 and 16 (tokens/s counts generated tokens;
+prefill included on both sides), first checking that both produce the same tokens. transformers is run
+with each of its expert implementations and the fastest is the baseline. Rounds interleave the
+contenders; the median is reported.
+
+Speculative decoding needs MTP heads trained to agree with the main head. With --pretrain-run pointing at a
+run of pretrain_composer.py (e.g. examples/tiny/pretrain.yaml, whose MTP depth is trained by
+self-distillation), that model and its tokenizer's text are used; otherwise a random tiny-deepseek-v3 is
+used and its (untrained) MTP head gives near-zero acceptance, which the output says.
+
+    python benchmarks/generate_throughput.py [--pretrain-run runs/tiny/pretrain] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_composer.checkpoint.hf import save_hf_checkpoint  # noqa: E402
+from megatron_composer.inference import Engine  # noqa: E402
+from megatron_composer.model import Transformer, get_preset  # noqa: E402
+
+
+def load_pretrain_run(run_dir: str):
+    """Model (with MTP heads) and tokenizer of a pretrain_composer.py run's latest checkpoint."""
+    from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+    from megatron_composer.config import load_config
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from pretrain.trainer import PretrainConfig, model_config
+
+    cfg = load_config(PretrainConfig, Path(run_dir) / "config.yaml")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = Transformer(model_config(cfg, tokenizer))
+    ckpt = resolve_checkpoint(run_dir)
+    load_checkpoint(ckpt, model, None, restore_rng=False)
+    return model.eval(), tokenizer, ckpt
+
+
+def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """Prompts cut from Python standard-library sources (the tiny pretraining corpus)."""
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::7]:
+        ids += tokenizer.encode(path.read_text(errors="ignore")[:4000])
+        if len(ids) > n * length * 2:
+            break
+    return [ids[i * 2 * length:(i * 2 + 1) * length] for i in range(n)]
+
+
+def timed(fn, rounds: int) -> tuple[float, object]:
+    times, out = [], None
+    for it in range(rounds + 1):  # first call warms up
+        t0 = time.perf_counter()
+        out = fn()
+        if it:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pretrain-run", help="run dir of pretrain_composer.py (MTP heads trained by self-distillation)")
+    p.add_argument("--preset", default="tiny-deepseek-v3", help="model when no --pretrain-run is given")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--draft-tokens", default="1,2,3")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both contenders")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    if args.pretrain_run:
+        model, tokenizer, ckpt = load_pretrain_run(args.pretrain_run)
+        source = f"pretrained run checkpoint {ckpt}"
+        prompts_all = text_prompts(tokenizer, max(int(b) for b in args.batches.split(",")), args.prompt_len)
+    else:
+        torch.manual_seed(0)
+        model = Transformer(get_preset(args.preset)).eval()
+        source = f"random {args.preset} (MTP head untrained)"
+        g = torch.Generator().manual_seed(0)
+        n = max(int(b) for b in args.batches.split(","))
+        prompts_all = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    cfg = model.config
+    print(f"model: {source}; layers={cfg.num_layers} hidden={cfg.hidden_size} experts={cfg.num_experts} "
+          f"top{cfg.num_experts_per_tok} vocab={cfg.vocab_size} mtp={len(model.mtp)}; threads={args.threads}; "
+          f"prompt {args.prompt_len} + {args.new_tokens} new tokens, greedy, float32")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(model, tmp, progress=False)
+        ref = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None  # always generate exactly new_tokens, like the engine
+    ref.generation_config.pad_token_id = 0
+    engine = Engine(model, max_batch_size=64, cache_memory_bytes=256 << 20)
+
+    print(f"\n{'batch':>5} {'contender':32} {'tokens/s':>10}   ours / this")
+    for B in (int(b) for b in args.batches.split(",")):
+        prompts = prompts_all[:B]
+        ids = torch.tensor(prompts)
+        t_ours, ours_out = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens), args.rounds)
+        rates = {"ours (Engine)": B * args.new_tokens / t_ours}
+        for impl in ("eager", "grouped_mm", "batched_mm"):
+            try:
+                ref.set_experts_implementation(impl)
+            except Exception as e:  # an implementation this transformers build lacks
+                print(f"      transformers[{impl}] unavailable: {e}")
+                continue
+
+            def hf():
+                with torch.no_grad():
+                    return ref.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+
+            t_hf, hf_out = timed(hf, args.rounds)
+            same = sum(r.token_ids == hf_out[b, args.prompt_len:].tolist() for b, r in enumerate(ours_out))
+            rates[f"transformers[{impl}]"] = B * args.new_tokens / t_hf
+            if same != B:
+                print(f"      note: transformers[{impl}] tokens equal ours for {same}/{B} prompts")
+        best_hf = max((k for k in rates if k.startswith("transformers")), key=rates.get)
+        for name, rate in rates.items():
+            print(f"{B:5d} {name:32} {rate:10.1f}   {rates['ours (Engine)'] / rate:5.2f}x")
+        print(f"{B:5d} ours vs fastest transformers ({best_hf}): {rates['ours (Engine)'] / rates[best_hf]:.2f}x")
+
+    if not len(model.mtp):
+        print("\nspeculative decoding skipped: the model has no MTP heads")
+        return
+    print(f"\n{'batch':>5} {'decoding':32} {'tokens/s':>10} {'accept':>7}   speedup vs plain")
+    for B in (int(b) for b in args.batches.split(",")):
+        prompts = prompts_all[:B]
+        t_plain, plain = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens), args.rounds)
+        base = B * args.new_tokens / t_plain
+        print(f"{B:5d} {'plain':32} {base:10.1f} {'':>7}   1.00x")
+        for D in (int(d) for d in args.draft_tokens.split(",")):
+            t_spec, spec = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens, speculative=True,
+                                                         num_draft_tokens=D), args.rounds)
+            assert [r.token_ids for r in spec] == [r.token_ids for r in plain], "speculative greedy differs from plain"
+            drafted = sum(r.num_draft_tokens for r in spec)
+            accepted = sum(r.num_accepted_tokens for r in spec)
+            rate = B * args.new_tokens / t_spec
+            print(f"{B:5d} {f'speculative, {D} draft token(s)':32} {rate:10.1f} {accepted / max(drafted, 1):7.1%}   "
+                  f"{rate / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
