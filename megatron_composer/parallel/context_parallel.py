@@ -108,7 +108,7 @@ class ContextParallelAttention:
     def __init__(self, cp_group):
         self.group = cp_group
         self.cp, self.cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
-        self.q_idx = self.k_idx = self.doc_q = self.doc_k = None
+        self.q_idx = self.k_idx = self.mask_B1QK = None
 
     @torch.no_grad()
     def set_positions(self, position_ids_BS: torch.Tensor) -> None:
@@ -118,7 +118,9 @@ class ContextParallelAttention:
         self.k_idx = torch.cat([global_token_index(S, self.cp, r, position_ids_BS.device) for r in range(self.cp)])
         full_pos = unshard_sequence(C.all_gather(position_ids_BS, 1, self.group), 1, self.cp)
         doc = _document_ids(full_pos)
-        self.doc_q, self.doc_k = doc[:, self.q_idx], doc[:, self.k_idx]
+        # one mask per forward, shared by every layer: causal by global index, within documents
+        causal = self.q_idx[:, None] >= self.k_idx[None, :]
+        self.mask_B1QK = (causal & (doc[:, self.q_idx, None] == doc[:, None, self.k_idx]))[:, None]
 
     def gather_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather along the sequence; gradients from every rank's queries are summed back."""
@@ -134,9 +136,7 @@ class ContextParallelAttention:
             rep = q_BHSD.shape[1] // k_BHSD.shape[1]
             k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
             v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
-        causal = self.q_idx[:, None] >= self.k_idx[None, :]
-        mask_BQK = causal & (self.doc_q[:, :, None] == self.doc_k[:, None, :])
-        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_BQK[:, None], scale=scale)
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=self.mask_B1QK, scale=scale)
 
 
 class ContextParallelShiftedIds:
