@@ -11,7 +11,9 @@ head-tail context-parallel slice of the sequence, with position ids, which conte
 Outputs: logits [B_local, S_local, V/tp] -- vocab-sharded, for the vocab-parallel losses.
 
 Sequence parallelism (tp > 1): the residual stream, norms and router work on S/tp of the sequence; attention and
-the MLPs all-gather their input at entry and reduce-scatter at their row-parallel exit.
+the MLPs all-gather their input at entry and reduce-scatter at their row-parallel exit. Inside, column layers
+all-reduce their input gradients as without SP (simple, and right for MLA's replicated down-projections);
+Megatron's reduce-scatter at the first column layer would move half those bytes in backward.
 """
 
 from __future__ import annotations
