@@ -1,0 +1,88 @@
+"""Lossless delta codec for weight tensors.
+
+A tensor is handled as its raw bit pattern (bf16/fp16 -> int16, fp32 -> int32, ...). A delta is the XOR of
+the new bits with the previous version's bits: after a small optimizer step most bf16 weights do not change
+at all (XOR = 0) and the ones that do differ in low mantissa bits. The XOR is byte-shuffled (all first bytes,
+then all second bytes, ...) so the zero high bytes form long runs, then compressed with zstd. A snapshot is
+the same transform against all-zero bits. Decoding inverts each step exactly, so reconstruction is bit-exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import zstandard
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight version cannot be published or reconstructed; the message says which and why."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"manifest names unknown dtype '{name}'; was it written by a newer torch?")
+    return dtype
+
+
+def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in _INT_VIEW:
+        raise WeightSyncError(f"dtype {dtype} ({size} bytes per element) has no integer view for XOR deltas")
+    return _INT_VIEW[size]
+
+
+def to_bits(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``'s raw bits, flattened, as the integer dtype of the same width (never aliases ``t``)."""
+    flat = t.detach().to(device="cpu", copy=True).contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(int_view_dtype(flat.dtype))
+
+
+def from_bits(bits: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return bits.view(torch.uint8).view(torch.bool).reshape(shape)
+    return bits.view(dtype).reshape(shape)
+
+
+def encode_chunk(new_bits: torch.Tensor, base_bits: torch.Tensor | None, level: int) -> tuple[bytes, int]:
+    """Compressed XOR of two equal-length 1-D integer tensors (``base_bits=None``: against zeros).
+    Returns (blob, number of elements whose bits are unchanged)."""
+    x = new_bits if base_bits is None else torch.bitwise_xor(new_bits, base_bits)
+    unchanged = 0 if base_bits is None else int(x.numel() - torch.count_nonzero(x))
+    width = x.element_size()
+    planes = x.view(torch.uint8)
+    if width > 1:
+        planes = planes.reshape(-1, width).t().contiguous()
+    blob = zstandard.ZstdCompressor(level=level).compress(planes.numpy().data)
+    return blob, unchanged
+
+
+def decode_chunk(blob: bytes, count: int, int_dtype: torch.dtype, base_bits: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+    """Inverse of ``encode_chunk``: writes the ``count`` reconstructed elements into ``out`` (1-D, int_dtype)."""
+    width = torch.empty((), dtype=int_dtype).element_size()
+    nbytes = count * width
+    planes = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(planes.numpy()).cast("B")
+    filled = 0
+    with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+        while filled < nbytes:
+            n = reader.readinto(view[filled:])
+            if n == 0:
+                break
+            filled += n
+        if filled != nbytes or reader.read(1):
+            raise WeightSyncError(f"a compressed chunk decodes to the wrong size (expected {nbytes} bytes)")
+    x = planes.reshape(width, count).t().contiguous() if width > 1 else planes
+    x = x.view(int_dtype).reshape(-1)
+    if base_bits is None:
+        out.copy_(x)
+    else:
+        torch.bitwise_xor(x, base_bits, out=out)

@@ -1,0 +1,48 @@
+"""Configuration of weight sync, embedded in the RL config as its ``weight_sync`` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .publisher import WeightPublisher
+from .store import ObjectStore
+from .subscriber import WeightSubscriber
+
+
+def _f(default, help: str):
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class WeightSyncConfig:
+    url: Optional[str] = _f(None, "object store for weight versions: a local directory or s3://bucket/prefix; "
+                                  "null = <run.dir>/weights")
+    storage_options: dict = _f({}, "fsspec options, e.g. {client_kwargs: {endpoint_url: http://host:9000}}")
+    snapshot_interval: int = _f(20, "a full snapshot every N versions (deltas in between)")
+    keep_snapshots: Optional[int] = _f(2, "versions older than the N-th newest snapshot are deleted; null keeps all")
+    shard_mb: int = _f(64, "compressed MiB per shard object")
+    chunk_mb: int = _f(4, "raw MiB per independently compressed chunk (unit of parallel encode/decode)")
+    compression_level: int = _f(3, "zstd level")
+    threads: int = _f(8, "parallel shard transfers")
+    max_retries: int = _f(5, "retries of a transient store failure (exponential backoff)")
+    retry_base_seconds: float = _f(0.5, "first backoff delay; doubles per retry")
+    max_refetch: int = _f(3, "re-downloads of a shard that fails its checksum before the version is refused")
+    poll_seconds: float = _f(1.0, "how often rollout workers look for a new version")
+
+    def open_store(self, default_url: str | None = None) -> ObjectStore:
+        url = self.url or default_url
+        if not url:
+            raise ValueError("weight_sync.url is not set; give a directory or s3://bucket/prefix")
+        return ObjectStore(url, storage_options=self.storage_options, max_retries=self.max_retries,
+                           retry_base_seconds=self.retry_base_seconds, threads=self.threads)
+
+    def publisher(self, store: ObjectStore) -> WeightPublisher:
+        return WeightPublisher(store, snapshot_interval=self.snapshot_interval, keep_snapshots=self.keep_snapshots,
+                               shard_bytes=self.shard_mb << 20, chunk_bytes=self.chunk_mb << 20,
+                               compression_level=self.compression_level)
+
+    def subscriber(self, store: ObjectStore) -> WeightSubscriber:
+        return WeightSubscriber(store, max_refetch=self.max_refetch)
