@@ -1,0 +1,284 @@
+"""The orchestrator: prompts in, complete groups out, each prompt trained exactly once.
+
+Trainer and rollout workers meet only through storage. The trainer's `Orchestrator` draws prompts with the
+single-epoch `PromptSampler`, issues one work item per prompt (a *group*: G episodes of that prompt) into a
+`WorkQueue`, and collects finished groups. Rollout workers claim items, run the episodes and write the whole
+group back at once. The queue is bounded: at most ``max_inflight_groups`` issued-but-unconsumed groups, so
+workers run ahead of the trainer by a bounded amount (the first staleness bound).
+
+The queue is a directory (local, or any shared filesystem between clusters) with atomic renames:
+
+    pending/<gid>.json            issued, waiting for a worker
+    claimed/<gid>.<worker>.json   a worker runs it; its mtime is the worker's heartbeat (the lease)
+    done/<gid>.pt                 the finished group (written to a temporary name, then renamed)
+    workers/<worker>.stop         asks one worker to exit; STOP asks all of them
+
+Faults: a worker that dies mid-episode stops heartbeating; once its lease expires the orchestrator moves the
+claim back to pending and another worker redoes the whole group (a group is never half-trained). A late
+result of a group that was already re-issued is ignored because groups are keyed by id and the orchestrator
+remembers which ids it consumed. The orchestrator's `state_dict` (sampler position, issued-but-unconsumed
+groups, next id) goes into the trainer checkpoint, so a resumed trainer re-issues exactly the groups the
+checkpointed model has not trained on and then continues the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from rl.algorithm import PromptSampler
+
+
+class QueueError(RuntimeError):
+    """The rollout queue cannot make progress (e.g. no worker produced a group within the timeout)."""
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class WorkItem:
+    gid: int  # group id, unique over the run
+    prompt_index: int
+    attempt: int = 0  # how many times this group was re-issued (crash or staleness)
+
+    def to_json(self) -> str:
+        return json.dumps({"gid": self.gid, "prompt_index": self.prompt_index, "attempt": self.attempt})
+
+    @staticmethod
+    def from_json(text: str) -> "WorkItem":
+        d = json.loads(text)
+        return WorkItem(int(d["gid"]), int(d["prompt_index"]), int(d.get("attempt", 0)))
+
+
+class WorkQueue:
+    """Directory-backed queue of group work items; see the module docstring for the layout."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        for sub in ("pending", "claimed", "done", "workers"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    # -- trainer side ---------------------------------------------------------------------------------
+    def put(self, item: WorkItem) -> None:
+        _atomic_write_bytes(self.root / "pending" / f"{item.gid}.json", item.to_json().encode())
+
+    def done_ids(self) -> list[int]:
+        return sorted(int(p.name.split(".")[0]) for p in (self.root / "done").glob("*.pt"))
+
+    def load_result(self, gid: int) -> dict:
+        return torch.load(self.root / "done" / f"{gid}.pt", weights_only=False)
+
+    def discard(self, gid: int) -> None:
+        """Forget every trace of a group (pending, claimed or done)."""
+        for p in [self.root / "pending" / f"{gid}.json", self.root / "done" / f"{gid}.pt",
+                  *(self.root / "claimed").glob(f"{gid}.*.json")]:
+            p.unlink(missing_ok=True)
+
+    def is_known(self, gid: int) -> bool:
+        return ((self.root / "pending" / f"{gid}.json").exists() or (self.root / "done" / f"{gid}.pt").exists()
+                or any((self.root / "claimed").glob(f"{gid}.*.json")))
+
+    def requeue_expired(self, lease_s: float, now: Optional[float] = None) -> list[int]:
+        """Move claims whose worker stopped heartbeating for lease_s seconds back to pending."""
+        now = time.time() if now is None else now
+        moved = []
+        for claim in (self.root / "claimed").glob("*.json"):
+            try:
+                age = now - claim.stat().st_mtime
+                if age <= lease_s:
+                    continue
+                item = WorkItem.from_json(claim.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue  # completed or being written right now
+            item.attempt += 1
+            self.put(item)
+            claim.unlink(missing_ok=True)
+            moved.append(item.gid)
+        return moved
+
+    def stop_all(self) -> None:
+        (self.root / "STOP").write_text("stop\n")
+
+    def clear_stop(self) -> None:
+        (self.root / "STOP").unlink(missing_ok=True)
+
+    # -- worker side ----------------------------------------------------------------------------------
+    def stop_requested(self, worker: str) -> bool:
+        return (self.root / "STOP").exists() or (self.root / "workers" / f"{worker}.stop").exists()
+
+    def claim(self, worker: str) -> Optional[WorkItem]:
+        """Take the oldest pending item (atomic rename, so two workers never get the same one)."""
+        if "." in worker or "/" in worker:
+            raise ValueError(f"worker name {worker!r} may not contain '.' or '/'")
+        for p in sorted((self.root / "pending").glob("*.json"), key=lambda q: int(q.stem)):
+            target = self.root / "claimed" / f"{p.stem}.{worker}.json"
+            try:
+                os.rename(p, target)
+            except FileNotFoundError:
+                continue  # another worker took it
+            os.utime(target)
+            return WorkItem.from_json(target.read_text())
+        return None
+
+    def heartbeat(self, worker: str, gid: int) -> bool:
+        """Renew the lease; False if the claim is gone (the group was re-issued to someone else)."""
+        try:
+            os.utime(self.root / "claimed" / f"{gid}.{worker}.json")
+            return True
+        except FileNotFoundError:
+            return False
+
+    def complete(self, worker: str, item: WorkItem, result: dict) -> bool:
+        """Publish a finished group; False (and nothing written) if the claim was taken away meanwhile."""
+        claim = self.root / "claimed" / f"{item.gid}.{worker}.json"
+        if not claim.exists():
+            return False
+        import io
+
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        _atomic_write_bytes(self.root / "done" / f"{item.gid}.pt", buf.getvalue())
+        claim.unlink(missing_ok=True)
+        return True
+
+    def release(self, worker: str, item: WorkItem) -> None:
+        """Give a claimed item back (a worker shutting down in the middle of a group)."""
+        claim = self.root / "claimed" / f"{item.gid}.{worker}.json"
+        if claim.exists():
+            item.attempt += 1
+            self.put(item)
+            claim.unlink(missing_ok=True)
+
+
+@dataclass
+class OrchestratorStats:
+    requeued_crashed: int = 0
+    requeued_stale: int = 0
+    ignored_duplicates: int = 0
+    staleness: dict = field(default_factory=dict)  # versions behind -> token count
+
+
+class Orchestrator:
+    """Trainer-side owner of the epoch: sampler, bounded issue of groups, collection of finished ones."""
+
+    def __init__(self, queue: WorkQueue, num_prompts: int, group_size: int, seed: int,
+                 max_inflight_groups: int, max_staleness: int, lease_s: float = 60.0):
+        if max_inflight_groups < 1:
+            raise ValueError(f"rollout.max_inflight_groups must be >= 1, got {max_inflight_groups}")
+        if max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
+        self.queue = queue
+        self.sampler = PromptSampler(num_prompts, prompts_per_step=1, group_size=group_size, seed=seed)
+        self.group_size = group_size
+        self.max_inflight = max_inflight_groups
+        self.max_staleness = max_staleness
+        self.lease_s = lease_s
+        self.next_gid = 0
+        self.inflight: dict[int, int] = {}  # gid -> prompt index, issued and not yet consumed
+        self.stats = OrchestratorStats()
+
+    @property
+    def exhausted(self) -> bool:
+        """Every prompt of the epoch has been issued and consumed."""
+        return len(self.sampler) == 0 and not self.inflight
+
+    def fill(self) -> None:
+        """Issue new groups until the bound on in-flight groups or the end of the epoch."""
+        while len(self.inflight) < self.max_inflight and len(self.sampler) > 0:
+            (prompt,) = self.sampler.next_batch()
+            gid = self.next_gid
+            self.next_gid += 1
+            self.inflight[gid] = prompt
+            self.queue.put(WorkItem(gid, prompt))
+
+    def next_groups(self, n: int, version: int, timeout_s: float = 600.0,
+                    poll_s: float = 0.05, alive: Optional[Callable[[], bool]] = None) -> list[dict]:
+        """Block until n finished groups usable at trainer weight version `version` are available.
+
+        A group whose oldest sampled token is more than max_staleness versions behind is dropped and its
+        prompt re-issued. Fewer than n groups are returned only at the end of the epoch. ``alive`` (optional)
+        is polled and a False aborts the wait (e.g. the embedded worker thread died).
+        """
+        out: list[dict] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < n:
+            self.fill()
+            if not self.inflight:
+                break  # end of epoch
+            for gid in self.queue.requeue_expired(self.lease_s):
+                self.stats.requeued_crashed += 1
+                print(f"orchestrator: group {gid} lost its worker (lease {self.lease_s:.0f}s expired); re-queued",
+                      flush=True)
+            got_any = False
+            for gid in self.queue.done_ids():
+                if len(out) >= n:
+                    break
+                if gid not in self.inflight:
+                    self.queue.discard(gid)  # a late duplicate of a group that was consumed or re-issued
+                    self.stats.ignored_duplicates += 1
+                    continue
+                try:
+                    result = self.queue.load_result(gid)
+                except (EOFError, RuntimeError, FileNotFoundError):
+                    continue  # partially visible on a non-atomic filesystem; retry next poll
+                self.queue.discard(gid)
+                oldest = result.get("min_weight_version")
+                if oldest is not None and version - oldest > self.max_staleness:
+                    self.stats.requeued_stale += 1
+                    print(f"orchestrator: group {gid} has tokens of version {oldest}, trainer is at {version} "
+                          f"(max_staleness {self.max_staleness}); re-queued", flush=True)
+                    self.queue.put(WorkItem(gid, self.inflight[gid], int(result.get("attempt", 0)) + 1))
+                    continue
+                del self.inflight[gid]
+                for v, count in result.get("version_counts", {}).items():
+                    lag = version - int(v)
+                    self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + count
+                out.append(result)
+                got_any = True
+            if len(out) >= n:
+                break
+            if alive is not None and not alive():
+                raise QueueError("the rollout workers stopped; see their error above")
+            if time.monotonic() > deadline:
+                raise QueueError(f"no complete group arrived within {timeout_s:.0f}s ({len(out)}/{n} ready); "
+                                 f"check that rollout workers run and read {self.queue.root}")
+            if not got_any:
+                time.sleep(poll_s)
+        return out
+
+    def take_staleness(self) -> dict[int, int]:
+        hist, self.stats.staleness = self.stats.staleness, {}
+        return dict(sorted(hist.items()))
+
+    # -- checkpointing --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "next_gid": self.next_gid,
+                "inflight": {str(g): p for g, p in self.inflight.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the epoch: groups issued but not trained by the checkpointed model are issued again
+        unless their item or result is still in the queue; ids the checkpoint never issued are removed."""
+        self.sampler.load_state_dict(state["sampler"])
+        self.next_gid = int(state["next_gid"])
+        self.inflight = {int(g): int(p) for g, p in state["inflight"].items()}
+        for sub, pattern in (("pending", "*.json"), ("claimed", "*.json"), ("done", "*.pt")):
+            for p in (self.queue.root / sub).glob(pattern):
+                gid = int(p.name.split(".")[0])
+                if gid not in self.inflight:  # issued after the checkpoint (or already trained before it)
+                    p.unlink(missing_ok=True)
+        for gid, prompt in self.inflight.items():
+            if not self.queue.is_known(gid):
+                self.queue.put(WorkItem(gid, prompt, attempt=1))

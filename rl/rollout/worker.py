@@ -1,0 +1,359 @@
+"""Rollout worker: the inference engine, live weights from the weight-sync store, and the episode runners.
+
+A worker claims a group from the `rl.orchestrator.WorkQueue`, runs its G episodes and writes the whole group
+back. Generation never waits for the trainer: a `WeightSubscriber` downloads and decodes new versions in the
+background, and the engine applies a ready version between two decode steps (`_drive`), so one response
+can hold tokens of versions v and v+1; each token records the version it was sampled under.
+
+Episodes:
+* single-turn tasks: the G samples of the prompt are generated as one batch and scored by the task's check;
+* agent tasks: `rl.envs.run_episode` in forks of the task's sandbox (`SandboxPool`), the policy being this
+  engine. The policy keeps the exact token ids it generated and appends the rendered tool observations as
+  context tokens (loss mask 0), so the trainer sees the very tokens that were sampled.
+
+Several threads may generate at once (one per sandbox of a group): each adds its requests and then helps
+stepping the engine under one lock until its own requests finish, so concurrent episodes share decode steps.
+
+A sandbox that fails (crash, setup error) is retried up to ``rollout.episode_retries`` times; after that the
+group is handed back to the queue. A verifier that hangs is killed by the task's verifier timeout and scores 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_composer.data.chat_template import IM_END, render_text
+from megatron_composer.inference import Engine
+from megatron_composer.inference.sampling import SamplingParams
+from rl.orchestrator import WorkItem, WorkQueue
+from rl.rollout.tasks import RLTask
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = field(default=8, metadata={"help": "episodes per prompt (G); advantages are relative to the group"})
+    max_new_tokens: int = field(default=16, metadata={"help": "single-turn: tokens per response"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts"})
+    top_p: float = 1.0
+    max_inflight_groups: int = field(default=4, metadata={"help": "bounded queue: groups issued to workers and not yet trained"})
+    max_staleness: int = field(default=2, metadata={"help": "a group whose oldest token is more versions behind the trainer is redone"})
+    lease_s: float = field(default=60.0, metadata={"help": "a claimed group whose worker stops heartbeating this long is re-queued"})
+    heartbeat_s: float = field(default=2.0, metadata={"help": "how often a worker renews the lease of its group"})
+    embedded_workers: int = field(default=1, metadata={"help": "rollout worker threads inside the trainer when the run has one process"})
+    weight_poll_s: float = field(default=0.2, metadata={"help": "how often workers look for a new weight version"})
+    max_batch_size: int = 64
+    max_seq_len: int = field(default=1024, metadata={"help": "engine context: prompt + all turns of an agent episode"})
+    cache_memory_mb: int = 256
+    agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
+    agent_max_new_tokens: int = field(default=96, metadata={"help": "agent tasks: tokens per turn"})
+    agent_command_timeout_s: float = 30.0
+    sandbox_concurrency: int = field(default=2, metadata={"help": "sandboxes a worker runs at once"})
+    sandbox_unisolated: bool = field(default=False, metadata={"help": "run sandboxes without bubblewrap (trusted code only)"})
+    episode_retries: int = field(default=2, metadata={"help": "a crashed sandbox episode is rerun this often before the group is re-queued"})
+    group_timeout_s: float = field(default=1800.0, metadata={"help": "the trainer's wait for the next finished group before it gives up"})
+
+    def validate(self) -> "RolloutConfig":
+        from megatron_composer.config import ConfigError
+
+        if self.group_size < 1:
+            raise ConfigError(f"rollout.group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1 or self.agent_max_new_tokens < 1:
+            raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if self.max_inflight_groups < 1 or self.max_staleness < 0:
+            raise ConfigError("rollout.max_inflight_groups must be >= 1 and rollout.max_staleness >= 0")
+        if self.heartbeat_s >= self.lease_s:
+            raise ConfigError(f"rollout.heartbeat_s ({self.heartbeat_s}) must be shorter than rollout.lease_s ({self.lease_s})")
+        return self
+
+
+class EpisodeCrash(RuntimeError):
+    """The episode's sandbox failed; the episode (not its reward) is lost and is rerun."""
+
+
+def _seed(*parts: int) -> int:
+    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+
+
+class TokenLedger:
+    """The exact token stream of one context window: sampled tokens (mask 1) and context tokens (mask 0)."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.routes: list[torch.Tensor] = []  # per position p: experts of the forward at p (predicting p + 1)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_context(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def add_generation(self, result) -> None:
+        start = len(self.ids)
+        self.response_ids += result.token_ids
+        self.mask += [1] * len(result.token_ids)
+        self.logprobs += list(result.logprobs)
+        self.versions += list(result.weight_versions)
+        routing = result.routing_for_training()  # [L, start + T - 1, K]
+        if routing is not None:
+            # positions before start - 1 were routed when they were generated or first read
+            self.routes += list(routing[:, len(self.routes):].unbind(1))
+        assert routing is None or len(self.routes) == start + len(result.token_ids) - 1
+
+    def segment(self) -> dict:
+        routed = None
+        if self.routes:
+            routes = self.routes + [self.routes[-1]] * (len(self.ids) - len(self.routes))  # last: never trained
+            routed = torch.stack(routes, dim=1)
+        return {"prompt_ids": self.prompt_ids, "response_ids": self.response_ids, "response_logprobs": self.logprobs,
+                "response_mask": self.mask, "routed_experts": routed, "weight_versions": self.versions}
+
+
+class RolloutWorker:
+    def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
+                 queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None):
+        self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
+        self.subscriber = subscriber
+        self.seed = seed
+        self.engine = Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+                             cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
+        self.stop_ids = [t for t in (tokenizer.token_to_id(IM_END), tokenizer.eod) if t is not None]
+        self._im_end = tokenizer.token_to_id(IM_END)
+        self._drive_lock = threading.Lock()
+        self._backend = sandbox_backend
+        self._pool = None
+        self.applied: list[tuple[int, float]] = []  # (version, seconds the engine paused to apply it)
+        self.error: Optional[BaseException] = None
+
+    # -- weights --------------------------------------------------------------------------------------
+    def wait_for_weights(self, timeout_s: float = 600.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while (v := self.subscriber.latest_version()) is None:
+            if self.queue.stop_requested(self.name) or time.monotonic() > deadline:
+                raise TimeoutError(f"worker {self.name}: no weights were published within {timeout_s:.0f}s")
+            time.sleep(self.cfg.weight_poll_s)
+        self._apply(v, self.subscriber.fetch(v))
+        self.subscriber.start(self.cfg.weight_poll_s)
+        return v
+
+    def _apply(self, version: int, state_dict: dict) -> None:
+        t0 = time.perf_counter()
+        self.engine.update_weights(state_dict, version)
+        dt = time.perf_counter() - t0
+        self.applied.append((version, dt))
+        print(f"worker {self.name}: applied weights v{version} in {dt * 1e3:.1f} ms "
+              f"(running requests continue; their next tokens are v{version})", flush=True)
+
+    def apply_ready(self) -> None:
+        ready = self.subscriber.pop_ready()
+        if ready is not None and ready[0] > self.engine.weight_version:
+            self._apply(*ready)
+
+    # -- generation -----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int]):
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                 stop_token_ids=self.stop_ids, seed=s) for s in seeds]
+        with self._drive_lock:
+            rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[int, object] = {}
+        while len(results) < len(rids):
+            with self._drive_lock:
+                self.apply_ready()  # between decode steps: the only pause new weights cause
+                for rid in rids:
+                    if rid not in results and (r := self.engine.pop_result(rid)) is not None:
+                        results[rid] = r
+                if len(results) < len(rids):
+                    self.engine.step()
+        return [results[r] for r in rids]
+
+    def _prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(render_text(messages, add_generation_prompt=True))
+
+    def _text(self, token_ids: list[int]) -> str:
+        ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
+        return self.tokenizer.decode(ids)
+
+    # -- episodes -------------------------------------------------------------------------------------
+    def run_single_turn(self, task: RLTask, item: WorkItem, group_size: int) -> list[dict]:
+        prompt = self._prompt_ids([{"role": "user", "content": task.prompt}])
+        seeds = [_seed(self.seed, item.gid, item.attempt, i) for i in range(group_size)]
+        episodes = []
+        for result in self.generate([prompt] * group_size, self.cfg.max_new_tokens, seeds):
+            ledger = TokenLedger(prompt)
+            ledger.add_generation(result)
+            text = self._text(result.token_ids)
+            reward, reason = task.score(text, self._sandbox_factory)
+            episodes.append({"reward": reward, "segments": [ledger.segment()],
+                             "meta": {"turns": 1, "tokens": len(result.token_ids), "stop_reason": result.finish_reason,
+                                      "verdict": reason, "transcript": text}})
+        return episodes
+
+    def _sandbox_factory(self):
+        return self._get_backend().create(None)
+
+    def _get_backend(self):
+        if self._backend is None:
+            from rl.sandbox import LocalBackend
+
+            self._backend = LocalBackend(unisolated=self.cfg.sandbox_unisolated)
+        return self._backend
+
+    def _get_pool(self):
+        if self._pool is None:
+            from rl.sandbox import SandboxPool
+
+            self._pool = SandboxPool(self._get_backend(), concurrency=self.cfg.sandbox_concurrency)
+        return self._pool
+
+    def run_agent_episode(self, task: RLTask, sandbox, seed: int) -> dict:
+        from rl.envs import EpisodeConfig, run_episode
+
+        policy = EnginePolicy(self, seed)
+        cfg = EpisodeConfig(max_turns=self.cfg.agent_max_turns, command_timeout_s=self.cfg.agent_command_timeout_s,
+                            max_generated_tokens=self.cfg.agent_max_turns * self.cfg.agent_max_new_tokens)
+        try:
+            ep = run_episode(task.harbor, sandbox, policy, cfg,
+                             count_tokens=lambda text: len(self.tokenizer.encode(text)))
+        except Exception as e:  # the sandbox or the verifier's machinery broke, not the model
+            raise EpisodeCrash(f"{type(e).__name__}: {e}") from e
+        if policy.ledger is None:  # the episode ended before the model was asked anything
+            raise EpisodeCrash("episode ended before the first model turn")
+        verify = ep.verify
+        return {"reward": float(ep.reward), "segments": [policy.ledger.segment()],
+                "meta": {"turns": ep.turns, "tokens": sum(policy.ledger.mask), "stop_reason": ep.stop_reason,
+                         "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
+                         "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
+                         "context_overflow": policy.overflowed,
+                         "verdict": (verify.output[-500:] if verify is not None else ""),
+                         "transcript": ep.messages}}
+
+    def run_agent(self, task: RLTask, item: WorkItem, group_size: int) -> tuple[list[dict], int]:
+        pool = self._get_pool()
+        failures = 0
+
+        def one(i: int) -> dict:
+            nonlocal failures
+            for attempt in range(self.cfg.episode_retries + 1):
+                try:
+                    with pool.fork(task.harbor) as sandbox:
+                        return self.run_agent_episode(task, sandbox, _seed(self.seed, item.gid, item.attempt, i, attempt))
+                except Exception as e:  # EpisodeCrash, SandboxError from fork, ...
+                    failures += 1
+                    print(f"worker {self.name}: group {item.gid} episode {i} sandbox failure "
+                          f"({attempt + 1}/{self.cfg.episode_retries + 1}): {str(e)[:300]}", flush=True)
+            raise EpisodeCrash(f"episode {i} of group {item.gid} failed {self.cfg.episode_retries + 1} times")
+
+        futures = [pool._executor.submit(one, i) for i in range(group_size)]
+        return [f.result() for f in futures], failures
+
+    def run_group(self, item: WorkItem) -> dict:
+        task = self.tasks[item.prompt_index]
+        t0 = time.perf_counter()
+        failures = 0
+        if task.kind == "single_turn":
+            episodes = self.run_single_turn(task, item, self.cfg.group_size)
+        else:
+            episodes, failures = self.run_agent(task, item, self.cfg.group_size)
+        versions = Counter(v for ep in episodes for seg in ep["segments"] for v in seg["weight_versions"])
+        return {"gid": item.gid, "prompt_index": item.prompt_index, "attempt": item.attempt, "task": task.name,
+                "kind": task.kind, "worker": self.name, "episodes": episodes, "sandbox_failures": failures,
+                "version_counts": dict(versions), "min_weight_version": min(versions) if versions else None,
+                "seconds": time.perf_counter() - t0}
+
+    # -- main loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Claim and run groups until the queue says stop."""
+        try:
+            self.wait_for_weights()
+            while not self.queue.stop_requested(self.name):
+                with self._drive_lock:
+                    self.apply_ready()
+                item = self.queue.claim(self.name)
+                if item is None:
+                    time.sleep(0.02)
+                    continue
+                beat = _Heartbeat(self.queue, self.name, item.gid, self.cfg.heartbeat_s)
+                try:
+                    result = self.run_group(item)
+                except EpisodeCrash as e:
+                    print(f"worker {self.name}: giving group {item.gid} back to the queue: {e}", flush=True)
+                    self.queue.release(self.name, item)
+                    continue
+                finally:
+                    beat.stop()
+                if not self.queue.complete(self.name, item, result):
+                    print(f"worker {self.name}: group {item.gid} was re-issued meanwhile; result dropped", flush=True)
+        except BaseException as e:
+            self.error = e
+            traceback.print_exc()
+            raise
+        finally:
+            self.subscriber.stop() if hasattr(self.subscriber, "stop") else None
+            if self._pool is not None:
+                self._pool.close()
+
+
+class _Heartbeat:
+    def __init__(self, queue: WorkQueue, worker: str, gid: int, every_s: float):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(queue, worker, gid, every_s), daemon=True)
+        self._thread.start()
+
+    def _run(self, queue, worker, gid, every_s):
+        while not self._stop.wait(every_s):
+            if not queue.heartbeat(worker, gid):
+                return
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+class EnginePolicy:
+    """`rl.envs.agent.Policy` backed by the worker's engine, recording the exact token stream."""
+
+    def __init__(self, worker: RolloutWorker, seed: int):
+        self.worker = worker
+        self.seed = seed
+        self.ledger: Optional[TokenLedger] = None
+        self.seen = 0  # messages already in the ledger
+        self.turn = 0
+        self.overflowed = False
+
+    def __call__(self, messages: list[dict]) -> str:
+        w = self.worker
+        if self.ledger is None:
+            self.ledger = TokenLedger(w._prompt_ids(messages))
+        else:
+            # run_episode appended our own assistant message (already in the ledger as sampled tokens), then
+            # the tool observations; those become context tokens.
+            new = [m for m in messages[self.seen:] if m["role"] != "assistant"]
+            last = self.ledger.response_ids[-1] if self.ledger.response_ids else None
+            closing = "\n" if last == w._im_end else IM_END + "\n"
+            self.ledger.add_context(w.tokenizer.encode(closing + render_text(new, add_generation_prompt=True)))
+        self.seen = len(messages)
+        budget = min(w.cfg.agent_max_new_tokens, w.cfg.max_seq_len - len(self.ledger.ids))
+        if budget < 1:
+            self.overflowed = True
+            return ""  # no tool call: the episode ends and is verified as it stands
+        (result,) = w.generate([self.ledger.ids], budget, [_seed(self.seed, self.turn)])
+        self.turn += 1
+        self.ledger.add_generation(result)
+        self.seen += 1  # the assistant message run_episode is about to append
+        return w._text(result.token_ids)
