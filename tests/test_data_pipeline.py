@@ -1,7 +1,6 @@
 """Tokenizer training, preprocessing into indexed datasets, and packed pretraining samples."""
 
 import json
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -16,8 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def _tool(name, *args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True, text=True)
+sys.path.insert(0, str(ROOT / "tools"))
+import preprocess_data  # noqa: E402
+import train_tokenizer  # noqa: E402
+
+
+class _Result:
+    def __init__(self, returncode, stderr):
+        self.returncode, self.stderr = returncode, stderr
+
+
+def _tool(name, *args, capsys=None):
+    main = {"train_tokenizer.py": train_tokenizer.main, "preprocess_data.py": preprocess_data.main}[name]
+    rc = main([str(a) for a in args])
+    return _Result(rc, capsys.readouterr().err if capsys else "")
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +69,12 @@ def test_hf_tokenizer_json(tmp_path):
     assert tok.special_tokens["<|im_start|>"] == 1
 
 
-def test_preprocess_refuses_overwrite_and_reports_missing(corpus, tmp_path):
+def test_preprocess_refuses_overwrite_and_reports_missing(corpus, tmp_path, capsys):
     before = (corpus / "code.bin").read_bytes()
-    r = _tool("preprocess_data.py", "--input", STDLIB / "json", "--tokenizer", corpus / "tok", "--output-prefix", corpus / "code")
+    r = _tool("preprocess_data.py", "--input", STDLIB / "json", "--tokenizer", corpus / "tok", "--output-prefix", corpus / "code", capsys=capsys)
     assert r.returncode != 0 and "--overwrite" in r.stderr
     assert (corpus / "code.bin").read_bytes() == before
-    r = _tool("preprocess_data.py", "--input", tmp_path / "nope.jsonl", "--tokenizer", corpus / "tok", "--output-prefix", tmp_path / "x")
+    r = _tool("preprocess_data.py", "--input", tmp_path / "nope.jsonl", "--tokenizer", corpus / "tok", "--output-prefix", tmp_path / "x", capsys=capsys)
     assert r.returncode != 0 and "does not exist" in r.stderr
     assert not list(tmp_path.glob("x*"))
 
