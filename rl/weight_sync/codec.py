@@ -59,7 +59,7 @@ def encode_chunk(new_bits: torch.Tensor, base_bits: torch.Tensor | None, level: 
     width = x.element_size()
     planes = x.view(torch.uint8)
     if width > 1:
-        planes = planes.reshape(-1, width).t().contiguous()
+        planes = planes.reshape(-1, width).t().contiguous().reshape(-1)
     blob = zstandard.ZstdCompressor(level=level).compress(planes.numpy().data)
     return blob, unchanged
 
@@ -80,8 +80,8 @@ def decode_chunk(blob: bytes, count: int, int_dtype: torch.dtype, base_bits: tor
             filled += n
         if filled != nbytes or reader.read(1):
             raise WeightSyncError(f"a compressed chunk decodes to the wrong size (expected {nbytes} bytes)")
-    x = planes.reshape(width, count).t().contiguous() if width > 1 else planes
-    x = x.view(int_dtype).reshape(-1)
+    x = planes.reshape(width, count).t().contiguous().reshape(-1) if width > 1 else planes
+    x = x.view(int_dtype)
     if base_bits is None:
         out.copy_(x)
     else:

@@ -61,7 +61,9 @@ class ObjectStore:
         if max_retries < 0 or threads < 1:
             raise ValueError(f"ObjectStore needs max_retries >= 0 and threads >= 1, got {max_retries}, {threads}")
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        # A filesystem object of our own (fsspec shares instances by default): its caches and sessions are
+        # not disturbed by other users of the same URL.
+        self.fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
         self.root = root.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         if self.is_local:

@@ -116,14 +116,10 @@ class WeightSubscriber:
     def _plan(self, head: dict) -> tuple[dict | str, list[dict]]:
         """Cheapest way to ``head``: ("held" or a snapshot manifest, deltas to apply oldest first)."""
         chain = [head]             # head, its base, its base's base, ...
-        delta_cost = 0             # bytes of the deltas of chain[:-1]
-        best: tuple[int, dict | str, int] | None = None   # (bytes, start, number of deltas)
+        delta_cost = 0             # bytes of the deltas read so far along the chain
+        best: tuple[int, dict | str, int] | None = None   # (bytes, start, number of chain deltas to apply)
         while True:
             m = chain[-1]
-            if m["id"] == self._id:
-                if best is None or delta_cost < best[0]:
-                    best = (delta_cost, "held", len(chain) - 1)
-                break
             if "snapshot" in m["parts"]:
                 cost = delta_cost + m["parts"]["snapshot"]["bytes"]
                 if best is None or cost < best[0]:
@@ -135,6 +131,10 @@ class WeightSubscriber:
             if best is not None and not held_reachable:
                 break   # going further back only adds deltas
             delta_cost += m["parts"]["delta"]["bytes"]
+            if base["id"] == self._id:   # the base is what we hold (its manifest may already be collected)
+                if best is None or delta_cost < best[0]:
+                    best = (delta_cost, "held", len(chain))
+                break
             if best is not None and delta_cost >= best[0]:
                 break
             try:
