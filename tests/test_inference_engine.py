@@ -143,7 +143,7 @@ def test_greedy_equals_transformers_generate(tmp_path, build):
     ref.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like the engine
     ref.save_pretrained(tmp_path / "hf")
     ours = load_hf_checkpoint(tmp_path / "hf", dtype=torch.float32, progress=False).eval()
-    prompts = _prompts(97, [4, 13, 8], seed=3)
+    prompts = _prompts(97, [4, 13], seed=3)
     results = Engine(ours, max_batch_size=4).generate(prompts, max_new_tokens=64)
     for prompt, r in zip(prompts, results):
         with torch.no_grad():
@@ -194,11 +194,11 @@ def test_routing_replay_in_training_forward_reproduces_engine_logprobs(preset):
 def test_speculative_greedy_equals_plain():
     # a small vocabulary so that random MTP drafts are sometimes right and acceptance paths run
     model = _model("tiny-deepseek-v3", vocab_size=7, init_std=0.2)
-    prompts = _prompts(7, [3, 10, 6])
+    prompts = _prompts(7, [3, 10])
     for invariant in (True, False):
-        plain = Engine(model, batch_invariant=invariant).generate(prompts, max_new_tokens=40)
+        plain = Engine(model, batch_invariant=invariant).generate(prompts, max_new_tokens=32)
         engine = Engine(model, batch_invariant=invariant)
-        spec = engine.generate(prompts, max_new_tokens=40, speculative=True, num_draft_tokens=3)
+        spec = engine.generate(prompts, max_new_tokens=32, speculative=True, num_draft_tokens=3)
         for a, b in zip(plain, spec):
             assert a.token_ids == b.token_ids
             if invariant:
@@ -213,7 +213,7 @@ def _chi2_sf(stat, dof):
 
 
 def test_speculative_sampling_preserves_the_distribution():
-    V, n = 5, 3000
+    V, n = 5, 2000
     model = _model("tiny-deepseek-v3", vocab_size=V, init_std=0.3, num_layers=2)
     prompt = [1, 3, 0, 2]
     params = dict(temperature=0.8, top_k=4)

@@ -108,6 +108,12 @@ class _Batch:
     mask_B1NL: torch.Tensor
     lengths: list[int]
     starts: list[int]
+    write_slots_T: torch.Tensor          # slots of the valid rows only
+    rows_T: Optional[torch.Tensor]       # flat indices of the valid rows (None: every row is valid)
+
+    def valid_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
+        flat = x_BN_.reshape(-1, *x_BN_.shape[2:])
+        return flat if self.rows_T is None else flat.index_select(0, self.rows_T)
 
 
 class Engine:
@@ -201,7 +207,8 @@ class Engine:
 
     def step(self) -> list[GenerationResult]:
         """Admit and prefill waiting requests, advance every running one; returns those finished now."""
-        with self._lock, torch.no_grad(), batch_invariant_mode(self.batch_invariant):
+        # inference_mode: no autograd bookkeeping per op; results leave it as ordinary tensors (see _finish)
+        with self._lock, torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
             admitted = []
             while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
                 seq = self._waiting[0]
@@ -224,17 +231,22 @@ class Engine:
             done = [s for s in admitted + self._running if s.finished]
             self._running = [s for s in self._running if not s.finished]
             for s in done:
+                self.cache.release(s.blocks)
+                s.blocks = []
+        with self._lock:
+            for s in done:
                 self._finish(s)
-            return [s.result for s in done]
+        return [s.result for s in done]
 
     def _finish(self, seq: _Sequence) -> None:
-        self.cache.release(seq.blocks)
-        seq.blocks = []
+        """Outside inference mode, so the routing tensors can be saved for backward by a replaying trainer."""
         r = seq.result
         L = len(self.model.moe_layers)
         if L:
             K = self.cfg.num_experts_per_tok
             r.routed_experts = torch.stack(seq.routes) if seq.routes else torch.empty(0, L, K, dtype=torch.long)
+            if r.prompt_routed_experts is not None:
+                r.prompt_routed_experts = r.prompt_routed_experts.clone()
         self._finished[seq.rid] = r
 
     # ---- emitting tokens ---------------------------------------------------------------------------
@@ -265,12 +277,13 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        greedy_BV = logits_BV.argmax(-1).tolist()
+        greedy_B = logits_BV.argmax(-1, keepdim=True)
+        greedy_logp = logp_BV.gather(1, greedy_B).squeeze(1).tolist()
+        greedy_B = greedy_B.squeeze(1).tolist()
         for b, seq in enumerate(seqs):
             route = None if routes is None else routes[b]
             if seq.params.greedy:
-                tok = greedy_BV[b]
-                self._emit(seq, tok, float(logp_BV[b, tok]), 0.0, route)
+                self._emit(seq, greedy_B[b], greedy_logp[b], 0.0, route)
             else:
                 self._emit(seq, *sample_token(logits_BV[b], seq.params, seq.generator), route)
 
@@ -279,9 +292,7 @@ class Engine:
         bs, dev = self.cache.block_size, self.device
         B, N = len(seqs), max(lengths)
         width = max(len(s.blocks) for s in seqs)
-        table_BM = torch.zeros(B, width, dtype=torch.long, device=dev)
-        for b, s in enumerate(seqs):
-            table_BM[b, :len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
+        table_BM = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.long, device=dev)
         start_B = torch.tensor(starts, device=dev)
         len_B = torch.tensor(lengths, device=dev)
         r_N = torch.arange(N, device=dev)
@@ -294,15 +305,17 @@ class Engine:
         read_BL = table_BM.gather(1, (j_L // bs).clamp(max=width - 1).expand(B, L)) * bs + j_L % bs
         end_B = start_B + len_B
         mask = (j_L[None, None, :] <= pos_BN[:, :, None]) & (j_L[None, None, :] < end_B[:, None, None])
-        return _Batch(pos_BN, valid_BN, write_BN, read_BL, mask[:, None], lengths, starts)
+        all_valid = min(lengths) == N
+        rows_T = None if all_valid else valid_BN.reshape(-1).nonzero().squeeze(-1)
+        write_T = write_BN.reshape(-1) if all_valid else write_BN.reshape(-1).index_select(0, rows_T)
+        return _Batch(pos_BN, valid_BN, write_BN, read_BL, mask[:, None], lengths, starts, write_T, rows_T)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
         B, N, _ = x_BND.shape
-        valid = batch.valid_BN
         if self.cfg.attention == "mla":
             q = attn.project_q(x_BND, cos, sin)
             c_kv, k_rope = attn.compress_kv(x_BND, cos, sin)
-            self.cache.write(cache_layer, batch.write_slots_BN[valid], c_kv[valid], k_rope[valid])
+            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(c_kv), batch.valid_rows(k_rope))
             c_BLC, r_BLR = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
             if not self.batch_invariant:
                 o_BNHD = self._mla_absorbed(attn, q, c_BLC, r_BLR, batch.mask_B1NL)
@@ -310,7 +323,7 @@ class Engine:
             k, v = attn.expand_kv(c_BLC, r_BLR)
         else:
             q, k_new, v_new = attn.project_qkv(x_BND, cos, sin)
-            self.cache.write(cache_layer, batch.write_slots_BN[valid], k_new[valid], v_new[valid])
+            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(k_new), batch.valid_rows(v_new))
             k, v = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
             if not self.batch_invariant:
                 o_BNHD = self._gqa(attn, q, k, v, batch.mask_B1NL)
