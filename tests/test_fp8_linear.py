@@ -143,6 +143,31 @@ def test_apply_fp8_rejects_indivisible_layers_by_name():
     assert type(model.layers[0].attention.wkv_a) is nn.Linear
 
 
+class ShardedLinear(nn.Module):
+    """Shape of the tensor-parallel layers: computes through a swappable `linear_fn`."""
+
+    def __init__(self, out_features, in_features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
+        self.bias = None
+        self.linear_fn = torch.nn.functional.linear
+
+    def forward(self, x):
+        return self.linear_fn(x, self.weight, self.bias)
+
+
+def test_apply_fp8_sets_linear_fn_of_parallel_layers():
+    model = nn.Sequential(ShardedLinear(64, 128), nn.ReLU(), ShardedLinear(32, 64))
+    cfg = FP8Config(recipe="mxfp8", backend="emulated")
+    x = torch.randn(5, 128)
+    apply_fp8(model, cfg)
+    ops = model[0].linear_fn.ops
+    expected = fp8_linear(torch.relu(fp8_linear(x, model[0].weight, ops)), model[2].weight, ops)
+    assert torch.equal(model(x), expected)
+    with pytest.raises(ValueError, match=r"'0'.*size 48"):
+        apply_fp8(nn.Sequential(ShardedLinear(48, 128)), cfg)
+
+
 def test_linear_rejects_indivisible_reduction_dim():
     ops = FP8Ops(FP8Config(recipe="mxfp8", backend="emulated"))
     with pytest.raises(ValueError, match="size 40, not divisible by the FP8 block size 32"):

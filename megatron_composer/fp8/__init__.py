@@ -12,7 +12,7 @@ from megatron_composer.fp8.formats import (
     quantize_blockwise,
     quantize_mx,
 )
-from megatron_composer.fp8.linear import FP8GroupedMM, FP8Linear, FP8Ops, apply_fp8, fp8_linear
+from megatron_composer.fp8.linear import FP8GroupedMM, FP8Linear, FP8LinearFunction, FP8Ops, apply_fp8, fp8_linear
 
-__all__ = ["FP8Config", "FP8Ops", "FP8Linear", "FP8GroupedMM", "apply_fp8", "fp8_linear", "quantize_mx",
+__all__ = ["FP8Config", "FP8Ops", "FP8Linear", "FP8LinearFunction", "FP8GroupedMM", "apply_fp8", "fp8_linear", "quantize_mx",
            "dequantize_mx", "quantize_blockwise", "dequantize_blockwise"]

@@ -108,6 +108,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, ops: FP8Ops, bias: torch.T
     return y if bias is None else y + bias.to(y.dtype)
 
 
+class FP8LinearFunction:
+    """Drop-in for F.linear(x, weight, bias) in FP8: what `apply_fp8` puts into a module's `linear_fn` attribute
+    (the tensor-parallel column/row layers call `self.linear_fn(x, self.weight, self.bias)`)."""
+
+    def __init__(self, ops: FP8Ops):
+        self.ops = ops
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, weight, self.ops, bias)
+
+    def __repr__(self) -> str:
+        return f"FP8LinearFunction({self.ops.cfg.recipe}/{self.ops.backend.name})"
+
+
 class FP8Linear(nn.Linear):
     """An nn.Linear whose GEMMs run in FP8; holds the original Parameters (state dict unchanged)."""
 
@@ -231,14 +245,20 @@ def _is_grouped_experts(module: nn.Module) -> bool:
                                                  for w in ("w1", "w2", "w3"))
 
 
+def _has_linear_fn(module: nn.Module) -> bool:
+    return callable(getattr(module, "linear_fn", None)) and isinstance(getattr(module, "weight", None), nn.Parameter)
+
+
 def apply_fp8(model: nn.Module, cfg: FP8Config, backend=None) -> nn.Module:
-    """Swap the model's nn.Linear modules (except those kept high precision) for FP8Linear and give every
-    grouped-experts module an FP8 `grouped_mm`. In place; returns the model. Raises, before changing anything,
-    if a layer's dimensions do not split into FP8 blocks (naming each such layer)."""
+    """Swap the model's nn.Linear modules (except those kept high precision) for FP8Linear, give modules that
+    compute through a `linear_fn(x, weight, bias)` attribute (tensor-parallel layers) an FP8 one, and give every
+    grouped-experts module an FP8 `grouped_mm`. In place; returns the model. Apply it after parallelising, so the
+    local weight shards are checked. Raises, before changing anything, if a layer's dimensions do not split into
+    FP8 blocks (naming each such layer)."""
     if not cfg.enabled:
         return model
     ops = FP8Ops(cfg, backend)
-    linears, experts, problems = [], [], []
+    linears, linear_fns, experts, problems = [], [], [], []
     for name, module in model.named_modules():
         if keeps_high_precision(name, cfg.keep_high_precision):
             continue
@@ -246,6 +266,9 @@ def apply_fp8(model: nn.Module, cfg: FP8Config, backend=None) -> nn.Module:
             if isinstance(module, nn.Linear) and not isinstance(module, (FP8Linear, TELinear)):
                 ops.check_weight(module.out_features, module.in_features, f"'{name}'")
                 linears.append(name)
+            elif _has_linear_fn(module):
+                ops.check_weight(module.weight.shape[0], module.weight.shape[1], f"'{name}'")
+                linear_fns.append(name)
             elif _is_grouped_experts(module):
                 E, F, D = module.w1.shape
                 ops.check_weight(F, D, f"'{name}.w1/w3'")
@@ -262,8 +285,10 @@ def apply_fp8(model: nn.Module, cfg: FP8Config, backend=None) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, dense_cls(getattr(parent, child), ops))
+    for name in linear_fns:
+        model.get_submodule(name).linear_fn = FP8LinearFunction(ops)
     for name in experts:
         model.get_submodule(name).grouped_mm = FP8GroupedMM(ops)
     log.info("fp8 %s via %s backend: %d linear layers and %d expert groups quantised", cfg.recipe, ops.backend.name,
-             len(linears), len(experts))
+             len(linears) + len(linear_fns), len(experts))
     return model
