@@ -10,8 +10,9 @@ contenders; the median is reported.
 
 Speculative decoding needs MTP heads trained to agree with the main head. With --pretrain-run pointing at a
 run of pretrain_composer.py (e.g. examples/tiny/pretrain.yaml, whose MTP depth is trained by
-self-distillation), that model and its tokenizer's text are used; otherwise a random tiny-deepseek-v3 is
-used and its (untrained) MTP head gives near-zero acceptance, which the output says.
+self-distillation; `make demo` writes runs/tiny/pretrain, used by default when present), that model and
+its tokenizer's text are used; otherwise a random tiny-deepseek-v3 is used and its (untrained) MTP head
+gives near-zero acceptance, which the output says.
 
     python benchmarks/generate_throughput.py [--pretrain-run runs/tiny/pretrain] [--threads 1]
 """
@@ -72,7 +73,9 @@ def timed(fn, rounds: int) -> tuple[float, object]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pretrain-run", help="run dir of pretrain_composer.py (MTP heads trained by self-distillation)")
+    p.add_argument("--pretrain-run", default="runs/tiny/pretrain" if Path("runs/tiny/pretrain/latest").is_file() else None,
+                   help="run dir of pretrain_composer.py (MTP heads trained by self-distillation); default "
+                        "runs/tiny/pretrain when `make demo` has made it")
     p.add_argument("--preset", default="tiny-deepseek-v3", help="model when no --pretrain-run is given")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -111,7 +114,8 @@ def main() -> None:
     for B in (int(b) for b in args.batches.split(",")):
         prompts = prompts_all[:B]
         ids = torch.tensor(prompts)
-        t_ours, ours_out = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens), args.rounds)
+        t_ours, ours_out = timed(lambda prompts=prompts: engine.generate(prompts, max_new_tokens=args.new_tokens),
+                                 args.rounds)
         rates = {"ours (Engine)": B * args.new_tokens / t_ours}
         for impl in ("eager", "grouped_mm", "batched_mm"):
             try:
@@ -120,7 +124,7 @@ def main() -> None:
                 print(f"      transformers[{impl}] unavailable: {e}")
                 continue
 
-            def hf():
+            def hf(ids=ids):
                 with torch.no_grad():
                     return ref.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
 
@@ -140,12 +144,13 @@ def main() -> None:
     print(f"\n{'batch':>5} {'decoding':32} {'tokens/s':>10} {'accept':>7}   speedup vs plain")
     for B in (int(b) for b in args.batches.split(",")):
         prompts = prompts_all[:B]
-        t_plain, plain = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens), args.rounds)
+        t_plain, plain = timed(lambda prompts=prompts: engine.generate(prompts, max_new_tokens=args.new_tokens),
+                               args.rounds)
         base = B * args.new_tokens / t_plain
         print(f"{B:5d} {'plain':32} {base:10.1f} {'':>7}   1.00x")
         for D in (int(d) for d in args.draft_tokens.split(",")):
-            t_spec, spec = timed(lambda: engine.generate(prompts, max_new_tokens=args.new_tokens, speculative=True,
-                                                         num_draft_tokens=D), args.rounds)
+            t_spec, spec = timed(lambda prompts=prompts, D=D: engine.generate(
+                prompts, max_new_tokens=args.new_tokens, speculative=True, num_draft_tokens=D), args.rounds)
             assert [r.token_ids for r in spec] == [r.token_ids for r in plain], "speculative greedy differs from plain"
             drafted = sum(r.num_draft_tokens for r in spec)
             accepted = sum(r.num_accepted_tokens for r in spec)

@@ -1,7 +1,6 @@
 """Inference engine: cache vs recomputation, transformers parity, batch invariance, router replay, speculative
 decoding (greedy identity and a chi-square test of the sampled distribution), live weight updates."""
 
-import math
 
 import pytest
 import torch

@@ -106,7 +106,7 @@ def test_health_models_and_completions(served):
 
 
 def test_chat_tool_call_roundtrip_and_concurrency(served):
-    server, tok, _, script = served
+    server, _, _, script = served
     body = {"messages": [{"role": "system", "content": "You run tools."}, {"role": "user", "content": "list the files"}],
             "max_tokens": 10, "temperature": 0}
     results = [None] * 4

@@ -4,7 +4,11 @@ MTP speculative decoding and live weight updates.
 The engine runs the model's own modules (embedding, RoPE, each block's norms / attention projections /
 MoE router and experts, final norm, head, MTP modules); only the attention core is its own, because it
 reads keys and values from the cache. A block is computed exactly as `TransformerBlock.forward` does:
-x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)).
+x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)). The fast path attends MLA straight
+from the latent cache with the up-projections absorbed (DeepSeek's decoding form) and GQA without
+repeating k/v; the batch-invariant path (`batch_invariant=True`, see batch_invariant.py) expands the
+latent with `expand_kv` and attends one row at a time, exactly as the training forward does in that mode,
+so engine and trainer log-probabilities agree bit for bit.
 
 Scheduling (`step`): waiting requests are admitted in arrival order while the batch has room and the cache
 can reserve their whole budget; admitted prompts are prefilled together (padded batch) and sample their
@@ -45,7 +49,7 @@ from megatron_composer.model import Transformer
 
 from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
 from .kv_cache import CacheError, PagedKVCache
-from .sampling import SamplingError, SamplingParams, accept_drafts, sample_token, sampling_probs
+from .sampling import SamplingParams, accept_drafts, sample_token, sampling_probs
 
 
 class EngineError(ValueError):
