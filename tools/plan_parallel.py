@@ -64,9 +64,7 @@ def print_plan(p: dict, gpu_mem_gib: float, tokens_per_step: int) -> None:
         if p["comm"][op]:
             print(f"    {op:15s} {p['comm'][op] / GiB:10.3f} GiB")
     print(f"    ~{p['comm_seconds']:.2f} s at the given link bandwidth (ring factors, no overlap)")
-    if d.cp > 1:
-        print("  note: context-parallel attention builds a dense [s/cp, s] causal/document mask per layer; it is "
-              "counted above (1 byte per entry)")
+
 
 
 def _divisors(n: int, cap: int) -> list[int]:

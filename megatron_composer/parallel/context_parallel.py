@@ -2,8 +2,9 @@
 so every rank has the same amount of causal attention work.
 
 Attention all-gathers K/V over the cp group (for MLA the compressed latent and the rope key are gathered
-before their up-projection, which is 1/(heads) of the traffic) and masks with the global token index and the
-global document id, so packed documents and causality hold across shards. RoPE needs nothing special: the
+before their up-projection, which is 1/(heads) of the traffic) and runs a blockwise (flash-style) exact
+attention masked by global token index and global document id, so packed documents and causality hold across
+shards without an [S/cp, S] mask or score matrix in memory. RoPE needs nothing special: the
 position ids are sharded with the tokens. MTP's shifted ids are fetched across shard boundaries by gathering
 the (integer) ids over cp.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron_composer.parallel import collectives as C
 
@@ -98,6 +98,75 @@ def sharded_sequence_balance_loss(scores_BSE: torch.Tensor, indices_BSK: torch.T
     return (f_BE * p_BE).sum(-1).mean() / n
 
 
+def _block_mask(q_idx, k_idx, doc_q, doc_k):
+    """[B, 1, 1, Sq, Sk] causal-within-document mask for one key block (global token indices)."""
+    return ((q_idx[:, None] >= k_idx[None, :]) & (doc_q[:, :, None] == doc_k[:, None, :]))[:, None, None]
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Exact softmax attention over key blocks with an online softmax (flash-attention style, in PyTorch):
+    the [Sq, Sk] scores and mask exist one key block at a time, and backward recomputes them from the saved
+    log-sum-exp. q [B, H, Sq, Dq]; k [B, KV, Sk, Dq], v [B, KV, Sk, Dv] with H a multiple of KV (GQA shares
+    each K/V head with H/KV query heads). Masks come from global token indices and document ids."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, q_idx, k_idx, doc_q, doc_k, block):
+        B, H, Sq, Dq = q.shape
+        KV, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+        ct = torch.promote_types(q.dtype, torch.float32)  # accumulate in at least fp32
+        qg = q.to(ct).reshape(B, KV, H // KV, Sq, Dq)
+        kf, vf = k.to(ct), v.to(ct)
+        m = qg.new_full((B, KV, H // KV, Sq), float("-inf"))
+        l = qg.new_zeros((B, KV, H // KV, Sq))
+        acc = qg.new_zeros((B, KV, H // KV, Sq, Dv))
+        for j in range(0, Sk, block):
+            s = (qg @ kf[:, :, None, j:j + block].transpose(-1, -2)) * scale
+            s = s.masked_fill(~_block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block]), float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - shift[..., None])
+            corr = torch.exp(m - shift)
+            l = l * corr + p.sum(-1)
+            acc = acc * corr[..., None] + p @ vf[:, :, None, j:j + block]
+            m = m_new
+        out = acc / l[..., None]  # every query sees at least itself, so l > 0
+        lse = m + l.log()
+        ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, doc_q, doc_k)
+        ctx.scale, ctx.block = scale, block
+        return out.reshape(B, H, Sq, Dv).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_idx, k_idx, doc_q, doc_k = ctx.saved_tensors
+        scale, block = ctx.scale, ctx.block
+        B, H, Sq, Dq = q.shape
+        KV, Sk = k.shape[1], k.shape[2]
+        qg = q.to(out.dtype).reshape(B, KV, H // KV, Sq, Dq)
+        kf, vf = k.to(out.dtype), v.to(out.dtype)
+        do = dout.to(out.dtype).reshape(out.shape)
+        delta = (do * out).sum(-1)
+        dq = torch.zeros_like(qg)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        for j in range(0, Sk, block):
+            kb, vb = kf[:, :, None, j:j + block], vf[:, :, None, j:j + block]
+            s = (qg @ kb.transpose(-1, -2)) * scale
+            mask = _block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block])
+            p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)
+            dv[:, :, j:j + block] = (p.transpose(-1, -2) @ do).sum(2)
+            ds = p * ((do @ vb.transpose(-1, -2)) - delta[..., None]) * scale
+            dq += ds @ kb
+            dk[:, :, j:j + block] = (ds.transpose(-1, -2) @ qg).sum(2)
+        return (dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None, None, None, None, None, None)
+
+
+def blockwise_attention(q_BHSD, k_BKSD, v_BKSD, scale: float, q_idx, k_idx, doc_q_BS, doc_k_BS,
+                        block: int = 1024):
+    """Causal attention within documents by global token index, without materialising [Sq, Sk] tensors."""
+    return _BlockwiseAttention.apply(q_BHSD.contiguous(), k_BKSD.contiguous(), v_BKSD.contiguous(), scale,
+                                     q_idx, k_idx, doc_q_BS, doc_k_BS, block)
+
+
 class ContextParallelAttention:
     """Replacement for an attention module's `core` (q/k/v [B, H, S, D], scale, doc ids) under cp > 1.
 
@@ -105,10 +174,11 @@ class ContextParallelAttention:
     it): the local doc ids the model computes cannot know about documents on other ranks.
     """
 
-    def __init__(self, cp_group):
+    def __init__(self, cp_group, block: int = 1024):
         self.group = cp_group
         self.cp, self.cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
-        self.q_idx = self.k_idx = self.mask_B1QK = None
+        self.q_idx = self.k_idx = self.doc_q = self.doc_k = None
+        self.block = block
 
     @torch.no_grad()
     def set_positions(self, position_ids_BS: torch.Tensor) -> None:
@@ -118,9 +188,7 @@ class ContextParallelAttention:
         self.k_idx = torch.cat([global_token_index(S, self.cp, r, position_ids_BS.device) for r in range(self.cp)])
         full_pos = unshard_sequence(C.all_gather(position_ids_BS, 1, self.group), 1, self.cp)
         doc = _document_ids(full_pos)
-        # one mask per forward, shared by every layer: causal by global index, within documents
-        causal = self.q_idx[:, None] >= self.k_idx[None, :]
-        self.mask_B1QK = (causal & (doc[:, self.q_idx, None] == doc[:, None, self.k_idx]))[:, None]
+        self.doc_q, self.doc_k = doc[:, self.q_idx].contiguous(), doc[:, self.k_idx].contiguous()
 
     def gather_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather along the sequence; gradients from every rank's queries are summed back."""
@@ -132,11 +200,8 @@ class ContextParallelAttention:
                                "with the sharded position_ids")
         if k_BHSD.shape[2] == q_BHSD.shape[2]:  # not gathered upstream (GQA); MLA gathers its latent instead
             k_BHSD, v_BHSD = self.gather_kv(k_BHSD, 2), self.gather_kv(v_BHSD, 2)
-        if k_BHSD.shape[1] != q_BHSD.shape[1]:
-            rep = q_BHSD.shape[1] // k_BHSD.shape[1]
-            k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
-            v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=self.mask_B1QK, scale=scale)
+        return blockwise_attention(q_BHSD, k_BHSD, v_BHSD, scale, self.q_idx, self.k_idx, self.doc_q, self.doc_k,
+                                   self.block)
 
 
 class ContextParallelShiftedIds:
@@ -153,6 +218,6 @@ class ContextParallelShiftedIds:
         return shard_sequence(self.fn(full, k), 1, self.cp, self.cp_rank)
 
 
-__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "cp_shift_left",
+__all__ = ["shard_sequence", "unshard_sequence", "global_token_index", "cp_shift_left", "blockwise_attention",
            "sharded_sequence_balance_loss", "ContextParallelAttention",
            "ContextParallelShiftedIds"]

@@ -217,9 +217,10 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
 
-    attention_backend: "flash" (q, k, v, output, log-sum-exp, and the boolean mask when one is needed) or "math"
-    (q, k, v copies and the [s, s] probabilities per head); "auto" follows PyTorch's CPU rule: flash when the
-    q/k and v head dims are equal, with the mask kept as float.
+    attention_backend (without context parallelism, which always runs the blockwise core): "flash" (q, k, v,
+    output, log-sum-exp, and the boolean mask of packed rows) or "math" (q, k, v copies and the [s, s]
+    probabilities per head); "auto" follows PyTorch's CPU rule: flash when the q/k and v head dims are equal,
+    with the mask kept as float.
     """
     d = lay.dims
     tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
@@ -248,9 +249,12 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
             v_saved = Tk * H * vd * p
         backend = attention_backend if attention_backend != "auto" else ("flash" if qk == vd else "math")
         q_saved, k_saved = T * H * qk * p, Tk * H * qk * p
-        if backend == "flash":  # q, k, v, output, log-sum-exp (+ a float copy of a boolean mask)
+        if cp > 1:  # blockwise core: contiguous q, k, v (K/V heads unrepeated), fp32 output and lse, wo's copy
+            kvh = H if cfg.attention == "mla" else (cfg.num_kv_heads or cfg.num_heads) // tp
+            x += q_saved + Tk * kvh * (qk + vd) * p + T * H * vd * max(p, 4) + T * H * 4 + T * H * vd * p
+        elif backend == "flash":  # q, k, v, output, log-sum-exp (+ a float copy of a boolean mask)
             x += q_saved + k_saved + v_saved + T * H * vd * p + T * H * 4
-            if cp > 1 or lay.packed:  # the dense causal/document mask: bool, kept as float by the CPU kernel
+            if lay.packed:  # the dense causal/document mask: bool, kept as float by the CPU kernel
                 x += T * (Tk // b) * (4 if attention_backend == "auto" else 1)
         else:  # scaled q, k and v copies, the probabilities, and the (non-contiguous) output copied for wo
             x += q_saved + k_saved + Tk * H * vd * p + b * H * s * (Tk // b) * p + T * H * vd * p
