@@ -135,3 +135,34 @@ def test_missing_and_corrupt_dataset(corpus, tmp_path):
         check_indexed_dataset(str(tmp_path / "bad"), tok.vocab_size, tok.eod)
     with pytest.raises(DataError, match="vocabulary"):
         check_indexed_dataset(str(corpus / "code"), 512, tok.eod)
+
+
+def test_tiktoken_file_matches_the_bpe_it_was_exported_from(tmp_path):
+    """A byte-level BPE exported as a tiktoken rank file (as Kimi K2 ships) tokenizes identically."""
+    import base64
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_composer.data.tokenizer import TiktokenTokenizer, _bytes_to_unicode
+
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    from tokenizers import Regex
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    corpus = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    inverse = {c: b for b, c in _bytes_to_unicode().items()}
+    lines = [f"{base64.b64encode(bytes(inverse[c] for c in tok)).decode()} {i}" for tok, i in sorted(hf.get_vocab().items(), key=lambda kv: kv[1])]
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    n = hf.get_vocab_size()
+    (tmp_path / "tokenization_demo.py").write_text(f"class T:\n    pat_str = '|'.join({pattern.split('|')!r})\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {str(n): {"content": "[EOS]"}, str(n + 1): {"content": "<|im_start|>"}}, "eos_token": "[EOS]"}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, TiktokenTokenizer) and tok.vocab_size == n + 2 and tok.eod == n
+    text = 'def decode(self, s):\n    """Return the Python object."""\n    return {"a": 1.5e3}  # ünïcode\n'
+    assert tok.encode(text) == hf.encode(text).ids
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>x")[0] == n + 1

@@ -8,6 +8,8 @@ also what megatron-core's GPTDataset reads from a tokenizer.
 
 from __future__ import annotations
 
+import ast
+import base64
 import json
 from pathlib import Path
 from typing import Sequence
@@ -134,16 +136,128 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _pattern_from_python(directory: Path) -> str | None:
+    """The pre-tokenizer regex `pat_str` of a tiktoken tokenizer's tokenization_*.py, read with ast (never run).
+
+    Accepts `pat_str = "..."` and `pat_str = "|".join([...])` as Kimi's tokenization_kimi.py writes it.
+    """
+    for py in sorted(directory.glob("tokenization*.py")):
+        for node in ast.walk(ast.parse(py.read_text(encoding="utf-8"))):
+            targets = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", None) for t in getattr(node, "targets", [])]
+            if not isinstance(node, ast.Assign) or "pat_str" not in targets:
+                continue
+            value = node.value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                return value.value
+            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "join"
+                    and isinstance(value.func.value, ast.Constant) and len(value.args) == 1):
+                return value.func.value.value.join(ast.literal_eval(value.args[0]))
+    return None
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken BPE file (one "base64(token) rank" per line, e.g. Kimi K2's tiktoken.model) run through the
+    Hugging Face `tokenizers` BPE with the same merges, byte-level alphabet and split regex.
+
+    The regex comes from tokenizer_config.json ("pat_str") or the checkpoint's tokenization_*.py; special
+    tokens and the end-of-document token from tokenizer_config.json (added_tokens_decoder, eos_token).
+    """
+
+    def __init__(self, model_file: str | Path):
+        from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+        from tokenizers import Tokenizer as _HFTok
+        from tokenizers.models import BPE
+
+        model_file = Path(model_file)
+        self.path = str(model_file)
+        ranks: dict[bytes, int] = {}
+        try:
+            for lineno, line in enumerate(model_file.read_text().splitlines(), 1):
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        except (ValueError, OSError) as e:
+            raise TokenizerError(f"'{model_file}' is not a tiktoken BPE file (line {lineno}: {e})") from None
+        directory = model_file.parent
+        config = json.loads((directory / "tokenizer_config.json").read_text()) if (directory / "tokenizer_config.json").is_file() else {}
+        pattern = config.get("pat_str") or _pattern_from_python(directory)
+        if not pattern:
+            raise TokenizerError(
+                f"tiktoken tokenizer '{model_file}' needs its split regex: add \"pat_str\" to {directory / 'tokenizer_config.json'} "
+                "(as in the model's tokenization_*.py)"
+            )
+        byte_chars = _bytes_to_unicode()
+
+        def to_str(b: bytes) -> str:
+            return "".join(byte_chars[x] for x in b)
+
+        vocab = {to_str(t): r for t, r in ranks.items()}
+        merges = []
+        for token, rank in ranks.items():  # each multi-byte token is the merge of two lower-ranked tokens
+            splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+            merges.extend((ranks[l], ranks[r], rank, l, r) for l, r in splits)
+        merges.sort(key=lambda m: (m[2], m[0], m[1]))
+        tok = _HFTok(BPE(vocab, [(to_str(m[3]), to_str(m[4])) for m in merges], fuse_unk=False, ignore_merges=True))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        specials = {int(i): v["content"] for i, v in (config.get("added_tokens_decoder") or {}).items()}
+        for idx in sorted(specials):
+            tok.add_special_tokens([AddedToken(specials[idx], normalized=False, special=True)])
+            if tok.token_to_id(specials[idx]) != idx:
+                raise TokenizerError(f"special token {specials[idx]!r} of '{model_file}' would get id {tok.token_to_id(specials[idx])}, not {idx}; the added_tokens_decoder ids must follow the BPE ranks")
+        self._tok = tok
+        self.vocab_size = max([len(ranks)] + [i + 1 for i in specials])
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        candidates = [eos] + list(_HF_EOD_CANDIDATES) + ["[EOS]", "<|im_end|>"]
+        eod = next((tok.token_to_id(c) for c in candidates if c and tok.token_to_id(c) is not None), None)
+        if eod is None:
+            raise TokenizerError(f"tiktoken tokenizer '{model_file}' has no end-of-document token; set eos_token in tokenizer_config.json")
+        self.eod = eod
+        pad = config.get("pad_token")
+        pad = pad.get("content") if isinstance(pad, dict) else pad
+        self.pad = tok.token_to_id(pad) if pad and tok.token_to_id(pad) is not None else self.eod
+        self.special_tokens = {tok.id_to_token(self.eod): self.eod}
+        for piece in CHAT_SPECIAL_TOKENS:
+            if tok.token_to_id(piece) is not None:
+                self.special_tokens[piece] = tok.token_to_id(piece)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a sentencepiece .model file, a tokenizer.json, or a checkpoint directory holding either."""
+    """Load a sentencepiece .model file, a tokenizer.json, a tiktoken BPE file, or a checkpoint directory
+    holding one of them (tokenizer.json preferred)."""
     path = Path(path)
     if path.is_dir():
-        for name, cls in (("tokenizer.json", HFTokenizer), ("tokenizer.model", SentencePieceTokenizer)):
+        for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer), ("tokenizer.model", SentencePieceTokenizer)):
             if (path / name).is_file():
                 return cls(path / name)
-        raise TokenizerError(f"directory '{path}' has no tokenizer.json or tokenizer.model; point tokenizer.path at a tokenizer file")
+        raise TokenizerError(f"directory '{path}' has no tokenizer.json, tiktoken.model or tokenizer.model; point data.tokenizer at a tokenizer file")
     if not path.is_file():
         raise TokenizerError(f"tokenizer '{path}' does not exist; train one with tools/train_tokenizer.py or point at a checkpoint directory")
     if path.suffix == ".json":
         return HFTokenizer(path)
+    if path.name == "tiktoken.model" or path.suffix == ".tiktoken":
+        return TiktokenTokenizer(path)
     return SentencePieceTokenizer(path)
