@@ -251,6 +251,8 @@ class Engine:
             r.routed_experts = torch.stack(seq.routes) if seq.routes else torch.empty(0, L, K, dtype=torch.long)
             if r.prompt_routed_experts is not None:
                 r.prompt_routed_experts = r.prompt_routed_experts.clone()
+        if self.detokenize is not None and r.text is None:
+            r.text = self.detokenize(r.token_ids)
         self._finished[seq.rid] = r
 
     # ---- emitting tokens ---------------------------------------------------------------------------
@@ -266,16 +268,14 @@ class Engine:
             seq.routes.append(route)
         if token in p.stop_token_ids:
             r.finish_reason = "stop"
-        if self.detokenize is not None:
+        if p.stop_strings and r.finish_reason is None:
             text = self.detokenize(r.token_ids)
-            if p.stop_strings and r.finish_reason is None:
-                for s in p.stop_strings:
-                    at = text.find(s, max(0, seq.text_len - len(s) + 1))
-                    if at >= 0:
-                        r.finish_reason, text = "stop", text[:at]
-                        break
+            for s in p.stop_strings:
+                at = text.find(s, max(0, seq.text_len - len(s) + 1))
+                if at >= 0:
+                    r.finish_reason, r.text = "stop", text[:at]  # the text ends before the stop string
+                    break
             seq.text_len = len(text)
-            r.text = text
         if r.finish_reason is None and (len(r.token_ids) >= p.max_new_tokens or len(seq.tokens) >= self.max_seq_len):
             r.finish_reason = "length"
 
@@ -491,11 +491,14 @@ class Engine:
             else:
                 active = list(range(len(seqs)))
             logits = self._mtp_logits(x_prev[active])
+            greedy = logits.argmax(-1).tolist()
             for row, b in enumerate(active):
                 s = seqs[b]
+                if s.params.greedy:  # greedy acceptance compares tokens only; no draft distribution needed
+                    s.drafts.append(greedy[row])
+                    continue
                 q = sampling_probs(logits[row], s.params)
-                tok = int(q.argmax()) if s.params.greedy else int(torch.multinomial(q, 1, generator=s.generator))
-                s.drafts.append(tok)
+                s.drafts.append(int(torch.multinomial(q, 1, generator=s.generator)))
                 s.draft_probs.append(q)
 
     # ---- weights -----------------------------------------------------------------------------------

@@ -99,14 +99,14 @@ def accept_drafts(target_logits_RV: torch.Tensor, draft_tokens: list[int], draft
     Greedy: accept while the draft equals the main model's argmax, then emit the argmax.
     Returns the emitted tokens (1 .. D + 1 of them).
     """
+    if params.greedy:
+        best = target_logits_RV[:len(draft_tokens) + 1].float().argmax(-1).tolist()
+        n = 0
+        while n < len(draft_tokens) and draft_tokens[n] == best[n]:
+            n += 1
+        return best[:n + 1]
     out: list[int] = []
     for j, d in enumerate(draft_tokens):
-        if params.greedy:
-            best = int(target_logits_RV[j].float().argmax())
-            out.append(best)
-            if best != d:
-                return out
-            continue
         p = sampling_probs(target_logits_RV[j], params)
         q = draft_probs[j]
         u = float(torch.rand((), generator=generator))
@@ -117,9 +117,5 @@ def accept_drafts(target_logits_RV: torch.Tensor, draft_tokens: list[int], draft
         total = float(residual.sum())
         out.append(draw(residual / total, generator) if total > 0 else draw(p, generator))
         return out
-    last = target_logits_RV[len(draft_tokens)]
-    if params.greedy:
-        out.append(int(last.float().argmax()))
-    else:
-        out.append(draw(sampling_probs(last, params), generator))
+    out.append(draw(sampling_probs(target_logits_RV[len(draft_tokens)], params), generator))
     return out
