@@ -15,8 +15,9 @@ torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
-LAYOUTS_2 = ["tp2", "tp2_sp", "tp2_sp_mla_full_ac", "ep2", "ep2_replay", "cp2", "cp2_gqa_selective_ac", "dp2_zero1"]
-LAYOUTS_4 = ["tp2_cp2", "tp2_ep2", "tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_zero1"]
+LAYOUTS_2 = ["tp2", "tp2_sp", "tp2_sp_mla_full_ac", "ep2", "ep2_replay", "cp2", "cp2_gqa_selective_ac", "cp2_ring",
+             "dp2_zero1"]
+LAYOUTS_4 = ["tp2_cp2", "tp2_ep2", "cp4_ring_gqa", "tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_zero1"]
 
 
 @pytest.fixture(scope="module")

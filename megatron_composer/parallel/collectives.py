@@ -77,6 +77,23 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
     return out
 
 
+def ring_exchange_start(tensors: list[torch.Tensor], group):
+    """Start sending each tensor to the next rank of the group's ring and receiving the previous rank's."""
+    n, r = group_size(group), group_rank(group)
+    nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, prv, group) for b in recv]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def ring_exchange_finish(pending) -> list[torch.Tensor]:
+    reqs, recv = pending
+    for req in reqs:
+        req.wait()
+    return recv
+
+
 # -- autograd functions ------------------------------------------------------------------------------------
 
 class _CopyToParallel(torch.autograd.Function):
@@ -201,5 +218,5 @@ __all__ = [
     "group_size", "group_rank", "all_reduce", "all_gather", "reduce_scatter",
     "split", "all_to_all", "copy_to_parallel", "reduce_from_parallel", "scatter_to_parallel",
     "gather_from_parallel", "reduce_scatter_to_parallel", "all_to_all_autograd", "all_reduce_max",
-    "exchange_splits",
+    "exchange_splits", "ring_exchange_start", "ring_exchange_finish",
 ]

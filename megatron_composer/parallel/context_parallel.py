@@ -103,6 +103,46 @@ def _block_mask(q_idx, k_idx, doc_q, doc_k):
     return ((q_idx[:, None] >= k_idx[None, :]) & (doc_q[:, :, None] == doc_k[:, None, :]))[:, None, None]
 
 
+def _forward_blocks(qg, kf, vf, scale, q_idx, k_idx, doc_q, doc_k, block, m, l, acc):
+    """Online-softmax accumulation of one K/V shard, `block` keys at a time (updates m, l, acc)."""
+    for j in range(0, kf.shape[2], block):
+        s = (qg @ kf[:, :, None, j:j + block].transpose(-1, -2)) * scale
+        s = s.masked_fill(~_block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block]), float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - shift[..., None])
+        corr = torch.exp(m - shift)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + p @ vf[:, :, None, j:j + block]
+        m = m_new
+    return m, l, acc
+
+
+def _backward_blocks(qg, kf, vf, do, delta, lse, scale, q_idx, k_idx, doc_q, doc_k, block):
+    """Gradients (dq contribution, dk, dv) of one K/V shard, recomputing probabilities from the lse."""
+    dq = torch.zeros_like(qg)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    for j in range(0, kf.shape[2], block):
+        kb, vb = kf[:, :, None, j:j + block], vf[:, :, None, j:j + block]
+        s = (qg @ kb.transpose(-1, -2)) * scale
+        mask = _block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block])
+        p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)
+        dv[:, :, j:j + block] = (p.transpose(-1, -2) @ do).sum(2)
+        ds = p * ((do @ vb.transpose(-1, -2)) - delta[..., None]) * scale
+        dq += ds @ kb
+        dk[:, :, j:j + block] = (ds.transpose(-1, -2) @ qg).sum(2)
+    return dq, dk, dv
+
+
+def _init_state(q, k, v):
+    B, H, Sq, Dq = q.shape
+    KV, Dv = k.shape[1], v.shape[3]
+    ct = torch.promote_types(q.dtype, torch.float32)  # accumulate in at least fp32
+    qg = q.to(ct).reshape(B, KV, H // KV, Sq, Dq)
+    m = qg.new_full((B, KV, H // KV, Sq), float("-inf"))
+    return qg, m, torch.zeros_like(m), qg.new_zeros((B, KV, H // KV, Sq, Dv))
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     """Exact softmax attention over key blocks with an online softmax (flash-attention style, in PyTorch):
     the [Sq, Sk] scores and mask exist one key block at a time, and backward recomputes them from the saved
@@ -111,53 +151,72 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, q_idx, k_idx, doc_q, doc_k, block):
-        B, H, Sq, Dq = q.shape
-        KV, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
-        ct = torch.promote_types(q.dtype, torch.float32)  # accumulate in at least fp32
-        qg = q.to(ct).reshape(B, KV, H // KV, Sq, Dq)
-        kf, vf = k.to(ct), v.to(ct)
-        m = qg.new_full((B, KV, H // KV, Sq), float("-inf"))
-        l = qg.new_zeros((B, KV, H // KV, Sq))
-        acc = qg.new_zeros((B, KV, H // KV, Sq, Dv))
-        for j in range(0, Sk, block):
-            s = (qg @ kf[:, :, None, j:j + block].transpose(-1, -2)) * scale
-            s = s.masked_fill(~_block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block]), float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - shift[..., None])
-            corr = torch.exp(m - shift)
-            l = l * corr + p.sum(-1)
-            acc = acc * corr[..., None] + p @ vf[:, :, None, j:j + block]
-            m = m_new
+        qg, m, l, acc = _init_state(q, k, v)
+        m, l, acc = _forward_blocks(qg, k.to(qg.dtype), v.to(qg.dtype), scale, q_idx, k_idx, doc_q, doc_k, block,
+                                    m, l, acc)
         out = acc / l[..., None]  # every query sees at least itself, so l > 0
-        lse = m + l.log()
-        ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, doc_q, doc_k)
+        ctx.save_for_backward(q, k, v, out, m + l.log(), q_idx, k_idx, doc_q, doc_k)
         ctx.scale, ctx.block = scale, block
-        return out.reshape(B, H, Sq, Dv).to(q.dtype)
+        return out.reshape(q.shape[:3] + (v.shape[3],)).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_idx, k_idx, doc_q, doc_k = ctx.saved_tensors
-        scale, block = ctx.scale, ctx.block
-        B, H, Sq, Dq = q.shape
-        KV, Sk = k.shape[1], k.shape[2]
-        qg = q.to(out.dtype).reshape(B, KV, H // KV, Sq, Dq)
-        kf, vf = k.to(out.dtype), v.to(out.dtype)
+        qg = q.to(out.dtype).reshape(out.shape[:4] + (q.shape[3],))
         do = dout.to(out.dtype).reshape(out.shape)
         delta = (do * out).sum(-1)
-        dq = torch.zeros_like(qg)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        for j in range(0, Sk, block):
-            kb, vb = kf[:, :, None, j:j + block], vf[:, :, None, j:j + block]
-            s = (qg @ kb.transpose(-1, -2)) * scale
-            mask = _block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block])
-            p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)
-            dv[:, :, j:j + block] = (p.transpose(-1, -2) @ do).sum(2)
-            ds = p * ((do @ vb.transpose(-1, -2)) - delta[..., None]) * scale
-            dq += ds @ kb
-            dk[:, :, j:j + block] = (ds.transpose(-1, -2) @ qg).sum(2)
+        dq, dk, dv = _backward_blocks(qg, k.to(out.dtype), v.to(out.dtype), do, delta, lse, ctx.scale, q_idx, k_idx,
+                                      doc_q, doc_k, ctx.block)
         return (dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                 None, None, None, None, None, None)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Blockwise attention where each rank starts with its own K/V shard and passes it to the next rank of the
+    cp ring cp-1 times; backward sends the shards round again with their gradient accumulators, which arrive
+    back at their owner after cp passes. Holds one remote shard at a time instead of the gathered sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, q_idx, doc_q, k_idx_of, doc_k_of, block, group):
+        n, r = C.group_size(group), C.group_rank(group)
+        qg, m, l, acc = _init_state(q, k, v)
+        kb, vb = k.to(qg.dtype), v.to(qg.dtype)
+        for step in range(n):
+            origin = (r - step) % n
+            if step < n - 1:
+                pending = C.ring_exchange_start([kb, vb], group)
+            m, l, acc = _forward_blocks(qg, kb, vb, scale, q_idx, k_idx_of[origin], doc_q, doc_k_of[origin], block,
+                                        m, l, acc)
+            if step < n - 1:
+                kb, vb = C.ring_exchange_finish(pending)
+        out = acc / l[..., None]
+        ctx.save_for_backward(q, k, v, out, m + l.log(), q_idx, doc_q)
+        ctx.k_idx_of, ctx.doc_k_of, ctx.scale, ctx.block, ctx.group = k_idx_of, doc_k_of, scale, block, group
+        return out.reshape(q.shape[:3] + (v.shape[3],)).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_idx, doc_q = ctx.saved_tensors
+        group = ctx.group
+        n, r = C.group_size(group), C.group_rank(group)
+        qg = q.to(out.dtype).reshape(out.shape[:4] + (q.shape[3],))
+        do = dout.to(out.dtype).reshape(out.shape)
+        delta = (do * out).sum(-1)
+        kb, vb = k.to(out.dtype), v.to(out.dtype)
+        dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+        dq = torch.zeros_like(qg)
+        for step in range(n):
+            origin = (r - step) % n
+            dq_part, dk_part, dv_part = _backward_blocks(qg, kb, vb, do, delta, lse, ctx.scale, q_idx,
+                                                         ctx.k_idx_of[origin], doc_q, ctx.doc_k_of[origin], ctx.block)
+            dq += dq_part
+            dkb, dvb = dkb + dk_part, dvb + dv_part
+            if step < n - 1:
+                kb, vb, dkb, dvb = C.ring_exchange_finish(C.ring_exchange_start([kb, vb, dkb, dvb], group))
+            else:  # the accumulators travel one last hop, home to the shard's owner
+                dkb, dvb = C.ring_exchange_finish(C.ring_exchange_start([dkb, dvb], group))
+        return (dq.reshape(q.shape).to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype),
+                None, None, None, None, None, None, None)
 
 
 def blockwise_attention(q_BHSD, k_BKSD, v_BKSD, scale: float, q_idx, k_idx, doc_q_BS, doc_k_BS,
@@ -170,14 +229,19 @@ def blockwise_attention(q_BHSD, k_BKSD, v_BKSD, scale: float, q_idx, k_idx, doc_
 class ContextParallelAttention:
     """Replacement for an attention module's `core` (q/k/v [B, H, S, D], scale, doc ids) under cp > 1.
 
+    kv_exchange "allgather": K/V (for MLA the latent, gathered upstream by the plan) are all-gathered;
+    "ring": each rank's K/V shard is passed around the cp ring (memory for one remote shard at a time).
     `set_positions` must see each forward's local position ids first (a forward pre-hook on the model does
     it): the local doc ids the model computes cannot know about documents on other ranks.
     """
 
-    def __init__(self, cp_group, block: int = 1024):
-        self.group = cp_group
+    def __init__(self, cp_group, block: int = 1024, kv_exchange: str = "allgather"):
+        if kv_exchange not in ("allgather", "ring"):
+            raise ValueError(f"kv_exchange is {kv_exchange!r}; use allgather or ring")
+        self.group, self.kv_exchange = cp_group, kv_exchange
         self.cp, self.cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
         self.q_idx = self.k_idx = self.doc_q = self.doc_k = None
+        self.k_idx_of = self.doc_k_of = None
         self.block = block
 
     @torch.no_grad()
@@ -189,6 +253,8 @@ class ContextParallelAttention:
         full_pos = unshard_sequence(C.all_gather(position_ids_BS, 1, self.group), 1, self.cp)
         doc = _document_ids(full_pos)
         self.doc_q, self.doc_k = doc[:, self.q_idx].contiguous(), doc[:, self.k_idx].contiguous()
+        self.k_idx_of = self.k_idx.chunk(self.cp)  # keys of the shard that originated on each rank
+        self.doc_k_of = [d.contiguous() for d in self.doc_k.chunk(self.cp, dim=1)]
 
     def gather_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """All-gather along the sequence; gradients from every rank's queries are summed back."""
@@ -198,6 +264,9 @@ class ContextParallelAttention:
         if self.q_idx is None:
             raise RuntimeError("context-parallel attention ran without position ids; call the parallelised model "
                                "with the sharded position_ids")
+        if self.kv_exchange == "ring":
+            return _RingAttention.apply(q_BHSD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous(), scale,
+                                        self.q_idx, self.doc_q, self.k_idx_of, self.doc_k_of, self.block, self.group)
         if k_BHSD.shape[2] == q_BHSD.shape[2]:  # not gathered upstream (GQA); MLA gathers its latent instead
             k_BHSD, v_BHSD = self.gather_kv(k_BHSD, 2), self.gather_kv(v_BHSD, 2)
         return blockwise_attention(q_BHSD, k_BHSD, v_BHSD, scale, self.q_idx, self.k_idx, self.doc_q, self.doc_k,

@@ -30,6 +30,8 @@ class ParallelConfig:
     sequence_parallel: bool = field(default=False, metadata={"help": "shard norms/residual along sequence over tp"})
     zero1: bool = field(default=True, metadata={"help": "shard AdamW states across data-parallel ranks"})
     grad_bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size"})
+    cp_attention: Literal["allgather", "ring"] = field(
+        default="allgather", metadata={"help": "context-parallel K/V exchange: all-gather (MLA: the latent) or ring"})
     moe_capacity_factor: Optional[float] = field(
         default=None, metadata={"help": "expert capacity per rank as a multiple of the mean load; null = dropless"})
     activation_checkpointing: Literal["none", "full", "selective"] = field(

@@ -149,7 +149,8 @@ def _blocks(model) -> list[nn.Module]:
 
 def parallelize_model(model: nn.Module, groups: ParallelGroups,
                       activation_checkpointing: Literal["none", "full", "selective"] = "none",
-                      capacity_factor: Optional[float] = None) -> nn.Module:
+                      capacity_factor: Optional[float] = None,
+                      cp_attention: Literal["allgather", "ring"] = "allgather") -> nn.Module:
     """Shard `model` (a full Transformer, modified in place and returned) for this rank's coordinates."""
     cfg, dims = model.config, groups.dims
     validate_layout(dims, cfg)
@@ -180,7 +181,7 @@ def parallelize_model(model: nn.Module, groups: ParallelGroups,
 
     cp_core = None
     if dims.cp > 1:
-        cp_core = ContextParallelAttention(groups.cp_group)
+        cp_core = ContextParallelAttention(groups.cp_group, kv_exchange=cp_attention)
         model.mtp_shifted_ids = ContextParallelShiftedIds(groups.cp_group, model.mtp_shifted_ids)
 
         def set_positions(module, args, kwargs):
@@ -197,7 +198,8 @@ def parallelize_model(model: nn.Module, groups: ParallelGroups,
         if cp_core is not None:
             attn.core = cp_core
         if hasattr(attn, "wkv_b") and (dims.tp > 1 or cp_core is not None):
-            attn.expand_kv = _mla_expand_kv(attn.expand_kv, tp, cp_core)
+            latent_gather = cp_core if cp_core is not None and cp_attention == "allgather" else None
+            attn.expand_kv = _mla_expand_kv(attn.expand_kv, tp, latent_gather)
         if getattr(block, "is_moe", False):
             ff = block.feed_forward
             _shard_experts(ff.experts, groups)

@@ -56,7 +56,8 @@ def loss_terms(logits, mtp_logits, labels, mtp_labels, tp_group, n_main, n_mtp):
     return loss
 
 
-def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False, ac="none", steps=5):
+def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False, ac="none", steps=5,
+              cp_attention="allgather"):
     def run():
         world = dist.get_world_size()
         dims = ParallelDims(world, tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
@@ -64,7 +65,7 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
         cfg = tiny_config(preset)
         torch.manual_seed(0)
         ref = Transformer(cfg)
-        par = parallelize_model(copy.deepcopy(ref), groups, activation_checkpointing=ac)
+        par = parallelize_model(copy.deepcopy(ref), groups, activation_checkpointing=ac, cp_attention=cp_attention)
         ref.train()
         par.train()
         # gathering the shards gives back the full model's tensors exactly
@@ -95,7 +96,7 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
             def forward():
                 o = par(ids_l, position_ids=pos_l, routed_experts=routed_l, return_routing=True, mtp=use_mtp)
                 return o, loss_terms(o.logits, o.mtp_logits, labels_l, mtp_l, groups.tp_group, n_main, n_mtp)
-            if step == 0 and ac == "none":  # activation memory against the analytic model
+            if step == 0 and ac == "none" and cp_attention == "allgather":  # activation memory vs the analytic model
                 for m in par.modules():  # measure the grouped-matmul expert path GPUs run, not a CPU padding path
                     if hasattr(m, "grouped_mm"):
                         m.grouped_mm = functools.partial(m.grouped_mm)
@@ -106,7 +107,7 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
                                          groups.group("world")).div(world).tolist()
             elif step == 0:
                 act_ratio = None
-            if not (step == 0 and ac == "none"):
+            if not (step == 0 and ac == "none" and cp_attention == "allgather"):
                 pout, loss = forward()
             loss.backward()
             losses.append(C.all_reduce(loss.detach().clone(), groups.group("dp_cp")).item())
@@ -150,11 +151,13 @@ CASES_2 = {
     "ep2_replay": make_case(QW, ep=2, replay=True),
     "cp2": make_case(DS, cp=2),
     "cp2_gqa_selective_ac": make_case(QW, cp=2, ac="selective", steps=2),
+    "cp2_ring": make_case(DS, cp=2, cp_attention="ring", steps=3),
     "dp2_zero1": make_case(DS, zero1=True),
 }
 CASES_4 = {
     "tp2_cp2": make_case(DS, tp=2, cp=2),
     "tp2_ep2": make_case(QW, tp=2, ep=2),
+    "cp4_ring_gqa": make_case(QW, cp=4, cp_attention="ring", steps=3),
     "tp2_sp_cp2_ep2_zero1": make_case(DS, tp=2, cp=2, ep=2, sp=True, zero1=True, replay=True),
     "dp2_tp2_ep4_zero1": make_case(QW, tp=2, ep=4, zero1=True),
 }
