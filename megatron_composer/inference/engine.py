@@ -173,7 +173,7 @@ class Engine:
             self._next_id += 1
             seed = params.seed if params.seed is not None else int(
                 torch.randint(0, 2**62, (), generator=self._generator))
-            seq = _Sequence(rid, prompt, params, torch.Generator().manual_seed(seed), [])
+            seq = _Sequence(rid, prompt, params, torch.Generator(device=self.device).manual_seed(seed), [])
             self._waiting.append(seq)
         return rid
 

@@ -109,7 +109,7 @@ def accept_drafts(target_logits_RV: torch.Tensor, draft_tokens: list[int], draft
     for j, d in enumerate(draft_tokens):
         p = sampling_probs(target_logits_RV[j], params)
         q = draft_probs[j]
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=generator.device))
         if q[d] > 0 and u * float(q[d]) < float(p[d]):
             out.append(d)
             continue
