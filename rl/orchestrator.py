@@ -224,11 +224,11 @@ class Orchestrator:
                       flush=True)
             got_any = False
             for gid in self.queue.done_ids():
-                if len(out) >= n:
-                    break
                 if gid not in self.inflight:
                     self.queue.discard(gid)  # a late duplicate of a group that was consumed or re-issued
                     self.stats.ignored_duplicates += 1
+                    continue
+                if len(out) >= n:
                     continue
                 try:
                     result = self.queue.load_result(gid)

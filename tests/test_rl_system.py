@@ -1,0 +1,259 @@
+"""The asynchronous RL system: orchestrator queue semantics, an in-process run, a killed rollout worker and a
+killed trainer, each ending with every prompt of the epoch trained exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rl.weight_sync as weight_sync
+from megatron_composer.config import load_config
+from rl.orchestrator import Orchestrator, QueueError, WorkItem, WorkQueue
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_weight_sync = pytest.mark.skipif(not hasattr(weight_sync, "WeightPublisher"),
+                                       reason="rl.weight_sync (ObjectStore/WeightPublisher/WeightSubscriber) not in this tree")
+
+
+# -- orchestrator and queue (no model) ----------------------------------------------------------------------
+def _result(item: WorkItem, version: int, rewards=(0.0, 1.0)) -> dict:
+    return {"gid": item.gid, "prompt_index": item.prompt_index, "attempt": item.attempt,
+            "episodes": [{"reward": r, "segments": []} for r in rewards],
+            "version_counts": {version: 4}, "min_weight_version": version}
+
+
+def test_claims_are_exclusive_and_expired_leases_requeue(tmp_path):
+    q = WorkQueue(tmp_path)
+    for g in range(3):
+        q.put(WorkItem(g, 10 + g))
+    a, b = q.claim("wa"), q.claim("wb")
+    assert (a.gid, b.gid) == (0, 1)
+    assert q.requeue_expired(lease_s=60) == []
+    # wa dies: its lease expires, the group goes back with attempt + 1, and wa's late result is refused
+    assert sorted(q.requeue_expired(lease_s=0.0, now=time.time() + 1)) == [0, 1]
+    again = q.claim("wc")
+    assert again.gid == 0 and again.attempt == 1
+    assert not q.complete("wa", a, _result(a, 0))
+    assert q.complete("wc", again, _result(again, 0))
+    assert q.done_ids() == [0]
+
+
+def test_epoch_with_crashes_stale_groups_and_resume_trains_each_prompt_once(tmp_path):
+    q = WorkQueue(tmp_path / "q")
+    orch = Orchestrator(q, num_prompts=10, group_size=2, seed=3, max_inflight_groups=3, max_staleness=1, lease_s=0.5)
+    trained: list[int] = []
+    version = 0
+
+    def work(crash_every: int = 0):
+        n = 0
+        while (item := q.claim("w")) is not None:
+            n += 1
+            if crash_every and n % crash_every == 0:
+                os.utime(q.root / "claimed" / f"{item.gid}.w.json", (0, 0))  # dead worker: lease long expired
+                continue
+            # every third group is generated with weights too old to be used
+            stale = item.gid % 3 == 0 and item.attempt == 0
+            q.complete("w", item, _result(item, version - 5 if stale else version))
+
+    def collect(o: Orchestrator, n: int, crash_every: int = 0) -> list[dict]:
+        got: list[dict] = []
+        while len(got) < n and not o.exhausted:
+            o.fill()
+            work(crash_every)
+            try:
+                got += o.next_groups(1, version, timeout_s=1.0, poll_s=0.01)
+            except QueueError:
+                pass  # only crashed claims left: their leases expire and they are worked again
+        return got
+
+    for _ in range(3):
+        trained += [r["prompt_index"] for r in collect(orch, 2, crash_every=2)]
+        version += 1
+    state = json.loads(json.dumps(orch.state_dict()))  # what the checkpoint stores
+    # the trainer dies: a fresh orchestrator resumes from the checkpointed state
+    orch2 = Orchestrator(q, num_prompts=10, group_size=2, seed=3, max_inflight_groups=3, max_staleness=1, lease_s=0.5)
+    orch2.load_state_dict(state)
+    while not orch2.exhausted:
+        trained += [r["prompt_index"] for r in collect(orch2, 2)]
+        version += 1
+    assert sorted(trained) == list(range(10))
+    assert orch.stats.requeued_stale >= 1 and orch.stats.requeued_crashed >= 1
+
+
+def test_orchestrator_drops_results_it_did_not_issue(tmp_path):
+    q = WorkQueue(tmp_path)
+    orch = Orchestrator(q, num_prompts=2, group_size=2, seed=0, max_inflight_groups=1, max_staleness=0)
+    orch.fill()
+    item = q.claim("w")
+    q.complete("w", item, _result(item, 0))
+    ghost = WorkItem(99, 1)
+    q.put(ghost)
+    q.claim("w")
+    q.complete("w", ghost, _result(ghost, 0))
+    got = orch.next_groups(1, 0, timeout_s=5)
+    orch.fill()
+    item = q.claim("w")
+    q.complete("w", item, _result(item, 0))
+    got += orch.next_groups(1, 0, timeout_s=5)
+    assert [r["gid"] for r in got] == [0, 1] and orch.stats.ignored_duplicates == 1
+    assert orch.exhausted and q.done_ids() == []
+
+
+# -- tiny end-to-end runs -------------------------------------------------------------------------------------
+PROMPTS = [("Start a function.", r"[\s\S]*def[\s\S]*"), ("Write an import.", r"[\s\S]*import[\s\S]*"),
+           ("Return a value.", r"[\s\S]*return[\s\S]*"), ("Say hi.", r"[\s\S]*hi[\s\S]*"),
+           ("Name a loop keyword.", r"[\s\S]*(for|while)[\s\S]*"), ("Write a class.", r"[\s\S]*class[\s\S]*"),
+           ("Count to three.", r"[\s\S]*3[\s\S]*"), ("Open a file.", r"[\s\S]*open[\s\S]*")]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A byte-level BPE tokenizer.json with the chat markers and a task set of 8 single-turn prompts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("rl_assets")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    corpus = [p for p, _ in PROMPTS] * 20 + ["def f(x):\n    return x\nimport os\nclass A:\n    pass\nfor i in range(3):"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tasks").mkdir()
+    (root / "tasks" / "tasks.jsonl").write_text(
+        "".join(json.dumps({"id": f"t{i}", "prompt": p, "check": {"regex": r}}) + "\n" for i, (p, r) in enumerate(PROMPTS)))
+    return root
+
+
+def _overrides(assets: Path, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "run.dir": run_dir, "data.tokenizer": assets / "tok", "data.tasks": assets / "tasks",
+        "model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
+        "train.steps": 4, "train.groups_per_step": 2, "train.micro_batch_size": 8, "train.seed": 7,
+        "rollout.group_size": 4, "rollout.max_new_tokens": 6, "rollout.max_inflight_groups": 3,
+        "rollout.max_staleness": 2, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
+        "rollout.lease_s": 4, "rollout.heartbeat_s": 0.5, "rollout.group_timeout_s": 120,
+        "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
+        "rl.loss_constant": 6, "checkpoint.interval": 2, "checkpoint.keep_last": 0, "logging.interval": 1,
+        "weight_sync.dtype": "float32", "checkpoint.init_from": "''",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _trained_prompts(run_dir: Path) -> list[int]:
+    return sorted(p for r in _metrics(run_dir) for p in r["prompts"])
+
+
+@needs_weight_sync
+def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, tmp_path):
+    from rl.trainer import RLConfig, run_rl
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(RLConfig, None, _overrides(assets, run_dir))
+    run_rl(cfg)
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("loss", "reward_mean", "reward_best_of_k", "advantage_std", "kl", "mismatch_masked_fraction",
+                "routing_mismatch_token_fraction", "staleness_hist", "weight_sync_bytes", "weight_sync_seconds",
+                "episodes", "turns", "generated_tokens", "sandbox_failures"):
+        assert key in rows[-1], key
+    assert all(r["reward_best_of_k"] >= r["reward_mean"] for r in rows)
+    assert _trained_prompts(run_dir) == list(range(len(PROMPTS)))
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "latest").read_text().strip() == "checkpoints/step_4"
+    # off-policy tokens were trained: versions behind the trainer appear in the staleness histogram
+    assert any(int(k) >= 1 for r in rows for k in r["staleness_hist"])
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
+def _wait_for(cond, timeout: float, what: str, details=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{details()}")
+        time.sleep(0.05)
+
+
+@needs_weight_sync
+def test_killed_rollout_worker_mid_episode_loses_and_duplicates_nothing(assets, tmp_path):
+    run_dir = tmp_path / "run"
+    common = _overrides(assets, run_dir, **{"rollout.max_new_tokens": 24})
+    cmd = [sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"), *common]
+    trainer = subprocess.Popen(cmd + ["role=trainer"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    victim_log = open(tmp_path / "victim.log", "w")
+    victim = subprocess.Popen(cmd + ["role=rollout"], env=dict(_env(), RL_WORKER_NAME="victim"),
+                              stdout=victim_log, stderr=subprocess.STDOUT)
+    rescuer = None
+    try:
+        claimed = run_dir / "rollouts" / "claimed"
+        _wait_for(lambda: claimed.is_dir() and any(claimed.glob("*.victim.json")) or trainer.poll() is not None, 120,
+                  "the worker to claim a group", lambda: (tmp_path / "victim.log").read_text()[-2000:])
+        assert trainer.poll() is None, trainer.communicate()[0][-3000:]
+        victim.send_signal(signal.SIGKILL)  # mid-group: the claim stays behind without a heartbeat
+        victim.wait()
+        rescuer = subprocess.Popen(cmd + ["role=rollout"], env=dict(_env(), RL_WORKER_NAME="rescuer"),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out, _ = trainer.communicate(timeout=240)
+        assert trainer.returncode == 0, out[-3000:]
+    finally:
+        for p in (trainer, victim, rescuer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "lost its worker" in out
+    assert _trained_prompts(run_dir) == list(range(len(PROMPTS)))
+    assert _metrics(run_dir)[-1]["requeued_crashed"] >= 1
+
+
+@needs_weight_sync
+def test_trainer_killed_after_a_checkpoint_resumes_the_epoch(assets, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"),
+           *_overrides(assets, run_dir, **{"checkpoint.interval": 2})]
+    first = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: (run_dir / "latest").is_file() and metrics.is_file()
+                  and any(json.loads(x)["step"] >= 3 for x in metrics.read_text().splitlines() if x.strip()),
+                  180, "step 3 after the first checkpoint")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert (run_dir / "latest").read_text().strip() == "checkpoints/step_2"
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert _trained_prompts(run_dir) == list(range(len(PROMPTS)))
+
+
+def test_help_lists_the_rl_schema():
+    res = subprocess.run([sys.executable, str(ROOT / "rl_composer.py"), "--help"], capture_output=True, text=True,
+                         env=_env(), timeout=120)
+    assert res.returncode == 0
+    for key in ("run:", "rollout:", "max_staleness", "weight_sync:", "kl_coef", "checkpoint:"):
+        assert key in res.stdout, key
