@@ -290,8 +290,12 @@ class LocalSandbox(Sandbox):
         disk_limit = self.limits.disk_mb * 1024 * 1024
         dirs = self._writable_host_dirs()
 
+        size_at_start = dir_size(dirs)
+
         def over_disk() -> bool:
-            return dir_size(dirs) > disk_limit
+            # Only growth past the limit stops a command, so cleanup can run in a sandbox that is already full.
+            size = dir_size(dirs)
+            return size > disk_limit and size > size_at_start
 
         if self.unisolated:
             full_env["HOME"] = str(self.root / "tmp")
@@ -309,7 +313,7 @@ class LocalSandbox(Sandbox):
             res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
                               env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
                               over_disk=over_disk, status_pipe=self.reports_status)
-        if not res.disk_exceeded and over_disk():
+        if not res.disk_exceeded and dir_size(dirs) > disk_limit:
             res.disk_exceeded = True
             res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")
         note_limits(res, self.limits)
