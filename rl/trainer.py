@@ -224,8 +224,13 @@ class Trainer:
 
     def _publish(self) -> dict:
         stats = self.publisher.publish(sync_state_dict(self.model, self.cfg.weight_sync.dtype), self.version)
-        return {"weight_sync_bytes": float(getattr(stats, "bytes_written", getattr(stats, "bytes", 0))),
-                "weight_sync_seconds": float(getattr(stats, "seconds", 0.0))}
+        out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
+               "weight_sync_snapshot": float(stats.is_snapshot), "weight_sync_retries": float(stats.retries)}
+        if stats.delta_ratio is not None:
+            out["weight_sync_delta_ratio"] = stats.delta_ratio
+        if stats.identical_fraction is not None:
+            out["weight_sync_identical_fraction"] = stats.identical_fraction
+        return out
 
     def start_embedded_workers(self, n: int) -> None:
         for i in range(n):

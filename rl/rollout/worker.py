@@ -161,6 +161,8 @@ class RolloutWorker:
               f"(running requests continue; their next tokens are v{version})", flush=True)
 
     def apply_ready(self) -> None:
+        if self.subscriber is None:  # fixed weights (evaluation)
+            return
         ready = self.subscriber.pop_ready()
         if ready is not None and ready[0] > self.engine.weight_version:
             self._apply(*ready)

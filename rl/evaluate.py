@@ -1,0 +1,129 @@
+"""Evaluate a checkpoint on a task set: K samples per task, pass@1 and pass@K, transcripts.
+
+    python -m rl.evaluate --tasks examples/tasks --checkpoint runs/tiny/rl --samples 4 [--output FILE] [key=value ...]
+
+The model, tokenizer and rollout settings come from the checkpoint's run (run.dir/config.yaml, written by
+rl_composer.py or pretrain_composer.py); key=value overrides apply on top (e.g. rollout.temperature=0.7).
+Episodes run exactly as in RL (the same rollout worker: the inference engine, sandboxes, agent protocol).
+pass@k is the unbiased estimator 1 - C(n - c, k) / C(n, k) over n samples with c successes per task
+(success: reward >= --success-reward), averaged over tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _run_config(ckpt: Path, overrides: list[str]):
+    import yaml
+
+    from megatron_composer.config import ConfigError, from_dict, parse_overrides
+    from rl.trainer import RLConfig
+
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"'{path}' does not exist; point --checkpoint at a run directory or one of its checkpoints")
+    data = yaml.safe_load(path.read_text()) or {}
+    # a pretraining run's config has the same model section; keep only what the RL schema knows
+    keep = {k: data[k] for k in ("model",) if k in data}
+    if "data" in data and "tokenizer" in data["data"]:
+        keep["data"] = {"tokenizer": data["data"]["tokenizer"]}
+    for k in ("rollout", "weight_sync"):
+        if k in data:
+            keep[k] = data[k]
+    from megatron_composer.config import _set_dotted
+
+    for key, value in parse_overrides(overrides):
+        _set_dotted(keep, key, value)
+    return from_dict(RLConfig, keep)
+
+
+def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
+             overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0) -> dict:
+    from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from rl.orchestrator import WorkItem
+    from rl.rollout.tasks import load_rl_tasks
+    from rl.rollout.worker import RolloutWorker
+    from rl.trainer import build_model
+
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg = _run_config(ckpt, list(overrides))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tasks = load_rl_tasks(tasks_dir)
+    model, meta = build_model(cfg, tokenizer)
+    load_checkpoint(ckpt, model, None, meta, restore_rng=False)
+    worker = RolloutWorker("eval", cfg.rollout, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
+    worker.cfg.group_size = samples
+    per_task, rows = [], []
+    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task")):
+        result = worker.run_group(WorkItem(gid=i, prompt_index=i))
+        rewards = [float(ep["reward"]) for ep in result["episodes"]]
+        c = sum(r >= success_reward for r in rewards)
+        per_task.append({"task": task.name, "kind": task.kind, "rewards": rewards, "pass@1": pass_at_k(samples, c, 1),
+                         f"pass@{samples}": pass_at_k(samples, c, samples)})
+        for j, ep in enumerate(result["episodes"]):
+            meta_ep = ep.get("meta", {})
+            rows.append({"task": task.name, "sample": j, "reward": ep["reward"], "stop_reason": meta_ep.get("stop_reason"),
+                         "turns": meta_ep.get("turns"), "verdict": meta_ep.get("verdict"),
+                         "transcript": meta_ep.get("transcript")})
+    summary = {"checkpoint": str(ckpt), "tasks": len(tasks), "samples": samples,
+               "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
+               f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
+               "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
+               "per_task": per_task}
+    out = Path(output) if output else ckpt / f"eval_{Path(tasks_dir).name}.jsonl"
+    with open(out, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, default=str) + "\n")
+    summary["transcripts"] = str(out)
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", required=True, help="task directory (tasks.jsonl and/or Harbor task folders)")
+    ap.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or checkpoint directory")
+    ap.add_argument("--samples", type=int, default=4, help="samples per task (K of pass@K)")
+    ap.add_argument("--output", default=None, help="transcripts JSONL (default: CHECKPOINT/eval_<tasks>.jsonl)")
+    ap.add_argument("--success-reward", type=float, default=1.0, help="a sample passes when its reward is at least this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. rollout.temperature=0.7")
+    args = ap.parse_args(argv)
+    if args.samples < 1:
+        ap.error("--samples must be >= 1")
+    from megatron_composer.checkpoint.dcp import CheckpointError
+    from megatron_composer.config import ConfigError
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        s = evaluate(args.tasks, args.checkpoint, args.samples, args.output, args.overrides, args.success_reward, args.seed)
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    k = f"pass@{s['samples']}"
+    for t in s["per_task"]:
+        print(f"{t['task']:40s} rewards {t['rewards']} pass@1 {t['pass@1']:.2f} {k} {t[k]:.2f}")
+    print(f"pass@1 {s['pass@1']:.3f}  {k} {s[k]:.3f}  reward_mean {s['reward_mean']:.3f} over {s['tasks']} tasks; "
+          f"transcripts: {s['transcripts']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
