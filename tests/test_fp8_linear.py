@@ -64,6 +64,16 @@ def test_triton_backend_matches_emulated(cfg):
         assert rel(a, b) < 1e-5  # identical quantisation; only FP32 summation order differs
 
 
+def test_autocast_does_not_change_fp8_gemms():
+    x, w, dy = data(torch.bfloat16)
+    ops = FP8Ops(FP8Config(recipe="mxfp8", backend="emulated"))
+    plain = linear_grads(lambda a, b: fp8_linear(a, b, ops), x, w.float(), dy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = linear_grads(lambda a, b: fp8_linear(a, b, ops), x, w.float(), dy)
+    for a, b in zip(plain, auto):
+        assert torch.equal(a, b)
+
+
 def test_wgrad_in_high_precision():
     x, w, dy = data(torch.float32)
     ops = FP8Ops(FP8Config(recipe="mxfp8", backend="emulated", wgrad_bf16=True))

@@ -63,8 +63,17 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
 
 
+def _no_autocast(fn):
+    """Our GEMMs define their own precision: run the autograd bodies outside any autocast region."""
+    def wrapped(ctx, *args):
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return fn(ctx, *args)
+    return wrapped
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
+    @_no_autocast
     def forward(ctx, x, w, ops: FP8Ops):
         K = x.shape[-1]
         x2 = x.reshape(-1, K).contiguous()
@@ -81,6 +90,7 @@ class _FP8LinearFn(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, dy):
         qxt, sxt, qwt, swt, x2 = ctx.saved_tensors
         ops, M = ctx.ops, ctx.M
@@ -189,6 +199,7 @@ def _scatter_rows(x: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tenso
 
 class _FP8GroupedMMFn(torch.autograd.Function):
     @staticmethod
+    @_no_autocast
     def forward(ctx, x_TD, w_EFD, offs, ops: FP8Ops):
         be, act, wt = ops.backend, ops.act, ops.weight
         x_TD = x_TD.contiguous()
@@ -200,6 +211,7 @@ class _FP8GroupedMMFn(torch.autograd.Function):
         return y_TF
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, dy_TF):
         x_TD, qwt, swt, offs = ctx.saved_tensors
         ops = ctx.ops
