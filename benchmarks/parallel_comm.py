@@ -31,12 +31,14 @@ LAYOUTS = {
         dict(name="ep2", preset="tiny-deepseek-v3", ep=2),
         dict(name="cp2", preset="tiny-deepseek-v3", cp=2),
         dict(name="cp2 gqa", preset="tiny-qwen3-moe", cp=2),
+        dict(name="cp2 ring", preset="tiny-deepseek-v3", cp=2, cp_attention="ring"),
         dict(name="dp2", preset="tiny-deepseek-v3", zero1=False),
         dict(name="dp2 zero1", preset="tiny-deepseek-v3", zero1=True),
     ],
     4: [
         dict(name="tp2 x cp2", preset="tiny-deepseek-v3", tp=2, cp=2),
         dict(name="tp2 x ep2", preset="tiny-qwen3-moe", tp=2, ep=2),
+        dict(name="tp2 x cp2 ring", preset="tiny-qwen3-moe", tp=2, cp=2, cp_attention="ring"),
         dict(name="tp2+sp x cp2 x ep2 zero1", preset="tiny-deepseek-v3", tp=2, cp=2, ep=2, sp=True, zero1=True),
         dict(name="dp2 x tp2 x ep4 zero1", preset="tiny-qwen3-moe", tp=2, ep=4, zero1=True),
     ],
@@ -58,6 +60,11 @@ class Counter:
         ):
             self.orig[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, op, payload))
+        isend = dist.isend  # point-to-point (ring attention) goes through batch_isend_irecv
+        self.orig["batch_isend_irecv"] = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap(
+            "batch_isend_irecv", "send_recv",
+            lambda a, k: sum(_nbytes(o.tensor) for o in a[0] if o.op is isend))
 
     def _a2a_bytes(self, args, kwargs):
         out, inp = args[0], args[1]
@@ -118,7 +125,8 @@ def worker(layouts: list[dict], out: str) -> None:
         single = {"params": sum(_nbytes(p) for p in full.parameters()),
                   "grads": sum(_nbytes(p.grad) for p in full.parameters() if p.grad is not None),
                   "optimizer": sum(_nbytes(t) for st in single_opt.state.values() for t in st.values() if t.ndim > 0)}
-        model = parallelize_model(copy.deepcopy(full), groups)
+        cp_attention = spec.get("cp_attention", "allgather")
+        model = parallelize_model(copy.deepcopy(full), groups, cp_attention=cp_attention)
         zero1 = spec.get("zero1", True)
         opt = DistributedAdamW(model.named_parameters(), groups, lr=1e-3, zero1=zero1)
         offrank = [0]
@@ -148,7 +156,7 @@ def worker(layouts: list[dict], out: str) -> None:
         opt.clip_grad_norm(1.0)
         opt.step()
         counter.active = False
-        lay = Layout(dims=dims, seq_len=S, micro_batch=B // dims.dp, zero1=zero1, mtp=True)
+        lay = Layout(dims=dims, seq_len=S, micro_batch=B // dims.dp, zero1=zero1, mtp=True, cp_attention=cp_attention)
         params = model_params(cfg)
         n_moe = len(cfg.moe_layer_ids) + cfg.num_mtp_layers  # MTP blocks are MoE in these presets
         analytic = comm_per_step(cfg, lay, offrank_slots=offrank[0] / n_moe, params=params)
@@ -156,16 +164,16 @@ def worker(layouts: list[dict], out: str) -> None:
         mem = {"params": sum(_nbytes(p) for p in model.parameters()),
                "grads": sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
                "optimizer": opt.state_bytes()}
-        keys = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+        keys = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
         vec = torch.tensor([float(counter.bytes.get(k, 0)) for k in keys] + [analytic[k] for k in keys]
                            + [mem[k] for k in ("params", "grads", "optimizer")]
                            + [mem_analytic[k] for k in ("params", "grads", "optimizer")], dtype=torch.float64)
         dist.all_reduce(vec)
         vec /= world  # mean per rank
         v = vec.tolist()
-        results.append({"name": spec["name"], "measured": dict(zip(keys, v[0:4])), "analytic": dict(zip(keys, v[4:8])),
-                        "memory": dict(zip(("params", "grads", "optimizer"), v[8:11])),
-                        "memory_analytic": dict(zip(("params", "grads", "optimizer"), v[11:14])),
+        results.append({"name": spec["name"], "measured": dict(zip(keys, v[0:5])), "analytic": dict(zip(keys, v[5:10])),
+                        "memory": dict(zip(("params", "grads", "optimizer"), v[10:13])),
+                        "memory_analytic": dict(zip(("params", "grads", "optimizer"), v[13:16])),
                         "single": single})
         dist.barrier()
     if rank == 0:

@@ -31,15 +31,15 @@ GiB = 2**30
 
 
 def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zero1, param_bytes, act_bytes,
-         link_gbps, mtp) -> dict:
+         link_gbps, mtp, cp_attention="allgather") -> dict:
     dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
     validate_layout(dims, cfg, seq_len=seq)
     lay = Layout(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=param_bytes,
-                 act_bytes=act_bytes)
+                 act_bytes=act_bytes, cp_attention=cp_attention)
     mem = memory_per_rank(cfg, lay, params)
     acts = activation_bytes(cfg, lay, attention_backend="flash")
     comm = comm_per_step(cfg, lay, params=params, micro_batches=micro_batches)
-    ring = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+    ring = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "send_recv": 1.0}
     seconds = sum(comm[k] * ring[k] for k in OPS) / (link_gbps * 1e9 / 8)
     static = mem["params"] + mem["grads"] + mem["optimizer"]
     return {"dims": dims, "mem": mem, "acts": acts, "comm": comm, "comm_seconds": seconds,
@@ -83,6 +83,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (accumulation)")
     ap.add_argument("--no-sp", action="store_true", help="turn sequence parallelism off")
+    ap.add_argument("--cp-attention", choices=["allgather", "ring"], default="allgather",
+                    help="context-parallel K/V exchange")
     ap.add_argument("--no-zero1", action="store_true", help="replicate optimizer state on data-parallel ranks")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter/activation dtype")
     ap.add_argument("--mtp-layers", type=int, default=None, help="override the preset's MTP depth")
@@ -100,7 +102,7 @@ def main(argv=None) -> None:
     params = model_params(cfg)
     common = dict(seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches, sp=not args.no_sp,
                   zero1=not args.no_zero1, param_bytes=nbytes, act_bytes=nbytes, link_gbps=args.link_gbps,
-                  mtp=cfg.num_mtp_layers > 0)
+                  mtp=cfg.num_mtp_layers > 0, cp_attention=args.cp_attention)
     print(f"{args.preset}: {sum(math.prod(s) for _, s in params) / 1e9:.1f} B parameters, "
           f"{cfg.num_layers} layers, {cfg.num_experts} experts; seq {args.seq}, {args.gpus} GPUs x {args.gpu_mem:g} GiB")
     if not args.sweep:

@@ -180,12 +180,12 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, q_idx, doc_q, k_idx_of, doc_k_of, block, group):
         n, r = C.group_size(group), C.group_rank(group)
         qg, m, l, acc = _init_state(q, k, v)
-        kb, vb = k.to(qg.dtype), v.to(qg.dtype)
+        kb, vb = k, v  # travel in their own dtype
         for step in range(n):
             origin = (r - step) % n
             if step < n - 1:
                 pending = C.ring_exchange_start([kb, vb], group)
-            m, l, acc = _forward_blocks(qg, kb, vb, scale, q_idx, k_idx_of[origin], doc_q, doc_k_of[origin], block,
+            m, l, acc = _forward_blocks(qg, kb.to(qg.dtype), vb.to(qg.dtype), scale, q_idx, k_idx_of[origin], doc_q, doc_k_of[origin], block,
                                         m, l, acc)
             if step < n - 1:
                 kb, vb = C.ring_exchange_finish(pending)
@@ -202,12 +202,12 @@ class _RingAttention(torch.autograd.Function):
         qg = q.to(out.dtype).reshape(out.shape[:4] + (q.shape[3],))
         do = dout.to(out.dtype).reshape(out.shape)
         delta = (do * out).sum(-1)
-        kb, vb = k.to(out.dtype), v.to(out.dtype)
-        dkb, dvb = torch.zeros_like(kb), torch.zeros_like(vb)
+        kb, vb = k, v
+        dkb, dvb = torch.zeros_like(k, dtype=out.dtype), torch.zeros_like(v, dtype=out.dtype)
         dq = torch.zeros_like(qg)
         for step in range(n):
             origin = (r - step) % n
-            dq_part, dk_part, dv_part = _backward_blocks(qg, kb, vb, do, delta, lse, ctx.scale, q_idx,
+            dq_part, dk_part, dv_part = _backward_blocks(qg, kb.to(out.dtype), vb.to(out.dtype), do, delta, lse, ctx.scale, q_idx,
                                                          ctx.k_idx_of[origin], doc_q, ctx.doc_k_of[origin], ctx.block)
             dq += dq_part
             dkb, dvb = dkb + dk_part, dvb + dv_part

@@ -18,7 +18,7 @@ import torch
 
 from megatron_composer.parallel.dims import ParallelDims
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Layout:
     act_bytes: int = 4
     activation_checkpointing: str = "none"
     packed: bool = False  # rows pack several documents (attention needs an explicit mask)
+    cp_attention: str = "allgather"  # or "ring"
 
     @property
     def local_tokens(self) -> int:
@@ -146,7 +147,8 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
             if cfg.attention == "mla":
                 q_in = D if cfg.q_lora_rank is None else cfg.q_lora_rank
                 # column inputs' gradients: q latent, and the kv latent + rope key (cp-gathered first)
-                vol["all_reduce"] += b * s * (q_in + cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)) * p
+                kv_len = cp if lay.cp_attention == "allgather" else 1
+                vol["all_reduce"] += b * s * (q_in + kv_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)) * p
             else:
                 vol["all_reduce"] += 3 * bsD
             row_exit(bsD)
@@ -170,6 +172,14 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     if cp > 1:
         vol["all_gather"] += b * s * cp * 8 * (1 + depths)  # position ids once, token ids per MTP depth
         for _ in blocks:
+            if lay.cp_attention == "ring":  # K/V shards cp-1 hops forward; with fp32 dK/dV cp-1 (+1 home) back
+                if cfg.attention == "mla":
+                    width = cfg.num_heads // tp * (cfg.qk_head_dim + cfg.v_head_dim)
+                else:
+                    width = 2 * (cfg.num_kv_heads or cfg.num_heads) // tp * cfg.gqa_head_dim
+                shard, pc = b * s * width, max(p, 4)
+                vol["send_recv"] += (cp - 1) * shard * p + (cp - 1) * shard * (p + pc) + shard * pc
+                continue
             if cfg.attention == "mla":
                 kv = b * s * cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * p
             else:
@@ -227,7 +237,7 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     b, s = lay.micro_batch, lay.seq_len // cp
     T, D = b * s, cfg.hidden_size
     Tr = T // tp if sp else T  # residual-stream tokens (sequence-parallel regions hold 1/tp)
-    Tk = T * cp  # keys and values seen by a query shard
+    Tk = T * cp if lay.cp_attention == "allgather" else T  # keys and values held for a query shard
     H = cfg.num_heads // tp
     depths = cfg.num_mtp_layers if lay.mtp else 0
 
