@@ -98,10 +98,14 @@ class RLConfig:
             raise ConfigError("train.steps, train.groups_per_step and train.micro_batch_size must be >= 1")
         if self.checkpoint.interval < 1:
             raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
-        if max(self.parallel.tp, self.parallel.cp, self.parallel.ep) > 1:
-            raise ConfigError("the RL trainer runs one trainer rank in this version; set parallel.tp/cp/ep=1 "
-                              "(the multi-rank layouts are for pretrain_composer.py)")
         return self
+
+    def check_runnable(self, world: int) -> None:
+        """What this version of the trainer can run; the real-size configs state their target layout."""
+        if max(self.parallel.tp, self.parallel.cp, self.parallel.ep) > 1:
+            raise ConfigError(f"parallel.tp/cp/ep = {self.parallel.tp}/{self.parallel.cp}/{self.parallel.ep}: the RL "
+                              "trainer runs a single trainer rank in this version; set them to 1 "
+                              "(multi-rank trainer layouts run in pretrain_composer.py only)")
 
 
 def weights_url(cfg: RLConfig) -> str:
@@ -129,10 +133,16 @@ def _weight_sync():
     return ObjectStore, WeightPublisher, WeightSubscriber
 
 
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> RolloutWorker:
     ObjectStore, _, WeightSubscriber = _weight_sync()
     model, _ = build_model(cfg, tokenizer)
-    model = model.to(getattr(torch, cfg.weight_sync.dtype))
+    model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, WeightSubscriber(ObjectStore(weights_url(cfg))),
                          seed=seed)
@@ -183,6 +193,8 @@ class Trainer:
             check_meta(self.latest, self.meta)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
+        self.device = local_device()
+        self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.loss_fn = PolicyGradientLoss(cfg.rl)
         self.queue = WorkQueue(self.run_dir / "rollouts")
@@ -205,7 +217,7 @@ class Trainer:
                 self.ref_model, _ = build_model(cfg, self.tokenizer)
                 if init:
                     load_checkpoint(resolve_checkpoint(init), self.ref_model, None, self.meta, restore_rng=False)
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_model.to(self.device).eval().requires_grad_(False)
         if self.latest is not None:
             state = load_checkpoint(self.latest, self.model, self.optimizer, self.meta)
             self.step = state["step"]
@@ -260,7 +272,7 @@ class Trainer:
         pad = self.tokenizer.pad if self.tokenizer.pad is not None and self.tokenizer.pad >= 0 else 0
         mbs = cfg.train.micro_batch_size
         for start in range(0, len(samples), mbs):
-            batch = collate_samples(samples[start:start + mbs], pad_id=pad)
+            batch = {k: v.to(self.device) for k, v in collate_samples(samples[start:start + mbs], pad_id=pad).items()}
             ids, mask = batch["input_ids"], batch["loss_mask"]
             routed = batch.get("routed_experts")
             replay = replay_routing(cfg.rl.router_replay, routed) if cfg.rl.router_replay != "r2" else None
@@ -370,6 +382,7 @@ def run_rl(cfg: RLConfig) -> Path | None:
     cfg.validate()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg.check_runnable(world)
     role = cfg.role if cfg.role != "auto" else ("trainer" if rank == 0 else "rollout")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
     if role == "rollout":

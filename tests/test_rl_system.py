@@ -257,3 +257,72 @@ def test_help_lists_the_rl_schema():
     assert res.returncode == 0
     for key in ("run:", "rollout:", "max_staleness", "weight_sync:", "kl_coef", "checkpoint:"):
         assert key in res.stdout, key
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("examples/*/rl.yaml")), ids=lambda p: p.parent.name)
+def test_shipped_rl_configs_load(path):
+    from megatron_composer.config import ConfigError
+    from rl.trainer import RLConfig
+
+    cfg = load_config(RLConfig, path)
+    assert cfg.rollout.max_staleness >= 0 and cfg.rl.router_replay == "r3"
+    if max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1:
+        with pytest.raises(ConfigError, match="single trainer rank"):
+            cfg.check_runnable(world=1)
+
+
+def test_bad_task_files_are_named(tmp_path):
+    from megatron_composer.config import ConfigError
+    from rl.rollout.tasks import load_rl_tasks
+
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "x", "check": {"regex": "("}}\n')
+    with pytest.raises(ConfigError, match=r"tasks.jsonl:1: check.regex does not compile"):
+        load_rl_tasks(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_rl_tasks(tmp_path / "missing")
+
+
+def test_pass_at_k():
+    from rl.evaluate import pass_at_k
+
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+
+
+def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tmp_path):
+    """A bundled Harbor task through the rollout worker: sandbox, tool observations as context tokens, verifier."""
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from rl.orchestrator import WorkItem
+    from rl.rollout.tasks import load_rl_tasks
+    from rl.rollout.worker import RolloutConfig, RolloutWorker
+    from rl.sandbox import LocalBackend, SandboxError
+    from rl.trainer import RLConfig, build_model
+
+    try:
+        backend = LocalBackend()
+    except SandboxError as e:
+        pytest.skip(f"no isolated sandbox on this host: {e}")
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    import shutil
+
+    shutil.copytree(ROOT / "examples/tasks/python-roman-numerals", task_dir / "python-roman-numerals")
+    cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"rollout.max_seq_len": 4096}))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    torch.manual_seed(0)
+    model, _ = build_model(cfg, tok)
+    rollout = RolloutConfig(group_size=2, agent_max_turns=2, agent_max_new_tokens=24, max_seq_len=4096,
+                            cache_memory_mb=128)
+    worker = RolloutWorker("t", rollout, model, tok, load_rl_tasks(task_dir), queue=None, subscriber=None,
+                           sandbox_backend=backend)
+    result = worker.run_group(WorkItem(0, 0))
+    assert result["kind"] == "agent" and len(result["episodes"]) == 2
+    for ep in result["episodes"]:
+        seg = ep["segments"][0]
+        n = len(seg["response_ids"])
+        assert len(seg["response_mask"]) == len(seg["response_logprobs"]) == n
+        assert sum(seg["response_mask"]) == len(seg["weight_versions"]) == ep["meta"]["tokens"] > 0
+        assert seg["routed_experts"].shape[1] == len(seg["prompt_ids"]) + n
+        assert 0.0 <= ep["reward"] <= 1.0 and ep["meta"]["turns"] >= 1
