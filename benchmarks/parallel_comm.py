@@ -67,7 +67,7 @@ class Counter:
             lambda a, k: sum(_nbytes(o.tensor) for o in a[0] if o.op is isend))
 
     def _a2a_bytes(self, args, kwargs):
-        out, inp = args[0], args[1]
+        inp = args[1]
         splits = kwargs.get("input_split_sizes")
         group = kwargs.get("group")
         if not splits:
@@ -150,7 +150,8 @@ def worker(layouts: list[dict], out: str) -> None:
         o = model(ids_l, position_ids=pos_l, mtp=True)
         loss = vocab_parallel_cross_entropy(o.logits, lab_l, groups.tp_group).sum() / (labels != -100).sum()
         for ml in o.mtp_logits:
-            loss = loss + 0.3 * vocab_parallel_cross_entropy(ml, mtp_l, groups.tp_group).sum() / (mtp_labels != -100).sum()
+            mtp_ce = vocab_parallel_cross_entropy(ml, mtp_l, groups.tp_group)
+            loss = loss + 0.3 * mtp_ce.sum() / (mtp_labels != -100).sum()
         loss.backward()
         opt.finish_grad_sync()
         opt.clip_grad_norm(1.0)
@@ -234,7 +235,8 @@ def main() -> None:
         m, s, a = r["memory"], r["single"], r["memory_analytic"]
         tot, stot, atot = sum(m.values()), sum(s.values()), sum(a.values())
         print(f"{r['name'] + f' ({world} ranks)':34s} {m['params'] * mb:8.3f} {m['grads'] * mb:8.3f} "
-              f"{m['optimizer'] * mb:8.3f} {m['optimizer'] / s['optimizer']:13.3f} {tot / stot:13.3f} {atot / tot:18.4f}")
+              f"{m['optimizer'] * mb:8.3f} {m['optimizer'] / s['optimizer']:13.3f} {tot / stot:13.3f} "
+              f"{atot / tot:18.4f}")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def _check(res):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "ep2_capacity", "dp2_bf16_master", "dp2_bf16_master_zero1", "dp2_allreduce_train",
-                                  "dp2_zero1_train"])
+@pytest.mark.parametrize("case", [
+    "collectives", "tp2", "tp2_sp", "vocab_losses", "cp_shift", "balance_loss", "ep2_capacity", "dp2_bf16_master",
+    "dp2_bf16_master_zero1", "dp2_allreduce_train", "dp2_zero1_train"])
 def test_two_ranks(results2, case):
     _check(results2[case])
 
@@ -54,7 +55,8 @@ def test_zero1_halves_optimizer_state(results2):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["collectives4", "cp4_shift", "balance_loss4", "tp2_sp_dp2_zero1_train", "tp2_dp2_allreduce_train"])
+@pytest.mark.parametrize("case", ["collectives4", "cp4_shift", "balance_loss4", "tp2_sp_dp2_zero1_train",
+                                  "tp2_dp2_allreduce_train"])
 def test_four_ranks(results4, case):
     _check(results4[case])
 

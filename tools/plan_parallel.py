@@ -104,7 +104,8 @@ def main(argv=None) -> None:
                   zero1=not args.no_zero1, param_bytes=nbytes, act_bytes=nbytes, link_gbps=args.link_gbps,
                   mtp=cfg.num_mtp_layers > 0, cp_attention=args.cp_attention)
     print(f"{args.preset}: {sum(math.prod(s) for _, s in params) / 1e9:.1f} B parameters, "
-          f"{cfg.num_layers} layers, {cfg.num_experts} experts; seq {args.seq}, {args.gpus} GPUs x {args.gpu_mem:g} GiB")
+          f"{cfg.num_layers} layers, {cfg.num_experts} experts; seq {args.seq}, "
+          f"{args.gpus} GPUs x {args.gpu_mem:g} GiB")
     if not args.sweep:
         try:
             p = plan(cfg, params, args.gpus, args.tp, args.cp, args.ep, **common)

@@ -185,7 +185,8 @@ class _RingAttention(torch.autograd.Function):
             origin = (r - step) % n
             if step < n - 1:
                 pending = C.ring_exchange_start([kb, vb], group)
-            m, l, acc = _forward_blocks(qg, kb.to(qg.dtype), vb.to(qg.dtype), scale, q_idx, k_idx_of[origin], doc_q, doc_k_of[origin], block,
+            m, l, acc = _forward_blocks(qg, kb.to(qg.dtype), vb.to(qg.dtype), scale, q_idx, k_idx_of[origin], doc_q,
+                                        doc_k_of[origin], block,
                                         m, l, acc)
             if step < n - 1:
                 kb, vb = C.ring_exchange_finish(pending)
@@ -207,7 +208,8 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qg)
         for step in range(n):
             origin = (r - step) % n
-            dq_part, dk_part, dv_part = _backward_blocks(qg, kb.to(out.dtype), vb.to(out.dtype), do, delta, lse, ctx.scale, q_idx,
+            dq_part, dk_part, dv_part = _backward_blocks(qg, kb.to(out.dtype), vb.to(out.dtype), do, delta, lse,
+                                                         ctx.scale, q_idx,
                                                          ctx.k_idx_of[origin], doc_q, ctx.doc_k_of[origin], ctx.block)
             dq += dq_part
             dkb, dvb = dkb + dk_part, dvb + dv_part

@@ -53,7 +53,8 @@ def param_kind(name: str, sp: bool, attention: str) -> str:
         if attention == "gqa" and sub in ("q_norm", "k_norm"):  # per-head-dim weights shared by split heads
             return "tp_partial"
         return "replicated"  # MLA's low-rank down-projections and their norms
-    if "shared_experts" in parts or (len(parts) > 2 and parts[-3] == "feed_forward" and parts[-2] in ("w1", "w2", "w3")):
+    dense_mlp = len(parts) > 2 and parts[-3] == "feed_forward" and parts[-2] in ("w1", "w2", "w3")
+    if "shared_experts" in parts or dense_mlp:
         return "tp_sharded"
     if "router" in parts or parts[-2] in ("attention_norm", "ffn_norm", "norm", "enorm", "hnorm", "eh_proj"):
         return "tp_partial" if sp else "replicated"

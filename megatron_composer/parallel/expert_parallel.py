@@ -73,7 +73,8 @@ class AllToAllDispatcher:
         x_send = x_TD[token_of_slot]
         x_recv = C.all_to_all_autograd(x_send, recv_splits, send_splits, self.ep_group)
         # received rows are grouped by source rank, then expert; the grouped matmul wants expert-major
-        src_expert = torch.arange(self.ep * self.local_experts, device=x_TD.device).view(self.ep, -1) % self.local_experts
+        n_rows = self.ep * self.local_experts
+        src_expert = torch.arange(n_rows, device=x_TD.device).view(self.ep, -1) % self.local_experts
         row_expert = torch.repeat_interleave(src_expert.reshape(-1), recv_counts_RL.reshape(-1))
         by_expert = torch.argsort(row_expert, stable=True)
         offs = recv_counts_RL.sum(0).cumsum(0).to(torch.int32)

@@ -103,9 +103,11 @@ def vocab_parallel_argmax(logits: torch.Tensor, group) -> torch.Tensor:
     local_max, local_idx = logits.float().max(dim=-1)
     best = C.all_reduce_max(local_max, group)
     # among ranks holding the maximum, the lowest global index wins
-    candidate = torch.where(local_max == best, local_idx + start, torch.full_like(local_idx, torch.iinfo(torch.long).max))
+    none = torch.full_like(local_idx, torch.iinfo(torch.long).max)
+    candidate = torch.where(local_max == best, local_idx + start, none)
     return -C.all_reduce_max(-candidate, group)
 
 
-__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax", "vocab_parallel_logprobs",
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_log_softmax",
+           "vocab_parallel_logprobs",
            "vocab_parallel_logprobs_entropy", "vocab_parallel_kl"]

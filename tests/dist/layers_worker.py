@@ -277,7 +277,8 @@ def case_bf16_master(zero1: bool):
         errs = {}
         for step in range(3):
             ids, labels = data(seed=200 + step)
-            ids, labels = ids.chunk(dist.get_world_size())[dist.get_rank()], labels.chunk(dist.get_world_size())[dist.get_rank()]
+            n, r = dist.get_world_size(), dist.get_rank()
+            ids, labels = ids.chunk(n)[r], labels.chunk(n)[r]
             F.cross_entropy(net(ids).float().flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
             opt.finish_grad_sync()
             refp = dict(ref.named_parameters())

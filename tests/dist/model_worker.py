@@ -104,7 +104,8 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
                 saved += sum(t.numel() * t.element_size() for t in [pout.logits, *pout.mtp_logits])
                 lay = Layout(dims, seq_len=S, micro_batch=B // dims.dp, mtp=use_mtp, packed=True,
                              cp_attention=cp_attention)
-                act_ratio = C.all_reduce(torch.tensor([activation_bytes(cfg, lay)["none"] / saved, saved], dtype=torch.float64),
+                ratio = activation_bytes(cfg, lay)["none"] / saved
+                act_ratio = C.all_reduce(torch.tensor([ratio, saved], dtype=torch.float64),
                                          groups.group("world")).div(world).tolist()
             elif step == 0:
                 act_ratio = None

@@ -28,5 +28,6 @@ def run_worker(script: str, nproc: int, args: list[str], out_dir: Path, timeout:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     result_file = out_dir / "results.json"
     if proc.returncode != 0 or not result_file.exists():
-        raise RuntimeError(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                           f"{proc.stderr[-8000:]}")
     return json.loads(result_file.read_text())
