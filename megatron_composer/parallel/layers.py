@@ -75,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _sharded_param(weight, spec)
         self.bias = _sharded_param(bias, spec) if bias is not None else None
         self.in_features, self.out_features = weight.shape[1], weight.shape[0] // spec.size
+        self.linear_fn = F.linear  # replaceable local matmul (FP8 swaps it in)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp_group, **kw) -> "ColumnParallelLinear":
@@ -85,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
             x = C.gather_from_parallel(x, self.seq_dim, self.group, grad_is_partial=True)
         else:
             x = C.copy_to_parallel(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.linear_fn(x, self.weight, self.bias)
         if self.gather_output:
             y = C.gather_from_parallel(y, y.dim() - 1, self.group)
         return y
@@ -109,13 +110,14 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(bias.detach().clone())
             set_spec(self.bias, ShardSpec("tp_partial" if sequence_parallel else "replicated"))
         self.in_features, self.out_features = weight.shape[1] // spec.size, weight.shape[0]
+        self.linear_fn = F.linear  # replaceable local matmul (FP8 swaps it in)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp_group, **kw) -> "RowParallelLinear":
         return cls(linear.weight, linear.bias, tp_group, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.linear_fn(x, self.weight, None)
         if self.sp:
             y = C.reduce_scatter_to_parallel(y, self.seq_dim, self.group)
         else:
