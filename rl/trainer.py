@@ -56,6 +56,8 @@ from rl.rollout.worker import RolloutConfig, RolloutWorker
 class RLDataConfig:
     tasks: str = field(default="examples/tiny/rl_tasks", metadata={"help": "task directory: tasks.jsonl and/or Harbor task folders"})
     tokenizer: str = field(default="data/tiny/tokenizer", metadata={"help": "tokenizer file or directory"})
+    seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from (YaRN factor = this / "
+                                                        "model.yarn_original_length, as in that stage); 0 = rollout.max_seq_len"})
 
 
 @dataclass
@@ -115,7 +117,8 @@ def weights_url(cfg: RLConfig) -> str:
 def build_model(cfg: RLConfig, tokenizer):
     from megatron_composer.model import Transformer
 
-    mc = model_config(SimpleNamespace(model=cfg.model, data=SimpleNamespace(seq_length=cfg.rollout.max_seq_len)), tokenizer)
+    seq_length = cfg.data.seq_length or cfg.rollout.max_seq_len
+    mc = model_config(SimpleNamespace(model=cfg.model, data=SimpleNamespace(seq_length=seq_length)), tokenizer)
     return Transformer(mc), {"model": architecture(mc), "tokenizer": tokenizer.describe()}
 
 
