@@ -306,3 +306,13 @@ def test_shape_change_writes_a_snapshot_and_config_builds_the_pieces(tmp_path):
     grown = {"x": torch.randn(4, dtype=torch.bfloat16), "y": torch.randn(2)}
     assert pub.publish(grown, 1).is_snapshot
     assert_bit_exact(sub.fetch(), grown)
+
+
+def test_parallel_put_and_get_many(tmp_path):
+    store = ObjectStore(str(tmp_path / "w"), threads=4)
+    items = [(f"batch/{i:03d}.bin", os.urandom(100 + i)) for i in range(20)]
+    store.put_many(items)
+    assert store.get_many([k for k, _ in items]) == [d for _, d in items]
+    assert store.list_dirs("batch")[:2] == ["000.bin", "001.bin"]
+    store.delete_prefix("batch")
+    assert store.list_dirs("batch") == []

@@ -9,6 +9,7 @@ the same transform against all-zero bits. Decoding inverts each step exactly, so
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import zstandard
 
@@ -39,10 +40,15 @@ def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def to_bits(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy of ``t``'s raw bits, flattened, as the integer dtype of the same width (never aliases ``t``)."""
-    flat = t.detach().to(device="cpu", copy=True).contiguous().reshape(-1)
+    flat = t.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return flat.view(int_view_dtype(flat.dtype))
+    flat = flat.view(int_view_dtype(flat.dtype))
+    if flat.device.type != "cpu":
+        return flat.cpu()
+    # The codec's element-wise work is done in numpy: single-threaded and predictable, while torch's
+    # intra-op thread pool stalls on a busy machine; parallelism comes from encoding chunks in threads.
+    return torch.from_numpy(flat.contiguous().numpy().copy())
 
 
 def from_bits(bits: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -54,23 +60,26 @@ def from_bits(bits: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch
 def encode_chunk(new_bits: torch.Tensor, base_bits: torch.Tensor | None, level: int) -> tuple[bytes, int]:
     """Compressed XOR of two equal-length 1-D integer tensors (``base_bits=None``: against zeros).
     Returns (blob, number of elements whose bits are unchanged)."""
-    x = new_bits if base_bits is None else torch.bitwise_xor(new_bits, base_bits)
-    unchanged = 0 if base_bits is None else int(x.numel() - torch.count_nonzero(x))
-    width = x.element_size()
-    planes = x.view(torch.uint8)
+    x = new_bits.numpy()
+    unchanged = 0
+    if base_bits is not None:
+        x = np.bitwise_xor(x, base_bits.numpy())
+        unchanged = int(x.size - np.count_nonzero(x))
+    width = x.itemsize
+    planes = x.view(np.uint8)
     if width > 1:
-        planes = planes.reshape(-1, width).t().contiguous().reshape(-1)
-    blob = zstandard.ZstdCompressor(level=level).compress(planes.numpy().data)
+        planes = np.ascontiguousarray(planes.reshape(-1, width).T)
+    blob = zstandard.ZstdCompressor(level=level).compress(planes.data)
     return blob, unchanged
 
 
-def decode_chunk(blob: bytes, count: int, int_dtype: torch.dtype, base_bits: torch.Tensor | None,
+def decode_chunk(blob, count: int, int_dtype: torch.dtype, base_bits: torch.Tensor | None,
                  out: torch.Tensor) -> None:
     """Inverse of ``encode_chunk``: writes the ``count`` reconstructed elements into ``out`` (1-D, int_dtype)."""
     width = torch.empty((), dtype=int_dtype).element_size()
     nbytes = count * width
-    planes = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(planes.numpy()).cast("B")
+    planes = np.empty(nbytes, dtype=np.uint8)
+    view = memoryview(planes).cast("B")
     filled = 0
     with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
         while filled < nbytes:
@@ -80,9 +89,10 @@ def decode_chunk(blob: bytes, count: int, int_dtype: torch.dtype, base_bits: tor
             filled += n
         if filled != nbytes or reader.read(1):
             raise WeightSyncError(f"a compressed chunk decodes to the wrong size (expected {nbytes} bytes)")
-    x = planes.reshape(width, count).t().contiguous().reshape(-1) if width > 1 else planes
-    x = x.view(int_dtype)
+    if width > 1:
+        planes = np.ascontiguousarray(planes.reshape(width, count).T)
+    x = planes.reshape(-1).view(out.numpy().dtype)
     if base_bits is None:
-        out.copy_(x)
+        out.numpy()[:] = x
     else:
-        torch.bitwise_xor(x, base_bits, out=out)
+        np.bitwise_xor(x, base_bits.numpy(), out=out.numpy())

@@ -25,7 +25,7 @@ class WeightSyncConfig:
     keep_snapshots: Optional[int] = _f(2, "versions older than the N-th newest snapshot are deleted; null keeps all")
     shard_mb: int = _f(64, "compressed MiB per shard object")
     chunk_mb: int = _f(4, "raw MiB per independently compressed chunk (unit of parallel encode/decode)")
-    compression_level: int = _f(3, "zstd level")
+    compression_level: int = _f(1, "zstd level (1: fast; higher levels barely shrink XOR deltas further)")
     threads: int = _f(8, "parallel shard transfers")
     max_retries: int = _f(5, "retries of a transient store failure (exponential backoff)")
     retry_base_seconds: float = _f(0.5, "first backoff delay; doubles per retry")

@@ -62,12 +62,12 @@ class WeightPublisher:
             not needed to reconstruct anything newer); None keeps everything.
         shard_bytes: compressed bytes per shard object (a chunk larger than this gets a shard of its own).
         chunk_bytes: raw bytes per independently compressed chunk (the unit of parallel encode/decode).
-        compression_level: zstd level; low levels are fast and already shrink XOR deltas well.
+        compression_level: zstd level; level 1 is fast and shrinks XOR deltas about as much as level 3.
         threads: encode threads (store transfers use the store's own pool).
     """
 
     def __init__(self, store: ObjectStore, snapshot_interval: int = 20, keep_snapshots: int | None = 2,
-                 shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, compression_level: int = 3,
+                 shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, compression_level: int = 1,
                  threads: int | None = None):
         if snapshot_interval < 1:
             raise ValueError(f"snapshot_interval must be >= 1, got {snapshot_interval}")
