@@ -234,12 +234,26 @@ class Trainer:
         _, _, WeightSubscriber = _weight_sync()
         stored = WeightSubscriber(ObjectStore(weights_url(cfg))).latest_version()
         self.version = 0 if stored is None else stored + 1
-        self._publish()
+        self.publish_failures = 0
+        first = self._publish()
+        if "weight_sync_bytes" not in first:
+            raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
 
     def _publish(self) -> dict:
-        stats = self.publisher.publish(sync_state_dict(self.model, self.cfg.weight_sync.dtype), self.version)
+        from rl.weight_sync import ObjectStoreError
+
+        try:
+            stats = self.publisher.publish(sync_state_dict(self.model, self.cfg.weight_sync.dtype), self.version)
+        except ObjectStoreError as e:
+            # Training goes on: workers keep the last version they have, the staleness bound redoes groups that
+            # fall too far behind, and the next step publishes again (a delta against the last stored version).
+            self.publish_failures += 1
+            print(f"weight sync: publishing v{self.version} failed ({e}); continuing, will publish the next version",
+                  flush=True)
+            return {"weight_sync_failures": float(self.publish_failures)}
         out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
+               "weight_sync_failures": float(self.publish_failures),
                "weight_sync_snapshot": float(stats.is_snapshot), "weight_sync_retries": float(stats.retries)}
         if stats.delta_ratio is not None:
             out["weight_sync_delta_ratio"] = stats.delta_ratio

@@ -326,3 +326,28 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
         assert sum(seg["response_mask"]) == len(seg["weight_versions"]) == ep["meta"]["tokens"] > 0
         assert seg["routed_experts"].shape[1] == len(seg["prompt_ids"]) + n
         assert 0.0 <= ep["reward"] <= 1.0 and ep["meta"]["turns"] >= 1
+
+
+@needs_weight_sync
+def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch):
+    from rl.trainer import RLConfig, Trainer
+    from rl.weight_sync import ObjectStoreError, WeightPublisher
+
+    cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"train.steps": 2}))
+    trainer = Trainer(cfg)
+    real = WeightPublisher.publish
+    calls = {"n": 0}
+
+    def flaky(self, state_dict, version):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first publish after step 1: the store is down
+            raise ObjectStoreError("put weights/v1: connection refused (after 5 retries)")
+        return real(self, state_dict, version)
+
+    monkeypatch.setattr(WeightPublisher, "publish", flaky)
+    trainer.start_embedded_workers(1)
+    trainer.fit()
+    rows = _metrics(tmp_path / "run")
+    assert [r["weight_sync_failures"] for r in rows] == [1.0, 1.0]
+    prompts = _trained_prompts(tmp_path / "run")
+    assert "weight_sync_bytes" in rows[1] and len(prompts) == len(set(prompts)) == 4
