@@ -19,7 +19,6 @@ Trainer step v (the trainer holds weight version v, the number of optimizer step
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import threading
@@ -31,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_composer.checkpoint.dcp import find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
 from megatron_composer.config import ConfigError, save_config, to_dict
 from megatron_composer.parallel.dims import ParallelConfig
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger

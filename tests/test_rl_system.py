@@ -220,6 +220,7 @@ def test_killed_rollout_worker_mid_episode_loses_and_duplicates_nothing(assets, 
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+        victim_log.close()
     assert "lost its worker" in out
     assert _trained_prompts(run_dir) == list(range(len(PROMPTS)))
     assert _metrics(run_dir)[-1]["requeued_crashed"] >= 1
