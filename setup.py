@@ -14,6 +14,9 @@ setup(
         "safetensors",
         "megatron-core>=0.16,<0.20",
         "tomli>=1.1; python_version < '3.11'",
+        "zstandard",
+        "fsspec",
+        "s3fs",
     ],
     extras_require={
         "dev": [
@@ -25,6 +28,7 @@ setup(
             "sentencepiece",
             "tokenizers",
             "matplotlib",
+            "moto[server]",
         ],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },
