@@ -42,8 +42,8 @@ def _run_config(ckpt: Path, overrides: list[str]):
     data = yaml.safe_load(path.read_text()) or {}
     # a pretraining run's config has the same model section; keep only what the RL schema knows
     keep = {k: data[k] for k in ("model",) if k in data}
-    if "data" in data and "tokenizer" in data["data"]:
-        keep["data"] = {"tokenizer": data["data"]["tokenizer"]}
+    if "data" in data:
+        keep["data"] = {k: data["data"][k] for k in ("tokenizer", "seq_length") if k in data["data"]}
     for k in ("rollout", "weight_sync"):
         if k in data:
             keep[k] = data[k]
