@@ -54,25 +54,19 @@ def _run_config(ckpt: Path, overrides: list[str]):
     return from_dict(RLConfig, keep)
 
 
-def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
-             overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0) -> dict:
-    from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
-    from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.orchestrator import WorkItem
-    from rl.rollout.tasks import load_rl_tasks
-    from rl.rollout.worker import RolloutWorker
-    from rl.trainer import build_model
+def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,
+                   seed: int = 0, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Run ``samples`` episodes per task with the rollout worker's runners; (summary, transcript rows)."""
+    import copy
 
-    ckpt = resolve_checkpoint(checkpoint)
-    cfg = _run_config(ckpt, list(overrides))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    tasks = load_rl_tasks(tasks_dir)
-    model, meta = build_model(cfg, tokenizer)
-    load_checkpoint(ckpt, model, None, meta, restore_rng=False)
-    worker = RolloutWorker("eval", cfg.rollout, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
-    worker.cfg.group_size = samples
+    from rl.orchestrator import WorkItem
+    from rl.rollout.worker import RolloutWorker
+
+    rollout_cfg = copy.copy(rollout_cfg)
+    rollout_cfg.group_size = samples
+    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
     per_task, rows = [], []
-    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task")):
+    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
         result = worker.run_group(WorkItem(gid=i, prompt_index=i))
         rewards = [float(ep["reward"]) for ep in result["episodes"]]
         c = sum(r >= success_reward for r in rewards)
@@ -83,16 +77,34 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
             rows.append({"task": task.name, "sample": j, "reward": ep["reward"], "stop_reason": meta_ep.get("stop_reason"),
                          "turns": meta_ep.get("turns"), "verdict": meta_ep.get("verdict"),
                          "transcript": meta_ep.get("transcript")})
-    summary = {"checkpoint": str(ckpt), "tasks": len(tasks), "samples": samples,
+    if worker._pool is not None:
+        worker._pool.close()
+    summary = {"tasks": len(tasks), "samples": samples,
                "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
                f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
                "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
                "per_task": per_task}
+    return summary, rows
+
+
+def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
+             overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0) -> dict:
+    from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from rl.rollout.tasks import load_rl_tasks
+    from rl.trainer import build_model
+
+    ckpt = resolve_checkpoint(checkpoint)
+    cfg = _run_config(ckpt, list(overrides))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tasks = load_rl_tasks(tasks_dir)
+    model, meta = build_model(cfg, tokenizer)
+    load_checkpoint(ckpt, model, None, meta, restore_rng=False)
+    summary, rows = evaluate_model(model, tokenizer, cfg.rollout, tasks, samples, success_reward, seed)
     out = Path(output) if output else ckpt / f"eval_{Path(tasks_dir).name}.jsonl"
     with open(out, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, default=str) + "\n")
-    summary["transcripts"] = str(out)
+        fh.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+    summary.update(checkpoint=str(ckpt), transcripts=str(out))
     return summary
 
 

@@ -76,6 +76,14 @@ class WeightSyncConfig:
 
 
 @dataclass
+class HeldOutEvalConfig:
+    tasks: str = field(default="", metadata={"help": "held-out task directory evaluated during the run; empty = off"})
+    interval: int = field(default=0, metadata={"help": "evaluate every N steps (0 = off)"})
+    samples: int = field(default=4, metadata={"help": "samples per task (K of pass@K)"})
+    success_reward: float = field(default=1.0, metadata={"help": "a sample passes when its reward is at least this"})
+
+
+@dataclass
 class RLConfig:
     run: RunConfig = field(default_factory=RunConfig)
     role: Literal["auto", "trainer", "rollout"] = field(default="auto", metadata={"help": "auto: rank 0 trains, other ranks roll out; separate launches pick one"})
@@ -89,6 +97,7 @@ class RLConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: HeldOutEvalConfig = field(default_factory=HeldOutEvalConfig)
 
     def validate(self) -> "RLConfig":
         self.optim.validate()
@@ -99,6 +108,8 @@ class RLConfig:
             raise ConfigError("train.steps, train.groups_per_step and train.micro_batch_size must be >= 1")
         if self.checkpoint.interval < 1:
             raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
+        if self.eval.interval < 0 or self.eval.samples < 1 or (self.eval.interval > 0 and not self.eval.tasks):
+            raise ConfigError("eval.interval must be >= 0 and eval.samples >= 1; eval.interval > 0 needs eval.tasks")
         return self
 
     def check_runnable(self, world: int) -> None:
@@ -238,6 +249,7 @@ class Trainer:
         if "weight_sync_bytes" not in first:
             raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
+        self._eval_tasks = None
 
     def _publish(self) -> dict:
         from rl.weight_sync import ObjectStoreError
@@ -365,6 +377,8 @@ class Trainer:
                 if versions and versions[0] < self.version - 1:
                     print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
                           f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
+                if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
+                    metrics.update(self.held_out_eval())
                 console = self.step % cfg.logging.interval == 0 or self.step == total
                 self.logger.log(self.step, metrics, console=console)
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
@@ -375,6 +389,21 @@ class Trainer:
                 t.join(timeout=30)
             self.logger.close()
         return self.run_dir
+
+    def held_out_eval(self) -> dict:
+        """pass@1 / pass@K of the current weights on eval.tasks (the trainer pauses; rollout workers go on)."""
+        from rl.evaluate import evaluate_model
+        from rl.rollout.tasks import load_rl_tasks
+
+        cfg = self.cfg
+        if self._eval_tasks is None:
+            self._eval_tasks = load_rl_tasks(cfg.eval.tasks)
+        model = copy.deepcopy(self.model).to(getattr(torch, cfg.weight_sync.dtype))
+        summary, _ = evaluate_model(model, self.tokenizer, cfg.rollout, self._eval_tasks, cfg.eval.samples,
+                                    cfg.eval.success_reward, seed=cfg.train.seed + self.step, progress=False)
+        k = cfg.eval.samples
+        return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"],
+                "eval_reward_mean": summary["reward_mean"]}
 
     def save(self) -> Path:
         state = {"step": self.step, "weight_version": self.version, "orchestrator": self.orch.state_dict()}

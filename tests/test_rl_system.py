@@ -165,9 +165,12 @@ def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, 
     from rl.trainer import RLConfig, run_rl
 
     run_dir = tmp_path / "run"
-    cfg = load_config(RLConfig, None, _overrides(assets, run_dir))
+    cfg = load_config(RLConfig, None, _overrides(assets, run_dir, **{
+        "eval.tasks": assets / "tasks", "eval.interval": 2, "eval.samples": 2}))
     run_rl(cfg)
     rows = _metrics(run_dir)
+    evals = [r for r in rows if "eval_pass@1" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("loss", "reward_mean", "reward_best_of_k", "advantage_std", "kl", "mismatch_masked_fraction",
                 "routing_mismatch_token_fraction", "staleness_hist", "weight_sync_bytes", "weight_sync_seconds",
