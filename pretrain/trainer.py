@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_data
 from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.fp8 import FP8Config, apply_fp8
+from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
@@ -131,12 +131,14 @@ def architecture(mc) -> dict:
 class Layout:
     """This rank's place in the parallel layout (parallel.tp/cp/ep from config, dp inferred).
 
-    Pure data parallelism keeps the model unchanged and all-reduces gradients in one flat buffer. Tensor,
-    context and expert parallelism use megatron_composer.parallel.parallelize_model; gradients are then
-    reduced per parameter family (dense over dp x cp replicas, routed experts over expert-data-parallel
-    replicas), the grad norm counts each distinct element once, logits are vocab-sharded under tp and
-    sequence-sharded under cp. Counts and logged sums are reduced over the dp x cp ranks, which hold
-    distinct tokens.
+    Pure data parallelism keeps the model unchanged. Tensor, context and expert parallelism use
+    megatron_composer.parallel.parallelize_model; logits are vocab-sharded under tp and sequence-sharded under
+    cp. With more than one rank the optimizer is a DistributedAdamW (see `build_optimizer`): it reduces
+    gradients per parameter family (dense over dp x cp replicas, routed experts over expert-data-parallel
+    replicas) in buckets of parallel.grad_bucket_mb, counts each distinct element once in the grad norm, and
+    with parallel.zero1 shards the AdamW moments over those replicas. `reduce_gradients` / `clip_gradients`
+    do the same reduction and clipping for a plain torch optimizer. Counts and logged sums are reduced over
+    the dp x cp ranks, which hold distinct tokens.
     """
 
     def __init__(self, pcfg: ParallelConfig):
@@ -149,8 +151,13 @@ class Layout:
         self.dp_size, self.dp_rank, self.cp_rank = self.dims.dp, coords["dp"], coords["cp"]
         self.cp = pcfg.cp
         self.model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1 or pcfg.activation_checkpointing != "none"
-        if self.model_parallel:
+        if self.model_parallel or self.world > 1:
             self.groups = self.dims.build()
+
+    def build_optimizer(self, model: torch.nn.Module, cfg: OptimizerConfig):
+        """torch AdamW on one rank; DistributedAdamW (bucketed reduction, ZeRO-1 if parallel.zero1) on several."""
+        groups = self.groups if self.world > 1 else None
+        return build_optimizer(model, cfg, groups, zero1=self.pcfg.zero1, bucket_mb=self.pcfg.grad_bucket_mb)
 
     def validate(self, mc, seq_length: int) -> None:
         from megatron_composer.parallel import validate_layout
@@ -284,7 +291,8 @@ def load_hf_weights(model, path: str) -> None:
         diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
     result = model.load_state_dict(hf.state_dict(), strict=False)
-    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf.config.num_mtp_layers  # noqa: E731
+    hf_mtp_layers = hf.config.num_mtp_layers
+    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf_mtp_layers  # noqa: E731
     missing = [k for k in result.missing_keys if not fresh_mtp(k)]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {result.unexpected_keys[:3]}")
@@ -400,7 +408,8 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         model = apply_fp8(model, cfg.fp8)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = layout.build_optimizer(model, cfg.optim)
+    distributed_optimizer = isinstance(optimizer, DistributedAdamW)
     logger = MetricsLogger(run_dir, cfg.logging, is_main, to_dict(cfg))
 
     start_step = 0
@@ -427,6 +436,10 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
             f"dp={layout.dp_size} accum={batches.accumulation_steps} mbs={cfg.train.micro_batch_size}, "
             f"{flops_per_token / 1e6:.1f} MFLOP/token, peak {peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
         )
+        if distributed_optimizer:
+            replicas = f"dp x cp {layout.groups.size('dp_cp')}, expert-dp {layout.groups.size('edp')}"
+            sharding = "ZeRO-1 sharded" if optimizer.zero1 else "replicated"
+            print(f"optimizer: AdamW, {sharding} over {replicas} replicas, {optimizer.state_bytes() / 2**20:.1f} MiB of state on rank 0")
 
     if start_step == 0:
         logger.log(0, evaluate(model, valid, cfg, layout, device, autocast), console=True)
@@ -448,11 +461,17 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
                 totals[k] = totals.get(k, 0) + v.float()
             if want_routing:
                 routed.append(out.routed_experts.flatten(1, -1))
-        layout.reduce_gradients(model)
+        if distributed_optimizer:
+            optimizer.finish_grad_sync()
+        else:
+            layout.reduce_gradients(model)
         keys = sorted(totals)
         vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())
         metrics = {k.replace("lm_loss", "loss"): float(v) for k, v in zip(keys, vec)}
-        grad_norm = layout.clip_gradients(model, cfg.optim.grad_clip)
+        if distributed_optimizer:
+            grad_norm = optimizer.clip_grad_norm(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+        else:
+            grad_norm = layout.clip_gradients(model, cfg.optim.grad_clip)
         finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
@@ -462,7 +481,7 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
             skipped_in_a_row += 1
             if skipped_in_a_row > cfg.train.max_skipped_steps:
                 raise RuntimeError(f"{skipped_in_a_row} consecutive steps had non-finite loss/gradients; lower optim.lr or check the data")
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # drops the gradients (torch AdamW: set_to_none) and any ZeRO-1 gradient shards
         dt = time.perf_counter() - t0
         tokens = cfg.train.global_batch_tokens
         metrics.update(

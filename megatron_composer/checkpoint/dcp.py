@@ -14,6 +14,8 @@ replicated parameters are resharded on load).
 Parameters sharded by megatron_composer.parallel (tensor- or expert-parallel, labelled with a ShardSpec) are
 saved as DTensors over their tp/ep process group, i.e. as chunks of the full tensor; AdamW moments likewise.
 Loading builds the same view for the current layout, so DCP reads exactly the slice each rank owns.
+ZeRO-1 optimizer state (megatron_composer.parallel.data_parallel.DistributedAdamW) is stored in the same
+per-parameter form: gathered to full moments on save, re-sharded over the new replicas on load.
 """
 
 from __future__ import annotations
@@ -101,9 +103,19 @@ def _meshes(groups) -> dict:
     return {"tp_sharded": DeviceMesh.from_group(groups.tp_group, device), "expert": DeviceMesh.from_group(groups.ep_group, device)}
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, groups=None) -> dict:
+def _is_distributed(optimizer) -> bool:
+    from megatron_composer.parallel.data_parallel import DistributedAdamW
+
+    return isinstance(optimizer, DistributedAdamW)
+
+
+def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: bool = False) -> dict:
     """{"model": {fqn: tensor}, "optim": {fqn.exp_avg / .exp_avg_sq / .step}} aliasing the live tensors, so
-    dcp.save writes them and dcp.load fills them in place. AdamW state is created (zeros) if absent."""
+    dcp.save writes them and dcp.load fills them in place. AdamW state is created (zeros) if absent.
+
+    A DistributedAdamW (bucketed, possibly ZeRO-1 sharded over data-parallel replicas) contributes the same
+    per-parameter entries, gathered to full tensors (collective; skipped with for_load, which gives zeros that
+    load_checkpoint hands back to the optimizer), so its checkpoints load into any layout and optimizer."""
     from megatron_composer.parallel.layers import spec_of
 
     meshes = _meshes(groups)
@@ -113,7 +125,17 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         spec = spec_of(params[name]) if name in params else None
         model_sd[name] = _shard_view(t.detach(), spec, meshes)
     state = {"model": model_sd}
-    if optimizer is not None:
+    if optimizer is not None and _is_distributed(optimizer):
+        moments = optimizer.named_param_states(gather=not for_load)
+        optim_sd = {}
+        for name, p in params.items():
+            if not p.requires_grad:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                optim_sd[f"{name}.{key}"] = _shard_view(moments[name][key], spec_of(p), meshes)
+            optim_sd[f"{name}.step"] = torch.tensor(float(optimizer.step_count), device=p.device)
+        state["optim"] = optim_sd
+    elif optimizer is not None:
         optim_sd = {}
         for name, p in params.items():
             if not p.requires_grad:
@@ -196,12 +218,21 @@ def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.o
     ckpt = Path(ckpt)
     if expected_meta is not None:
         check_meta(ckpt, expected_meta)
-    state = training_state(model, optimizer, groups)
+    distributed = optimizer is not None and _is_distributed(optimizer)
+    state = training_state(model, optimizer, groups, for_load=distributed)
     try:
         with torch.no_grad():
             dcp.load(state, checkpoint_id=str(ckpt))
     except Exception as e:  # DCP wraps per-rank failures in CheckpointException
         raise CheckpointError(f"cannot load checkpoint '{ckpt}': {str(e).splitlines()[0][:300]}") from None
+    if distributed:  # hand the loaded full moments to the optimizer, which keeps its shard of them
+        optim_sd = state["optim"]
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        moments = {n: {k: local(optim_sd[f"{n}.{k}"]) for k in ("exp_avg", "exp_avg_sq")} for n in names}
+        # a torch AdamW checkpoint keeps a step per parameter (untouched ones lag); the optimizer has one
+        step = max((float(optim_sd[f"{n}.step"]) for n in names), default=0.0)
+        optimizer.load_named_param_states(moments, int(round(step)))
     rng_file = ckpt / "rng" / f"rank_{_rank()}.pt"
     if restore_rng and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

@@ -250,6 +250,39 @@ class DistributedAdamW:
                 if b.master is not None:
                     b.master.copy_(s["master"])
 
+    def named_param_states(self, gather: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+        """{name: {"exp_avg", "exp_avg_sq"}}: each parameter's moments as full tensors of its (local) shape,
+        the layout-independent form checkpoints store. Under ZeRO-1 this all-gathers every bucket (collective);
+        gather=False returns zeros of the same shapes instead, to be filled and handed to load_named_param_states."""
+        out = {}
+        for fam, b in self._all_buckets():
+            flats = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = getattr(b, key)
+                if not gather:
+                    flats[key] = torch.zeros(b.padded, dtype=t.dtype, device=t.device)
+                else:
+                    flats[key] = C.all_gather(t, 0, self.family_group[fam][0]) if self.zero1 else t
+            off = 0
+            for name, p in b.params:
+                out[name] = {k: f[off:off + p.numel()].view(p.shape).clone() for k, f in flats.items()}
+                off += p.numel()
+        return out
+
+    @torch.no_grad()
+    def load_named_param_states(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Inverse of named_param_states: keep this rank's slice of each bucket. fp32 masters restart from the
+        (just loaded) parameters."""
+        self.step_count = int(step)
+        for _, b in self._all_buckets():
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = torch.cat([states[name][key].reshape(-1).float() for name, _ in b.params])
+                flat = torch.nn.functional.pad(flat, (0, b.padded - b.numel))
+                getattr(b, key).copy_(flat[b.lo:b.hi] if self.zero1 else flat)
+            if b.master is not None:
+                flat = self._flat_params(b)
+                b.master.copy_(flat[b.lo:b.hi] if self.zero1 else flat)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
         total = 0

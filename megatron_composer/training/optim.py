@@ -1,4 +1,5 @@
-"""AdamW and learning-rate schedules (linear warmup, then cosine or warmup-stable-decay)."""
+"""AdamW (torch, or data-parallel with ZeRO-1) and learning-rate schedules (linear warmup, then cosine or
+warmup-stable-decay)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,17 @@ def _no_decay(name: str, p: torch.nn.Parameter) -> bool:
     return p.ndim < 2 or "norm" in name or name.endswith(".bias")
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, groups=None, *, zero1: bool = False,
+                    bucket_mb: float = 25.0):
+    """torch AdamW for one process. Given the ParallelGroups of a multi-rank layout, a DistributedAdamW
+    instead: it reduces the gradients itself (finish_grad_sync, in buckets of bucket_mb), clips them by the
+    global norm, and with zero1 shards the AdamW moments over the data-parallel replicas."""
+    if groups is not None:
+        from megatron_composer.parallel.data_parallel import DistributedAdamW
+
+        return DistributedAdamW(model.named_parameters(), groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, zero1=zero1, bucket_mb=bucket_mb,
+                                decay_filter=lambda name, p: not _no_decay(name, p))
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
