@@ -108,18 +108,28 @@ def malformed_tool_calls(transcript: Transcript) -> float:
 _DONE_STATUSES = ("completed", "cancelled", "canceled", "done")
 
 
-def unfinished_todos(transcript: Transcript, tool_names: tuple[str, ...] = ("todo_write",)) -> float:
-    """Number of todo items not completed or cancelled in the final todo list.
+def unfinished_todos(transcript: Transcript, tool_names: tuple[str, ...] = ("todo", "todo_write")) -> float:
+    """Number of todo items not completed (or cancelled) at the end of the transcript.
 
-    The todo list is kept with a ``todo_write`` tool whose arguments are ``{"todos": [{"id", "content",
-    "status"}], "merge": bool}``: ``merge=false`` replaces the list, ``merge=true`` updates items by id.
+    Two tool shapes are read: the project's agent tool ``todo`` (rl.envs.tools: ``{"action": "add", "text"}``
+    appends an item with the next id 1, 2, ...; ``{"action": "complete", "id"}`` closes one), and a
+    ``todo_write`` tool whose arguments are ``{"todos": [{"id", "content", "status"}], "merge": bool}``:
+    ``merge=false`` replaces the list, ``merge=true`` updates items by id.
     """
     todos: dict[str, str] = {}
+    added = 0
     for calls, _ in _assistant_tool_calls(transcript):
         for call in calls:
             if call["name"] not in tool_names:
                 continue
             args = call["arguments"]
+            if "action" in args:  # the agent's own `todo` tool
+                if args["action"] == "add" and args.get("text"):
+                    added += 1
+                    todos[str(added)] = "pending"
+                elif args["action"] == "complete" and str(args.get("id")) in todos:
+                    todos[str(args["id"])] = "completed"
+                continue
             items = args.get("todos") or []
             if not args.get("merge", False):
                 todos = {}

@@ -100,6 +100,21 @@ def test_unfinished_todos_replace_and_merge():
     assert unfinished_todos([{"role": "assistant", "content": call("run", cmd="ls")}]) == 0.0
 
 
+def test_unfinished_todos_reads_the_agents_todo_tool():
+    """The agent's own `todo` tool (rl.envs.tools): add gives ids 1, 2, ...; complete closes one by id."""
+    msgs = [call("todo", action="add", text="read the failing test"),
+            call("todo", action="add", text="fix the parser"),
+            call("todo", action="add"),                      # malformed: no text, adds nothing
+            call("todo", action="complete", id=1),
+            call("todo", action="complete", id=7),           # no such id: nothing changes
+            call("todo", action="list"),
+            call("todo", action="add", text="run the tests")]
+    transcript = [{"role": "assistant", "content": m} for m in msgs]
+    assert unfinished_todos(transcript) == 2.0  # items 2 and 3 are open
+    transcript.append({"role": "assistant", "content": call("todo", action="complete", id=3)})
+    assert unfinished_todos(transcript) == 1.0
+
+
 def test_reasoning_in_code_comments():
     code = ("def f(x):\n"
             "    # Let me handle the empty case first\n"
