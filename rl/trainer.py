@@ -49,6 +49,7 @@ from rl.algorithm import (
 )
 from rl.orchestrator import Orchestrator, QueueError, WorkQueue
 from rl.rollout.worker import RolloutConfig, RolloutWorker
+from rl.weight_sync import ObjectStore, ObjectStoreError, WeightSyncConfig
 
 
 @dataclass
@@ -66,13 +67,6 @@ class RLTrainConfig:
     groups_per_step: int = field(default=2, metadata={"help": "prompts (groups of rollout.group_size episodes) per step"})
     micro_batch_size: int = field(default=8, metadata={"help": "sequences per forward pass"})
     max_skipped_steps: int = 20
-
-
-@dataclass
-class WeightSyncConfig:
-    url: str = field(default="", metadata={"help": "object store for weights: a directory, file:// or s3://; empty = run.dir/weights"})
-    snapshot_interval: int = field(default=20, metadata={"help": "a full snapshot every N versions, XOR deltas in between"})
-    dtype: Literal["bfloat16", "float32"] = field(default="bfloat16", metadata={"help": "dtype the rollout engine runs in (and the deltas are taken of)"})
 
 
 @dataclass
@@ -124,6 +118,10 @@ def weights_url(cfg: RLConfig) -> str:
     return cfg.weight_sync.url or str(Path(cfg.run.dir) / "weights")
 
 
+def weight_store(cfg: RLConfig) -> ObjectStore:
+    return cfg.weight_sync.open_store(weights_url(cfg))
+
+
 def build_model(cfg: RLConfig, tokenizer):
     from megatron_composer.model import Transformer
 
@@ -137,15 +135,6 @@ def sync_state_dict(model: torch.nn.Module, dtype: str) -> dict[str, torch.Tenso
     return {k: (v.detach().to(dt) if v.is_floating_point() else v.detach()).cpu() for k, v in model.state_dict().items()}
 
 
-def _weight_sync():
-    try:
-        from rl.weight_sync import ObjectStore, WeightPublisher, WeightSubscriber
-    except ImportError as e:
-        raise ImportError(f"rl.weight_sync is not available ({e}); the RL run needs its ObjectStore, "
-                          "WeightPublisher and WeightSubscriber") from None
-    return ObjectStore, WeightPublisher, WeightSubscriber
-
-
 def local_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -153,11 +142,10 @@ def local_device() -> torch.device:
 
 
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> RolloutWorker:
-    ObjectStore, _, WeightSubscriber = _weight_sync()
     model, _ = build_model(cfg, tokenizer)
     model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
-    return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, WeightSubscriber(ObjectStore(weights_url(cfg))),
+    return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
                          seed=seed)
 
 
@@ -238,11 +226,9 @@ class Trainer:
             self.logger.truncate_after(self.step)
             print(f"resumed from {self.latest} at step {self.step}; {len(self.orch.inflight)} unconsumed groups "
                   f"re-issued, sampler at prompt {self.orch.sampler.position}/{len(self.tasks)}", flush=True)
-        ObjectStore, WeightPublisher, _ = _weight_sync()
-        self.publisher = WeightPublisher(ObjectStore(weights_url(cfg)), snapshot_interval=cfg.weight_sync.snapshot_interval)
+        self.publisher = cfg.weight_sync.publisher(weight_store(cfg))
         # Versions only grow, also across resumes: a resumed trainer publishes after whatever is in the store.
-        _, _, WeightSubscriber = _weight_sync()
-        stored = WeightSubscriber(ObjectStore(weights_url(cfg))).latest_version()
+        stored = cfg.weight_sync.subscriber(weight_store(cfg)).latest_version()
         self.version = 0 if stored is None else stored + 1
         self.publish_failures = 0
         first = self._publish()
@@ -252,8 +238,6 @@ class Trainer:
         self._eval_tasks = None
 
     def _publish(self) -> dict:
-        from rl.weight_sync import ObjectStoreError
-
         try:
             stats = self.publisher.publish(sync_state_dict(self.model, self.cfg.weight_sync.dtype), self.version)
         except ObjectStoreError as e:

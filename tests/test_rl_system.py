@@ -14,15 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl.weight_sync as weight_sync
 from megatron_composer.config import load_config
 from rl.orchestrator import Orchestrator, QueueError, WorkItem, WorkQueue
 
 ROOT = Path(__file__).resolve().parents[1]
-
-needs_weight_sync = pytest.mark.skipif(not hasattr(weight_sync, "WeightPublisher"),
-                                       reason="rl.weight_sync (ObjectStore/WeightPublisher/WeightSubscriber) not in this tree")
-
 
 # -- orchestrator and queue (no model) ----------------------------------------------------------------------
 def _result(item: WorkItem, version: int, rewards=(0.0, 1.0)) -> dict:
@@ -160,7 +155,6 @@ def _trained_prompts(run_dir: Path) -> list[int]:
     return sorted(p for r in _metrics(run_dir) for p in r["prompts"])
 
 
-@needs_weight_sync
 def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, tmp_path):
     from rl.trainer import RLConfig, run_rl
 
@@ -196,7 +190,6 @@ def _wait_for(cond, timeout: float, what: str, details=lambda: ""):
         time.sleep(0.05)
 
 
-@needs_weight_sync
 def test_killed_rollout_worker_mid_episode_loses_and_duplicates_nothing(assets, tmp_path):
     run_dir = tmp_path / "run"
     common = _overrides(assets, run_dir, **{"rollout.max_new_tokens": 24})
@@ -229,7 +222,6 @@ def test_killed_rollout_worker_mid_episode_loses_and_duplicates_nothing(assets, 
     assert _metrics(run_dir)[-1]["requeued_crashed"] >= 1
 
 
-@needs_weight_sync
 def test_trainer_killed_after_a_checkpoint_resumes_the_epoch(assets, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"),
@@ -332,7 +324,6 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
         assert 0.0 <= ep["reward"] <= 1.0 and ep["meta"]["turns"] >= 1
 
 
-@needs_weight_sync
 def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch):
     from rl.trainer import RLConfig, Trainer
     from rl.weight_sync import ObjectStoreError, WeightPublisher

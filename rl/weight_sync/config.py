@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from .publisher import WeightPublisher
 from .store import ObjectStore
@@ -31,6 +31,8 @@ class WeightSyncConfig:
     retry_base_seconds: float = _f(0.5, "first backoff delay; doubles per retry")
     max_refetch: int = _f(3, "re-downloads of a shard that fails its checksum before the version is refused")
     poll_seconds: float = _f(1.0, "how often rollout workers look for a new version")
+    dtype: Literal["bfloat16", "float32"] = _f("bfloat16", "dtype the rollout engine runs in (and the deltas are "
+                                                            "taken of)")
 
     def open_store(self, default_url: str | None = None) -> ObjectStore:
         url = self.url or default_url
