@@ -1,6 +1,9 @@
 """Plot loss curves (and validation loss / MTP agreement when present) of one or more runs to a PNG.
+For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group and, when the rows carry
+staleness_hist, how many trained tokens were 0, 1, 2, ... weight versions old at each step.
 
     python tools/plot_metrics.py runs/tiny/pretrain runs/tiny/long_context --output loss.png
+    python tools/plot_metrics.py runs/tiny/rl --output rl.png
 """
 
 from __future__ import annotations
@@ -24,6 +27,39 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
+def plot_rl(plt, data: list[tuple[Path, list[dict]]], output: str) -> int:
+    """Reward (mean and best-of-K per group) of each run, and the staleness of trained tokens per step."""
+    has_staleness = any("staleness_hist" in row for _, rows in data for row in rows)
+    fig, axes = plt.subplots(1, 2 if has_staleness else 1, figsize=(12 if has_staleness else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    for run, rows in data:
+        mean = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
+        best = [(r["step"], r["reward_best_of_k"]) for r in rows if "reward_best_of_k" in r]
+        line, = ax.plot(*zip(*mean), lw=1, label=f"{run.name} mean")
+        if best:
+            ax.plot(*zip(*best), "--", lw=1, color=line.get_color(), label=f"{run.name} best-of-K")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    if has_staleness:
+        run, rows = next((run, rows) for run, rows in data if any("staleness_hist" in r for r in rows))
+        rows = [r for r in rows if "staleness_hist" in r]
+        ages = sorted({int(k) for r in rows for k in r["staleness_hist"]})
+        steps = [r["step"] for r in rows]
+        counts = [[r["staleness_hist"].get(str(a), 0) for r in rows] for a in ages]
+        axes[0][1].stackplot(steps, *counts, labels=[f"{a} version(s) old" for a in ages])
+        axes[0][1].set_xlabel("step")
+        axes[0][1].set_ylabel(f"trained tokens ({run.name})")
+        axes[0][1].set_title("staleness of trained tokens", fontsize=9)
+        axes[0][1].legend(fontsize=8)
+    fig.tight_layout()
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    print(f"wrote {output}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
@@ -42,6 +78,8 @@ def main(argv=None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if any("reward_mean" in row for _, rows in data for row in rows):
+        return plot_rl(plt, data, args.output)
     has_mtp = any("mtp1_top1" in row for _, rows in data for row in rows)
     fig, axes = plt.subplots(1, 2 if has_mtp else 1, figsize=(12 if has_mtp else 7, 4.5), squeeze=False)
     ax = axes[0][0]
