@@ -161,6 +161,10 @@ class ScriptVerifier:
         sandbox.copy_in(self.tests_dir, "/tests")
         res = sandbox.exec(self.command, cwd=task.workdir, env=self.env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
+        if res.timed_out:
+            # A verifier that hangs has not decided; whatever it wrote before hanging does not count.
+            details["error"] = f"the verifier timed out after {task.limits.verifier_timeout_s:g} s"
+            return VerifyResult(0.0, res.output, details, res)
         text = sandbox.read_text("/logs/verifier/reward.txt")
         if text is not None:
             try:
