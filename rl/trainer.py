@@ -146,7 +146,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> Rollou
     model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
-                         seed=seed)
+                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds)
 
 
 def _episodes(result: dict) -> list[Episode]:

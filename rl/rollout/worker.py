@@ -48,7 +48,6 @@ class RolloutConfig:
     lease_s: float = field(default=60.0, metadata={"help": "a claimed group whose worker stops heartbeating this long is re-queued"})
     heartbeat_s: float = field(default=2.0, metadata={"help": "how often a worker renews the lease of its group"})
     embedded_workers: int = field(default=1, metadata={"help": "rollout worker threads inside the trainer when the run has one process"})
-    weight_poll_s: float = field(default=0.2, metadata={"help": "how often workers look for a new weight version"})
     max_batch_size: int = 64
     max_seq_len: int = field(default=1024, metadata={"help": "engine context: prompt + all turns of an agent episode"})
     cache_memory_mb: int = 256
@@ -127,9 +126,10 @@ class TokenLedger:
 
 class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
-                 queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None):
+                 queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
         self.subscriber = subscriber
+        self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
         self.seed = seed
         self.engine = Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                              cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
@@ -147,9 +147,9 @@ class RolloutWorker:
         while (v := self.subscriber.latest_version()) is None:
             if self.queue.stop_requested(self.name) or time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.name}: no weights were published within {timeout_s:.0f}s")
-            time.sleep(self.cfg.weight_poll_s)
+            time.sleep(self.poll_seconds)
         self._apply(v, self.subscriber.fetch(v))
-        self.subscriber.start(self.cfg.weight_poll_s)
+        self.subscriber.start(self.poll_seconds)
         return v
 
     def _apply(self, version: int, state_dict: dict) -> None:
