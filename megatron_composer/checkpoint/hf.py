@@ -276,9 +276,14 @@ def _shard_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def _header_shape(file: Path, key: str) -> list[int]:
-    with safe_open(str(file), "pt") as f:
-        return list(f.get_slice(key).get_shape())
+def _header_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
+    """Every tensor's shape from the shard headers, opening each shard once."""
+    shapes: dict[str, list[int]] = {}
+    for shard in sorted(set(files.values())):
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                shapes[k] = list(f.get_slice(k).get_shape())
+    return shapes
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -300,6 +305,7 @@ def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True)
     plan: list[tuple[str, Target]] = []
     filled: dict[str, set] = {}
     scales = {k for k in files if k.endswith(".weight_scale_inv")}
+    shapes = _header_shapes(files)
     for key in sorted(files):
         if key in scales or _is_ignorable(key):
             continue
@@ -308,7 +314,7 @@ def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True)
             raise CheckpointError(
                 f"{files[key].name}: tensor '{key}' has no place in a model with num_layers={cfg.num_layers}, "
                 f"num_mtp_layers={cfg.num_mtp_layers}; the checkpoint does not match config.json")
-        shape = _header_shape(files[key], key)
+        shape = shapes[key]
         if target.name.endswith("w1+w3"):
             base = target.name[:-len("w1+w3")]
             want = list(params[base + "w1"].shape)
@@ -335,7 +341,7 @@ def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True)
     tied = {"output.weight"} if cfg.tie_word_embeddings else set()
     optional = {n for n in params if n.endswith("e_score_correction_bias") or n == "rope.inv_freq"}
     for name, p in params.items():
-        if name in tied or name in optional or name == "rope.inv_freq":
+        if name in tied or name in optional:
             continue
         got = filled.get(name)
         if got is None:
