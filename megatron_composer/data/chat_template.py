@@ -37,8 +37,10 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return f"{TOOL_CALL_START}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{TOOL_CALL_END}"
 
 
-def _assistant_body(message: dict) -> str:
-    text = message.get("content") or ""
+def structured_tool_calls(message: dict) -> tuple[list[dict[str, Any]], list[str]]:
+    """A message's OpenAI-style `tool_calls` ({"function": {"name", "arguments"}} or {"name", "arguments"},
+    arguments as an object or a JSON string) as ({"name", "arguments"} calls, errors of malformed ones)."""
+    calls, errors = [], []
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call)
         args = fn.get("arguments", {})
@@ -46,8 +48,19 @@ def _assistant_body(message: dict) -> str:
             try:
                 args = json.loads(args)
             except json.JSONDecodeError:
-                raise ChatFormatError(f"tool call arguments are not valid JSON: {args[:80]!r}") from None
-        text += format_tool_call(fn["name"], args)
+                errors.append(f"tool call '{fn.get('name')}' arguments are not valid JSON: {args[:80]!r}")
+                continue
+        calls.append({"name": fn.get("name"), "arguments": args})
+    return calls, errors
+
+
+def _assistant_body(message: dict) -> str:
+    calls, errors = structured_tool_calls(message)
+    if errors:
+        raise ChatFormatError(errors[0])
+    text = message.get("content") or ""
+    for call in calls:
+        text += format_tool_call(call["name"], call["arguments"])
     return text
 
 

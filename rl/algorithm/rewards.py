@@ -12,14 +12,13 @@ with the signature ``f(transcript) -> float`` can be plugged in by its ``module:
 from __future__ import annotations
 
 import importlib
-import json
 import re
 from collections import Counter
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from megatron_composer.data.chat_template import parse_assistant
+from megatron_composer.data.chat_template import parse_assistant, structured_tool_calls
 
 Number = Union[float, int, torch.Tensor]
 Transcript = list[dict[str, Any]]
@@ -85,19 +84,8 @@ def _assistant_tool_calls(transcript: Transcript) -> Iterable[tuple[list[dict], 
         if message.get("role") != "assistant":
             continue
         parsed = parse_assistant(message.get("content") or "")
-        calls = list(parsed.tool_calls)
-        errors = list(parsed.errors)
-        for call in message.get("tool_calls") or []:
-            fn = call.get("function", call)
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    errors.append(f"tool call '{fn.get('name')}' arguments are not valid JSON")
-                    continue
-            calls.append({"name": fn.get("name"), "arguments": args})
-        yield calls, errors
+        structured, structured_errors = structured_tool_calls(message)
+        yield list(parsed.tool_calls) + structured, list(parsed.errors) + structured_errors
 
 
 def malformed_tool_calls(transcript: Transcript) -> float:
