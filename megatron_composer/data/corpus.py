@@ -36,22 +36,27 @@ def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py"
     return files
 
 
+def iter_jsonl(path: Path | str, error: type[Exception] = CorpusError) -> Iterator[tuple[int, object]]:
+    """(line number, record) of each non-blank line; a line that is not JSON raises `error` naming it."""
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line") from None
+
+
 def iter_documents(files: Sequence[Path], json_key: str = "text") -> Iterator[str]:
     """Yield one document per JSONL record (its `json_key` field) or per source file."""
     for f in files:
         if f.suffix in (".jsonl", ".json"):
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise CorpusError(f"{f}:{lineno} is not valid JSON ({e.msg}); fix or remove the line") from None
-                    text = record.get(json_key) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise CorpusError(f"{f}:{lineno} has no string field '{json_key}'; pass --json-key")
-                    yield text
+            for lineno, record in iter_jsonl(f):
+                text = record.get(json_key) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise CorpusError(f"{f}:{lineno} has no string field '{json_key}'; pass --json-key")
+                yield text
         else:
             text = f.read_text(encoding="utf-8", errors="replace")
             if text.strip():

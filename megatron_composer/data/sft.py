@@ -9,13 +9,13 @@ position_ids restart at every conversation so attention stays inside it, and pad
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from megatron_composer.data.chat_template import ChatFormatError, render_segments
+from megatron_composer.data.corpus import iter_jsonl
 from megatron_composer.data.pretrain_data import DataError
 
 
@@ -37,18 +37,11 @@ def read_conversations(paths: list[str]) -> list[list[dict]]:
     for path in paths:
         if not Path(path).is_file():
             raise DataError(f"SFT data file '{path}' is missing; data.paths must list chat JSONL files")
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line") from None
-                messages = record.get("messages") if isinstance(record, dict) else record
-                if not isinstance(messages, list) or not messages:
-                    raise DataError(f"{path}:{lineno} needs a non-empty 'messages' list")
-                conversations.append(messages)
+        for lineno, record in iter_jsonl(path, DataError):
+            messages = record.get("messages") if isinstance(record, dict) else record
+            if not isinstance(messages, list) or not messages:
+                raise DataError(f"{path}:{lineno} needs a non-empty 'messages' list")
+            conversations.append(messages)
     if not conversations:
         raise DataError(f"no conversations in {paths}")
     return conversations
