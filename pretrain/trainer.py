@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
 from megatron_composer.config import ConfigError, save_config, to_dict
@@ -28,11 +27,12 @@ from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.data_parallel import DistributedAdamW
-from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
+from megatron_composer.parallel.dims import ParallelConfig
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
-from megatron_composer.training.optim import OptimizerConfig, build_optimizer, lr_at, set_lr
-from pretrain.losses import MTPLossConfig, pretrain_loss, shift_left_local, token_counts
+from megatron_composer.training.optim import OptimizerConfig, lr_at, set_lr
+from pretrain.layout import Layout
+from pretrain.losses import MTPLossConfig, pretrain_loss, token_counts
 
 
 @dataclass
@@ -126,134 +126,6 @@ def model_config(cfg: PretrainConfig, tokenizer):
 
 def architecture(mc) -> dict:
     return {k: v for k, v in to_dict(mc).items() if k not in _NON_ARCH_FIELDS}
-
-
-class Layout:
-    """This rank's place in the parallel layout (parallel.tp/cp/ep from config, dp inferred).
-
-    Pure data parallelism keeps the model unchanged. Tensor, context and expert parallelism use
-    megatron_composer.parallel.parallelize_model; logits are vocab-sharded under tp and sequence-sharded under
-    cp. With more than one rank the optimizer is a DistributedAdamW (see `build_optimizer`): it reduces
-    gradients per parameter family (dense over dp x cp replicas, routed experts over expert-data-parallel
-    replicas) in buckets of parallel.grad_bucket_mb, counts each distinct element once in the grad norm, and
-    with parallel.zero1 shards the AdamW moments over those replicas. `reduce_gradients` / `clip_gradients`
-    do the same reduction and clipping for a plain torch optimizer. Counts and logged sums are reduced over
-    the dp x cp ranks, which hold distinct tokens.
-    """
-
-    def __init__(self, pcfg: ParallelConfig):
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.pcfg = pcfg
-        self.dims = ParallelDims.from_config(pcfg, self.world)
-        self.groups = None
-        coords = self.dims.coords(self.rank)
-        self.dp_size, self.dp_rank, self.cp_rank = self.dims.dp, coords["dp"], coords["cp"]
-        self.cp = pcfg.cp
-        self.model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1 or pcfg.activation_checkpointing != "none"
-        if self.model_parallel or self.world > 1:
-            self.groups = self.dims.build()
-
-    def build_optimizer(self, model: torch.nn.Module, cfg: OptimizerConfig):
-        """torch AdamW on one rank; DistributedAdamW (bucketed reduction, ZeRO-1 if parallel.zero1) on several."""
-        groups = self.groups if self.world > 1 else None
-        return build_optimizer(model, cfg, groups, zero1=self.pcfg.zero1, bucket_mb=self.pcfg.grad_bucket_mb)
-
-    def validate(self, mc, seq_length: int) -> None:
-        from megatron_composer.parallel import validate_layout
-
-        validate_layout(self.dims, mc, seq_len=seq_length)
-
-    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not self.model_parallel:
-            return model
-        from megatron_composer.parallel import parallelize_model
-
-        return parallelize_model(model, self.groups, activation_checkpointing=self.pcfg.activation_checkpointing)
-
-    @property
-    def vocab_group(self):
-        return self.groups.tp_group if self.groups is not None and self.dims.tp > 1 else None
-
-    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's context-parallel slice of each [B, S] tensor (identity without CP)."""
-        if self.cp == 1:
-            return batch
-        from megatron_composer.parallel import shard_sequence
-
-        return {k: shard_sequence(v, 1, self.cp, self.cp_rank).contiguous() for k, v in batch.items()}
-
-    @property
-    def shift_left(self):
-        if self.cp == 1:
-            return shift_left_local
-        from megatron_composer.parallel import cp_shift_left
-
-        group = self.groups.cp_group
-        return lambda x, k, fill=0: cp_shift_left(x, k, 1, group, fill)
-
-    def _family(self, p) -> str:
-        from megatron_composer.parallel.layers import spec_of
-
-        return "expert" if spec_of(p).kind == "expert" else "dense"
-
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over replicas (each micro-batch loss is already normalised by the global count)."""
-        if self.world == 1:
-            return
-        params = [p for p in model.parameters() if p.grad is not None]
-        if self.groups is None:
-            _all_reduce_flat([p.grad for p in params], None)
-            return
-        from megatron_composer.parallel.layers import spec_of
-
-        if self.dims.tp > 1:  # sequence-sharded inputs leave partial sums across tp
-            _all_reduce_flat([p.grad for p in params if spec_of(p).kind == "tp_partial"], self.groups.tp_group)
-        for family, kind in (("dense", "dp_cp"), ("expert", "edp")):
-            if self.groups.size(kind) > 1:
-                _all_reduce_flat([p.grad for p in params if self._family(p) == family], self.groups.group(kind))
-
-    def clip_gradients(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradient (each distinct element counted once); scales it to max_norm."""
-        max_norm = max_norm if max_norm > 0 else float("inf")
-        if self.groups is None:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        from megatron_composer.parallel.layers import spec_of
-
-        sq = torch.zeros((), dtype=torch.float64)
-        first_replica = {kind: self.groups.ranks(kind).index(self.rank) == 0 for kind in ("dp_cp", "edp")}
-        grads = []
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            kind = spec_of(p).kind
-            distinct = kind in ("tp_sharded", "expert") or self.groups.tp_rank == 0
-            if distinct and first_replica["edp" if kind == "expert" else "dp_cp"]:
-                sq += p.grad.double().square().sum().cpu()
-        dist.all_reduce(sq)
-        norm = sq.sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks holding distinct tokens (dp x cp)."""
-        if self.world > 1:
-            dist.all_reduce(t, group=self.groups.group("dp_cp") if self.groups is not None else None)
-        return t
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _autocast(precision: str, device: torch.device):
@@ -461,17 +333,10 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
                 totals[k] = totals.get(k, 0) + v.float()
             if want_routing:
                 routed.append(out.routed_experts.flatten(1, -1))
-        if distributed_optimizer:
-            optimizer.finish_grad_sync()
-        else:
-            layout.reduce_gradients(model)
+        grad_norm = layout.finish_gradients(model, optimizer, cfg.optim.grad_clip)
         keys = sorted(totals)
         vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())
         metrics = {k.replace("lm_loss", "loss"): float(v) for k, v in zip(keys, vec)}
-        if distributed_optimizer:
-            grad_norm = optimizer.clip_grad_norm(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
-        else:
-            grad_norm = layout.clip_gradients(model, cfg.optim.grad_clip)
         finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
