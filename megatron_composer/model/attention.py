@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.causal_attention import causal_attention
 from .args import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rope, softmax_scale
@@ -33,7 +34,13 @@ def document_ids(position_ids_BS: torch.Tensor) -> Optional[torch.Tensor]:
 
 def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
                    doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
-    """Causal attention (within documents when doc_ids_BS is given). k/v may have fewer heads (GQA)."""
+    """Causal attention (within documents when doc_ids_BS is given). k/v may have fewer heads (GQA).
+
+    On CPU the query-block kernel (megatron_composer/kernels/causal_attention.py) is faster than SDPA's and
+    skips keys of earlier documents; under a torch function mode (batch-invariant numerics, tracing) the
+    standard SDPA op is kept so the mode sees it."""
+    if q_BHSD.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled():
+        return causal_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
     if k_BHSD.shape[1] != q_BHSD.shape[1]:
         rep = q_BHSD.shape[1] // k_BHSD.shape[1]
         k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)

@@ -1,0 +1,153 @@
+"""Causal (document-aware) softmax attention for CPU, by query blocks, with its reference next to it.
+
+Why not `scaled_dot_product_attention` on CPU: its flash kernel walks small q/k tiles whose per-tile work is
+dominated by overhead at the head dims of MoE models (MLA: 192/128, the tiny configs 48/32), and with a
+document mask it falls back to materialising [B, H, S, S]. Here each block of query rows is one batched
+matmul against exactly the keys it may see (from the earliest document start in the block up to the
+block's last row), a float32 softmax, and one batched matmul with V. Backward reuses the probabilities when
+they are small (short sequences: saves a matmul and an exp per score) and otherwise recomputes them from the
+saved log-sum-exp, so memory stays O(S) per head beyond one block of scores.
+
+GQA without repeating K/V: queries are laid out [B*KV, S, H/KV, D], so the H/KV heads sharing a K/V head
+are extra rows of the same matmul.
+
+    causal_attention(q [B,H,S,Dqk], k [B,KV,S,Dqk], v [B,KV,S,Dv], scale, doc_ids [B,S] or None) -> [B,H,S,Dv]
+    reference_attention(...)  # same contract through SDPA with an explicit mask, for the tests
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# Scores of one query block are kept under this many float32 elements (rows x keys x batch*kv-heads).
+_BLOCK_ELEMENTS = 1 << 22
+# Probabilities of a whole call are kept for backward (instead of recomputed) up to this many elements.
+_SAVED_PROB_ELEMENTS = 1 << 24
+
+
+def _rows_per_block(n: int, rep: int, seq: int) -> int:
+    """Query positions per block: about 64 matmul rows (q heads sharing a K/V head count as rows), fewer
+    when the whole block of scores would pass _BLOCK_ELEMENTS."""
+    rows = max(1, 64 // rep)
+    while rows > 1 and n * rows * rep * seq > _BLOCK_ELEMENTS:
+        rows //= 2
+    return rows
+
+
+def _doc_starts(doc_ids_BS: Optional[torch.Tensor], S: int) -> Optional[torch.Tensor]:
+    """Index of the first token of each token's document [B, S], or None for one document per row."""
+    if doc_ids_BS is None:
+        return None
+    idx = torch.arange(S, device=doc_ids_BS.device).expand_as(doc_ids_BS)
+    new_doc = F.pad(doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1], (1, 0), value=True)
+    return torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+class _Blocks:
+    """The query blocks of one call: (first row, end row, first key, keep-mask or None)."""
+
+    def __init__(self, B: int, KV: int, rep: int, S: int, doc_ids_BS: Optional[torch.Tensor], device):
+        rows = _rows_per_block(B * KV, rep, S)
+        starts = _doc_starts(doc_ids_BS, S)
+        self.items = []
+        for s0 in range(0, S, rows):
+            e = min(S, s0 + rows)
+            k0 = 0 if starts is None else int(starts[:, s0].min())  # keys before every row's document: skipped
+            q_pos = torch.arange(s0, e, device=device)
+            k_pos = torch.arange(k0, e, device=device)
+            if doc_ids_BS is None:  # only the block's own square can hold keys after a row
+                m0 = s0
+                keep = (k_pos[None, m0 - k0:] <= q_pos[:, None])[None]  # [1, rows, e - s0]
+            else:
+                m0 = k0
+                keep = (k_pos[None, :] <= q_pos[:, None]) & (doc_ids_BS[:, s0:e, None] == doc_ids_BS[:, None, k0:e])
+            # masks keys m0:e; as [B, 1, rows, 1, keys] against scores viewed [B, KV, rows, rep, keys]
+            self.items.append((s0, e, k0, m0, ~keep[:, None, :, None, :]))
+        self.prob_elements = B * KV * rep * sum((e - k0) * (e - s0) for s0, e, k0, _, _ in self.items)
+
+
+def _block_scores(q_NRD, k_NLD, s0, e, k0, m0, drop, scale, B, KV, rep):
+    """Scores of rows s0:e against keys k0:e, scaled and masked: [N, (e-s0)*rep, e-k0] float32."""
+    s = torch.bmm(q_NRD[:, s0 * rep:e * rep], k_NLD[:, k0:e].transpose(1, 2)).mul_(scale)
+    s.view(B, KV, e - s0, rep, e - k0)[..., m0 - k0:].masked_fill_(drop, float("-inf"))
+    return s
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS):
+        B, H, S, Dq = q_BHSD.shape
+        KV, Dv = k_BKSD.shape[1], v_BKSD.shape[-1]
+        rep = H // KV
+        ct = torch.promote_types(q_BHSD.dtype, torch.float32)
+        # [B*KV, S*rep, D]: rows ordered (position, head within the K/V group)
+        q = q_BHSD.to(ct).view(B, KV, rep, S, Dq).transpose(2, 3).reshape(B * KV, S * rep, Dq)
+        k = k_BKSD.to(ct).reshape(B * KV, S, Dq)
+        v = v_BKSD.to(ct).reshape(B * KV, S, Dv)
+        blocks = _Blocks(B, KV, rep, S, doc_ids_BS, q.device)
+        out = q.new_empty(B * KV, S * rep, Dv)
+        lse = q.new_empty(B * KV, S * rep)
+        keep_probs = blocks.prob_elements <= _SAVED_PROB_ELEMENTS
+        probs = []
+        for s0, e, k0, m0, drop in blocks.items:
+            p = _block_scores(q, k, s0, e, k0, m0, drop, scale, B, KV, rep)
+            m = p.amax(dim=-1, keepdim=True)  # every row sees at least itself: finite
+            denom = p.sub_(m).exp_().sum(dim=-1, keepdim=True)
+            p.div_(denom)
+            lse[:, s0 * rep:e * rep] = (m + denom.log()).squeeze(-1)
+            torch.bmm(p, v[:, k0:e], out=out[:, s0 * rep:e * rep])
+            if keep_probs:
+                probs.append(p)
+        ctx.save_for_backward(q, k, v, out, lse, *probs)
+        ctx.blocks, ctx.scale, ctx.shape, ctx.dtypes = blocks, scale, (B, H, KV, rep, S), (
+            q_BHSD.dtype, k_BKSD.dtype, v_BKSD.dtype)
+        return out.view(B, KV, S, rep, Dv).transpose(2, 3).reshape(B, H, S, Dv).to(q_BHSD.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_BHSD):
+        q, k, v, out, lse, *probs = ctx.saved_tensors
+        B, H, KV, rep, S = ctx.shape
+        scale = ctx.scale
+        Dv = v.shape[-1]
+        do = dout_BHSD.to(q.dtype).view(B, KV, rep, S, Dv).transpose(2, 3).reshape(B * KV, S * rep, Dv)
+        delta = (do * out).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for i, (s0, e, k0, m0, drop) in enumerate(ctx.blocks.items):
+            r0, r1 = s0 * rep, e * rep
+            if probs:
+                p = probs[i]
+            else:
+                p = _block_scores(q, k, s0, e, k0, m0, drop, scale, B, KV, rep).sub_(lse[:, r0:r1, None]).exp_()
+            dv[:, k0:e] += torch.bmm(p.transpose(1, 2), do[:, r0:r1])
+            ds = torch.bmm(do[:, r0:r1], v[:, k0:e].transpose(1, 2))
+            ds.sub_(delta[:, r0:r1, None]).mul_(p).mul_(scale)
+            torch.bmm(ds, k[:, k0:e], out=dq[:, r0:r1])
+            dk[:, k0:e] += torch.bmm(ds.transpose(1, 2), q[:, r0:r1])
+        q_dt, k_dt, v_dt = ctx.dtypes
+        dq = dq.view(B, KV, S, rep, -1).transpose(2, 3).reshape(B, H, S, -1).to(q_dt)
+        return dq, dk.view(B, KV, S, -1).to(k_dt), dv.view(B, KV, S, Dv).to(v_dt), None, None
+
+
+def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,
+                     doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal attention within documents; k/v may have fewer heads than q (GQA). Computes in float32 (or
+    float64 for float64 inputs) and returns q's dtype."""
+    H, KV = q_BHSD.shape[1], k_BKSD.shape[1]
+    if H % KV:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({KV})")
+    return _CausalAttention.apply(q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS)
+
+
+def reference_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,
+                        doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same function through SDPA with an explicit [B, 1, S, S] mask (the test oracle)."""
+    rep = q_BHSD.shape[1] // k_BKSD.shape[1]
+    k, v = k_BKSD.repeat_interleave(rep, dim=1), v_BKSD.repeat_interleave(rep, dim=1)
+    S = q_BHSD.shape[2]
+    keep = torch.ones(S, S, dtype=torch.bool, device=q_BHSD.device).tril()[None]
+    if doc_ids_BS is not None:
+        keep = keep & (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :])
+    return F.scaled_dot_product_attention(q_BHSD, k, v, attn_mask=keep[:, None], scale=scale)
