@@ -46,8 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_composer.model import Transformer
+from megatron_composer.parallel import collectives as C
+from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
 
 from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
+from .fast_path import FastForward
 from .kv_cache import CacheError, PagedKVCache
 from .sampling import SamplingParams, accept_drafts, sample_token, sampling_probs
 
@@ -114,10 +117,39 @@ class _Batch:
     starts: list[int]
     write_slots_T: torch.Tensor          # slots of the valid rows only
     rows_T: Optional[torch.Tensor]       # flat indices of the valid rows (None: every row is valid)
+    _bias: Optional[torch.Tensor] = None
 
     def valid_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
         flat = x_BN_.reshape(-1, *x_BN_.shape[2:])
         return flat if self.rows_T is None else flat.index_select(0, self.rows_T)
+
+    def bias_BNL(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias (0 or -inf), made once per forward and shared by its layers."""
+        if self._bias is None or self._bias.dtype != dtype:
+            mask = self.mask_B1NL[:, 0]
+            self._bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._bias
+
+    def bias_rows(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bias for score rows ordered (position, head): [B, N * heads, L], or [B, 1, L] to broadcast if N = 1."""
+        bias = self.bias_BNL(dtype)
+        B, N, L = bias.shape
+        return bias if N == 1 else bias[:, :, None].expand(B, N, heads, L).reshape(B, N * heads, L)
+
+
+def _tensor_parallel_group(model: Transformer):
+    """The tensor-parallel group of a model sharded by parallel.parallelize_model (None when unsharded).
+    Inference shards heads, FFN columns and the vocabulary over it; sequence and context parallelism split
+    one sequence's tokens, which decoding one token per request cannot use."""
+    head = model.output
+    if not isinstance(head, ColumnParallelLinear):
+        return None
+    if head.sp:
+        raise EngineError("the model was parallelised with sequence_parallel=True; build the inference model "
+                          "with parallel.sequence_parallel=false (decoding has one token per request)")
+    if any(type(b.attention.core).__name__ == "ContextParallelAttention" for b in model.layers):
+        raise EngineError("the model was parallelised with context parallelism; use parallel.cp=1 for inference")
+    return head.group if C.group_size(head.group) > 1 else None
 
 
 class Engine:
@@ -128,6 +160,8 @@ class Engine:
                  detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0):
         self.model = model.eval()
         self.cfg = model.config
+        self.tp_group = _tensor_parallel_group(model)
+        self.tp = C.group_size(self.tp_group)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or self.cfg.max_position_embeddings
         self.batch_invariant = batch_invariant
@@ -137,7 +171,9 @@ class Engine:
         self.device, self.dtype = p.device, model.tok_embeddings.weight.dtype
         self.num_mtp = len(model.mtp)
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
-                                  cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device)
+                                  cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
+                                  tp=self.tp)
+        self.fast = None if batch_invariant else FastForward(model, self.tp_group)
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -282,8 +318,9 @@ class Engine:
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
         greedy_B = logits_BV.argmax(-1, keepdim=True)
-        greedy_logp = logp_BV.gather(1, greedy_B).squeeze(1).tolist()
-        greedy_B = greedy_B.squeeze(1).tolist()
+        # token ids are exact in float64: one host transfer for ids and log-probs
+        greedy_B, greedy_logp = torch.cat([greedy_B.double(), logp_BV.gather(1, greedy_B).double()], 1).t().tolist()
+        greedy_B = [int(t) for t in greedy_B]
         for b, seq in enumerate(seqs):
             route = None if routes is None else routes[b]
             if seq.params.greedy:
@@ -315,27 +352,22 @@ class Engine:
         return _Batch(pos_BN, valid_BN, write_BN, read_BL, mask[:, None], lengths, starts, write_T, rows_T)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
+        """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the
+        training forward expands them, and one query row at a time over exactly its keys."""
         B, N, _ = x_BND.shape
         if self.cfg.attention == "mla":
             q = attn.project_q(x_BND, cos, sin)
             c_kv, k_rope = attn.compress_kv(x_BND, cos, sin)
-            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(c_kv), batch.valid_rows(k_rope))
-            c_BLC, r_BLR = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
-            if not self.batch_invariant:
-                o_BNHD = self._mla_absorbed(attn, q, c_BLC, r_BLR, batch.mask_B1NL)
-                return attn.wo(o_BNHD.reshape(B, N, -1))
-            k, v = attn.expand_kv(c_BLC, r_BLR)
+            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(torch.cat([c_kv, k_rope], dim=-1)))
+            kv_BLX = self.cache.read(cache_layer, batch.read_slots_BL)[0].to(x_BND.dtype)
+            k, v = attn.expand_kv(*kv_BLX.split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1))
         else:
             q, k_new, v_new = attn.project_qkv(x_BND, cos, sin)
             self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(k_new), batch.valid_rows(v_new))
             k, v = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
-            if not self.batch_invariant:
-                o_BNHD = self._gqa(attn, q, k, v, batch.mask_B1NL)
-                return attn.wo(o_BNHD.reshape(B, N, -1))
             if k.shape[2] != q.shape[2]:
                 rep = q.shape[2] // k.shape[2]
                 k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        # batch-invariant: one query row at a time over exactly its keys, as the training side computes it
         q_BHND, k_BHLD, v_BHLD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         o_BHND = q_BHND.new_zeros(B, q_BHND.shape[1], N, v_BHLD.shape[-1])
         for b in range(B):
@@ -345,48 +377,21 @@ class Engine:
                                                    v_BHLD[b, :, :stop], attn.scale)
         return attn.wo(o_BHND.transpose(1, 2).reshape(B, N, -1))
 
-    @staticmethod
-    def _masked_softmax(scores, mask, dtype):
-        return scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(dtype)
-
-    def _mla_absorbed(self, attn, q_BNHD, c_BLC, r_BLR, mask_B1NL) -> torch.Tensor:
-        """MLA straight from the latent cache (DeepSeek's weight absorption): the key up-projection is folded
-        into the query and the value up-projection applied after attending, so nothing of size L is expanded.
-        Same function as expand_kv + attention, different rounding."""
-        B, N, H, _ = q_BNHD.shape
-        Dn, Dv = attn.qk_nope_head_dim, attn.v_head_dim
-        w_HXC = attn.wkv_b.weight.view(H, Dn + Dv, -1)
-        q_nope, q_rope = q_BNHD.split([Dn, attn.qk_rope_head_dim], dim=-1)
-        q_lat_HTC = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(H, B * N, Dn), w_HXC[:, :Dn])
-        # heads folded into the rows of one [B, H*N, .] x [B, ., L] product per sequence (no broadcast copies)
-        q_lat_BMC = q_lat_HTC.view(H, B, N, -1).transpose(0, 1).reshape(B, H * N, -1)
-        q_rope_BMR = q_rope.permute(0, 2, 1, 3).reshape(B, H * N, -1)
-        scores = (torch.bmm(q_lat_BMC, c_BLC.transpose(1, 2)) + torch.bmm(q_rope_BMR, r_BLR.transpose(1, 2))) * attn.scale
-        p_BML = self._masked_softmax(scores.view(B, H, N, -1), mask_B1NL, q_BNHD.dtype).view(B, H * N, -1)
-        o_lat_BMC = torch.bmm(p_BML, c_BLC)
-        o_HTD = torch.bmm(o_lat_BMC.view(B, H, N, -1).transpose(0, 1).reshape(H, B * N, -1),
-                          w_HXC[:, Dn:].transpose(1, 2))
-        return o_HTD.view(H, B, N, Dv).permute(1, 2, 0, 3)
-
-    def _gqa(self, attn, q_BNHD, k_BLKD, v_BLKD, mask_B1NL) -> torch.Tensor:
-        """Grouped-query attention over the cache without repeating k/v per query head."""
-        B, N, H, D = q_BNHD.shape
-        KV, L = k_BLKD.shape[2], k_BLKD.shape[1]
-        rep = H // KV
-        q = q_BNHD.permute(0, 2, 1, 3).reshape(B, KV, rep * N, D)
-        scores = torch.matmul(q, k_BLKD.permute(0, 2, 3, 1)) * attn.scale  # [B, KV, rep*N, L]
-        p = self._masked_softmax(scores.view(B, KV, rep, N, L), mask_B1NL[:, :, None], q.dtype)
-        o = torch.matmul(p.view(B, KV, rep * N, L), v_BLKD.transpose(1, 2))  # [B, KV, rep*N, D]
-        return o.view(B, H, N, D).transpose(1, 2)
-
     def _block(self, layer, cache_layer: int, h_BND, cos, sin, batch: _Batch):
-        """TransformerBlock.forward with cached attention; returns (h, chosen experts [B, N, K] or None)."""
+        """TransformerBlock.forward with cached attention; returns (h, chosen experts [B, N, K] or None).
+        The fast path (fast_path.py) computes the same function with fused weights."""
+        if self.fast is not None:
+            return self.fast.block(cache_layer, h_BND, cos, sin, batch, self.cache)
         h_BND = h_BND + self._attention(cache_layer, layer.attention, layer.attention_norm(h_BND), cos, sin, batch)
         f = layer.ffn_norm(h_BND)
         if layer.is_moe:
             out, indices, _ = layer.feed_forward(f)
             return h_BND + out, indices
         return h_BND + layer.feed_forward(f), None
+
+    def _logits(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every rank (the head's vocabulary shards gathered under TP)."""
+        return C.all_gather(self.model.output(h_ND), h_ND.dim() - 1, self.tp_group)
 
     def _ids(self, token_lists: list[list[int]]) -> torch.Tensor:
         N = max(len(t) for t in token_lists)
@@ -419,7 +424,7 @@ class Engine:
         return x
 
     def _mtp_logits(self, x_RD: torch.Tensor) -> torch.Tensor:
-        return self.model.output(self.model.mtp[0].norm(x_RD))
+        return self._logits(self.model.mtp[0].norm(x_RD))
 
     # ---- prefill / decode / verify -----------------------------------------------------------------
     def _prefill(self, seqs: list[_Sequence]) -> None:
@@ -427,7 +432,7 @@ class Engine:
         hidden, routes, _ = self._main_forward(seqs, [s.tokens for s in seqs], [0] * len(seqs))
         last = torch.tensor(lengths, device=self.device) - 1
         rows = torch.arange(len(seqs), device=self.device)
-        logits_BV = self.model.output(hidden[rows, last])
+        logits_BV = self._logits(hidden[rows, last])
         for b, s in enumerate(seqs):
             s.processed = lengths[b]
             if routes is not None:
@@ -443,12 +448,12 @@ class Engine:
         hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs])
         for s in seqs:
             s.processed += 1
-        self._sample_rows(seqs, self.model.output(hidden[:, 0]), None if routes is None else routes[:, :, 0].transpose(0, 1))
+        self._sample_rows(seqs, self._logits(hidden[:, 0]), None if routes is None else routes[:, :, 0].transpose(0, 1))
 
     def _verify(self, seqs: list[_Sequence]) -> None:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
         hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
-        logits = self.model.output(hidden)
+        logits = self._logits(hidden)
         logp = torch.log_softmax(logits.float(), dim=-1)
         for b, s in enumerate(seqs):
             D = len(s.drafts)

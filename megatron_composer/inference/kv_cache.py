@@ -1,9 +1,15 @@
 """Paged KV cache: preallocated blocks of `block_size` token slots per attention layer, shared by all requests.
 
 For MLA the cache holds what DeepSeek caches: the normed compressed latent c_kv [kv_lora_rank] and the
-rotated rope key [qk_rope_head_dim] per token (keys and values are re-expanded from it when attending),
-i.e. (kv_lora_rank + qk_rope_head_dim) numbers per token and layer instead of 2 x heads x head_dim.
+rotated rope key [qk_rope_head_dim] per token, side by side in one row [kv_lora_rank + qk_rope_head_dim]
+(the fast path attends to both with one matmul), instead of 2 x heads x head_dim.
 For GQA it holds k and v [num_kv_heads, head_dim].
+
+Tensor parallelism: GQA caches this rank's kv heads (num_kv_heads / tp). MLA's latent and rope key belong
+to every head, so each rank caches the whole row for its heads to attend to: sharding the latent's
+channels instead would need a collective inside every attention (partial scores, then partial outputs),
+for a cache that is already heads-times smaller than GQA's. Replication is what DeepSeek-style TP
+serving does; data-parallel attention is the way to cut it.
 
 Block 0 is a scratch block: padded rows of a batch write there and it is never read unmasked. A request
 reserves the blocks for its whole budget (prompt + max_new_tokens + speculative slack) when it is admitted,
@@ -24,21 +30,23 @@ class CacheError(ValueError):
     """The cache cannot hold what was asked of it; the message says what to raise or lower."""
 
 
-def cache_entries_per_token(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """Shapes of the per-token tensors one attention layer caches."""
+def cache_entries_per_token(cfg: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of the per-token tensors one attention layer caches (on one of tp tensor-parallel ranks)."""
     if cfg.attention == "mla":
-        return [(cfg.kv_lora_rank,), (cfg.qk_rope_head_dim,)]
+        return [(cfg.kv_lora_rank + cfg.qk_rope_head_dim,)]
     kv = cfg.num_kv_heads or cfg.num_heads
-    return [(kv, cfg.gqa_head_dim), (kv, cfg.gqa_head_dim)]
+    if kv % tp:
+        raise CacheError(f"{kv} kv heads do not split over tp={tp}; change parallel.tp")
+    return [(kv // tp, cfg.gqa_head_dim), (kv // tp, cfg.gqa_head_dim)]
 
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_layers: int, block_size: int, memory_bytes: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, tp: int = 1):
         if block_size < 1:
             raise CacheError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        shapes = cache_entries_per_token(cfg)
+        shapes = cache_entries_per_token(cfg, tp)
         elem = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_token = num_layers * sum(math.prod(s) for s in shapes) * elem
         bytes_per_block = self.bytes_per_token * block_size
@@ -78,7 +86,7 @@ class PagedKVCache:
 
     def write(self, layer: int, slots_T: torch.Tensor, *values_T: torch.Tensor) -> None:
         for buf, val in zip(self.layers[layer], values_T):
-            buf[slots_T] = val.to(buf.dtype)
+            buf.index_copy_(0, slots_T, val.to(buf.dtype))
 
     def read(self, layer: int, slots_BL: torch.Tensor) -> list[torch.Tensor]:
         return [buf[slots_BL] for buf in self.layers[layer]]

@@ -1,0 +1,321 @@
+"""The engine's fast forward pass over cached tokens: the same function as the model's blocks with fewer,
+larger operations, for decoding where per-operation overhead, not arithmetic, sets the speed.
+
+What differs from calling the modules (results equal to float tolerance, not bit for bit; the
+batch-invariant path of engine.py calls the modules and is the bit-exact one):
+- Projections that read the same input are one matmul: MLA's q and kv down-projections (q_a | kv_a), GQA's
+  q | k | v, SwiGLU's gate | up (dense MLP, shared experts, and every routed expert). `PackedWeights`
+  holds these fused copies (one extra copy of those tensors) and is rebuilt by `refresh()` whenever the
+  engine loads new weights.
+- MLA attends straight from the latent cache (DeepSeek's decoding form): scores are q_lat . c_kv + q_rope .
+  k_rope with q_lat = q_nope W_uk per head, and the output is (p . c_kv) W_uv. Where a folded product is no
+  larger than its two factors (true for small latents, false for DeepSeek-V3's), W_uk is folded into the
+  query up-projection and W_uv into the output projection, so each is one matmul. Query rows are ordered
+  (position, head), so [B, 1, H, C] is a [B, H, C] matrix with no transposes; the latent and the rope key
+  share one cache row ([C + R]), so scores are one batched matmul and the mask is added inside it.
+- RoPE rotates q and k in one call; norms use the fused `F.rms_norm`.
+- Routed experts run on tokens sorted by expert: one grouped matmul where torch has it for the device,
+  else one matmul per expert that received tokens. The router is the model's own module, so the recorded
+  routing is what the model's router chooses.
+
+Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
+the parallel layers parallelize_model installed. Row-parallel outputs (attention, MLP, shared experts) are
+all-reduced over the tensor-parallel group; routed experts that are all local (ep = 1) run on every rank
+over all tokens (the same result everywhere, no collective); with expert parallelism the model's
+dispatcher (all-to-all) is called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_composer.model.rope import apply_rope
+from megatron_composer.parallel import collectives as C
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, as the model's: normalise, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def _fused(*weights: Optional[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return torch.cat([w.detach() for w in weights], dim=dim).contiguous()
+
+
+def _fused_bias(linears) -> Optional[torch.Tensor]:
+    if all(getattr(m, "bias", None) is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                      for m in linears])
+
+
+@dataclass
+class _MLA:
+    H: int
+    Q: int                   # rows of the q part of w_down (q_lora_rank, or H * qk_head_dim without it)
+    q_lora: bool
+    C: int
+    R: int
+    Dn: int
+    Dv: int
+    w_down: torch.Tensor     # [Q + C + R, D]
+    b_down: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    kv_norm: torch.Tensor
+    eps: float
+    w_q: torch.Tensor        # folded [H * (C + R), q_lora] or plain wq_b [H * (Dn + R), q_lora]
+    q_folded: bool
+    w_uk: torch.Tensor       # [H, Dn, C] (view of wkv_b)
+    w_uv: torch.Tensor       # [H, C, Dv]
+    w_o: torch.Tensor        # folded [D, H * C] or plain wo [D, H * Dv]
+    b_o: Optional[torch.Tensor]
+    o_folded: bool
+    scale: float
+    interleave: bool
+
+
+@dataclass
+class _GQA:
+    H: int
+    KV: int
+    Dh: int
+    w_qkv: torch.Tensor
+    b_qkv: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    eps: float
+    w_o: torch.Tensor
+    scale: float
+
+
+@dataclass
+class _SwiGLU:
+    w13: torch.Tensor        # [2F, D] (gate rows, then up rows)
+    w2: torch.Tensor         # [D, F]
+
+
+@dataclass
+class _MoE:
+    module: torch.nn.Module
+    local: bool              # every routed expert is on this rank
+    w13: Optional[torch.Tensor]  # [E, 2F, D]
+    w2: Optional[torch.Tensor]   # [E, D, F]
+    shared: Optional[_SwiGLU]
+
+
+@dataclass
+class _Block:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    eps: float
+    attn: object
+    ffn: object              # _SwiGLU or _MoE
+
+
+class PackedWeights:
+    """Fused views of the model's weights for the fast path; `refresh()` after the weights change."""
+
+    def __init__(self, model, tp_group=None):
+        self.model, self.tp_group = model, tp_group
+        self.blocks: list[_Block] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        blocks = list(self.model.layers) + [m.block for m in self.model.mtp[:1]]
+        with torch.no_grad():
+            self.blocks = [self._pack_block(b) for b in blocks]
+
+    # ---- packing ----------------------------------------------------------------------------------------
+    def _pack_block(self, block) -> _Block:
+        attn = block.attention
+        packed_attn = self._pack_mla(attn) if hasattr(attn, "wkv_b") else self._pack_gqa(attn)
+        ff = block.feed_forward
+        if block.is_moe:
+            experts = ff.experts
+            local = experts.num_local_experts == ff.num_experts
+            ffn = _MoE(ff, local, _fused(experts.w1, experts.w3, dim=1) if local else None,
+                       experts.w2.detach() if local else None,
+                       self._pack_mlp(ff.shared_experts) if ff.shared_experts is not None else None)
+        else:
+            ffn = self._pack_mlp(ff)
+        return _Block(block.attention_norm.weight.detach(), block.ffn_norm.weight.detach(),
+                      block.attention_norm.eps, packed_attn, ffn)
+
+    @staticmethod
+    def _pack_mlp(mlp) -> _SwiGLU:
+        return _SwiGLU(_fused(mlp.w1.weight, mlp.w3.weight), mlp.w2.weight.detach())
+
+    @staticmethod
+    def _pack_mla(attn) -> _MLA:
+        Dn, R, Dv, C = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+        q_lora = hasattr(attn, "wq_a")
+        q_up = attn.wq_b if q_lora else attn.wq
+        H = q_up.weight.shape[0] // (Dn + R)  # this rank's heads
+        first = attn.wq_a if q_lora else attn.wq
+        w_down = _fused(first.weight, attn.wkv_a.weight)
+        b_down = _fused_bias([first, attn.wkv_a])
+        w_kv = attn.wkv_b.weight.detach().view(H, Dn + Dv, C)
+        w_uk, w_uv = w_kv[:, :Dn], w_kv[:, Dn:].transpose(1, 2)  # [H, Dn, C], [H, C, Dv]
+        D = attn.wo.weight.shape[0]
+        w_o = attn.wo.weight.detach()
+        # fold when the product is no larger than its factors (then it is also no more arithmetic)
+        q_folded = q_lora and attn.wq_b.weight.shape[1] * C <= attn.wq_b.weight.shape[1] * Dn + Dn * C
+        o_folded = C * D <= Dv * D + C * Dv
+        if q_folded:
+            wq_b = attn.wq_b.weight.detach().view(H, Dn + R, -1)
+            q_lat = torch.matmul(w_uk.transpose(1, 2).float(), wq_b[:, :Dn].float()).to(w_down.dtype)  # [H, C, Q]
+            w_q = torch.cat([q_lat, wq_b[:, Dn:]], dim=1).reshape(H * (C + R), -1).contiguous()
+        else:
+            w_q = q_up.weight.detach()
+        if o_folded:
+            wo_HDV = w_o.view(D, H, Dv).permute(1, 0, 2)  # [H, D, Dv]
+            w_o = torch.matmul(wo_HDV.float(), w_uv.transpose(1, 2).float()).permute(1, 0, 2).reshape(D, H * C)
+            w_o = w_o.to(w_down.dtype).contiguous()
+        b_o = attn.wo.bias.detach() if attn.wo.bias is not None else None
+        return _MLA(H, first.weight.shape[0], q_lora, C, R, Dn, Dv, w_down, b_down,
+                    attn.q_norm.weight.detach() if q_lora else None, attn.kv_norm.weight.detach(), attn.kv_norm.eps,
+                    w_q, q_folded, w_uk, w_uv, w_o, b_o, o_folded, attn.scale, attn.rope_interleave)
+
+    @staticmethod
+    def _pack_gqa(attn) -> _GQA:
+        Dh = attn.head_dim
+        H, KV = attn.wq.weight.shape[0] // Dh, attn.wk.weight.shape[0] // Dh
+        norm = not isinstance(attn.q_norm, torch.nn.Identity)
+        return _GQA(H, KV, Dh, _fused(attn.wq.weight, attn.wk.weight, attn.wv.weight),
+                    _fused_bias([attn.wq, attn.wk, attn.wv]),
+                    attn.q_norm.weight.detach() if norm else None, attn.k_norm.weight.detach() if norm else None,
+                    attn.q_norm.eps if norm else 0.0, attn.wo.weight.detach(), attn.scale)
+
+
+class FastForward:
+    """Blocks over new tokens with cached attention (see the module docstring). The engine supplies the
+    batch layout (`_Batch`: write/read slots and the additive mask) and the cache."""
+
+    def __init__(self, model, tp_group=None):
+        self.weights = PackedWeights(model, tp_group)
+        self.tp_group = tp_group
+
+    def refresh(self) -> None:
+        self.weights.refresh()
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return C.all_reduce(x, self.tp_group)
+
+    def block(self, index: int, h_BND: torch.Tensor, cos, sin, batch, cache):
+        """One transformer block; returns (h, chosen experts [B, N, K] or None)."""
+        p = self.weights.blocks[index]
+        x = _rms(h_BND, p.attn_norm, p.eps)
+        attn = self._mla(p.attn, index, x, cos, sin, batch, cache) if isinstance(p.attn, _MLA) else \
+            self._gqa(p.attn, index, x, cos, sin, batch, cache)
+        h_BND = h_BND + attn
+        x = _rms(h_BND, p.ffn_norm, p.eps)
+        if isinstance(p.ffn, _MoE):
+            out, indices = self._moe(p.ffn, x)
+            return h_BND + out, indices
+        return h_BND + self._reduce(self._swiglu(p.ffn, x)), None
+
+    # ---- attention ----------------------------------------------------------------------------------
+    def _mla(self, p: _MLA, layer: int, x_BND, cos, sin, batch, cache) -> torch.Tensor:
+        B, N, _ = x_BND.shape
+        H, C, R = p.H, p.C, p.R
+        q_in, c_kv, k_rope = F.linear(x_BND, p.w_down, p.b_down).split([p.Q, C, R], dim=-1)
+        if p.q_lora:
+            q_in = F.linear(_rms(q_in, p.q_norm, p.eps), p.w_q)
+        c_kv = _rms(c_kv, p.kv_norm, p.eps)
+        if p.q_folded:
+            q = q_in.view(B, N, H, C + R)
+            q_lat, q_rope = q[..., :C], q[..., C:]
+        else:
+            q = q_in.view(B, N, H, p.Dn + R)
+            q_rope = q[..., p.Dn:]
+            q_lat = torch.bmm(q[..., :p.Dn].reshape(B * N, H, p.Dn).transpose(0, 1), p.w_uk)
+            q_lat = q_lat.transpose(0, 1).reshape(B, N, H, C)
+        roped = apply_rope(torch.cat([q_rope, k_rope.unsqueeze(2)], dim=2), cos, sin, p.interleave)
+        q_MX = torch.cat([q_lat, roped[:, :, :H]], dim=-1).view(B, N * H, C + R)  # rows (position, head)
+        cache.write(layer, batch.write_slots_T, batch.valid_rows(torch.cat([c_kv, roped[:, :, H]], dim=-1)))
+        kv_BLX = cache.read(layer, batch.read_slots_BL)[0].to(x_BND.dtype)
+        scores = torch.baddbmm(batch.bias_rows(H, x_BND.dtype), q_MX, kv_BLX.transpose(1, 2), alpha=p.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x_BND.dtype)
+        o_lat = torch.bmm(probs, kv_BLX[..., :C])  # [B, N * H, C]
+        if p.o_folded:
+            out = F.linear(o_lat.view(B, N, H * C), p.w_o)
+        else:
+            o = torch.bmm(o_lat.view(B * N, H, C).transpose(0, 1), p.w_uv)  # [H, B * N, Dv]
+            out = F.linear(o.transpose(0, 1).reshape(B, N, H * p.Dv), p.w_o)
+        out = self._reduce(out)
+        return out if p.b_o is None else out + p.b_o
+
+    def _gqa(self, p: _GQA, layer: int, x_BND, cos, sin, batch, cache) -> torch.Tensor:
+        B, N, _ = x_BND.shape
+        H, KV, Dh = p.H, p.KV, p.Dh
+        q, k, v = F.linear(x_BND, p.w_qkv, p.b_qkv).view(B, N, H + 2 * KV, Dh).split([H, KV, KV], dim=2)
+        if p.q_norm is not None:
+            q, k = _rms(q, p.q_norm, p.eps), _rms(k, p.k_norm, p.eps)
+        qk = apply_rope(torch.cat([q, k], dim=2), cos, sin, False)
+        cache.write(layer, batch.write_slots_T, batch.valid_rows(qk[:, :, H:]), batch.valid_rows(v))
+        k_BLKD, v_BLKD = (t.to(x_BND.dtype) for t in cache.read(layer, batch.read_slots_BL))
+        L, rep = k_BLKD.shape[1], H // KV
+        # query heads grouped by their kv head, rows (head in group, position): [B, KV, rep * N, Dh]
+        q_BKMD = qk[:, :, :H].reshape(B, N, KV, rep, Dh).permute(0, 2, 3, 1, 4).reshape(B, KV, rep * N, Dh)
+        bias = batch.bias_BNL(x_BND.dtype)[:, None, None].expand(B, 1, rep, N, L).reshape(B, 1, rep * N, L)
+        scores = torch.matmul(q_BKMD, k_BLKD.permute(0, 2, 3, 1)) * p.scale + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x_BND.dtype)
+        o = torch.matmul(probs, v_BLKD.transpose(1, 2))  # [B, KV, rep * N, Dh]
+        o = o.view(B, KV, rep, N, Dh).permute(0, 3, 1, 2, 4).reshape(B, N, H * Dh)
+        return self._reduce(F.linear(o, p.w_o))
+
+    # ---- feed-forward -------------------------------------------------------------------------------
+    @staticmethod
+    def _swiglu(p: _SwiGLU, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, p.w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, p.w2)
+
+    def _moe(self, p: _MoE, x_BND: torch.Tensor):
+        B, N, D = x_BND.shape
+        x_TD = x_BND.reshape(-1, D)
+        r = p.module.router(x_TD)
+        if p.local:
+            out = self._experts(p, x_TD, r.indices_TK, r.weights_TK)
+        else:
+            out = p.module.dispatch(p.module.experts, x_TD, r.indices_TK, r.weights_TK)
+        if p.shared is not None:
+            out = out + self._reduce(self._swiglu(p.shared, x_TD))
+        return out.view(B, N, D), r.indices_TK.view(B, N, -1)
+
+    @staticmethod
+    def _experts(p: _MoE, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        K, E = indices_TK.shape[1], p.w13.shape[0]
+        flat = indices_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of_slot = order // K
+        x_SD = x_TD.index_select(0, token_of_slot)
+        counts = torch.bincount(flat, minlength=E)
+        if x_TD.is_cuda and hasattr(torch, "_grouped_mm"):
+            offs = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(x_SD, p.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y_SD = torch._grouped_mm(F.silu(gate) * up, p.w2.transpose(1, 2), offs=offs)
+        else:  # one matmul per expert that received tokens
+            spans, start = [], 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    spans.append((e, start, start + n))
+                    start += n
+            h = x_SD.new_empty(x_SD.shape[0], p.w13.shape[1])
+            for e, a, b in spans:
+                torch.mm(x_SD[a:b], p.w13[e].t(), out=h[a:b])
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            y_SD = x_SD.new_empty(x_SD.shape)
+            for e, a, b in spans:
+                torch.mm(act[a:b], p.w2[e].t(), out=y_SD[a:b])
+        y_SD = y_SD * weights_TK.reshape(-1).index_select(0, order)[:, None].to(y_SD.dtype)
+        return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y_SD)
+
+
+__all__ = ["FastForward", "PackedWeights"]
