@@ -1,52 +1,48 @@
 """RL run: config schema, the trainer role, and how roles are placed on processes.
 
-`run_rl(cfg)` is what `rl_composer.py` calls on every process. Roles by rank: rank 0 is the trainer (which also
-owns the orchestrator, see rl/orchestrator.py); every other rank is a rollout worker (rl/rollout/worker.py).
-A run with one process (no torchrun, or --nproc-per-node 1) runs ``rollout.embedded_workers`` worker threads
-inside the trainer process. Separate launches (clusters) run the same entrypoint with ``role=trainer`` or
+`run_rl(cfg)` is what `rl_composer.py` calls on every process. Roles by rank: ranks 0 .. trainer_ranks-1 train
+(rank 0 also owns the orchestrator, see rl/orchestrator.py, and publishes the weights); every other rank is a
+rollout worker (rl/rollout/worker.py). The trainer ranks, and only they, form torch.distributed's default
+process group, cut into the pretraining layouts (parallel.tp/cp/ep, dp inferred, ZeRO-1; see rl/learner.py);
+rollout ranks never join it. When the launch leaves no rollout rank (one process, or trainer_ranks = world
+size) trainer rank 0 runs ``rollout.embedded_workers`` worker threads. Separate launches (clusters) run the
+same entrypoint with ``role=trainer`` (every process trains; trainer_ranks = their number) or
 ``role=rollout``; they meet only through ``run.dir``'s rollout queue and the weight-sync store.
 
 Trainer step v (the trainer holds weight version v, the number of optimizer steps taken):
-1. wait for ``train.groups_per_step`` complete groups from the orchestrator (each at most
-   ``rollout.max_staleness`` versions old);
-2. group advantages over episode rewards, samples per segment (rl.algorithm.episodes_to_samples);
+1. trainer rank 0 waits for ``train.groups_per_step`` complete groups from the orchestrator (each at most
+   ``rollout.max_staleness`` versions old) and broadcasts them to the other trainer ranks;
+2. group advantages over episode rewards, samples per segment (rl.algorithm.episodes_to_samples); each
+   data-parallel rank takes its share;
 3. forward with router replay of the inference engine's experts, token log-probs, `PolicyGradientLoss`
    (importance ratio against the engine's log-probs, mismatch masking, KL to the initial policy);
-4. optimizer step, then publish version v + 1 to the weight-sync store (XOR delta against v);
+4. optimizer step, then the full weights are gathered to trainer rank 0, which publishes version v + 1 to the
+   weight-sync store (XOR delta against v);
 5. log metrics, and checkpoint (model, optimizer, orchestrator state) every ``checkpoint.interval`` steps.
 """
 
 from __future__ import annotations
 
-import copy
-import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
-from megatron_composer.checkpoint.dcp import find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_composer.checkpoint.dcp import find_latest
 from megatron_composer.config import ConfigError, save_config, to_dict
-from megatron_composer.parallel.dims import ParallelConfig
+from megatron_composer.fp8 import FP8Config
+from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger
-from megatron_composer.training.optim import OptimizerConfig, build_optimizer, lr_at, set_lr
-from pretrain.trainer import CheckpointConfig, ModelSection, RunConfig, architecture, model_config
-from rl.algorithm import (
-    Episode,
-    PolicyGradientLoss,
-    RLObjectiveConfig,
-    Segment,
-    collate_samples,
-    episodes_to_samples,
-    replay_routing,
-    routing_mismatch,
-    token_logprobs,
-)
+from megatron_composer.training.optim import OptimizerConfig, lr_at
+from pretrain.layout import Layout
+from pretrain.trainer import CheckpointConfig, ModelSection, RunConfig, architecture
+from rl.algorithm import RLObjectiveConfig
+from rl.learner import PolicyLearner, rl_model_config
 from rl.orchestrator import Orchestrator, QueueError, WorkQueue
 from rl.rollout.worker import RolloutConfig, RolloutWorker
 from rl.weight_sync import ObjectStore, ObjectStoreError, WeightSyncConfig
@@ -80,7 +76,8 @@ class HeldOutEvalConfig:
 @dataclass
 class RLConfig:
     run: RunConfig = field(default_factory=RunConfig)
-    role: Literal["auto", "trainer", "rollout"] = field(default="auto", metadata={"help": "auto: rank 0 trains, other ranks roll out; separate launches pick one"})
+    role: Literal["auto", "trainer", "rollout"] = field(default="auto", metadata={"help": "auto: ranks below trainer_ranks train, the others roll out; separate launches pick one"})
+    trainer_ranks: int = field(default=1, metadata={"help": "processes that train (ranks 0..N-1, laid out by parallel.*); role=trainer: all of the launch's"})
     model: ModelSection = field(default_factory=ModelSection)
     data: RLDataConfig = field(default_factory=RLDataConfig)
     train: RLTrainConfig = field(default_factory=RLTrainConfig)
@@ -89,6 +86,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: HeldOutEvalConfig = field(default_factory=HeldOutEvalConfig)
@@ -98,6 +96,9 @@ class RLConfig:
         self.rl.validate()
         self.rollout.validate()
         self.parallel.validate()
+        self.fp8.validate()
+        if self.trainer_ranks < 1:
+            raise ConfigError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
         if self.train.steps < 1 or self.train.groups_per_step < 1 or self.train.micro_batch_size < 1:
             raise ConfigError("train.steps, train.groups_per_step and train.micro_batch_size must be >= 1")
         if self.checkpoint.interval < 1:
@@ -107,11 +108,28 @@ class RLConfig:
         return self
 
     def check_runnable(self, world: int) -> None:
-        """What this version of the trainer can run; the real-size configs state their target layout."""
-        if max(self.parallel.tp, self.parallel.cp, self.parallel.ep) > 1:
-            raise ConfigError(f"parallel.tp/cp/ep = {self.parallel.tp}/{self.parallel.cp}/{self.parallel.ep}: the RL "
-                              "trainer runs a single trainer rank in this version; set them to 1 "
-                              "(multi-rank trainer layouts run in pretrain_composer.py only)")
+        """Raise a one-line ConfigError, before any work, if this launch of `world` processes cannot run the
+        configured roles and trainer layout."""
+        n = self.trainer_ranks
+        if self.role == "rollout":
+            return
+        if self.role == "trainer" and n != world:
+            raise ConfigError(f"role=trainer: all {world} process(es) of this launch train; set trainer_ranks={world} "
+                              f"(got {n})")
+        if n > world:
+            raise ConfigError(f"trainer_ranks={n} but this launch has {world} process(es); launch at least {n} "
+                              f"(torchrun --nproc-per-node) or lower trainer_ranks")
+        if self.role == "auto" and n == world and self.rollout.embedded_workers < 1:
+            raise ConfigError(f"trainer_ranks={n} leaves no rollout rank of the {world} and rollout.embedded_workers=0: "
+                              "nothing would generate; launch more processes, lower trainer_ranks, or use role=trainer "
+                              "with separately launched role=rollout workers")
+        p = self.parallel
+        try:
+            ParallelDims.from_config(p, n)
+        except ConfigError as e:
+            who = "a single trainer rank (trainer_ranks=1)" if n == 1 else f"trainer_ranks={n}"
+            raise ConfigError(f"{who} does not hold the layout parallel.tp/cp/ep/dp = {p.tp}/{p.cp}/{p.ep}/{p.dp}: "
+                              f"{e}") from None
 
 
 def weights_url(cfg: RLConfig) -> str:
@@ -123,16 +141,16 @@ def weight_store(cfg: RLConfig) -> ObjectStore:
 
 
 def build_model(cfg: RLConfig, tokenizer):
+    """The full (unsharded) model of the run, as rollout workers and evaluation hold it, and its meta."""
     from megatron_composer.model import Transformer
 
-    seq_length = cfg.data.seq_length or cfg.rollout.max_seq_len
-    mc = model_config(SimpleNamespace(model=cfg.model, data=SimpleNamespace(seq_length=seq_length)), tokenizer)
-    return Transformer(mc), {"model": architecture(mc), "tokenizer": tokenizer.describe()}
+    mc, meta = build_model_meta(cfg, tokenizer)
+    return Transformer(mc), meta
 
 
-def sync_state_dict(model: torch.nn.Module, dtype: str) -> dict[str, torch.Tensor]:
-    dt = getattr(torch, dtype)
-    return {k: (v.detach().to(dt) if v.is_floating_point() else v.detach()).cpu() for k, v in model.state_dict().items()}
+def build_model_meta(cfg: RLConfig, tokenizer):
+    mc = rl_model_config(cfg, tokenizer)
+    return mc, {"model": architecture(mc), "tokenizer": tokenizer.describe()}
 
 
 def local_device() -> torch.device:
@@ -147,15 +165,6 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> Rollou
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
                          seed=seed, poll_seconds=cfg.weight_sync.poll_seconds)
-
-
-def _episodes(result: dict) -> list[Episode]:
-    out = []
-    for ep in result["episodes"]:
-        segs = [Segment(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_logprobs=s["response_logprobs"],
-                        response_mask=s["response_mask"], routed_experts=s["routed_experts"]) for s in ep["segments"]]
-        out.append(Episode(segments=segs, reward=float(ep["reward"]), metadata=ep.get("meta", {})))
-    return out
 
 
 def group_metrics(results: list[dict]) -> dict:
@@ -177,69 +186,93 @@ def group_metrics(results: list[dict]) -> dict:
 
 
 class Trainer:
+    """One trainer rank. Every trainer rank builds one (collectively); rank 0 also owns the orchestrator, the
+    metrics log and the weight publisher, and hands each step's groups to the others."""
+
     def __init__(self, cfg: RLConfig):
         from megatron_composer.data.tokenizer import load_tokenizer
         from rl.rollout.tasks import load_rl_tasks
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        self.layout = Layout(cfg.parallel)
+        self.is_main = self.layout.rank == 0
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.tasks = load_rl_tasks(cfg.data.tasks)
+        self.device = local_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         torch.manual_seed(cfg.train.seed)
-        self.model, self.meta = build_model(cfg, self.tokenizer)
         self.latest = find_latest(self.run_dir)
         if self.latest is not None:
             from megatron_composer.checkpoint.dcp import check_meta
 
-            check_meta(self.latest, self.meta)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir / "config.yaml")
-        self.device = local_device()
-        self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.loss_fn = PolicyGradientLoss(cfg.rl)
-        self.queue = WorkQueue(self.run_dir / "rollouts")
-        self.queue.clear_stop()
-        self.orch = Orchestrator(self.queue, len(self.tasks), cfg.rollout.group_size, cfg.train.seed,
-                                 cfg.rollout.max_inflight_groups, cfg.rollout.max_staleness, cfg.rollout.lease_s)
-        self.logger = MetricsLogger(self.run_dir, cfg.logging, True, to_dict(cfg))
+            _, meta = build_model_meta(cfg, self.tokenizer)
+            check_meta(self.latest, meta)  # before anything in run.dir is touched
+        self._barrier()
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+        init = cfg.checkpoint.init_from
+        self.learner = PolicyLearner(cfg, self.tokenizer, self.layout, self.device, init_from=init)
+        self.model, self.meta = self.learner.model, self.learner.meta
+        if self.latest is None and init and self.is_main:
+            from megatron_composer.checkpoint.dcp import resolve_checkpoint
+
+            print(f"initialised weights from {resolve_checkpoint(init)}", flush=True)
         self.step = 0
         self.version = 0
-        self.ref_model = None
-        init = cfg.checkpoint.init_from
-        if self.latest is None and init:
-            load_checkpoint(resolve_checkpoint(init), self.model, None, self.meta, restore_rng=False)
-            print(f"initialised weights from {resolve_checkpoint(init)}", flush=True)
-        if cfg.rl.kl_coef > 0:  # reference policy: the initial weights (same seed and init checkpoint on resume)
-            if self.latest is None:
-                self.ref_model = copy.deepcopy(self.model)
-            else:
-                torch.manual_seed(cfg.train.seed)
-                self.ref_model, _ = build_model(cfg, self.tokenizer)
-                if init:
-                    load_checkpoint(resolve_checkpoint(init), self.ref_model, None, self.meta, restore_rng=False)
-            self.ref_model.to(self.device).eval().requires_grad_(False)
-        if self.latest is not None:
-            state = load_checkpoint(self.latest, self.model, self.optimizer, self.meta)
+        self.queue = self.orch = self.logger = self.publisher = None
+        state = self.learner.load(self.latest) if self.latest is not None else None
+        if state is not None:
             self.step = state["step"]
-            self.orch.load_state_dict(state["orchestrator"])
-            self.logger.truncate_after(self.step)
-            print(f"resumed from {self.latest} at step {self.step}; {len(self.orch.inflight)} unconsumed groups "
-                  f"re-issued, sampler at prompt {self.orch.sampler.position}/{len(self.tasks)}", flush=True)
-        self.publisher = cfg.weight_sync.publisher(weight_store(cfg))
-        # Versions only grow, also across resumes: a resumed trainer publishes after whatever is in the store.
-        stored = cfg.weight_sync.subscriber(weight_store(cfg)).latest_version()
-        self.version = 0 if stored is None else stored + 1
+        if self.is_main:
+            self.queue = WorkQueue(self.run_dir / "rollouts")
+            self.queue.clear_stop()
+            self.orch = Orchestrator(self.queue, len(self.tasks), cfg.rollout.group_size, cfg.train.seed,
+                                     cfg.rollout.max_inflight_groups, cfg.rollout.max_staleness, cfg.rollout.lease_s)
+            self.logger = MetricsLogger(self.run_dir, cfg.logging, True, to_dict(cfg))
+            if state is not None:
+                self.orch.load_state_dict(state["orchestrator"])
+                self.logger.truncate_after(self.step)
+                print(f"resumed from {self.latest} at step {self.step}; {len(self.orch.inflight)} unconsumed groups "
+                      f"re-issued, sampler at prompt {self.orch.sampler.position}/{len(self.tasks)}", flush=True)
+            self.publisher = cfg.weight_sync.publisher(weight_store(cfg))
+            # Versions only grow, also across resumes: a resumed trainer publishes after whatever is in the store.
+            stored = cfg.weight_sync.subscriber(weight_store(cfg)).latest_version()
+            self.version = 0 if stored is None else stored + 1
         self.publish_failures = 0
         first = self._publish()
-        if "weight_sync_bytes" not in first:
-            raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
+        error = None if "weight_sync_bytes" in first or not self.is_main else (
+            f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
+        error = self._from_main(error)
+        if error:
+            raise RuntimeError(error)
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
         self._eval_tasks = None
+        self._eval_model = None
+
+    # -- trainer ranks ----------------------------------------------------------------------------------
+    def _from_main(self, obj):
+        """Trainer rank 0's `obj` on every trainer rank."""
+        if self.layout.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self.layout.world > 1:
+            dist.barrier()
 
     def _publish(self) -> dict:
+        """Collective: gather the full weights to trainer rank 0, which publishes them as self.version."""
+        state_dict = self.learner.full_state_dict(self.cfg.weight_sync.dtype)
+        self._last_state_dict = state_dict
+        if not self.is_main:
+            return {}
         try:
-            stats = self.publisher.publish(sync_state_dict(self.model, self.cfg.weight_sync.dtype), self.version)
+            stats = self.publisher.publish(state_dict, self.version)
         except ObjectStoreError as e:
             # Training goes on: workers keep the last version they have, the staleness bound redoes groups that
             # fall too far behind, and the next step publishes again (a delta against the last stored version).
@@ -267,77 +300,39 @@ class Trainer:
         return not self.workers or any(t.is_alive() for _, t in self.workers)
 
     def train_step(self, results: list[dict]) -> dict:
-        cfg = self.cfg
-        groups = [_episodes(r) for r in results]
-        samples, adv = episodes_to_samples(groups, cfg.rl)
-        metrics = dict(adv.metrics)
+        """One optimizer step on these groups (collective over the trainer ranks, which all pass the same)."""
+        metrics = self.learner.step(results, lr_at(self.step, self.cfg.train.steps, self.cfg.optim))
         metrics.update(group_metrics(results))
-        a = adv.advantages
-        metrics.update(advantage_mean=a.mean().item(), advantage_std=a.std(unbiased=False).item(),
-                       advantage_abs_mean=a.abs().mean().item())
-        lr = lr_at(self.step, cfg.train.steps, cfg.optim)
-        set_lr(self.optimizer, lr)
-        self.model.train()
-        num_episodes = sum(len(g) for g in groups)
-        weighted: dict[str, float] = {}  # token-weighted means over micro-batches
-        loss_sum, mismatch_max, tokens = 0.0, 0.0, 0.0
-        pad = self.tokenizer.pad if self.tokenizer.pad is not None and self.tokenizer.pad >= 0 else 0
-        mbs = cfg.train.micro_batch_size
-        for start in range(0, len(samples), mbs):
-            batch = {k: v.to(self.device) for k, v in collate_samples(samples[start:start + mbs], pad_id=pad).items()}
-            ids, mask = batch["input_ids"], batch["loss_mask"]
-            routed = batch.get("routed_experts")
-            replay = replay_routing(cfg.rl.router_replay, routed) if cfg.rl.router_replay != "r2" else None
-            out = self.model(ids, routed_experts=replay, return_routing=True)
-            n = float(mask.sum())
-            tokens += n
-            stats: dict[str, float] = {}
-            if routed is not None:  # how often the trainer would route differently from the engine
-                if replay is None:
-                    free = out.routed_experts
-                else:
-                    with torch.no_grad():
-                        free = self.model(ids, return_routing=True).routed_experts
-                stats.update(routing_mismatch(free, routed, mask > 0))
-            logp = token_logprobs(out.logits, ids)
-            ref_logp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self.ref_model(ids, routed_experts=replay, return_routing=True).logits, ids)
-            loss, m = self.loss_fn(logp, mask, batch["advantages"], batch["behaviour_logp"],
-                                   ref_logp=ref_logp, num_sequences=num_episodes)
-            loss.backward()
-            loss_sum += m["loss"]
-            mismatch_max = max(mismatch_max, m.get("mismatch_max", 0.0))
-            for k in ("kl", "mismatch_masked_fraction", "ratio_mean", "tis_truncated_fraction"):
-                if k in m and math.isfinite(m[k]):
-                    stats[k] = m[k]
-            for k, v in stats.items():
-                weighted[k] = weighted.get(k, 0.0) + v * n
-        metrics.update({k: v / max(tokens, 1.0) for k, v in weighted.items()})
-        metrics.update(loss=loss_sum, mismatch_max=mismatch_max)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
-        finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=0.0 if finite else 1.0, train_tokens=tokens)
         return metrics
+
+    def _next_groups(self) -> list[dict]:
+        """Trainer rank 0 collects the step's groups from the orchestrator; every trainer rank gets them."""
+        results, error = None, None
+        if self.is_main:
+            try:
+                results = self.orch.next_groups(self.cfg.train.groups_per_step, self.version,
+                                                timeout_s=self.cfg.rollout.group_timeout_s, alive=self._workers_alive)
+            except QueueError as e:
+                error = str(e)
+        if self.layout.world > 1:
+            results, error = self._from_main((results, error))
+        if error:
+            raise RuntimeError(error)
+        return results
 
     def fit(self) -> Path:
         cfg = self.cfg
         total = min(cfg.train.steps, -(-len(self.tasks) // cfg.train.groups_per_step))
-        print(f"RL trainer: {len(self.tasks)} prompts x group {cfg.rollout.group_size}, {cfg.train.groups_per_step} "
-              f"groups/step, steps {self.step}->{total}; weights at {weights_url(cfg)} (v{self.version})", flush=True)
+        if self.is_main:
+            print(f"RL trainer: {len(self.tasks)} prompts x group {cfg.rollout.group_size}, {cfg.train.groups_per_step} "
+                  f"groups/step, steps {self.step}->{total} on {self.layout.world} trainer rank(s) "
+                  f"(tp {self.layout.dims.tp}, cp {self.layout.dims.cp}, ep {self.layout.dims.ep}, "
+                  f"dp {self.layout.dims.dp}); weights at {weights_url(cfg)} (v{self.version})", flush=True)
         skipped = 0
         try:
             while self.step < total:
                 t0 = time.perf_counter()
-                try:
-                    results = self.orch.next_groups(cfg.train.groups_per_step, self.version,
-                                                    timeout_s=cfg.rollout.group_timeout_s, alive=self._workers_alive)
-                except QueueError as e:
-                    raise RuntimeError(str(e)) from None
+                results = self._next_groups()
                 if not results:
                     break  # epoch done
                 wait_s = time.perf_counter() - t0
@@ -349,40 +344,51 @@ class Trainer:
                 self.step += 1
                 self.version += 1
                 metrics.update(self._publish())
-                hist = self.orch.take_staleness()
-                metrics.update(
-                    weight_version=float(self.version), rollout_wait_s=wait_s, step_time=time.perf_counter() - t0,
-                    staleness_hist={str(k): v for k, v in hist.items()},
-                    staleness_mean=(sum(k * v for k, v in hist.items()) / max(sum(hist.values()), 1)),
-                    staleness_max=float(max(hist, default=0)),
-                    requeued_crashed=float(self.orch.stats.requeued_crashed),
-                    requeued_stale=float(self.orch.stats.requeued_stale),
-                    prompts=[int(r["prompt_index"]) for r in results], token_versions=versions)
-                if versions and versions[0] < self.version - 1:
-                    print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
-                          f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
-                if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
-                    metrics.update(self.held_out_eval())
-                console = self.step % cfg.logging.interval == 0 or self.step == total
-                self.logger.log(self.step, metrics, console=console)
+                if self.is_main:
+                    self._log(metrics, results, versions, wait_s, t0, total)
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
                     self.save()
         finally:
-            self.queue.stop_all()
-            for _, t in self.workers:
-                t.join(timeout=30)
-            self.logger.close()
+            if self.is_main:
+                self.queue.stop_all()
+                for _, t in self.workers:
+                    t.join(timeout=30)
+                self.logger.close()
         return self.run_dir
 
+    def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int):
+        cfg = self.cfg
+        hist = self.orch.take_staleness()
+        metrics.update(
+            weight_version=float(self.version), rollout_wait_s=wait_s, step_time=time.perf_counter() - t0,
+            staleness_hist={str(k): v for k, v in hist.items()},
+            staleness_mean=(sum(k * v for k, v in hist.items()) / max(sum(hist.values()), 1)),
+            staleness_max=float(max(hist, default=0)),
+            requeued_crashed=float(self.orch.stats.requeued_crashed),
+            requeued_stale=float(self.orch.stats.requeued_stale),
+            prompts=[int(r["prompt_index"]) for r in results], token_versions=versions)
+        if versions and versions[0] < self.version - 1:
+            print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
+                  f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
+        if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
+            metrics.update(self.held_out_eval())
+        console = self.step % cfg.logging.interval == 0 or self.step == total
+        self.logger.log(self.step, metrics, console=console)
+
     def held_out_eval(self) -> dict:
-        """pass@1 / pass@K of the current weights on eval.tasks (the trainer pauses; rollout workers go on)."""
+        """pass@1 / pass@K of the current (just published) weights on eval.tasks, on trainer rank 0 (the other
+        trainer ranks wait for the next step; rollout workers go on)."""
         from rl.evaluate import evaluate_model
         from rl.rollout.tasks import load_rl_tasks
 
         cfg = self.cfg
         if self._eval_tasks is None:
             self._eval_tasks = load_rl_tasks(cfg.eval.tasks)
-        model = copy.deepcopy(self.model).to(getattr(torch, cfg.weight_sync.dtype))
+        if self._eval_model is None:
+            self._eval_model, _ = build_model(cfg, self.tokenizer)
+        model = self._eval_model
+        model.load_state_dict(self._last_state_dict)
+        model.to(self.device, getattr(torch, cfg.weight_sync.dtype))
         summary, _ = evaluate_model(model, self.tokenizer, cfg.rollout, self._eval_tasks, cfg.eval.samples,
                                     cfg.eval.success_reward, seed=cfg.train.seed + self.step, progress=False)
         k = cfg.eval.samples
@@ -390,10 +396,12 @@ class Trainer:
                 "eval_reward_mean": summary["reward_mean"]}
 
     def save(self) -> Path:
-        state = {"step": self.step, "weight_version": self.version, "orchestrator": self.orch.state_dict()}
-        ckpt = save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.meta,
-                               self.cfg.checkpoint.keep_last)
-        return ckpt
+        """Collective: model and optimizer shards of every trainer rank; step and orchestrator from rank 0."""
+        state = {"step": self.step, "weight_version": self.version}
+        if self.is_main:
+            state["orchestrator"] = self.orch.state_dict()
+        return self.learner.save(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
+
 
 
 def run_worker_process(cfg: RLConfig, rank: int) -> None:
@@ -407,17 +415,55 @@ def run_worker_process(cfg: RLConfig, rank: int) -> None:
     worker.run()
 
 
+def check_model_layout(cfg: RLConfig) -> None:
+    """The model against the trainer layout (heads, vocabulary, experts divisible), on every rank before any
+    work, so a bad layout stops rollout ranks too."""
+    from megatron_composer.data.tokenizer import load_tokenizer
+
+    if cfg.role == "rollout" or max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) == 1:
+        return
+    from megatron_composer.parallel import validate_layout
+
+    mc, _ = build_model_meta(cfg, load_tokenizer(cfg.data.tokenizer))
+    validate_layout(ParallelDims.from_config(cfg.parallel, cfg.trainer_ranks), mc)
+
+
+def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:
+    """Trainer ranks 0..trainer_ranks-1 of a multi-process launch become torch.distributed's default group;
+    rollout ranks never join it (they meet the trainer only through the queue and the weight store).
+    Returns whether it created the group."""
+    n = cfg.trainer_ranks if cfg.role == "auto" else world
+    if n == 1 or dist.is_initialized():
+        return False
+    import datetime
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=datetime.timedelta(seconds=1800))
+    return True
+
+
 def run_rl(cfg: RLConfig) -> Path | None:
     cfg.validate()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg.check_runnable(world)
-    role = cfg.role if cfg.role != "auto" else ("trainer" if rank == 0 else "rollout")
+    check_model_layout(cfg)
+    if cfg.role == "auto":
+        role = "trainer" if rank < cfg.trainer_ranks else "rollout"
+    else:
+        role = cfg.role
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
     if role == "rollout":
         run_worker_process(cfg, rank)
         return None
-    trainer = Trainer(cfg)
-    if world == 1 and cfg.role == "auto":
-        trainer.start_embedded_workers(cfg.rollout.embedded_workers)
-    return trainer.fit()
+    created = init_trainer_group(cfg, rank, world)
+    try:
+        trainer = Trainer(cfg)
+        if cfg.role == "auto" and cfg.trainer_ranks == world and trainer.is_main:
+            trainer.start_embedded_workers(cfg.rollout.embedded_workers)
+        return trainer.fit()
+    finally:
+        if created:
+            dist.destroy_process_group()

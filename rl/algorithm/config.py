@@ -35,8 +35,9 @@ class RLObjectiveConfig:
     loss_aggregation: Literal["token_sum_constant", "seq_mean_token_mean", "token_mean"] = _f(
         "token_sum_constant", "how token losses become the batch loss")
     loss_constant: Optional[float] = _f(
-        None, "token_sum_constant: tokens per sequence in sum/(num_sequences*constant); null = padded length. "
-              "Set to the rollout's max_new_tokens for a batch-independent scale")
+        None, "token_sum_constant: tokens per sequence in sum/(num_sequences*constant); null = the longest "
+              "sample of the step in the RL trainer (the padded length in a bare loss call). Set to the rollout's "
+              "max_new_tokens for a batch-independent scale")
 
     # Policy gradient
     pg_loss: Literal["is", "ppo_clip"] = _f(

@@ -268,9 +268,13 @@ class PolicyGradientLoss(torch.nn.Module):
         ref_logp: Optional[torch.Tensor] = None,
         num_sequences: Optional[int] = None,
         num_tokens: Optional[int] = None,
+        constant: Optional[float] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """``num_sequences`` / ``num_tokens`` / ``constant``: the step's counts (see `aggregate_loss`); ``constant``
+        defaults to rl.loss_constant."""
         out = self.token_losses(logp, loss_mask, advantages, behaviour_logp, old_logp, ref_logp)
-        loss = aggregate_loss(out.loss_BT, out.mask_BT, self.cfg.loss_aggregation, self.cfg.loss_constant,
+        loss = aggregate_loss(out.loss_BT, out.mask_BT, self.cfg.loss_aggregation,
+                              self.cfg.loss_constant if constant is None else constant,
                               num_sequences=num_sequences, num_tokens=num_tokens)
         out.metrics["loss"] = loss.item()
         return loss, out.metrics

@@ -1,0 +1,150 @@
+"""torchrun worker: the RL trainer (rl.learner.PolicyLearner) on several trainer ranks against one rank.
+
+Per layout, on the same rollout groups (multi-segment episodes, observation tokens masked, behaviour log-probs
+off the policy, recorded experts replayed, KL to the reference policy): the step's RL loss and every parameter
+gradient (each rank's shard against the slice of the single-rank gradient), then one optimizer step on each
+side and the loss of a second batch; the weights gathered for publishing have the single-rank model's names,
+shapes and values; a checkpoint written by the layout loads back into a fresh learner of the same layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import compare_grads, init, reduce_max, run_cases  # noqa: E402
+
+from megatron_composer.config import load_config  # noqa: E402
+from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
+from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
+from megatron_composer.parallel.layers import spec_of  # noqa: E402
+from pretrain.layout import Layout  # noqa: E402
+from rl.learner import PolicyLearner  # noqa: E402
+from rl.trainer import RLConfig  # noqa: E402
+
+TOK = None  # set from --tok
+
+
+def config(run_dir: str, **parallel) -> RLConfig:
+    over = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
+            "data.tokenizer": TOK, "rollout.max_seq_len": 128, "train.micro_batch_size": 3, "train.seed": 5,
+            "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
+            "optim.grad_clip": 1.0, "rl.kl_coef": 0.05, "rl.mismatch_bound": 0.2, "rl.router_replay": "r3",
+            "run.dir": run_dir, "checkpoint.init_from": "''"}
+    over.update({f"parallel.{k}": v for k, v in parallel.items()})
+    return load_config(RLConfig, None, [f"{k}={v}" for k, v in over.items()]).validate()
+
+
+def rollout_groups(seed: int, mc, num_groups: int = 2, group_size: int = 3) -> list[dict]:
+    """Finished groups as rollout workers write them: 1-2 segments per episode, tool observations (mask 0)
+    between sampled tokens, behaviour log-probs near the policy's, the engine's experts per position."""
+    g = torch.Generator().manual_seed(seed)
+    L, E, K = len(mc.moe_layer_ids), mc.num_experts, mc.num_experts_per_tok
+    results = []
+    for gi in range(num_groups):
+        episodes = []
+        for ei in range(group_size):
+            segs = []
+            for _ in range(1 + int(torch.randint(0, 2, (1,), generator=g))):
+                P, R = int(torch.randint(4, 9, (1,), generator=g)), int(torch.randint(5, 14, (1,), generator=g))
+                mask = [1] * R
+                obs = int(torch.randint(1, R - 2, (1,), generator=g))
+                mask[obs:obs + 2] = [0, 0]  # a tool observation inside the response
+                logp = (-torch.rand(R, generator=g) * 6).tolist()
+                routed = torch.rand(L, P + R, E, generator=g).argsort(-1)[..., :K]
+                segs.append({"prompt_ids": torch.randint(3, mc.vocab_size, (P,), generator=g).tolist(),
+                             "response_ids": torch.randint(3, mc.vocab_size, (R,), generator=g).tolist(),
+                             "response_logprobs": [v if m else 0.0 for v, m in zip(logp, mask)],
+                             "response_mask": mask, "routed_experts": routed, "weight_versions": [0] * sum(mask)})
+            episodes.append({"reward": float(torch.rand(1, generator=g)), "segments": segs, "meta": {}})
+        results.append({"prompt_index": gi, "episodes": episodes, "version_counts": {0: 1}})
+    return results
+
+
+def grads_to_full_shards(learner: PolicyLearner) -> None:
+    opt = learner.optimizer
+    learner.layout.finish_gradients(learner.model, opt, 0.0)
+    if isinstance(opt, DistributedAdamW):
+        opt.gather_grads()
+
+
+def make_case(tmp: Path, name: str, **parallel):
+    def run():
+        tok = load_tokenizer(TOK)
+        cpu = torch.device("cpu")
+        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), **parallel)
+        ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
+        par = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
+        results = rollout_groups(11, ref.mc)
+        first = par.full_state_dict("float32")
+        initial_equal = first is None or all(torch.equal(first[k], v) for k, v in ref.model.state_dict().items())
+        samples, _, n_ep = ref.samples(results)
+        assert len({s.episode for s in samples if s.segment == 1}) >= 1, "no multi-segment episode"
+        errs = {}
+        m_ref = ref.backward(samples, n_ep)
+        m_par = par.backward(par.samples(results)[0], n_ep)
+        grads_to_full_shards(par)
+        errs["loss"] = abs(m_par["loss"] - m_ref["loss"]) / abs(m_ref["loss"])
+        errs["train_tokens"] = abs(m_par["train_tokens"] - m_ref["train_tokens"])
+        errs.update({f"grad:{k}": v for k, v in compare_grads(dict(par.model.named_parameters()),
+                                                              dict(ref.model.named_parameters())).items()})
+        n_params = sum(1 for p in ref.model.parameters() if p.grad is not None)
+        # one optimizer step each (through the trainer's step: lr, reduction, clipping), then a second batch
+        for learner in (ref, par):
+            learner.optimizer.zero_grad()
+        results2 = rollout_groups(12, ref.mc)
+        ref.step(results, 1e-3)
+        par.step(results, 1e-3)
+        s2, _, n2 = ref.samples(results2)
+        l2_ref = ref.backward(s2, n2)["loss"]
+        l2_par = par.backward(par.samples(results2)[0], n2)["loss"]
+        errs["loss_after_step"] = abs(l2_par - l2_ref) / abs(l2_ref)
+        ref.optimizer.zero_grad()
+        par.optimizer.zero_grad()
+        # published weights: the unsharded format rollout workers load, holding exactly this layout's shards
+        full = par.full_state_dict("float32")
+        assert (full is None) == (dist.get_rank() != 0)
+        box = [full]
+        dist.broadcast_object_list(box, src=0)
+        full, want = box[0], ref.model.state_dict()
+        errs["publish_keys"] = float(set(full) != set(want) or any(full[k].shape != want[k].shape for k in want))
+        errs["publish_values"] = float(any(not torch.equal(spec_of(p).take(full[n]), p.detach())
+                                           for n, p in par.model.named_parameters()))
+        # checkpoint of the layout, loaded into a fresh learner of the same layout
+        state = {"step": 1, "orchestrator": {"sampler": "rank 0 only"}} if dist.get_rank() == 0 else {"step": 1}
+        ckpt = par.save(str(tmp / name), 1, state, keep_last=0)
+        fresh = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
+        loaded = fresh.load(ckpt)
+        errs["ckpt_state"] = float(loaded.get("orchestrator") != {"sampler": "rank 0 only"})
+        errs["ckpt_weights"] = float(any(not torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(),
+                                                                               par.model.state_dict().values())))
+        l3_par = fresh.backward(fresh.samples(results2)[0], n2)["loss"]
+        errs["ckpt_loss"] = abs(l3_par - l2_ref) / abs(l2_ref)
+        errs["publish_initial"] = float(not initial_equal)
+        errs = reduce_max(errs)
+        return {"errs": errs, "n_params": n_params, "loss": m_ref["loss"], "loss_after_step": l2_ref}
+    return run
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tok", required=True)
+    known, rest = ap.parse_known_args()
+    TOK = known.tok
+    sys.argv = [sys.argv[0], *rest]
+    args = init()
+    tmp = Path(args.out)
+    cases = {
+        "tp2": make_case(tmp, "tp2", tp=2),
+        "tp2_sp": make_case(tmp, "tp2_sp", tp=2, sequence_parallel=True),
+        "ep2": make_case(tmp, "ep2", ep=2),
+        "cp2": make_case(tmp, "cp2", cp=2),
+        "dp2_zero1": make_case(tmp, "dp2_zero1", zero1=True),
+    }
+    run_cases(args, cases)

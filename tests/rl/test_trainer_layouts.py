@@ -1,0 +1,63 @@
+"""The RL trainer on several trainer ranks equals one rank, and bad trainer layouts are refused up front.
+
+tp2, tp2+sp, ep2, cp2 and dp2 with ZeRO-1 on 2 gloo ranks (tests/dist/rl_worker.py): the step's RL loss and
+every parameter gradient (max |diff| <= 1e-5 x max |ref| per tensor), the loss after one optimizer step, the
+published (gathered) weights, and a checkpoint save/load in the layout."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megatron_composer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("dist_torchrun", ROOT / "tests" / "dist" / "torchrun.py")
+torchrun = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torchrun)
+
+TOL = 1e-5
+LAYOUTS = ["tp2", "tp2_sp", "ep2", "cp2", "dp2_zero1"]
+
+
+@pytest.fixture(scope="module")
+def results(rl_assets, tmp_path_factory):
+    return torchrun.run_worker("rl_worker.py", 2, ["--tok", str(rl_assets / "tok")], tmp_path_factory.mktemp("rl2"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rl_step_on_two_trainer_ranks_equals_one(results, layout):
+    res = results[layout]
+    assert res["ok"], res.get("error")
+    bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
+    assert not bad, f"errors above {TOL}: {bad}"
+    assert res["n_params"] >= 20, "too few parameters compared"
+    assert res["loss"] != 0.0 and res["loss"] != res["loss_after_step"], "the loss did not move"
+
+
+def _cfg(**over):
+    from rl.trainer import RLConfig
+
+    return load_config(RLConfig, None, [f"{k}={v}" for k, v in over.items()]).validate()
+
+
+@pytest.mark.parametrize("over, world, message", [
+    ({"trainer_ranks": 3, "parallel.tp": 2}, 4, r"trainer_ranks=3 does not hold the layout .*tp\*cp = 2\*1"),
+    ({"trainer_ranks": 2, "parallel.ep": 4}, 3, r"trainer_ranks=2 does not hold the layout .*parallel.ep = 4"),
+    ({"trainer_ranks": 4}, 2, r"trainer_ranks=4 but this launch has 2 process"),
+    ({"trainer_ranks": 2, "rollout.embedded_workers": 0}, 2, r"leaves no rollout rank"),
+    ({"role": "trainer", "trainer_ranks": 1}, 4, r"role=trainer: all 4 process\(es\) of this launch train; set trainer_ranks=4"),
+])
+def test_bad_trainer_layouts_are_refused_before_any_work(over, world, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(**over).check_runnable(world)
+
+
+def test_good_trainer_layouts_pass():
+    _cfg(trainer_ranks=2, **{"parallel.tp": 2}).check_runnable(3)
+    _cfg(trainer_ranks=2).check_runnable(2)  # no rollout rank: trainer rank 0 runs embedded workers
+    _cfg(role="trainer", trainer_ranks=4, **{"parallel.cp": 2, "parallel.ep": 4}).check_runnable(4)
+    _cfg(role="rollout", trainer_ranks=64, **{"parallel.ep": 8}).check_runnable(1)
