@@ -168,7 +168,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> Rollou
 
 
 def group_metrics(results: list[dict]) -> dict:
-    """Reward mean / best-of-K / distribution and episode counts of one step's groups."""
+    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups."""
     rewards = torch.tensor([[float(ep["reward"]) for ep in r["episodes"]] for r in results])
     metas = [ep.get("meta", {}) for r in results for ep in r["episodes"]]
     q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
@@ -178,6 +178,8 @@ def group_metrics(results: list[dict]) -> dict:
         "reward_p10": q[0], "reward_p50": q[1], "reward_p90": q[2],
         "episodes": float(rewards.numel()),
         "turns": float(sum(m.get("turns", 1) for m in metas)),
+        "segments_per_episode": sum(m.get("segments", 1) for m in metas) / max(len(metas), 1),
+        "summaries": float(sum(m.get("summaries", 0) for m in metas)),
         "generated_tokens": float(sum(m.get("tokens", 0) for m in metas)),
         "no_tool_call_episodes": float(sum(m.get("stop_reason") == "no_tool_call" for m in metas)),
         "verifier_timeouts": float(sum(bool(m.get("verifier_timeout")) for m in metas)),

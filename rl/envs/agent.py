@@ -114,7 +114,8 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
         if tools.submitted:
             stop = "submitted"
             break
-        if (summarize is not None and config.summary_trigger_tokens is not None
+        more_turns = turns < max_turns and generated < config.max_generated_tokens  # a summary nobody reads is waste
+        if (summarize is not None and config.summary_trigger_tokens is not None and more_turns
                 and count_tokens(render_text(messages)) >= config.summary_trigger_tokens):
             summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
             generated += count_tokens(summary)

@@ -54,6 +54,9 @@ class RolloutConfig:
     agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
     agent_max_new_tokens: int = field(default=96, metadata={"help": "agent tasks: tokens per turn"})
     agent_command_timeout_s: float = 30.0
+    summary_trigger_tokens: int = field(default=0, metadata={"help": "agent tasks: once an episode's context reaches this many tokens the model "
+                                                                     "summarises it and continues in a new segment (system + task + summary); 0 = off"})
+    summary_max_new_tokens: int = field(default=0, metadata={"help": "tokens a summary may take (it may think first); 0 = agent_max_new_tokens"})
     sandbox_concurrency: int = field(default=2, metadata={"help": "sandboxes a worker runs at once"})
     sandbox_unisolated: bool = field(default=False, metadata={"help": "run sandboxes without bubblewrap (trusted code only)"})
     episode_retries: int = field(default=2, metadata={"help": "a crashed sandbox episode is rerun this often before the group is re-queued"})
@@ -70,6 +73,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if self.max_inflight_groups < 1 or self.max_staleness < 0:
             raise ConfigError("rollout.max_inflight_groups must be >= 1 and rollout.max_staleness >= 0")
+        if self.summary_trigger_tokens < 0 or self.summary_max_new_tokens < 0:
+            raise ConfigError("rollout.summary_trigger_tokens and rollout.summary_max_new_tokens must be >= 0 (0 = off / default)")
+        if self.summary_trigger_tokens >= self.max_seq_len:
+            raise ConfigError(f"rollout.summary_trigger_tokens={self.summary_trigger_tokens} must be below rollout.max_seq_len="
+                              f"{self.max_seq_len} (the summary is generated inside that context); lower it or 0 = off")
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(f"rollout.heartbeat_s ({self.heartbeat_s}) must be shorter than rollout.lease_s ({self.lease_s})")
         return self
@@ -224,21 +232,28 @@ class RolloutWorker:
         return self._pool
 
     def run_agent_episode(self, task: RLTask, sandbox, seed: int) -> dict:
+        """One agent episode; with rollout.summary_trigger_tokens it may be a chain of segments, each a training
+        sample of the episode (the summary that ends a segment is sampled and trained like any turn)."""
         from rl.envs import EpisodeConfig, run_episode
 
         policy = EnginePolicy(self, seed)
+        trigger = self.cfg.summary_trigger_tokens
         cfg = EpisodeConfig(max_turns=self.cfg.agent_max_turns, command_timeout_s=self.cfg.agent_command_timeout_s,
-                            max_generated_tokens=self.cfg.agent_max_turns * self.cfg.agent_max_new_tokens)
+                            max_generated_tokens=self.cfg.agent_max_turns * self.cfg.agent_max_new_tokens,
+                            summary_trigger_tokens=trigger or None)
         try:
             ep = run_episode(task.harbor, sandbox, policy, cfg,
-                             count_tokens=lambda text: len(self.tokenizer.encode(text)))
+                             count_tokens=lambda text: len(self.tokenizer.encode(text)),
+                             summarize=policy.summarize if trigger else None)
         except Exception as e:  # the sandbox or the verifier's machinery broke, not the model
             raise EpisodeCrash(f"{type(e).__name__}: {e}") from e
-        if policy.ledger is None:  # the episode ended before the model was asked anything
+        segments = policy.all_segments()
+        if not segments:  # the episode ended before the model was asked anything
             raise EpisodeCrash("episode ended before the first model turn")
         verify = ep.verify
-        return {"reward": float(ep.reward), "segments": [policy.ledger.segment()],
-                "meta": {"turns": ep.turns, "tokens": sum(policy.ledger.mask), "stop_reason": ep.stop_reason,
+        return {"reward": float(ep.reward), "segments": segments,
+                "meta": {"turns": ep.turns, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
+                         "segments": len(segments), "summaries": len(ep.summaries), "stop_reason": ep.stop_reason,
                          "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
                          "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
                          "context_overflow": policy.overflowed,
@@ -328,34 +343,62 @@ class _Heartbeat:
 
 
 class EnginePolicy:
-    """`rl.envs.agent.Policy` backed by the worker's engine, recording the exact token stream."""
+    """`rl.envs.agent.Policy` backed by the worker's engine, recording the exact token stream.
+
+    One `TokenLedger` per segment. ``summarize`` (run_episode's self-summarisation hook) samples the summary
+    as the last turn of the current segment, closes it, and the next call starts a new ledger from the condensed
+    context run_episode hands over (system + task + summary)."""
 
     def __init__(self, worker: RolloutWorker, seed: int):
         self.worker = worker
         self.seed = seed
         self.ledger: Optional[TokenLedger] = None
+        self.finished: list[dict] = []  # closed segments, each ending with its summary
         self.seen = 0  # messages already in the ledger
         self.turn = 0
         self.overflowed = False
 
-    def __call__(self, messages: list[dict]) -> str:
+    def _read(self, messages: list[dict]) -> None:
+        """Bring the ledger up to `messages`: a new segment's prompt, or the messages since the last turn."""
         w = self.worker
         if self.ledger is None:
             self.ledger = TokenLedger(w._prompt_ids(messages))
         else:
             # run_episode appended our own assistant message (already in the ledger as sampled tokens), then
-            # the tool observations; those become context tokens.
+            # the tool observations (and the summary request); those become context tokens.
             new = [m for m in messages[self.seen:] if m["role"] != "assistant"]
             last = self.ledger.response_ids[-1] if self.ledger.response_ids else None
             closing = "\n" if last == w._im_end else IM_END + "\n"
             self.ledger.add_context(w.tokenizer.encode(closing + render_text(new, add_generation_prompt=True)))
         self.seen = len(messages)
-        budget = min(w.cfg.agent_max_new_tokens, w.cfg.max_seq_len - len(self.ledger.ids))
+
+    def _sample(self, max_new_tokens: int) -> Optional[str]:
+        """Sample one turn into the ledger; None when the context has no room left."""
+        w = self.worker
+        budget = min(max_new_tokens, w.cfg.max_seq_len - len(self.ledger.ids))
         if budget < 1:
             self.overflowed = True
-            return ""  # no tool call: the episode ends and is verified as it stands
+            return None
         (result,) = w.generate([self.ledger.ids], budget, [_seed(self.seed, self.turn)])
         self.turn += 1
         self.ledger.add_generation(result)
-        self.seen += 1  # the assistant message run_episode is about to append
         return w._text(result.token_ids)
+
+    def __call__(self, messages: list[dict]) -> str:
+        self._read(messages)
+        text = self._sample(self.worker.cfg.agent_max_new_tokens)
+        if text is None:
+            return ""  # no tool call: the episode ends and is verified as it stands
+        self.seen += 1  # the assistant message run_episode is about to append
+        return text
+
+    def summarize(self, messages: list[dict]) -> str:
+        self._read(messages)  # ends with the summary request
+        w = self.worker
+        text = self._sample(w.cfg.summary_max_new_tokens or w.cfg.agent_max_new_tokens)
+        self.finished.append(self.ledger.segment())
+        self.ledger, self.seen = None, 0
+        return text or ""
+
+    def all_segments(self) -> list[dict]:
+        return self.finished + ([self.ledger.segment()] if self.ledger is not None else [])
