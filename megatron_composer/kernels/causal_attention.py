@@ -76,19 +76,26 @@ def _block_scores(q_NRD, k_NLD, s0, e, k0, m0, drop, scale, B, KV, rep):
     return s
 
 
+def _as_rows(x_BHSD: torch.Tensor, KV: int, ct: torch.dtype) -> torch.Tensor:
+    """[B, H, S, D] -> [B*KV, S*H/KV, D] in dtype ct: rows ordered (position, head within the K/V group)."""
+    B, H, S, D = x_BHSD.shape
+    return x_BHSD.to(ct).view(B, KV, H // KV, S, D).transpose(2, 3).reshape(B * KV, S * (H // KV), D)
+
+
 class _CausalAttention(torch.autograd.Function):
+    """Saves the inputs in their own dtype, the output (written straight into the [B, S, H, Dv] layout the
+    output projection reads, so the two share one tensor), the log-sum-exp, and the probabilities when small."""
+
     @staticmethod
     def forward(ctx, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS):
-        B, H, S, Dq = q_BHSD.shape
+        B, H, S, _ = q_BHSD.shape
         KV, Dv = k_BKSD.shape[1], v_BKSD.shape[-1]
         rep = H // KV
         ct = torch.promote_types(q_BHSD.dtype, torch.float32)
-        # [B*KV, S*rep, D]: rows ordered (position, head within the K/V group)
-        q = q_BHSD.to(ct).view(B, KV, rep, S, Dq).transpose(2, 3).reshape(B * KV, S * rep, Dq)
-        k = k_BKSD.to(ct).reshape(B * KV, S, Dq)
-        v = v_BKSD.to(ct).reshape(B * KV, S, Dv)
+        q, k, v = _as_rows(q_BHSD, KV, ct), _as_rows(k_BKSD, KV, ct), _as_rows(v_BKSD, KV, ct)
         blocks = _Blocks(B, KV, rep, S, doc_ids_BS, q.device)
-        out = q.new_empty(B * KV, S * rep, Dv)
+        out_BSHD = q_BHSD.new_empty(B, S, H, Dv)
+        out_BSKRD = out_BSHD.view(B, S, KV, rep, Dv)
         lse = q.new_empty(B * KV, S * rep)
         keep_probs = blocks.prob_elements <= _SAVED_PROB_ELEMENTS
         probs = []
@@ -98,22 +105,24 @@ class _CausalAttention(torch.autograd.Function):
             denom = p.sub_(m).exp_().sum(dim=-1, keepdim=True)
             p.div_(denom)
             lse[:, s0 * rep:e * rep] = (m + denom.log()).squeeze(-1)
-            torch.bmm(p, v[:, k0:e], out=out[:, s0 * rep:e * rep])
+            o = torch.bmm(p, v[:, k0:e]).view(B, KV, e - s0, rep, Dv)
+            out_BSKRD[:, s0:e].copy_(o.transpose(1, 2))
             if keep_probs:
                 probs.append(p)
-        ctx.save_for_backward(q, k, v, out, lse, *probs)
-        ctx.blocks, ctx.scale, ctx.shape, ctx.dtypes = blocks, scale, (B, H, KV, rep, S), (
-            q_BHSD.dtype, k_BKSD.dtype, v_BKSD.dtype)
-        return out.view(B, KV, S, rep, Dv).transpose(2, 3).reshape(B, H, S, Dv).to(q_BHSD.dtype)
+        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out_BSHD, lse, *probs)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out_BSHD.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout_BHSD):
-        q, k, v, out, lse, *probs = ctx.saved_tensors
-        B, H, KV, rep, S = ctx.shape
-        scale = ctx.scale
-        Dv = v.shape[-1]
-        do = dout_BHSD.to(q.dtype).view(B, KV, rep, S, Dv).transpose(2, 3).reshape(B * KV, S * rep, Dv)
-        delta = (do * out).sum(-1)
+        q_BHSD, k_BKSD, v_BKSD, out_BSHD, lse, *probs = ctx.saved_tensors
+        B, H, S, _ = q_BHSD.shape
+        KV = k_BKSD.shape[1]
+        rep, scale, ct = H // KV, ctx.scale, lse.dtype
+        q, k, v = _as_rows(q_BHSD, KV, ct), _as_rows(k_BKSD, KV, ct), _as_rows(v_BKSD, KV, ct)
+        do = _as_rows(dout_BHSD, KV, ct)
+        delta_BHS = (dout_BHSD.to(ct) * out_BSHD.transpose(1, 2).to(ct)).sum(-1)
+        delta = delta_BHS.view(B, KV, rep, S).transpose(2, 3).reshape(B * KV, S * rep)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i, (s0, e, k0, m0, drop) in enumerate(ctx.blocks.items):
             r0, r1 = s0 * rep, e * rep
@@ -126,9 +135,8 @@ class _CausalAttention(torch.autograd.Function):
             ds.sub_(delta[:, r0:r1, None]).mul_(p).mul_(scale)
             torch.bmm(ds, k[:, k0:e], out=dq[:, r0:r1])
             dk[:, k0:e] += torch.bmm(ds.transpose(1, 2), q[:, r0:r1])
-        q_dt, k_dt, v_dt = ctx.dtypes
-        dq = dq.view(B, KV, S, rep, -1).transpose(2, 3).reshape(B, H, S, -1).to(q_dt)
-        return dq, dk.view(B, KV, S, -1).to(k_dt), dv.view(B, KV, S, Dv).to(v_dt), None, None
+        dq = dq.view(B, KV, S, rep, -1).transpose(2, 3).reshape(B, H, S, -1).to(q_BHSD.dtype)
+        return dq, dk.view(B, KV, S, -1).to(k_BKSD.dtype), dv.view(B, KV, S, -1).to(v_BKSD.dtype), None, None
 
 
 def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,

@@ -219,8 +219,19 @@ __all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "co
 
 
 def _norm_bytes(n: int, w: int, p: int) -> float:
-    """RMSNorm saves its fp32 input (the input itself when fp32), the normed tensor and 1/rms."""
-    return n * w * (4 + p) + 4 * n
+    """RMSNorm saves its input and 1/rms (fp32) per row."""
+    return n * w * p + 4 * n
+
+
+def _block_prob_bytes(b: int, heads: int, kv_heads: int, s: int) -> float:
+    """fp32 probabilities the CPU attention kernel keeps for backward (rows with no earlier documents),
+    or 0 where it recomputes them."""
+    from ..kernels import causal_attention as ka
+
+    rep = heads // kv_heads
+    rows = ka._rows_per_block(b * kv_heads, rep, s)
+    elems = b * heads * sum((min(s, s0 + rows) - s0) * min(s, s0 + rows) for s0 in range(0, s, rows))
+    return 4 * elems if elems <= ka._SAVED_PROB_ELEMENTS else 0.0
 
 
 def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[str, float]:
@@ -228,10 +239,10 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
 
-    attention_backend (without context parallelism, which always runs the blockwise core): "flash" (q, k, v,
-    output, log-sum-exp, and the boolean mask of packed rows) or "math" (q, k, v copies and the [s, s]
-    probabilities per head); "auto" follows PyTorch's CPU rule: flash when the q/k and v head dims are equal,
-    with the mask kept as float.
+    attention_backend (without context parallelism, which always runs the blockwise core): "flash" (GPU SDPA:
+    q, k, v, output, log-sum-exp, and the boolean mask of packed rows) or "blocks" (the CPU kernel: q, k, v,
+    the output the output projection also reads, log-sum-exp, and the probabilities of short sequences);
+    "auto" is "blocks", the CPU rule.
     """
     d = lay.dims
     tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
@@ -249,26 +260,29 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
             if cfg.q_lora_rank is not None:
                 # q_norm saves wq_a's output and the normed latent; its output is saved by wq_b
                 x += _norm_bytes(T, cfg.q_lora_rank, p) + T * cfg.q_lora_rank * p
-            x += T * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * p + T * cfg.kv_lora_rank * p + 4 * T  # kv_norm
+            x += T * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * p + 4 * T  # kv_norm: wkv_a's output (a view), 1/rms
             x += Tk * cfg.kv_lora_rank * p  # latent (cp-gathered) saved by wkv_b
             v_saved = Tk * H * (cfg.qk_nope_head_dim + vd) * p  # flash keeps values as views of wkv_b's output
         else:
             qk = vd = cfg.gqa_head_dim
             KV = (cfg.num_kv_heads or cfg.num_heads) // tp
-            if cfg.qk_norm:  # per-head norms: input, normed, and 1/rms per head
-                x += T * H * qk * (4 + p) + 4 * T * H + T * KV * qk * (4 + p) + 4 * T * KV
+            if cfg.qk_norm:  # per-head norms: input and 1/rms per head
+                x += _norm_bytes(T * H, qk, p) + _norm_bytes(T * KV, qk, p)
             v_saved = Tk * H * vd * p
-        backend = attention_backend if attention_backend != "auto" else ("flash" if qk == vd else "math")
+        backend = attention_backend if attention_backend != "auto" else "blocks"
         q_saved, k_saved = T * H * qk * p, Tk * H * qk * p
         if cp > 1:  # blockwise core: contiguous q, k, v (K/V heads unrepeated), fp32 output and lse, wo's copy
             kvh = H if cfg.attention == "mla" else (cfg.num_kv_heads or cfg.num_heads) // tp
             x += q_saved + Tk * kvh * (qk + vd) * p + T * H * vd * max(p, 4) + T * H * 4 + T * H * vd * p
-        elif backend == "flash":  # q, k, v, output, log-sum-exp (+ a float copy of a boolean mask)
+        elif backend == "flash":  # q, k, v, output, log-sum-exp (+ the boolean mask of packed rows)
             x += q_saved + k_saved + v_saved + T * H * vd * p + T * H * 4
-            if lay.packed:  # the dense causal/document mask: bool, kept as float by the CPU kernel
-                x += T * (Tk // b) * (4 if attention_backend == "auto" else 1)
-        else:  # scaled q, k and v copies, the probabilities, and the (non-contiguous) output copied for wo
-            x += q_saved + k_saved + Tk * H * vd * p + b * H * s * (Tk // b) * p + T * H * vd * p
+            if lay.packed:
+                x += T * (Tk // b)
+        else:  # blocks: q, k (K/V heads unrepeated) and v as given, output (shared with wo), lse, probabilities
+            kvh = H if cfg.attention == "mla" else (cfg.num_kv_heads or cfg.num_heads) // tp
+            k_saved = Tk * kvh * qk * p
+            v_saved = v_saved if cfg.attention == "mla" else Tk * kvh * vd * p
+            x += q_saved + k_saved + v_saved + T * H * vd * p + T * H * 4 + _block_prob_bytes(b, H, kvh, s)
         return x
 
     def ffn(is_moe: bool) -> float:
