@@ -109,8 +109,6 @@ class _Sequence:
 class _Batch:
     """Positions and cache slots of a padded batch of new tokens ([B, N])."""
     pos_BN: torch.Tensor
-    valid_BN: torch.Tensor
-    write_slots_BN: torch.Tensor
     read_slots_BL: torch.Tensor
     mask_B1NL: torch.Tensor
     lengths: list[int]
@@ -179,6 +177,7 @@ class Engine:
         self._running: list[_Sequence] = []
         self._finished: dict[int, GenerationResult] = {}
         self._next_id = 0
+        self._slot_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._lock = threading.RLock()
         self.stats = {"draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 0}
 
@@ -329,27 +328,40 @@ class Engine:
                 self._emit(seq, *sample_token(logits_BV[b], seq.params, seq.generator), route)
 
     # ---- forward passes ----------------------------------------------------------------------------
+    def _slot_table(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """[B, W] cache slot of every position each sequence reserved (0-padded: the scratch block). Built
+        once per batch composition and reused by every decode step until a request joins or leaves."""
+        key = tuple(s.rid for s in seqs)
+        table = self._slot_tables.get(key)
+        if table is None:
+            if len(self._slot_tables) >= 8:
+                self._slot_tables.clear()
+            bs = self.cache.block_size
+            offsets = torch.arange(bs, device=self.device)
+            rows = [(torch.tensor(s.blocks, device=self.device)[:, None] * bs + offsets).reshape(-1) for s in seqs]
+            table = self._slot_tables[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        return table
+
     def _batch(self, seqs: list[_Sequence], starts: list[int], lengths: list[int]) -> _Batch:
-        bs, dev = self.cache.block_size, self.device
-        B, N = len(seqs), max(lengths)
-        width = max(len(s.blocks) for s in seqs)
-        table_BM = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], dtype=torch.long, device=dev)
+        dev = self.device
+        table_BW = self._slot_table(seqs)
+        N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
         start_B = torch.tensor(starts, device=dev)
-        len_B = torch.tensor(lengths, device=dev)
-        r_N = torch.arange(N, device=dev)
-        pos_BN = start_B[:, None] + r_N
-        valid_BN = r_N[None, :] < len_B[:, None]
-        blk_BN = table_BM.gather(1, (pos_BN // bs).clamp(max=width - 1))
-        write_BN = torch.where(valid_BN, blk_BN * bs + pos_BN % bs, pos_BN % bs)  # padding -> scratch block 0
-        L = int((start_B + len_B).max())
-        j_L = torch.arange(L, device=dev)
-        read_BL = table_BM.gather(1, (j_L // bs).clamp(max=width - 1).expand(B, L)) * bs + j_L % bs
-        end_B = start_B + len_B
-        mask = (j_L[None, None, :] <= pos_BN[:, :, None]) & (j_L[None, None, :] < end_B[:, None, None])
-        all_valid = min(lengths) == N
-        rows_T = None if all_valid else valid_BN.reshape(-1).nonzero().squeeze(-1)
-        write_T = write_BN.reshape(-1) if all_valid else write_BN.reshape(-1).index_select(0, rows_T)
-        return _Batch(pos_BN, valid_BN, write_BN, read_BL, mask[:, None], lengths, starts, write_T, rows_T)
+        if N == 1:  # decode: every row valid
+            pos_BN = start_B[:, None]
+        else:
+            pos_BN = start_B[:, None] + torch.arange(N, device=dev)
+        # rows past a sequence's length are padding: their slots are never written, their outputs unused
+        write_BN = table_BW.gather(1, pos_BN.clamp(max=table_BW.shape[1] - 1))
+        read_BL = table_BW[:, :L]
+        mask_B1NL = (torch.arange(L, device=dev) <= pos_BN[:, :, None])[:, None]
+        if min(lengths) == N:
+            rows_T, write_T = None, write_BN.reshape(-1)
+        else:
+            valid_BN = torch.arange(N, device=dev) < torch.tensor(lengths, device=dev)[:, None]
+            rows_T = valid_BN.reshape(-1).nonzero().squeeze(-1)
+            write_T = write_BN.reshape(-1).index_select(0, rows_T)
+        return _Batch(pos_BN, read_BL, mask_B1NL, lengths, starts, write_T, rows_T)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
         """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the

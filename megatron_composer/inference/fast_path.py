@@ -15,8 +15,11 @@ batch-invariant path of engine.py calls the modules and is the bit-exact one):
   share one cache row ([C + R]), so scores are one batched matmul and the mask is added inside it.
 - RoPE rotates q and k in one call; norms use the fused `F.rms_norm`.
 - Routed experts run on tokens sorted by expert: one grouped matmul where torch has it for the device,
-  else one matmul per expert that received tokens. The router is the model's own module, so the recorded
-  routing is what the model's router chooses.
+  else one matmul per expert that received tokens. With few experts per choice (E <= 4 K, so at most 4x
+  the routed arithmetic) and a batch that reaches them all (T K >= E), every token runs every expert in
+  two matmuls and the unchosen ones get gate 0: cheaper than E small matmuls when per-call overhead
+  dominates (never the case for DeepSeek-V3's 256 experts, top-8). The router is the model's own module,
+  so the recorded routing is what the model's router chooses.
 
 Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
 the parallel layers parallelize_model installed. Row-parallel outputs (attention, MLP, shared experts) are
@@ -106,6 +109,7 @@ class _MoE:
     local: bool              # every routed expert is on this rank
     w13: Optional[torch.Tensor]  # [E, 2F, D]
     w2: Optional[torch.Tensor]   # [E, D, F]
+    w2_all: Optional[torch.Tensor]  # [D, E * F] for the every-expert form (few experts only)
     shared: Optional[_SwiGLU]
 
 
@@ -139,8 +143,10 @@ class PackedWeights:
         if block.is_moe:
             experts = ff.experts
             local = experts.num_local_experts == ff.num_experts
-            ffn = _MoE(ff, local, _fused(experts.w1, experts.w3, dim=1) if local else None,
-                       experts.w2.detach() if local else None,
+            few = local and ff.num_experts <= 4 * ff.router.top_k
+            w2 = experts.w2.detach()
+            ffn = _MoE(ff, local, _fused(experts.w1, experts.w3, dim=1) if local else None, w2 if local else None,
+                       w2.permute(1, 0, 2).reshape(w2.shape[1], -1).contiguous() if few else None,
                        self._pack_mlp(ff.shared_experts) if ff.shared_experts is not None else None)
         else:
             ffn = self._pack_mlp(ff)
@@ -290,7 +296,11 @@ class FastForward:
 
     @staticmethod
     def _experts(p: _MoE, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        K, E = indices_TK.shape[1], p.w13.shape[0]
+        T, K, E = *indices_TK.shape, p.w13.shape[0]
+        if p.w2_all is not None and T * K >= E:  # every token through every expert, unchosen ones gated 0
+            gate, up = F.linear(x_TD, p.w13.view(-1, x_TD.shape[1])).view(T, E, -1).chunk(2, dim=-1)
+            weights_TE = x_TD.new_zeros(T, E).scatter_(1, indices_TK, weights_TK.to(x_TD.dtype))
+            return F.linear(((F.silu(gate) * up) * weights_TE[:, :, None]).view(T, -1), p.w2_all)
         flat = indices_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // K

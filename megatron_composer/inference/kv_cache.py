@@ -89,4 +89,6 @@ class PagedKVCache:
             buf.index_copy_(0, slots_T, val.to(buf.dtype))
 
     def read(self, layer: int, slots_BL: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[slots_BL] for buf in self.layers[layer]]
+        # index_select on the flattened slots: a row copy per slot, several times faster than buf[slots_BL]
+        flat = slots_BL.reshape(-1)
+        return [buf.index_select(0, flat).view(*slots_BL.shape, *buf.shape[1:]) for buf in self.layers[layer]]
