@@ -230,6 +230,6 @@ def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torc
     order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
     token_of_slot = order // K
     offs = counts.cumsum(0).to(torch.int32)
-    y = experts(x_TD[token_of_slot], offs)
+    y = experts(x_TD.index_select(0, token_of_slot), offs)  # backward: index_add, not index_put
     y = y * weights_TK.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y)

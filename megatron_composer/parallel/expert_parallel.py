@@ -70,7 +70,7 @@ class AllToAllDispatcher:
         send_splits = send_counts_RL.sum(1).tolist()
         recv_splits = recv_counts_RL.sum(1).tolist()
 
-        x_send = x_TD[token_of_slot]
+        x_send = x_TD.index_select(0, token_of_slot)
         x_recv = C.all_to_all_autograd(x_send, recv_splits, send_splits, self.ep_group)
         # received rows are grouped by source rank, then expert; the grouped matmul wants expert-major
         n_rows = self.ep * self.local_experts
