@@ -302,3 +302,23 @@ def test_weight_update_xor_delta_and_validation():
     with pytest.raises(EngineError, match="int32"):
         engine.update_weights({name: cur}, version=2, delta=True)
     assert engine.weight_version == 1
+
+
+def test_fast_path_sees_weight_updates():
+    """The fast path's fused weight copies are rebuilt by update_weights (full tensors and XOR deltas)."""
+    model = _model("tiny-deepseek-v3", num_layers=2)
+    prompts = _prompts(model.config.vocab_size, [6, 11])
+    new = _new_weights(model, seed=5)
+    fresh_model = _model("tiny-deepseek-v3", num_layers=2)
+    fresh_model.load_state_dict(new)
+    want = Engine(fresh_model).generate(prompts, max_new_tokens=12)
+    engine = Engine(model)
+    engine.update_weights(new, version=1)
+    got = engine.generate(prompts, max_new_tokens=12)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert all(torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5) for a, b in zip(got, want))
+    back = {k: v.view(torch.int32) ^ model.state_dict()[k].view(torch.int32)
+            for k, v in _new_weights(model, seed=0).items()}
+    engine.update_weights(back, version=2, delta=True)
+    original = Engine(_model("tiny-deepseek-v3", num_layers=2)).generate(prompts, max_new_tokens=12)
+    assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)] == [r.token_ids for r in original]

@@ -526,6 +526,8 @@ class Engine:
         weights: parameter/buffer name -> tensor, the whole state dict or any part of it. With delta=True each
         tensor is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for
         bfloat16) against the current values, the lossless format of the weight-sync pipeline.
+        Tensors are always the full (unsharded) ones, as trainers publish them: on a tensor-parallel model
+        every rank passes the same dict and takes its own shard (an XOR delta shards like the tensor).
         Everything is checked before anything is changed. See the module docstring for recompute_cache.
         """
         state = self.model.state_dict(keep_vars=True)
@@ -535,20 +537,26 @@ class Engine:
                               "use the model's state_dict names")
         int_of_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         for name, t in weights.items():
-            cur = state[name]
-            if tuple(t.shape) != tuple(cur.shape):
-                raise EngineError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the model's is {tuple(cur.shape)}")
+            cur, spec = state[name], spec_of(state[name])
+            full = list(cur.shape)
+            if spec.kind in ("tp_sharded", "expert") and spec.size > 1:
+                full[spec.dim] *= spec.size
+            if list(t.shape) != full:
+                raise EngineError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the model's is {tuple(full)}")
             if delta and t.dtype != int_of_size[cur.element_size()]:
                 raise EngineError(f"update_weights(delta=True): '{name}' must be {int_of_size[cur.element_size()]} "
                                   f"(XOR of the raw {cur.dtype} bits), got {t.dtype}")
         with self._lock, torch.no_grad():
             for name, t in weights.items():
                 cur = state[name]
+                piece = spec_of(cur).take(t)
                 if delta:
                     bits = cur.data.view(int_of_size[cur.element_size()])
-                    bits.bitwise_xor_(t.to(bits.device))
+                    bits.bitwise_xor_(piece.to(bits.device))
                 else:
-                    cur.data.copy_(t)
+                    cur.data.copy_(piece)
+            if self.fast is not None:
+                self.fast.refresh()
             self.weight_version = version
             if recompute_cache:
                 self._recompute_cache()
