@@ -91,7 +91,7 @@ class _Sequence:
         self.rid, self.params, self.generator, self.blocks = rid, params, generator, blocks
         self.tokens = list(prompt)
         self.result = GenerationResult(rid, list(prompt))
-        self.routes: list[torch.Tensor] = []
+        self.routes: list[list[float]] = []  # per generated token: num_moe_layers x top_k expert ids, flat
         self.processed = 0  # positions held in the main cache; tokens[processed:] not yet fed
         self.text_len = 0
         # speculative state
@@ -116,6 +116,8 @@ class _Batch:
     write_slots_T: torch.Tensor          # slots of the valid rows only
     rows_T: Optional[torch.Tensor]       # flat indices of the valid rows (None: every row is valid)
     _bias: Optional[torch.Tensor] = None
+    _rotation: Optional[torch.Tensor] = None
+    _read_flat: Optional[torch.Tensor] = None
 
     def valid_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
         flat = x_BN_.reshape(-1, *x_BN_.shape[2:])
@@ -127,6 +129,17 @@ class _Batch:
             mask = self.mask_B1NL[:, 0]
             self._bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self._bias
+
+    def rotation(self, cos_BNd: torch.Tensor, sin_BNd: torch.Tensor) -> torch.Tensor:
+        """RoPE as unit complex numbers [B, N, 1, d] (times YaRN's factor), made once per forward."""
+        if self._rotation is None:
+            self._rotation = torch.complex(cos_BNd.float(), sin_BNd.float())[:, :, None]
+        return self._rotation
+
+    def read_slots_flat(self) -> torch.Tensor:
+        if self._read_flat is None:
+            self._read_flat = self.read_slots_BL.reshape(-1)
+        return self._read_flat
 
     def bias_rows(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
         """Bias for score rows ordered (position, head): [B, N * heads, L], or [B, 1, L] to broadcast if N = 1."""
@@ -283,7 +296,7 @@ class Engine:
         L = len(self.model.moe_layers)
         if L:
             K = self.cfg.num_experts_per_tok
-            r.routed_experts = torch.stack(seq.routes) if seq.routes else torch.empty(0, L, K, dtype=torch.long)
+            r.routed_experts = torch.tensor(seq.routes, dtype=torch.long).view(-1, L, K)
             if r.prompt_routed_experts is not None:
                 r.prompt_routed_experts = r.prompt_routed_experts.clone()
         if self.detokenize is not None and r.text is None:
@@ -292,7 +305,7 @@ class Engine:
 
     # ---- emitting tokens ---------------------------------------------------------------------------
     def _emit(self, seq: _Sequence, token: int, logprob: float, sampling_logprob: float,
-              route: Optional[torch.Tensor]) -> None:
+              route: Optional[list[float]]) -> None:
         r, p = seq.result, seq.params
         seq.tokens.append(token)
         r.token_ids.append(token)
@@ -316,14 +329,17 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        greedy_B = logits_BV.argmax(-1, keepdim=True)
-        # token ids are exact in float64: one host transfer for ids and log-probs
-        greedy_B, greedy_logp = torch.cat([greedy_B.double(), logp_BV.gather(1, greedy_B).double()], 1).t().tolist()
-        greedy_B = [int(t) for t in greedy_B]
+        greedy_B1 = logits_BV.argmax(-1, keepdim=True)
+        parts = [greedy_B1.double(), logp_BV.gather(1, greedy_B1).double()]
+        if routes is not None:
+            parts.append(routes.reshape(len(seqs), -1).double())
+        # ids are exact in float64: one host transfer per step for greedy ids, their log-probs and the routing
+        rows = torch.cat(parts, 1).tolist()
         for b, seq in enumerate(seqs):
-            route = None if routes is None else routes[b]
+            row = rows[b]
+            route = None if routes is None else row[2:]
             if seq.params.greedy:
-                self._emit(seq, greedy_B[b], greedy_logp[b], 0.0, route)
+                self._emit(seq, int(row[0]), row[1], 0.0, route)
             else:
                 self._emit(seq, *sample_token(logits_BV[b], seq.params, seq.generator), route)
 
@@ -467,6 +483,7 @@ class Engine:
         hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
         logits = self._logits(hidden)
         logp = torch.log_softmax(logits.float(), dim=-1)
+        route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
             D = len(s.drafts)
             emitted = accept_drafts(logits[b, :D + 1], s.drafts, s.draft_probs, s.params, s.generator)
@@ -477,7 +494,7 @@ class Engine:
             self.stats["accepted_tokens"] += accepted
             for j, tok in enumerate(emitted):
                 slp = 0.0 if s.params.greedy else float(sampling_probs(logits[b, j], s.params)[tok].log())
-                self._emit(s, tok, float(logp[b, j, tok]), slp, None if routes is None else routes[:, b, j])
+                self._emit(s, tok, float(logp[b, j, tok]), slp, None if routes is None else route_rows[b][j])
                 if s.finished:
                     break
             s.pending_hidden = torch.cat([s.pending_hidden, hidden[b, :len(emitted)]])

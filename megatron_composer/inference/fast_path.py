@@ -16,9 +16,10 @@ batch-invariant path of engine.py calls the modules and is the bit-exact one):
 - RoPE rotates q and k in one call; norms use the fused `F.rms_norm`.
 - Routed experts run on tokens sorted by expert: one grouped matmul where torch has it for the device,
   else one matmul per expert that received tokens. With few experts per choice (E <= 4 K, so at most 4x
-  the routed arithmetic) and a batch that reaches them all (T K >= E), every token runs every expert in
-  two matmuls and the unchosen ones get gate 0: cheaper than E small matmuls when per-call overhead
-  dominates (never the case for DeepSeek-V3's 256 experts, top-8). The router is the model's own module,
+  the routed arithmetic) and a batch that reaches them all but gives each only a few rows
+  (E <= T K <= 16 E: decoding, not prefill), every token runs every expert in two matmuls and the
+  unchosen ones get gate 0: cheaper than E small matmuls when per-call overhead dominates (never the case for DeepSeek-V3's 256 experts, top-8). Without tensor parallelism the shared
+  experts join that form as more experts with gate 1. The router is the model's own module,
   so the recorded routing is what the model's router chooses.
 
 Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
@@ -109,7 +110,9 @@ class _MoE:
     local: bool              # every routed expert is on this rank
     w13: Optional[torch.Tensor]  # [E, 2F, D]
     w2: Optional[torch.Tensor]   # [E, D, F]
-    w2_all: Optional[torch.Tensor]  # [D, E * F] for the every-expert form (few experts only)
+    w2_all: Optional[torch.Tensor]  # [D, (E + S) * F] for the every-expert form (few experts only)
+    w13_all: Optional[torch.Tensor]  # [E + S, 2F, D]: the routed experts, then S shared ones folded in
+    gate_init: Optional[torch.Tensor]  # [E + S]: 0 for routed experts (scattered in), 1 for shared ones
     shared: Optional[_SwiGLU]
 
 
@@ -144,10 +147,24 @@ class PackedWeights:
             experts = ff.experts
             local = experts.num_local_experts == ff.num_experts
             few = local and ff.num_experts <= 4 * ff.router.top_k
-            w2 = experts.w2.detach()
-            ffn = _MoE(ff, local, _fused(experts.w1, experts.w3, dim=1) if local else None, w2 if local else None,
-                       w2.permute(1, 0, 2).reshape(w2.shape[1], -1).contiguous() if few else None,
-                       self._pack_mlp(ff.shared_experts) if ff.shared_experts is not None else None)
+            shared = self._pack_mlp(ff.shared_experts) if ff.shared_experts is not None else None
+            w13 = _fused(experts.w1, experts.w3, dim=1) if local else None
+            w2 = experts.w2.detach() if local else None
+            w2_all = w13_all = gate_init = None
+            if few:
+                E, F_, D = experts.w1.shape
+                w13_all, w2_all = w13, w2.permute(1, 0, 2).reshape(D, E * F_)
+                # shared experts (unsharded ones) join as S = width / F more experts with gate 1
+                S = 0
+                if shared is not None and self.tp_group is None and shared.w2.shape[1] % F_ == 0:
+                    S = shared.w2.shape[1] // F_
+                    w1s, w3s = shared.w13.chunk(2)
+                    w13_all = torch.cat([w13, torch.cat([w1s.view(S, F_, D), w3s.view(S, F_, D)], dim=1)])
+                    w2_all = torch.cat([w2_all, shared.w2], dim=1)
+                    w13 = w13_all[:E]
+                w2_all = w2_all.contiguous()
+                gate_init = torch.cat([w13.new_zeros(E), w13.new_ones(S)])
+            ffn = _MoE(ff, local, w13, w2, w2_all, w13_all, gate_init, shared)
         else:
             ffn = self._pack_mlp(ff)
         return _Block(block.attention_norm.weight.detach(), block.ffn_norm.weight.detach(),
@@ -227,6 +244,16 @@ class FastForward:
         return h_BND + self._reduce(self._swiglu(p.ffn, x)), None
 
     # ---- attention ----------------------------------------------------------------------------------
+    @staticmethod
+    def _rope(x_BNHR: torch.Tensor, cos, sin, interleaved: bool, batch) -> torch.Tensor:
+        """RoPE on q and k heads together. Interleaved pairs (DeepSeek's layout) rotate as complex numbers in
+        one multiply and stay interleaved (the model's apply_rope de-interleaves them): every query and key
+        of this path has the same layout, so their dot products are the model's."""
+        if not interleaved:
+            return apply_rope(x_BNHR, cos, sin, False)
+        pairs = torch.view_as_complex(x_BNHR.float().reshape(*x_BNHR.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * batch.rotation(cos, sin)).flatten(-2).to(x_BNHR.dtype)
+
     def _mla(self, p: _MLA, layer: int, x_BND, cos, sin, batch, cache) -> torch.Tensor:
         B, N, _ = x_BND.shape
         H, C, R = p.H, p.C, p.R
@@ -234,20 +261,20 @@ class FastForward:
         if p.q_lora:
             q_in = F.linear(_rms(q_in, p.q_norm, p.eps), p.w_q)
         c_kv = _rms(c_kv, p.kv_norm, p.eps)
-        if p.q_folded:
+        if p.q_folded and p.interleave and x_BND.dtype == torch.float32 and (p.Q + C + R) % 2 == 0:
+            # rotate the rope parts in place: q's rows are then already the [latent | rope] score rows
             q = q_in.view(B, N, H, C + R)
-            q_lat, q_rope = q[..., :C], q[..., C:]
+            rotation = batch.rotation(cos, sin)
+            torch.view_as_complex(q[..., C:].unflatten(-1, (-1, 2))).mul_(rotation)
+            torch.view_as_complex(k_rope.unflatten(-1, (-1, 2))).mul_(rotation[:, :, 0])
+            q_MX, kv_new = q.view(B, N * H, C + R), torch.cat([c_kv, k_rope], dim=-1)
         else:
-            q = q_in.view(B, N, H, p.Dn + R)
-            q_rope = q[..., p.Dn:]
-            q_lat = torch.bmm(q[..., :p.Dn].reshape(B * N, H, p.Dn).transpose(0, 1), p.w_uk)
-            q_lat = q_lat.transpose(0, 1).reshape(B, N, H, C)
-        roped = apply_rope(torch.cat([q_rope, k_rope.unsqueeze(2)], dim=2), cos, sin, p.interleave)
-        q_MX = torch.cat([q_lat, roped[:, :, :H]], dim=-1).view(B, N * H, C + R)  # rows (position, head)
-        cache.write(layer, batch.write_slots_T, batch.valid_rows(torch.cat([c_kv, roped[:, :, H]], dim=-1)))
-        kv_BLX = cache.read(layer, batch.read_slots_BL)[0].to(x_BND.dtype)
+            q_MX, kv_new = self._mla_query(p, q_in, k_rope, c_kv, cos, sin, batch)
+        cache.write(layer, batch.write_slots_T, batch.valid_rows(kv_new))
+        kv_BLX = cache.read(layer, batch.read_slots_BL, batch.read_slots_flat())[0]
         scores = torch.baddbmm(batch.bias_rows(H, x_BND.dtype), q_MX, kv_BLX.transpose(1, 2), alpha=p.scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x_BND.dtype)
+        probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
+            torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
         o_lat = torch.bmm(probs, kv_BLX[..., :C])  # [B, N * H, C]
         if p.o_folded:
             out = F.linear(o_lat.view(B, N, H * C), p.w_o)
@@ -257,15 +284,30 @@ class FastForward:
         out = self._reduce(out)
         return out if p.b_o is None else out + p.b_o
 
+    def _mla_query(self, p: _MLA, q_in, k_rope, c_kv, cos, sin, batch):
+        """Score rows [B, N * H, C + R] (rows (position, head)) and the new cache rows [B, N, C + R]."""
+        B, N = q_in.shape[:2]
+        H, C, R = p.H, p.C, p.R
+        if p.q_folded:
+            q = q_in.view(B, N, H, C + R)
+            q_lat, q_rope = q[..., :C], q[..., C:]
+        else:
+            q = q_in.view(B, N, H, p.Dn + R)
+            q_rope = q[..., p.Dn:]
+            q_lat = torch.bmm(q[..., :p.Dn].reshape(B * N, H, p.Dn).transpose(0, 1), p.w_uk)
+            q_lat = q_lat.transpose(0, 1).reshape(B, N, H, C)
+        roped = self._rope(torch.cat([q_rope, k_rope.unsqueeze(2)], dim=2), cos, sin, p.interleave, batch)
+        return torch.cat([q_lat, roped[:, :, :H]], dim=-1).view(B, N * H, C + R), torch.cat([c_kv, roped[:, :, H]], dim=-1)
+
     def _gqa(self, p: _GQA, layer: int, x_BND, cos, sin, batch, cache) -> torch.Tensor:
         B, N, _ = x_BND.shape
         H, KV, Dh = p.H, p.KV, p.Dh
         q, k, v = F.linear(x_BND, p.w_qkv, p.b_qkv).view(B, N, H + 2 * KV, Dh).split([H, KV, KV], dim=2)
         if p.q_norm is not None:
             q, k = _rms(q, p.q_norm, p.eps), _rms(k, p.k_norm, p.eps)
-        qk = apply_rope(torch.cat([q, k], dim=2), cos, sin, False)
+        qk = self._rope(torch.cat([q, k], dim=2), cos, sin, False, batch)
         cache.write(layer, batch.write_slots_T, batch.valid_rows(qk[:, :, H:]), batch.valid_rows(v))
-        k_BLKD, v_BLKD = (t.to(x_BND.dtype) for t in cache.read(layer, batch.read_slots_BL))
+        k_BLKD, v_BLKD = (t.to(x_BND.dtype) for t in cache.read(layer, batch.read_slots_BL, batch.read_slots_flat()))
         L, rep = k_BLKD.shape[1], H // KV
         # query heads grouped by their kv head, rows (head in group, position): [B, KV, rep * N, Dh]
         q_BKMD = qk[:, :, :H].reshape(B, N, KV, rep, Dh).permute(0, 2, 3, 1, 4).reshape(B, KV, rep * N, Dh)
@@ -286,21 +328,32 @@ class FastForward:
         B, N, D = x_BND.shape
         x_TD = x_BND.reshape(-1, D)
         r = p.module.router(x_TD)
-        if p.local:
-            out = self._experts(p, x_TD, r.indices_TK, r.weights_TK)
+        T, K = r.indices_TK.shape
+        E = p.w13.shape[0]
+        if p.w2_all is not None and E <= T * K <= 16 * E:
+            out = self._every_expert(p, x_TD, r.indices_TK, r.weights_TK)
+            shared_done = p.w13_all.shape[0] > p.w13.shape[0]
         else:
-            out = p.module.dispatch(p.module.experts, x_TD, r.indices_TK, r.weights_TK)
-        if p.shared is not None:
+            if p.local:
+                out = self._experts(p, x_TD, r.indices_TK, r.weights_TK)
+            else:
+                out = p.module.dispatch(p.module.experts, x_TD, r.indices_TK, r.weights_TK)
+            shared_done = False
+        if p.shared is not None and not shared_done:
             out = out + self._reduce(self._swiglu(p.shared, x_TD))
         return out.view(B, N, D), r.indices_TK.view(B, N, -1)
 
     @staticmethod
+    def _every_expert(p: _MoE, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Every token through every expert (and the folded shared ones), unchosen experts gated 0."""
+        T = x_TD.shape[0]
+        gate, up = F.linear(x_TD, p.w13_all.view(-1, x_TD.shape[1])).view(T, p.w13_all.shape[0], -1).chunk(2, dim=-1)
+        gates_TE = p.gate_init.repeat(T, 1).scatter_(1, indices_TK, weights_TK.to(x_TD.dtype))
+        return F.linear(((F.silu(gate) * up) * gates_TE[:, :, None]).view(T, -1), p.w2_all)
+
+    @staticmethod
     def _experts(p: _MoE, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        T, K, E = *indices_TK.shape, p.w13.shape[0]
-        if p.w2_all is not None and T * K >= E:  # every token through every expert, unchosen ones gated 0
-            gate, up = F.linear(x_TD, p.w13.view(-1, x_TD.shape[1])).view(T, E, -1).chunk(2, dim=-1)
-            weights_TE = x_TD.new_zeros(T, E).scatter_(1, indices_TK, weights_TK.to(x_TD.dtype))
-            return F.linear(((F.silu(gate) * up) * weights_TE[:, :, None]).view(T, -1), p.w2_all)
+        K, E = indices_TK.shape[1], p.w13.shape[0]
         flat = indices_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // K

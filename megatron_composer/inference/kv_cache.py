@@ -86,9 +86,10 @@ class PagedKVCache:
 
     def write(self, layer: int, slots_T: torch.Tensor, *values_T: torch.Tensor) -> None:
         for buf, val in zip(self.layers[layer], values_T):
-            buf.index_copy_(0, slots_T, val.to(buf.dtype))
+            buf.index_copy_(0, slots_T, val if val.dtype == buf.dtype else val.to(buf.dtype))
 
-    def read(self, layer: int, slots_BL: torch.Tensor) -> list[torch.Tensor]:
+    def read(self, layer: int, slots_BL: torch.Tensor, slots_flat: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """Cached rows [B, L, ...] at slots_BL (slots_flat: the same, flattened, when the caller has it)."""
         # index_select on the flattened slots: a row copy per slot, several times faster than buf[slots_BL]
-        flat = slots_BL.reshape(-1)
+        flat = slots_BL.reshape(-1) if slots_flat is None else slots_flat
         return [buf.index_select(0, flat).view(*slots_BL.shape, *buf.shape[1:]) for buf in self.layers[layer]]
