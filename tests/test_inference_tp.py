@@ -40,3 +40,12 @@ def test_tensor_parallel_engine_equals_one_rank(results, case):
         assert res["drafted"] > 0
     if case.endswith("weight_update"):
         assert res["versions_seen"] == [0, 3, 4] and res["delta_restored"]
+
+
+@pytest.mark.dist
+def test_server_tensor_parallel(tmp_path):
+    """Rank 0 serves HTTP and drives rank 1: concurrent completions equal the one-rank engine's."""
+    res = torchrun.run_worker("inference_server_tp_worker.py", 2, [], tmp_path)["serve"]
+    assert res["ok"], res.get("error")
+    assert res["tokens_equal"] and res["num_tokens"] == 20 + 16 + 20 + 20
+    assert res["max_logprob_diff"] <= 1e-5

@@ -12,12 +12,19 @@ carry `tool_call_errors`. Extra request fields: `top_k`, `stop_token_ids`, `seed
 `num_draft_tokens`. Malformed requests get a 4xx JSON error naming the field; the server keeps serving.
 
     python -m megatron_composer.inference.server --checkpoint DIR [--tokenizer PATH] [--port 8000]
+
+Tensor-parallel: `torchrun --nproc-per-node 2 -m megatron_composer.inference.server --checkpoint DIR --tp 2`.
+Every rank loads the checkpoint and keeps its shard (parallelize_model); rank 0 serves HTTP, and before
+each engine step it broadcasts the requests added since the last one, so every rank's engine admits the
+same requests and steps together (`follow_requests` on the other ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import threading
 import time
 import uuid
@@ -25,6 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
 from megatron_composer.data.chat_template import IM_END, ChatFormatError, parse_assistant, render_text
+
+import torch.distributed as dist
 
 from .engine import Engine, EngineError, GenerationResult
 from .kv_cache import CacheError
@@ -52,6 +61,39 @@ def _field(body: dict, name: str, kind, default, check=None, hint: str = ""):
     return value
 
 
+class _Lockstep:
+    """Rank 0's side of tensor-parallel serving: requests added since the last step, sent with the step."""
+
+    def __init__(self, engine: Engine):
+        self.group = engine.tp_group
+        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.pending: list[tuple[list[int], SamplingParams]] = []
+        self.lock = threading.Lock()  # held from an add (or a broadcast) until the engine has it (or stepped)
+
+    def send(self, command: str) -> None:
+        """command: "step", "beat" (idle; keeps the other ranks' collectives within their timeout) or "stop"."""
+        if self.group is None:
+            return
+        box = [(command, self.pending)]
+        self.pending = []
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+
+
+def follow_requests(engine: Engine) -> None:
+    """Tensor-parallel ranks other than 0: add the requests rank 0 broadcasts and step with it, until it stops."""
+    src = dist.get_global_rank(engine.tp_group, 0)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=src, group=engine.tp_group)
+        command, adds = box[0]
+        for prompt, params in adds:
+            engine.add_request(prompt, params)
+        if command == "step":
+            engine.step()
+        elif command == "stop":
+            return
+
+
 class InferenceServer:
     """Runs the engine loop in one thread and an HTTP server in another; `start()`, `url`, `stop()`."""
 
@@ -65,6 +107,8 @@ class InferenceServer:
         self._done: dict[int, threading.Event] = {}
         self._errors: dict[int, str] = {}
         self._stop = threading.Event()
+        self._lockstep = _Lockstep(engine)
+        self._seeds = random.Random()
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
@@ -100,14 +144,26 @@ class InferenceServer:
 
     # ---- engine side -------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
+        try:
+            self._run_engine()
+        finally:
+            self._lockstep.send("stop")
+
+    def _run_engine(self) -> None:
         while not self._stop.is_set():
             with self._wake:
-                while not self.engine.has_unfinished() and not self._stop.is_set():
+                if not self.engine.has_unfinished() and not self._stop.is_set():
                     self._wake.wait(timeout=1.0)
             if self._stop.is_set():
                 return
+            if not self.engine.has_unfinished():
+                with self._lockstep.lock:
+                    self._lockstep.send("beat")
+                continue
             try:
-                finished = self.engine.step()
+                with self._lockstep.lock:  # no request joins between the broadcast and this rank's step
+                    self._lockstep.send("step")
+                    finished = self.engine.step()
             except Exception as e:  # an engine failure fails the requests in flight, not the server
                 message = f"engine step failed: {type(e).__name__}: {e}"
                 pending = [s.rid for s in list(self.engine._running) + list(self.engine._waiting)]
@@ -131,7 +187,13 @@ class InferenceServer:
         events = {}
         rids = []
         for prompt in prompts:
-            rid = self.engine.add_request(prompt, SamplingParams(**vars(params)))
+            own = SamplingParams(**vars(params))
+            if own.seed is None and self._lockstep.group is not None:  # every rank must draw the same numbers
+                own.seed = self._seeds.getrandbits(62)
+            with self._lockstep.lock:
+                rid = self.engine.add_request(prompt, own)
+                if self._lockstep.group is not None:
+                    self._lockstep.pending.append((list(prompt), own))
             events[rid] = self._done.setdefault(rid, threading.Event())
             if rid in self.engine._finished or rid in self._errors:  # finished before the event existed
                 events[rid].set()
@@ -330,18 +392,38 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--cache-memory-gb", type=float, default=4.0)
     p.add_argument("--batch-invariant", action="store_true", help="bitwise batch-invariant numerics (slower)")
+    p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="tensor-parallel size (default: the torchrun world size)")
     args = p.parse_args(argv)
+
+    import torch
 
     from megatron_composer.checkpoint.hf import load_hf_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        raise SystemExit(f"--tp {args.tp} needs as many processes; launch with torchrun --nproc-per-node {args.tp}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
     model = load_hf_checkpoint(args.checkpoint)
     tokenizer.check_fits_model(model.config.vocab_size)
+    if world > 1:
+        from megatron_composer.parallel.dims import ParallelDims
+        from megatron_composer.parallel.parallelize import parallelize_model
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            model = model.cuda()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        model = parallelize_model(model, ParallelDims(world, tp=args.tp).build())
     engine = Engine(model, max_batch_size=args.max_batch_size, cache_memory_bytes=int(args.cache_memory_gb * 2**30),
                     batch_invariant=args.batch_invariant, detokenize=tokenizer.decode)
+    if world > 1 and dist.get_rank() != 0:
+        follow_requests(engine)
+        return
     server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port)
-    print(f"serving {args.model_name} on {server.url}", flush=True)
+    print(f"serving {args.model_name} on {server.url}" + (f" (tensor-parallel over {world} ranks)" if world > 1 else ""),
+          flush=True)
     server.serve_forever()
 
 
