@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node N rl_composer.py --config examples/tiny/rl.yaml [key=value ...]
 
-Rank 0 trains (and owns the orchestrator); the other ranks are rollout workers. With one process the workers
-run as threads inside it. On clusters, launch the trainer with role=trainer and the workers with role=rollout
+Ranks 0 .. trainer_ranks-1 train in the configured parallel layout (rank 0 also owns the orchestrator and
+publishes the weights); the other ranks are rollout workers. When no rank is left for rollouts (one process,
+or trainer_ranks = the number of processes) the workers run as threads inside trainer rank 0. On clusters, launch the trainer with role=trainer and the workers with role=rollout
 against the same run.dir (shared filesystem) and weight_sync.url; see docs/RL_DEPLOYMENT.md. Running the same
 command again with the same run.dir resumes from run.dir/latest and continues the epoch.
 """

@@ -116,8 +116,18 @@ class WorkQueue:
         (self.root / "STOP").unlink(missing_ok=True)
 
     # -- worker side ----------------------------------------------------------------------------------
-    def stop_requested(self, worker: str) -> bool:
-        return (self.root / "STOP").exists() or (self.root / "workers" / f"{worker}.stop").exists()
+    def stop_requested(self, worker: str, since: Optional[float] = None) -> bool:
+        """A stop for all workers or for this one; with ``since`` (epoch seconds) only one written at or after it
+        counts (a worker started in the same launch as a resuming trainer ignores the previous launch's STOP,
+        which that trainer removes at start)."""
+        for p in (self.root / "STOP", self.root / "workers" / f"{worker}.stop"):
+            try:
+                written = p.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if since is None or written >= since:
+                return True
+        return False
 
     def claim(self, worker: str) -> Optional[WorkItem]:
         """Take the oldest pending item (atomic rename, so two workers never get the same one)."""

@@ -159,12 +159,12 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int) -> RolloutWorker:
+def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None) -> RolloutWorker:
     model, _ = build_model(cfg, tokenizer)
     model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
-                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds)
+                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since)
 
 
 def group_metrics(results: list[dict]) -> dict:
@@ -410,10 +410,13 @@ def run_worker_process(cfg: RLConfig, rank: int) -> None:
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.rollout.tasks import load_rl_tasks
 
+    # Launched together with the trainer (role=auto): a STOP left by a previous launch of this run.dir is not for
+    # this worker (the resuming trainer removes it at start, possibly after this worker looked).
+    started = time.time() if cfg.role == "auto" else None
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tasks = load_rl_tasks(cfg.data.tasks)
     name = os.environ.get("RL_WORKER_NAME", f"rank{rank}")
-    worker = make_worker(cfg, name, tokenizer, tasks, cfg.train.seed + 1000 + rank)
+    worker = make_worker(cfg, name, tokenizer, tasks, cfg.train.seed + 1000 + rank, stops_since=started)
     worker.run()
 
 

@@ -134,8 +134,10 @@ class TokenLedger:
 
 class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
-                 queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0):
+                 queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
+                 stops_since: Optional[float] = None):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
+        self.stops_since = stops_since  # ignore stop markers older than this (see WorkQueue.stop_requested)
         self.subscriber = subscriber
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
         self.seed = seed
@@ -153,7 +155,7 @@ class RolloutWorker:
     def wait_for_weights(self, timeout_s: float = 600.0) -> int:
         deadline = time.monotonic() + timeout_s
         while (v := self.subscriber.latest_version()) is None:
-            if self.queue.stop_requested(self.name) or time.monotonic() > deadline:
+            if self.queue.stop_requested(self.name, self.stops_since) or time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.name}: no weights were published within {timeout_s:.0f}s")
             time.sleep(self.poll_seconds)
         self._apply(v, self.subscriber.fetch(v))
@@ -298,7 +300,7 @@ class RolloutWorker:
         """Claim and run groups until the queue says stop."""
         try:
             self.wait_for_weights()
-            while not self.queue.stop_requested(self.name):
+            while not self.queue.stop_requested(self.name, self.stops_since):
                 with self._drive_lock:
                     self.apply_ready()
                 item = self.queue.claim(self.name)

@@ -61,3 +61,23 @@ def test_good_trainer_layouts_pass():
     _cfg(trainer_ranks=2).check_runnable(2)  # no rollout rank: trainer rank 0 runs embedded workers
     _cfg(role="trainer", trainer_ranks=4, **{"parallel.cp": 2, "parallel.ep": 4}).check_runnable(4)
     _cfg(role="rollout", trainer_ranks=64, **{"parallel.ep": 8}).check_runnable(1)
+
+
+def test_a_previous_launchs_stop_marker_does_not_stop_a_worker_of_this_launch(tmp_path):
+    import os
+    import time
+
+    from rl.orchestrator import WorkQueue
+
+    q = WorkQueue(tmp_path / "rollouts")
+    assert not q.stop_requested("w") and not q.stop_requested("w", since=time.time())
+    q.stop_all()  # the previous launch's trainer finished
+    old = time.time() - 60
+    os.utime(q.root / "STOP", (old, old))
+    started = time.time() - 1
+    assert q.stop_requested("w") and not q.stop_requested("w", since=started)
+    q.stop_all()  # this launch's trainer finishes
+    assert q.stop_requested("w", since=started)
+    q.clear_stop()
+    (q.root / "workers" / "w.stop").write_text("stop\n")
+    assert q.stop_requested("w", since=started) and not q.stop_requested("other", since=started)
