@@ -36,6 +36,7 @@ def test_rl_step_on_two_trainer_ranks_equals_one(results, layout):
     assert not bad, f"errors above {TOL}: {bad}"
     assert res["n_params"] >= 20, "too few parameters compared"
     assert res["loss"] != 0.0 and res["loss"] != res["loss_after_step"], "the loss did not move"
+    assert 0.0 < res["masked"] < 0.5 and res["train_tokens"] > 30, "mismatch masking or the token count is off"
 
 
 def _cfg(**over):
