@@ -24,15 +24,15 @@ from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E
 from megatron_composer.parallel.layers import spec_of  # noqa: E402
 from pretrain.layout import Layout  # noqa: E402
 from rl.algorithm import token_logprobs  # noqa: E402
-from rl.learner import PolicyLearner  # noqa: E402
+from rl.learner import PolicyLearner, dp_share  # noqa: E402
 from rl.trainer import RLConfig  # noqa: E402
 
 TOK = None  # set from --tok
 
 
-def config(run_dir: str, **parallel) -> RLConfig:
+def config(run_dir: str, mbs: int = 3, **parallel) -> RLConfig:
     over = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
-            "data.tokenizer": TOK, "rollout.max_seq_len": 128, "train.micro_batch_size": 3, "train.seed": 5,
+            "data.tokenizer": TOK, "rollout.max_seq_len": 128, "train.micro_batch_size": mbs, "train.seed": 5,
             "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
             "optim.grad_clip": 1.0, "rl.kl_coef": 0.05, "rl.mismatch_bound": 0.2, "rl.router_replay": "r3",
             "run.dir": run_dir, "checkpoint.init_from": "''"}
@@ -89,14 +89,17 @@ def grads_to_full_shards(learner: PolicyLearner) -> None:
         opt.gather_grads()
 
 
-def make_case(tmp: Path, name: str, **parallel):
+def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel):
     def run():
         tok = load_tokenizer(TOK)
         cpu = torch.device("cpu")
-        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), **parallel)
+        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), mbs=mbs, **parallel)
         ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
         par = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
         results = rollout_groups(11, ref.mc)
+        if odd and sum(len(ep["segments"]) for r in results for ep in r["episodes"]) % 2 == 0:
+            # an odd number of samples: the dp ranks get unequal shares
+            next(ep for r in results for ep in r["episodes"] if len(ep["segments"]) > 1)["segments"].pop()
         near_policy(results, ref.model, 21)
         first = par.full_state_dict("float32")
         initial_equal = first is None or all(torch.equal(first[k], v) for k, v in ref.model.state_dict().items())
@@ -105,6 +108,8 @@ def make_case(tmp: Path, name: str, **parallel):
         errs = {}
         m_ref = ref.backward(samples, n_ep)
         m_par = par.backward(par.samples(results)[0], n_ep)
+        micro, _ = dp_share(samples, par.layout.dp_size, par.layout.dp_rank, mbs)
+        padding_only = float(sum(not m for m in micro))  # micro-batches this rank ran without samples
         grads_to_full_shards(par)
         errs["loss"] = abs(m_par["loss"] - m_ref["loss"]) / abs(m_ref["loss"])
         errs["train_tokens"] = abs(m_par["train_tokens"] - m_ref["train_tokens"])
@@ -145,7 +150,9 @@ def make_case(tmp: Path, name: str, **parallel):
         errs["ckpt_loss"] = abs(l3_par - l2_ref) / abs(l2_ref)
         errs["publish_initial"] = float(not initial_equal)
         errs = reduce_max(errs)
-        return {"errs": errs, "n_params": n_params, "loss": m_ref["loss"], "loss_after_step": l2_ref,
+        counts = torch.tensor([padding_only])
+        dist.all_reduce(counts)
+        return {"errs": errs, "n_params": n_params, "padding_only_micro_batches": counts.item(), "loss": m_ref["loss"], "loss_after_step": l2_ref,
                 "masked": m_ref["mismatch_masked_fraction"], "train_tokens": m_ref["train_tokens"]}
     return run
 
@@ -160,11 +167,18 @@ if __name__ == "__main__":
     sys.argv = [sys.argv[0], *rest]
     args = init()
     tmp = Path(args.out)
-    cases = {
-        "tp2": make_case(tmp, "tp2", tp=2),
-        "tp2_sp": make_case(tmp, "tp2_sp", tp=2, sequence_parallel=True),
-        "ep2": make_case(tmp, "ep2", ep=2),
-        "cp2": make_case(tmp, "cp2", cp=2),
-        "dp2_zero1": make_case(tmp, "dp2_zero1", zero1=True),
-    }
+    if dist.get_world_size() == 2:
+        cases = {
+            "tp2": make_case(tmp, "tp2", tp=2),
+            "tp2_sp": make_case(tmp, "tp2_sp", tp=2, sequence_parallel=True),
+            "ep2": make_case(tmp, "ep2", ep=2),
+            "ep2_mbs1": make_case(tmp, "ep2_mbs1", mbs=1, odd=True, ep=2),  # a dp rank runs a padding-only micro-batch
+            "cp2": make_case(tmp, "cp2", cp=2),
+            "dp2_zero1": make_case(tmp, "dp2_zero1", zero1=True),
+        }
+    else:
+        cases = {
+            "tp2_sp_cp2_ep2_zero1": make_case(tmp, "tp2_sp_cp2_ep2_zero1", tp=2, sequence_parallel=True, cp=2, ep=2),
+            "dp2_tp2_ep4_mbs2": make_case(tmp, "dp2_tp2_ep4_mbs2", mbs=2, tp=2, ep=4),
+        }
     run_cases(args, cases)

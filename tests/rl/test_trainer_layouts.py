@@ -1,6 +1,7 @@
 """The RL trainer on several trainer ranks equals one rank, and bad trainer layouts are refused up front.
 
-tp2, tp2+sp, ep2, cp2 and dp2 with ZeRO-1 on 2 gloo ranks (tests/dist/rl_worker.py): the step's RL loss and
+tp2, tp2+sp, ep2 (also with a padding-only micro-batch on one dp rank), cp2 and dp2 with ZeRO-1 on 2 gloo
+ranks, tp2+sp x cp2 x ep2 and dp2 x tp2 x ep4 on 4 (tests/dist/rl_worker.py): the step's RL loss and
 every parameter gradient (max |diff| <= 1e-5 x max |ref| per tensor), the loss after one optimizer step, the
 published (gathered) weights, and a checkpoint save/load in the layout."""
 
@@ -19,7 +20,8 @@ torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
-LAYOUTS = ["tp2", "tp2_sp", "ep2", "cp2", "dp2_zero1"]
+LAYOUTS = ["tp2", "tp2_sp", "ep2", "ep2_mbs1", "cp2", "dp2_zero1"]
+LAYOUTS_4 = ["tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_mbs2"]
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,26 @@ def results(rl_assets, tmp_path_factory):
     return torchrun.run_worker("rl_worker.py", 2, ["--tok", str(rl_assets / "tok")], tmp_path_factory.mktemp("rl2"))
 
 
+@pytest.fixture(scope="module")
+def results4(rl_assets, tmp_path_factory):
+    return torchrun.run_worker("rl_worker.py", 4, ["--tok", str(rl_assets / "tok")], tmp_path_factory.mktemp("rl4"))
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rl_step_on_two_trainer_ranks_equals_one(results, layout):
-    res = results[layout]
+    _check(results[layout])
+    if layout == "ep2_mbs1":
+        assert results[layout]["padding_only_micro_batches"] >= 1, "the padding-only micro-batch path did not run"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", LAYOUTS_4)
+def test_rl_step_on_four_trainer_ranks_equals_one(results4, layout):
+    _check(results4[layout])
+
+
+def _check(res):
     assert res["ok"], res.get("error")
     bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
     assert not bad, f"errors above {TOL}: {bad}"
