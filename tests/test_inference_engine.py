@@ -322,3 +322,31 @@ def test_fast_path_sees_weight_updates():
     engine.update_weights(back, version=2, delta=True)
     original = Engine(_model("tiny-deepseek-v3", num_layers=2)).generate(prompts, max_new_tokens=12)
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)] == [r.token_ids for r in original]
+
+
+def test_vectorised_sampling_rows_are_independent_and_exact():
+    from megatron_composer.inference.sampling import sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p)
+              for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.9), (2.0, 1, 1.0)]]
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(5)]
+    tokens, slp = sample_rows(logits, params, gens)
+    for i in range(5):  # a row's draw depends on its own seed and logits only
+        alone, alone_slp = sample_rows(logits[i:i + 1], params[i:i + 1], [torch.Generator().manual_seed(100 + i)])
+        assert int(alone) == int(tokens[i]) and float(alone_slp) == float(slp[i])
+        probs = sampling_probs(logits[i], params[i])
+        assert probs[tokens[i]] > 0 and abs(float(probs[tokens[i]].log()) - float(slp[i])) < 1e-6
+    assert int(tokens[4]) == int(logits[4].argmax())  # top_k = 1
+    # many draws of one row follow its truncated distribution (chi-square)
+    n, row = 4000, 3
+    gen = torch.Generator().manual_seed(7)
+    draws = torch.cat([sample_rows(logits[row:row + 1].expand(400, -1), [params[row]] * 400, [gen] * 400)[0]
+                       for _ in range(n // 400)])
+    probs = sampling_probs(logits[row], params[row])
+    counts = torch.bincount(draws, minlength=40).float()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0
+    expected = probs[keep] * n
+    assert _chi2_sf(float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1) > 1e-3

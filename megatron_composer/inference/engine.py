@@ -52,7 +52,7 @@ from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
 from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
 from .fast_path import FastForward
 from .kv_cache import CacheError, PagedKVCache
-from .sampling import SamplingParams, accept_drafts, sample_token, sampling_probs
+from .sampling import SamplingParams, accept_drafts, sample_rows, sampling_probs
 
 
 class EngineError(ValueError):
@@ -329,19 +329,23 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        greedy_B1 = logits_BV.argmax(-1, keepdim=True)
-        parts = [greedy_B1.double(), logp_BV.gather(1, greedy_B1).double()]
+        token_B1 = logits_BV.argmax(-1, keepdim=True)
+        sampling_logp_B1 = torch.zeros(token_B1.shape, dtype=torch.float64, device=token_B1.device)
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:  # every sampled row at once, each from its own generator
+            rows = torch.tensor(sampled, device=token_B1.device)
+            token_S, slp_S = sample_rows(logits_BV.index_select(0, rows), [seqs[b].params for b in sampled],
+                                         [seqs[b].generator for b in sampled])
+            token_B1 = token_B1.index_copy(0, rows, token_S[:, None])
+            sampling_logp_B1 = sampling_logp_B1.index_copy(0, rows, slp_S[:, None].double())
+        parts = [token_B1.double(), logp_BV.gather(1, token_B1).double(), sampling_logp_B1]
         if routes is not None:
             parts.append(routes.reshape(len(seqs), -1).double())
-        # ids are exact in float64: one host transfer per step for greedy ids, their log-probs and the routing
+        # ids are exact in float64: one host transfer per step for ids, both log-probs and the routing
         rows = torch.cat(parts, 1).tolist()
         for b, seq in enumerate(seqs):
             row = rows[b]
-            route = None if routes is None else row[2:]
-            if seq.params.greedy:
-                self._emit(seq, int(row[0]), row[1], 0.0, route)
-            else:
-                self._emit(seq, *sample_token(logits_BV[b], seq.params, seq.generator), route)
+            self._emit(seq, int(row[0]), row[1], row[2], None if routes is None else row[3:])
 
     # ---- forward passes ----------------------------------------------------------------------------
     def _slot_table(self, seqs: list[_Sequence]) -> torch.Tensor:

@@ -55,37 +55,57 @@ class SamplingParams:
 def sampling_probs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution tokens are drawn from (float32): softmax(logits / T) truncated by top-k and top-p.
     For greedy decoding, a one-hot on the argmax."""
-    logits = logits_V.float()
     if params.greedy:
+        logits = logits_V.float()
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+    return sampling_probs_rows(logits_V[None], [params])[0]
+
+
+def sampling_probs_rows(logits_RV: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`sampling_probs` for R rows at once, each with its own (non-greedy) parameters: row-wise operations
+    only, so a row's distribution does not depend on the other rows."""
+    R, V = logits_RV.shape
+    dev = logits_RV.device
+    logits = logits_RV.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if any(ks):
+        top = logits.topk(max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    if params.top_p < 1.0:
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)[:, None]
         sorted_p, order = probs.sort(-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
+def draw_rows(probs_RV: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row by inverse CDF, with one uniform number from each row's own generator (so a row's
+    draw depends on its seed and distribution alone). Zero-probability tokens are never drawn."""
+    u_R = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs_RV.device)
+    cdf = probs_RV.cumsum(-1)
+    token = (cdf <= (u_R * cdf[:, -1])[:, None]).sum(-1)
+    # u * total can round up to total: fall back to the last token with probability > 0
+    last = probs_RV.shape[-1] - 1 - (probs_RV.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(token, last)
+
+
 def draw(probs_V: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+    return int(draw_rows(probs_V[None], [generator])[0])
 
 
-def sample_token(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator
-                 ) -> tuple[int, float, float]:
-    """Returns (token, logprob at temperature 1, logprob under the sampling distribution)."""
-    if params.greedy:
-        token = int(logits_V.float().argmax())
-        return token, float(torch.log_softmax(logits_V.float(), -1)[token]), 0.0
-    probs = sampling_probs(logits_V, params)
-    token = draw(probs, generator)
-    return token, float(torch.log_softmax(logits_V.float(), -1)[token]), float(probs[token].log())
+def sample_rows(logits_RV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [R] for non-greedy rows and their log-probabilities under the sampling distribution [R]."""
+    probs = sampling_probs_rows(logits_RV, params)
+    token = draw_rows(probs, generators)
+    return token, probs.gather(1, token[:, None]).squeeze(1).log()
 
 
 def accept_drafts(target_logits_RV: torch.Tensor, draft_tokens: list[int], draft_probs: list[torch.Tensor],
