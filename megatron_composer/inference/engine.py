@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from megatron_composer.model import Transformer
 from megatron_composer.parallel import collectives as C
@@ -52,7 +51,7 @@ from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
 from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
 from .fast_path import FastForward
 from .kv_cache import CacheError, PagedKVCache
-from .sampling import SamplingParams, accept_drafts, sample_rows, sampling_probs
+from .sampling import SamplingParams, accept_drafts, draw_rows, sample_rows, sampling_probs, sampling_probs_rows
 
 
 class EngineError(ValueError):
@@ -442,13 +441,12 @@ class Engine:
                 routes.append(indices)
         return self.model.norm(h), (torch.stack(routes) if routes else None), batch
 
-    def _mtp_forward(self, seqs: list[_Sequence], hidden_list: list[torch.Tensor], token_lists: list[list[int]],
+    def _mtp_forward(self, seqs: list[_Sequence], h_prev: torch.Tensor, token_lists: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
-        """First MTP module over (previous hidden, next token) pairs; returns its block output [B, N, D]."""
+        """First MTP module over (previous hidden [B, N, D], rows past a sequence's tokens padding, next
+        token) pairs; returns its block output [B, N, D]."""
         module = self.model.mtp[0]
         batch = self._batch(seqs, starts, [len(t) for t in token_lists])
-        N = max(len(t) for t in token_lists)
-        h_prev = torch.stack([F.pad(h, (0, 0, 0, N - h.shape[0])) for h in hidden_list])
         emb = self.model.tok_embeddings(self._ids(token_lists))
         cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
         x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev)], dim=-1))
@@ -487,21 +485,35 @@ class Engine:
         hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
         logits = self._logits(hidden)
         logp = torch.log_softmax(logits.float(), dim=-1)
+        # greedy rows need only the argmax and its log-prob at every position: one host transfer for all
+        best_BN1 = logits.argmax(-1, keepdim=True)
+        best = torch.cat([best_BN1.double(), logp.gather(-1, best_BN1).double()], -1).tolist()  # [B][N][2]
         route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
             D = len(s.drafts)
-            emitted = accept_drafts(logits[b, :D + 1], s.drafts, s.draft_probs, s.params, s.generator)
+            if s.params.greedy:  # accept while the draft is the main model's argmax, then emit the argmax
+                n = 0
+                while n < D and s.drafts[n] == int(best[b][n][0]):
+                    n += 1
+                emitted = [int(t) for t, _ in best[b][:n + 1]]
+            else:
+                emitted = accept_drafts(logits[b, :D + 1], s.drafts, s.draft_probs, s.params, s.generator)
             accepted = len(emitted) - 1
             s.result.num_draft_tokens += D
             s.result.num_accepted_tokens += accepted
             self.stats["draft_tokens"] += D
             self.stats["accepted_tokens"] += accepted
             for j, tok in enumerate(emitted):
-                slp = 0.0 if s.params.greedy else float(sampling_probs(logits[b, j], s.params)[tok].log())
-                self._emit(s, tok, float(logp[b, j, tok]), slp, None if routes is None else route_rows[b][j])
+                if s.params.greedy:
+                    lp, slp = best[b][j][1], 0.0
+                else:
+                    lp = float(logp[b, j, tok])
+                    slp = float(sampling_probs(logits[b, j], s.params)[tok].log())
+                self._emit(s, tok, lp, slp, None if routes is None else route_rows[b][j])
                 if s.finished:
                     break
-            s.pending_hidden = torch.cat([s.pending_hidden, hidden[b, :len(emitted)]])
+            new = hidden[b, :len(emitted)]
+            s.pending_hidden = new if s.pending_hidden.shape[0] == 0 else torch.cat([s.pending_hidden, new])
             s.processed += len(emitted)
         live = [s for s in seqs if not s.finished]
         if live:
@@ -512,32 +524,34 @@ class Engine:
         starts = [s.mtp_valid for s in seqs]
         # position t pairs the main hidden at t with the token at t + 1 (the last one is the newest token)
         tokens = [s.tokens[s.mtp_valid + 1:s.processed + 1] for s in seqs]
-        x = self._mtp_forward(seqs, [s.pending_hidden for s in seqs], tokens, starts)
+        h_prev = torch.nn.utils.rnn.pad_sequence([s.pending_hidden for s in seqs], batch_first=True)
+        x = self._mtp_forward(seqs, h_prev, tokens, starts)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
         x_prev = x[torch.arange(len(seqs), device=self.device), last]
         for s in seqs:
             s.mtp_valid, s.pending_hidden = s.processed, s.pending_hidden[:0]
             s.drafts, s.draft_probs = [], []
         for j in range(max(s.params.num_draft_tokens for s in seqs)):
+            active = [b for b, s in enumerate(seqs) if len(s.drafts) < s.params.num_draft_tokens]
+            every = len(active) == len(seqs)
+            rows = None if every else torch.tensor(active, device=self.device)
             if j > 0:
-                active = [b for b, s in enumerate(seqs) if len(s.drafts) < s.params.num_draft_tokens]
-                sub = [seqs[b] for b in active]
-                x_new = self._mtp_forward(sub, [x_prev[b:b + 1] for b in active], [[seqs[b].drafts[-1]] for b in active],
-                                             [seqs[b].processed - 1 + j for b in active])
-                x_prev = x_prev.clone()
-                x_prev[active] = x_new[:, 0]
-            else:
-                active = list(range(len(seqs)))
-            logits = self._mtp_logits(x_prev[active])
-            greedy = logits.argmax(-1).tolist()
-            for row, b in enumerate(active):
-                s = seqs[b]
-                if s.params.greedy:  # greedy acceptance compares tokens only; no draft distribution needed
-                    s.drafts.append(greedy[row])
-                    continue
-                q = sampling_probs(logits[row], s.params)
-                s.drafts.append(int(torch.multinomial(q, 1, generator=s.generator)))
-                s.draft_probs.append(q)
+                sub = seqs if every else [seqs[b] for b in active]
+                x_new = self._mtp_forward(sub, (x_prev if every else x_prev.index_select(0, rows))[:, None],
+                                          [[seqs[b].drafts[-1]] for b in active],
+                                          [seqs[b].processed - 1 + j for b in active])[:, 0]
+                x_prev = x_new if every else x_prev.index_copy(0, rows, x_new)
+            logits = self._mtp_logits(x_prev if every else x_prev.index_select(0, rows))
+            drafts = logits.argmax(-1)
+            sampled = [row for row, b in enumerate(active) if not seqs[b].params.greedy]
+            if sampled:  # greedy acceptance compares tokens only; sampled rows keep their draft distribution
+                at = torch.tensor(sampled, device=self.device)
+                q = sampling_probs_rows(logits.index_select(0, at), [seqs[active[r]].params for r in sampled])
+                drafts = drafts.index_copy(0, at, draw_rows(q, [seqs[active[r]].generator for r in sampled]))
+                for i, row in enumerate(sampled):
+                    seqs[active[row]].draft_probs.append(q[i])
+            for b, tok in zip(active, drafts.tolist()):
+                seqs[b].drafts.append(tok)
 
     # ---- weights -----------------------------------------------------------------------------------
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, delta: bool = False,
