@@ -1,14 +1,20 @@
 """Inference engine on the shared model: paged KV cache, continuous batching, exact log-probs, routing capture,
 MTP speculative decoding and live weight updates.
 
-The engine runs the model's own modules (embedding, RoPE, each block's norms / attention projections /
-MoE router and experts, final norm, head, MTP modules); only the attention core is its own, because it
-reads keys and values from the cache. A block is computed exactly as `TransformerBlock.forward` does:
-x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)). The fast path attends MLA straight
-from the latent cache with the up-projections absorbed (DeepSeek's decoding form) and GQA without
-repeating k/v; the batch-invariant path (`batch_invariant=True`, see batch_invariant.py) expands the
-latent with `expand_kv` and attends one row at a time, exactly as the training forward does in that mode,
-so engine and trainer log-probabilities agree bit for bit.
+The engine computes the model's function (embedding, RoPE, blocks x + attention(attention_norm(x)), then
+x + feed_forward(ffn_norm(x)), final norm, head, MTP modules) with attention reading keys and values from
+the cache, on one of two paths. The fast path (default, fast_path.py) uses fused copies of the weights:
+MLA attended straight from the latent cache with the up-projections absorbed (DeepSeek's decoding form),
+GQA without repeating k/v, fewer and larger operations per layer. The batch-invariant path
+(`batch_invariant=True`, see batch_invariant.py) calls the model's modules, expands the latent with
+`expand_kv` and attends one row at a time, exactly as the training forward does in that mode, so engine
+and trainer log-probabilities agree bit for bit.
+
+Tensor parallelism: on a model sharded by `parallel.parallelize_model` (tp > 1, without sequence or
+context parallelism) both paths run this rank's heads / FFN columns / vocabulary rows with the model's
+collectives; GQA caches this rank's kv heads, MLA the whole latent row (every head reads it); logits are
+gathered over the vocabulary, so every rank samples the same tokens from identically seeded generators.
+Every rank must make the same calls (generate, add_request, step, update_weights with the full tensors).
 
 Scheduling (`step`): waiting requests are admitted in arrival order while the batch has room and the cache
 can reserve their whole budget; admitted prompts are prefilled together (padded batch) and sample their
