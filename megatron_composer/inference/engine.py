@@ -16,6 +16,9 @@ collectives; GQA caches this rank's kv heads, MLA the whole latent row (every he
 gathered over the vocabulary, so every rank samples the same tokens from identically seeded generators.
 Every rank must make the same calls (generate, add_request, step, update_weights with the full tensors).
 
+Change the model's weights through `update_weights` once an engine holds it: the fast path's fused
+copies are rebuilt there (a model changed behind the engine's back would be served stale).
+
 Scheduling (`step`): waiting requests are admitted in arrival order while the batch has room and the cache
 can reserve their whole budget; admitted prompts are prefilled together (padded batch) and sample their
 first token; then every running request advances by one decode step (or one speculative verify step).
