@@ -65,12 +65,12 @@ def episodes_of(result: dict) -> list[Episode]:
     return out
 
 
-def dp_share(samples: list, dp: int, dp_rank: int, micro_batch_size: int) -> tuple[list[list], int]:
+def dp_share(samples: list, dp: int, dp_rank: int, micro_batch_size: int) -> list[list]:
     """This dp rank's micro-batches (lists of samples; possibly empty) -- the same count on every rank."""
     per_rank = -(-len(samples) // dp)
     mine = samples[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     n_micro = max(1, -(-per_rank // micro_batch_size))
-    return [mine[m * micro_batch_size:(m + 1) * micro_batch_size] for m in range(n_micro)], n_micro
+    return [mine[m * micro_batch_size:(m + 1) * micro_batch_size] for m in range(n_micro)]
 
 
 def _pad_to(batch: dict[str, torch.Tensor], multiple: int, pad_id: int, top_k: int | None) -> dict[str, torch.Tensor]:
@@ -165,6 +165,14 @@ class PolicyLearner:
             logp_next = unshard_sequence(gathered, 1, self.layout.cp)
         return torch.nn.functional.pad(logp_next[:, :-1], (1, 0)), out
 
+    def _padding_sample(self, like: TrainingSample) -> TrainingSample:
+        """One pad token with loss mask 0 (and routing to experts 0..k-1 when samples carry routing)."""
+        routed = None
+        if like.routed_experts is not None:
+            routed = torch.arange(self.top_k).expand(like.routed_experts.shape[0], 1, self.top_k).clone()
+        return TrainingSample(input_ids=[self.pad_id], loss_mask=[0], behaviour_logprobs=[0.0], advantage=0.0,
+                              reward=0.0, group=-1, episode=-1, segment=-1, routed_experts=routed)
+
     def samples(self, results: list[dict]) -> tuple[list[TrainingSample], object, int]:
         groups = [episodes_of(r) for r in results]
         samples, adv = episodes_to_samples(groups, self.cfg.rl)
@@ -177,18 +185,13 @@ class PolicyLearner:
         self.model.train()
         constant = cfg.rl.loss_constant or float(max(len(s.input_ids) for s in samples))
         num_tokens = sum(sum(s.loss_mask) for s in samples)
-        micro, _ = dp_share(samples, layout.dp_size, layout.dp_rank, cfg.train.micro_batch_size)
-        filler = TrainingSample(input_ids=[self.pad_id], loss_mask=[0], behaviour_logprobs=[0.0], advantage=0.0,
-                                reward=0.0, group=-1, episode=-1, segment=-1, routed_experts=None)
+        micro = dp_share(samples, layout.dp_size, layout.dp_rank, cfg.train.micro_batch_size)
         # sums over the ranks holding distinct tokens; whole-sequence terms count 1/cp on each cp rank
         sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
         mismatch_max = 0.0
         for chunk in micro:
             if not chunk:  # a dp rank with fewer samples still takes part in every collective of the step
-                filler.routed_experts = (None if samples[0].routed_experts is None else
-                                         torch.arange(self.top_k).expand(samples[0].routed_experts.shape[0], 1,
-                                                                         self.top_k).clone())
-                chunk = [filler]
+                chunk = [self._padding_sample(samples[0])]
             batch = _pad_to(collate_samples(chunk, pad_id=self.pad_id), self.seq_multiple, self.pad_id, self.top_k)
             local = self._local(batch)
             full = {k: batch[k].to(self.device) for k in ("input_ids", "loss_mask", "behaviour_logp", "advantages")}

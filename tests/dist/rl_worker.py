@@ -108,7 +108,7 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
         errs = {}
         m_ref = ref.backward(samples, n_ep)
         m_par = par.backward(par.samples(results)[0], n_ep)
-        micro, _ = dp_share(samples, par.layout.dp_size, par.layout.dp_rank, mbs)
+        micro = dp_share(samples, par.layout.dp_size, par.layout.dp_rank, mbs)
         padding_only = float(sum(not m for m in micro))  # micro-batches this rank ran without samples
         grads_to_full_shards(par)
         errs["loss"] = abs(m_par["loss"] - m_ref["loss"]) / abs(m_ref["loss"])
