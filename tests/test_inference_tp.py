@@ -44,8 +44,10 @@ def test_tensor_parallel_engine_equals_one_rank(results, case):
 
 @pytest.mark.dist
 def test_server_tensor_parallel(tmp_path):
-    """Rank 0 serves HTTP and drives rank 1: concurrent completions equal the one-rank engine's."""
+    """Rank 0 serves HTTP and drives rank 1: concurrent completions, and completions after a live weight
+    update, equal the one-rank engine's."""
     res = torchrun.run_worker("inference_server_tp_worker.py", 2, [], tmp_path)["serve"]
     assert res["ok"], res.get("error")
-    assert res["tokens_equal"] and res["num_tokens"] == 20 + 16 + 20 + 20
+    assert res["tokens_equal"] and res["num_tokens"] == 20 + 16 + 20 + 20 + 20
+    assert res["versions"] == [[0]] * 4 + [[2]]
     assert res["max_logprob_diff"] <= 1e-5

@@ -4,9 +4,10 @@ MTP speculative decoding, live weight updates, and an OpenAI-compatible server (
 from .batch_invariant import BatchInvariantMode, attend_row, batch_invariant
 from .engine import Engine, EngineError, GenerationResult
 from .kv_cache import CacheError, PagedKVCache
+from .lockstep import Lockstep, follow
 from .sampling import SamplingError, SamplingParams
 
 __all__ = [
     "BatchInvariantMode", "attend_row", "batch_invariant", "Engine", "EngineError", "GenerationResult",
-    "CacheError", "PagedKVCache", "SamplingError", "SamplingParams",
+    "CacheError", "PagedKVCache", "Lockstep", "follow", "SamplingError", "SamplingParams",
 ]

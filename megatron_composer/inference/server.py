@@ -16,7 +16,7 @@ carry `tool_call_errors`. Extra request fields: `top_k`, `stop_token_ids`, `seed
 Tensor-parallel: `torchrun --nproc-per-node 2 -m megatron_composer.inference.server --checkpoint DIR --tp 2`.
 Every rank loads the checkpoint and keeps its shard (parallelize_model); rank 0 serves HTTP, and before
 each engine step it broadcasts the requests added since the last one, so every rank's engine admits the
-same requests and steps together (`follow_requests` on the other ranks).
+same requests and steps together (inference.lockstep: `Lockstep` on rank 0, `follow` on the others).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import threading
 import time
 import uuid
@@ -36,6 +35,7 @@ from megatron_composer.data.chat_template import IM_END, ChatFormatError, parse_
 import torch.distributed as dist
 
 from .engine import Engine, EngineError, GenerationResult
+from .lockstep import Lockstep, follow
 from .kv_cache import CacheError
 from .sampling import SamplingError, SamplingParams
 
@@ -61,39 +61,6 @@ def _field(body: dict, name: str, kind, default, check=None, hint: str = ""):
     return value
 
 
-class _Lockstep:
-    """Rank 0's side of tensor-parallel serving: requests added since the last step, sent with the step."""
-
-    def __init__(self, engine: Engine):
-        self.group = engine.tp_group
-        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        self.pending: list[tuple[list[int], SamplingParams]] = []
-        self.lock = threading.Lock()  # held from an add (or a broadcast) until the engine has it (or stepped)
-
-    def send(self, command: str) -> None:
-        """command: "step", "beat" (idle; keeps the other ranks' collectives within their timeout) or "stop"."""
-        if self.group is None:
-            return
-        box = [(command, self.pending)]
-        self.pending = []
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-
-
-def follow_requests(engine: Engine) -> None:
-    """Tensor-parallel ranks other than 0: add the requests rank 0 broadcasts and step with it, until it stops."""
-    src = dist.get_global_rank(engine.tp_group, 0)
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=src, group=engine.tp_group)
-        command, adds = box[0]
-        for prompt, params in adds:
-            engine.add_request(prompt, params)
-        if command == "step":
-            engine.step()
-        elif command == "stop":
-            return
-
-
 class InferenceServer:
     """Runs the engine loop in one thread and an HTTP server in another; `start()`, `url`, `stop()`."""
 
@@ -107,8 +74,7 @@ class InferenceServer:
         self._done: dict[int, threading.Event] = {}
         self._errors: dict[int, str] = {}
         self._stop = threading.Event()
-        self._lockstep = _Lockstep(engine)
-        self._seeds = random.Random()
+        self._lockstep = Lockstep(engine)
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
@@ -147,7 +113,7 @@ class InferenceServer:
         try:
             self._run_engine()
         finally:
-            self._lockstep.send("stop")
+            self._lockstep.stop()
 
     def _run_engine(self) -> None:
         while not self._stop.is_set():
@@ -157,13 +123,10 @@ class InferenceServer:
             if self._stop.is_set():
                 return
             if not self.engine.has_unfinished():
-                with self._lockstep.lock:
-                    self._lockstep.send("beat")
+                self._lockstep.heartbeat()
                 continue
             try:
-                with self._lockstep.lock:  # no request joins between the broadcast and this rank's step
-                    self._lockstep.send("step")
-                    finished = self.engine.step()
+                finished = self._lockstep.step()
             except Exception as e:  # an engine failure fails the requests in flight, not the server
                 message = f"engine step failed: {type(e).__name__}: {e}"
                 pending = [s.rid for s in list(self.engine._running) + list(self.engine._waiting)]
@@ -178,6 +141,10 @@ class InferenceServer:
             for r in finished:
                 self._signal(r.request_id)
 
+    def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
+        """Engine.update_weights between two steps (on every tensor-parallel rank); requests in flight go on."""
+        self._lockstep.update_weights(weights, version, delta=delta, recompute_cache=recompute_cache)
+
     def _signal(self, rid: int) -> None:
         event = self._done.get(rid)
         if event is not None:
@@ -187,13 +154,7 @@ class InferenceServer:
         events = {}
         rids = []
         for prompt in prompts:
-            own = SamplingParams(**vars(params))
-            if own.seed is None and self._lockstep.group is not None:  # every rank must draw the same numbers
-                own.seed = self._seeds.getrandbits(62)
-            with self._lockstep.lock:
-                rid = self.engine.add_request(prompt, own)
-                if self._lockstep.group is not None:
-                    self._lockstep.pending.append((list(prompt), own))
+            rid = self._lockstep.add_request(prompt, params)
             events[rid] = self._done.setdefault(rid, threading.Event())
             if rid in self.engine._finished or rid in self._errors:  # finished before the event existed
                 events[rid].set()
@@ -419,7 +380,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine = Engine(model, max_batch_size=args.max_batch_size, cache_memory_bytes=int(args.cache_memory_gb * 2**30),
                     batch_invariant=args.batch_invariant, detokenize=tokenizer.decode)
     if world > 1 and dist.get_rank() != 0:
-        follow_requests(engine)
+        follow(engine)
         return
     server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port)
     print(f"serving {args.model_name} on {server.url}" + (f" (tensor-parallel over {world} ranks)" if world > 1 else ""),

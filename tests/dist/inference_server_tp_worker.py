@@ -1,6 +1,7 @@
 """torchrun worker: the OpenAI-compatible server over a tensor-parallel engine. Rank 0 serves HTTP on localhost
-and drives the other rank with `follow_requests`; concurrent completions (greedy and seeded sampling), sent
-before and after an idle spell (heartbeats), must equal the one-rank engine's."""
+and drives the other rank (inference.lockstep.follow); concurrent completions (greedy and seeded sampling),
+sent before and after an idle spell (heartbeats) and after a live weight update (full unsharded tensors,
+applied on both ranks between the same steps), must equal the one-rank engine's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from common import init, run_cases  # noqa: E402
 
 from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
 from megatron_composer.inference import Engine  # noqa: E402
-from megatron_composer.inference.server import InferenceServer, follow_requests  # noqa: E402
+from megatron_composer.inference.lockstep import follow  # noqa: E402
+from megatron_composer.inference.server import InferenceServer  # noqa: E402
 from megatron_composer.model import Transformer, get_preset  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model  # noqa: E402
@@ -65,7 +67,7 @@ def serve_case():
     ref = Transformer(get_preset("tiny-qwen3-moe").replace(vocab_size=320, num_layers=2)).eval()
     engine = Engine(parallelize_model(copy.deepcopy(ref), groups), max_batch_size=8, cache_memory_bytes=8 << 20)
     if dist.get_rank() != 0:
-        follow_requests(engine)
+        follow(engine)
         return {}
     server = InferenceServer(engine, tok, "tiny").start()
     try:
@@ -81,13 +83,20 @@ def serve_case():
             t.join()
         time.sleep(2.5)  # idle: rank 0 sends heartbeats
         answers.append(_post(server.url, REQUESTS[0])["choices"][0])
+        torch.manual_seed(1)
+        new = {k: v.detach().clone() for k, v in Transformer(ref.config).state_dict().items()}
+        server.update_weights(new, version=2)
+        answers.append(_post(server.url, REQUESTS[0])["choices"][0])
     finally:
         server.stop()
-    out = {"tokens_equal": True, "max_logprob_diff": 0.0, "num_tokens": 0}
-    for body, got in zip(REQUESTS + REQUESTS[:1], answers):
-        want = Engine(ref).generate([tok.encode(body["prompt"])], max_new_tokens=body["max_tokens"],
-                                    temperature=body["temperature"], seed=body.get("seed"),
-                                    stop_token_ids=[tok.eod])[0]
+    updated = copy.deepcopy(ref)
+    updated.load_state_dict(new)
+    out = {"tokens_equal": True, "max_logprob_diff": 0.0, "num_tokens": 0,
+           "versions": [sorted(set(a["weight_versions"])) for a in answers]}
+    for i, (body, got) in enumerate(zip(REQUESTS + REQUESTS[:1] * 2, answers)):
+        want = Engine(updated if i == len(answers) - 1 else ref).generate(
+            [tok.encode(body["prompt"])], max_new_tokens=body["max_tokens"], temperature=body["temperature"],
+            seed=body.get("seed"), stop_token_ids=[tok.eod])[0]
         out["tokens_equal"] &= got["token_ids"] == want.token_ids
         if got["token_ids"] == want.token_ids:
             diff = torch.tensor(got["token_logprobs"]) - torch.tensor(want.logprobs)

@@ -1,0 +1,102 @@
+"""Driving a tensor-parallel engine from one rank.
+
+Every rank of a tensor-parallel engine must make the same calls in the same order. When only rank 0 sees
+the requests (an HTTP server, a rollout worker talking to sandboxes), `Lockstep` wraps rank 0's engine:
+requests it adds are queued and broadcast to the other ranks together with the next step or weight
+update, and the other ranks run `follow(engine)`, which replays them. Seeds left to the engine are drawn
+on rank 0 and sent along, so every rank samples from identically seeded generators. Without tensor
+parallelism `Lockstep` calls the engine directly.
+
+Weight updates carry the full (unsharded) tensors to every rank, or, when the other ranks can read the
+same published version themselves (an object store), only the version: `follow(engine, fetch)` then calls
+`fetch(version)` on each rank.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .engine import Engine, GenerationResult
+from .sampling import SamplingParams
+
+
+class Lockstep:
+    """Rank 0's handle on a tensor-parallel engine; thread-safe (calls are serialised)."""
+
+    def __init__(self, engine: Engine, seed: Optional[int] = None):
+        self.engine = engine
+        self.group = engine.tp_group
+        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._adds: list[tuple[list[int], SamplingParams]] = []
+        self._seeds = random.Random(seed)
+        # held from an add (or a broadcast) until this rank's engine has it (or has stepped / updated)
+        self.lock = threading.RLock()
+
+    def _send(self, command: str, payload=None) -> None:
+        if self.group is None:
+            return
+        box = [(command, self._adds, payload)]
+        self._adds = []
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        own = SamplingParams(**vars(params))
+        if own.seed is None and self.group is not None:  # every rank must draw the same numbers
+            own.seed = self._seeds.getrandbits(62)
+        with self.lock:
+            rid = self.engine.add_request(prompt, own)
+            if self.group is not None:
+                self._adds.append(([int(t) for t in prompt], own))
+        return rid
+
+    def step(self) -> list[GenerationResult]:
+        with self.lock:
+            self._send("step")
+            return self.engine.step()
+
+    def update_weights(self, weights: Optional[Mapping[str, torch.Tensor]], version: int, *, delta: bool = False,
+                       recompute_cache: bool = False, broadcast: bool = True) -> None:
+        """Engine.update_weights on every rank between the same two steps. broadcast=False sends only the
+        version: the other ranks' `follow` must have a `fetch` that returns the same tensors."""
+        with self.lock:  # rank 0 first: a rejected update is sent nowhere
+            self.engine.update_weights(weights, version, delta=delta, recompute_cache=recompute_cache)
+            self._send("update", (version, delta, recompute_cache, dict(weights) if broadcast else None))
+
+    def heartbeat(self) -> None:
+        """While idle: keeps the other ranks' broadcasts within their collective timeout."""
+        with self.lock:
+            self._send("beat")
+
+    def stop(self) -> None:
+        with self.lock:
+            self._send("stop")
+
+
+def follow(engine: Engine, fetch: Optional[Callable[[int], Mapping[str, torch.Tensor]]] = None) -> None:
+    """Tensor-parallel ranks other than 0: replay rank 0's requests, steps and weight updates until it stops."""
+    src = dist.get_global_rank(engine.tp_group, 0)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=src, group=engine.tp_group)
+        command, adds, payload = box[0]
+        for prompt, params in adds:
+            engine.add_request(prompt, params)
+        if command == "step":
+            engine.step()
+        elif command == "update":
+            version, delta, recompute, weights = payload
+            if weights is None:
+                if fetch is None:
+                    raise RuntimeError("rank 0 sent a weight version without tensors; call follow(engine, fetch)")
+                weights = fetch(version)
+            engine.update_weights(weights, version, delta=delta, recompute_cache=recompute)
+        elif command == "stop":
+            return
+
+
+__all__ = ["Lockstep", "follow"]
