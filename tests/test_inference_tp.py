@@ -43,6 +43,14 @@ def test_tensor_parallel_engine_equals_one_rank(results, case):
 
 
 @pytest.mark.dist
+def test_lockstep_drives_tensor_parallel_engine_from_rank_zero(results):
+    res = results["mla_lockstep"]
+    assert res["ok"], res.get("error")
+    assert res["tokens_equal"] and res["versions_equal"] and res["versions_seen"] == [0, 5]
+    assert res["max_logprob_diff"] <= 1e-5
+
+
+@pytest.mark.dist
 def test_server_tensor_parallel(tmp_path):
     """Rank 0 serves HTTP and drives rank 1: concurrent completions, and completions after a live weight
     update, equal the one-rank engine's."""

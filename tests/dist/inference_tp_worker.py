@@ -132,6 +132,48 @@ def weight_update_case(preset: str):
     return run
 
 
+def lockstep_case(preset: str):
+    """Rank 0 alone drives the engine through Lockstep (sampled requests with engine-drawn seeds, steps, a
+    weight update sent as a version that rank 1 fetches itself); rank 0's results equal a one-rank engine
+    given rank 0's resolved seeds and the same update between the same steps."""
+    def run():
+        from megatron_composer.inference import Lockstep, follow
+
+        groups = ParallelDims(dist.get_world_size(), tp=dist.get_world_size()).build()
+        ref, par = _models(preset, groups)
+        torch.manual_seed(9)
+        new = {k: v.detach().clone() for k, v in Transformer(ref.config).state_dict().items()}
+        prompts = _prompts(ref.config.vocab_size, seed=2)
+        engine = Engine(par)
+        if dist.get_rank() != 0:
+            follow(engine, fetch=lambda version: new)
+            return {"rank": 1}
+        drive = Lockstep(engine, seed=0)
+        rids = [drive.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)) for p in prompts]
+        seeds = [s.params.seed for s in engine._waiting]
+        for _ in range(12):
+            drive.step()
+        drive.update_weights(new, version=5, broadcast=False)
+        while engine.has_unfinished():
+            drive.step()
+        drive.stop()
+        got = [engine.pop_result(r) for r in rids]
+        one = Engine(ref)
+        ids = [one.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=sd))
+               for p, sd in zip(prompts, seeds)]
+        for _ in range(12):
+            one.step()
+        one.update_weights(new, version=5)
+        while one.has_unfinished():
+            one.step()
+        want = [one.pop_result(r) for r in ids]
+        return {"tokens_equal": [a.token_ids for a in got] == [b.token_ids for b in want],
+                "versions_equal": [a.weight_versions for a in got] == [b.weight_versions for b in want],
+                "versions_seen": sorted({v for r in got for v in r.weight_versions}),
+                "max_logprob_diff": max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs))}
+    return run
+
+
 MLA, GQA = "tiny-deepseek-v3", "tiny-qwen3-moe"
 CASES = {
     "mla_greedy": generation_case(MLA),
@@ -142,6 +184,7 @@ CASES = {
     "mla_speculative": speculative_case(MLA),
     "mla_weight_update": weight_update_case(MLA),
     "gqa_weight_update": weight_update_case(GQA),
+    "mla_lockstep": lockstep_case(MLA),
 }
 
 if __name__ == "__main__":
