@@ -1,7 +1,9 @@
 """Tensor-parallel inference (2 gloo ranks): the engine over a model sharded by parallelize_model generates,
 on every rank, what the one-rank engine generates -- greedy (fast and batch-invariant paths), seeded
 sampling, MTP speculative decoding, and live weight updates (full state dict, then an XOR delta with
-cache recomputation) -- with log-probs within 1e-5 and identical routing and weight versions."""
+cache recomputation) -- with log-probs within 1e-5 and identical routing and weight versions. Also expert
+parallelism (ep = 2, same requests on both ranks) and driving the engine from rank 0 alone (Lockstep), and
+the tensor-parallel server."""
 
 import importlib.util
 from pathlib import Path
@@ -13,7 +15,7 @@ torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
 CASES = ["mla_greedy", "gqa_greedy", "mla_greedy_batch_invariant", "mla_sampled", "gqa_sampled",
-         "mla_speculative", "mla_weight_update", "gqa_weight_update"]
+         "mla_speculative", "mla_weight_update", "gqa_weight_update", "mla_ep2_greedy", "gqa_ep2_greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,8 @@ def test_tensor_parallel_engine_equals_one_rank(results, case):
     assert res["num_tokens"] == 3 * 40
     assert res["tokens_equal"] and res["routes_equal"] and res["versions_equal"]
     assert res["max_logprob_diff"] <= 1e-5
+    if "local_experts" in res:  # expert parallel: each rank holds half of the 8 experts
+        assert res["local_experts"] == 4
     if "engine_tp" in res:
         assert res["engine_tp"] == 2
         if case.startswith("gqa"):  # kv heads split over the ranks

@@ -329,7 +329,7 @@ class FastForward:
         x_TD = x_BND.reshape(-1, D)
         r = p.module.router(x_TD)
         T, K = r.indices_TK.shape
-        E = p.w13.shape[0]
+        E = p.module.num_experts
         if p.w2_all is not None and E <= T * K <= 16 * E:
             out = self._every_expert(p, x_TD, r.indices_TK, r.weights_TK)
             shared_done = p.w13_all.shape[0] > p.w13.shape[0]

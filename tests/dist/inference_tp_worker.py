@@ -28,6 +28,21 @@ NEW_TOKENS = 40
 LENGTHS = [5, 17, 9]
 
 
+def expert_parallel_case(preset: str):
+    """ep = 2 (experts split, everything else replicated): every rank runs the same requests and the
+    experts' tokens travel by the model's all-to-all dispatcher."""
+    def run():
+        groups = ParallelDims(dist.get_world_size(), ep=dist.get_world_size()).build()
+        ref, par = _models(preset, groups)
+        prompts = _prompts(ref.config.vocab_size)
+        one = Engine(ref).generate(prompts, max_new_tokens=NEW_TOKENS)
+        engine = Engine(par)
+        out = _compare(one, engine.generate(prompts, max_new_tokens=NEW_TOKENS))
+        out["local_experts"] = par.moe_layers[0].feed_forward.experts.num_local_experts
+        return out
+    return run
+
+
 def _models(preset: str, groups, seed: int = 0):
     cfg = get_preset(preset).replace(num_layers=3)
     torch.manual_seed(seed)
@@ -185,6 +200,8 @@ CASES = {
     "mla_weight_update": weight_update_case(MLA),
     "gqa_weight_update": weight_update_case(GQA),
     "mla_lockstep": lockstep_case(MLA),
+    "mla_ep2_greedy": expert_parallel_case(MLA),
+    "gqa_ep2_greedy": expert_parallel_case(GQA),
 }
 
 if __name__ == "__main__":
