@@ -44,7 +44,7 @@ from pretrain.trainer import CheckpointConfig, ModelSection, RunConfig, architec
 from rl.algorithm import RLObjectiveConfig
 from rl.learner import PolicyLearner, rl_model_config
 from rl.orchestrator import Orchestrator, QueueError, WorkQueue
-from rl.rollout.worker import RolloutConfig, RolloutWorker
+from rl.rollout.worker import RolloutConfig, RolloutWorker, run_follower
 from rl.weight_sync import ObjectStore, ObjectStoreError, WeightSyncConfig
 
 
@@ -111,7 +111,11 @@ class RLConfig:
         """Raise a one-line ConfigError, before any work, if this launch of `world` processes cannot run the
         configured roles and trainer layout."""
         n = self.trainer_ranks
+        tp = self.rollout.tp
         if self.role == "rollout":
+            if world % tp:
+                raise ConfigError(f"rollout.tp={tp} does not divide this launch's {world} rollout process(es); launch a "
+                                  f"multiple of {tp} (torchrun --nproc-per-node) or change rollout.tp")
             return
         if self.role == "trainer" and n != world:
             raise ConfigError(f"role=trainer: all {world} process(es) of this launch train; set trainer_ranks={world} "
@@ -123,6 +127,13 @@ class RLConfig:
             raise ConfigError(f"trainer_ranks={n} leaves no rollout rank of the {world} and rollout.embedded_workers=0: "
                               "nothing would generate; launch more processes, lower trainer_ranks, or use role=trainer "
                               "with separately launched role=rollout workers")
+        if self.role == "auto" and tp > 1:
+            if n == world:
+                raise ConfigError(f"rollout.tp={tp} needs rollout processes, but trainer_ranks={n} leaves none of the {world} "
+                                  "(embedded worker threads run one-rank engines); launch more processes or set rollout.tp=1")
+            if (world - n) % tp:
+                raise ConfigError(f"rollout.tp={tp} does not divide the {world - n} rollout rank(s) (world {world} - "
+                                  f"trainer_ranks {n}); launch trainer_ranks + a multiple of {tp} processes or change rollout.tp")
         p = self.parallel
         try:
             ParallelDims.from_config(p, n)
@@ -159,9 +170,12 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None) -> RolloutWorker:
-    model, _ = build_model(cfg, tokenizer)
-    model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
+def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None,
+                model: torch.nn.Module | None = None) -> RolloutWorker:
+    """A rollout worker on `model` (default: a new full model; a tensor-parallel shard from `rollout_model`)."""
+    if model is None:
+        model, _ = build_model(cfg, tokenizer)
+        model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
                          seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since)
@@ -406,7 +420,7 @@ class Trainer:
 
 
 
-def run_worker_process(cfg: RLConfig, rank: int) -> None:
+def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.rollout.tasks import load_rl_tasks
 
@@ -415,9 +429,53 @@ def run_worker_process(cfg: RLConfig, rank: int) -> None:
     started = time.time() if cfg.role == "auto" else None
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tasks = load_rl_tasks(cfg.data.tasks)
-    name = os.environ.get("RL_WORKER_NAME", f"rank{rank}")
-    worker = make_worker(cfg, name, tokenizer, tasks, cfg.train.seed + 1000 + rank, stops_since=started)
-    worker.run()
+    name = os.environ.get("RL_WORKER_NAME")
+    name = f"rank{rank}" if name is None else (f"{name}x{rank}" if world > 1 else name)
+    seed = cfg.train.seed + 1000 + rank
+    if cfg.rollout.tp == 1:
+        make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started).run()
+        return
+    groups = init_rollout_group(cfg, rank, world)
+    try:
+        model = rollout_model(cfg, tokenizer, groups)
+        if groups.tp_rank == 0:
+            make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started, model=model).run()
+        else:
+            run_follower(f"{name} (rollout tp rank {groups.tp_rank})", cfg.rollout, model, cfg.weight_sync.subscriber(weight_store(cfg)), cfg.weight_sync.poll_seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def init_rollout_group(cfg: RLConfig, rank: int, world: int):
+    """rollout.tp > 1: the rollout ranks of the launch become their own torch.distributed default group (never
+    the trainer's), cut into consecutive tensor-parallel groups of rollout.tp. In a launch with trainer ranks the
+    group meets through torchrun's store, under its own key prefix. Returns this rank's ParallelGroups."""
+    import datetime
+
+    first = cfg.trainer_ranks if cfg.role == "auto" else 0
+    n = world - first
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=1800)
+    if first == 0:
+        dist.init_process_group(backend, rank=rank, world_size=n, timeout=timeout)
+    else:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp} next to trainer ranks needs a torchrun launch (its store "
+                              "joins the rollout ranks); use torchrun, or launch the rollouts separately with role=rollout")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("rl_rollout/", base), rank=rank - first, world_size=n,
+                                timeout=timeout)
+    return ParallelDims(n, tp=cfg.rollout.tp).build()
+
+
+def rollout_model(cfg: RLConfig, tokenizer, groups) -> torch.nn.Module:
+    """This rank's shard of the rollout engine's model (weights arrive from the store)."""
+    from megatron_composer.parallel.parallelize import parallelize_model
+
+    model, _ = build_model(cfg, tokenizer)
+    return parallelize_model(model.to(local_device(), getattr(torch, cfg.weight_sync.dtype)), groups).eval()
 
 
 def check_model_layout(cfg: RLConfig) -> None:
@@ -425,12 +483,23 @@ def check_model_layout(cfg: RLConfig) -> None:
     work, so a bad layout stops rollout ranks too."""
     from megatron_composer.data.tokenizer import load_tokenizer
 
-    if cfg.role == "rollout" or max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) == 1:
+    trainer = cfg.role != "rollout" and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1
+    rollout = cfg.role != "trainer" and cfg.rollout.tp > 1
+    if not (trainer or rollout):
         return
     from megatron_composer.parallel import validate_layout
 
     mc, _ = build_model_meta(cfg, load_tokenizer(cfg.data.tokenizer))
-    validate_layout(ParallelDims.from_config(cfg.parallel, cfg.trainer_ranks), mc)
+    if trainer:
+        validate_layout(ParallelDims.from_config(cfg.parallel, cfg.trainer_ranks), mc)
+    if rollout:
+        if mc.tie_word_embeddings:
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: tensor parallelism does not support tied embeddings "
+                              "(model tie_word_embeddings); set rollout.tp=1")
+        try:
+            validate_layout(ParallelDims(cfg.rollout.tp, tp=cfg.rollout.tp), mc)
+        except ConfigError as e:
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: {e}".replace("parallel.tp", "rollout.tp")) from None
 
 
 def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:
@@ -461,7 +530,7 @@ def run_rl(cfg: RLConfig) -> Path | None:
         role = cfg.role
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
     if role == "rollout":
-        run_worker_process(cfg, rank)
+        run_worker_process(cfg, rank, world)
         return None
     created = init_trainer_group(cfg, rank, world)
     try:

@@ -16,6 +16,12 @@ stepping the engine under one lock until its own requests finish, so concurrent 
 
 A sandbox that fails (crash, setup error) is retried up to ``rollout.episode_retries`` times; after that the
 group is handed back to the queue. A verifier that hangs is killed by the task's verifier timeout and scores 0.
+
+Tensor parallelism (``rollout.tp`` > 1): the engine's model is sharded over a group of processes. The worker
+runs on the group's first rank and calls the engine only through `megatron_composer.inference.Lockstep`,
+which replays its requests, steps and weight updates on the other ranks (`run_follower`, built on
+`inference.follow`). A weight update sends only the version: each follower reads the same version from
+the store itself (prefetched in the background like the worker's). When the worker stops, so do they.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Optional
 import torch
 
 from megatron_composer.data.chat_template import IM_END, render_text
-from megatron_composer.inference import Engine
+from megatron_composer.inference import Engine, Lockstep, follow
 from megatron_composer.inference.sampling import SamplingParams
 from rl.orchestrator import WorkItem, WorkQueue
 from rl.rollout.tasks import RLTask
@@ -49,6 +55,8 @@ class RolloutConfig:
     heartbeat_s: float = field(default=2.0, metadata={"help": "how often a worker renews the lease of its group"})
     embedded_workers: int = field(default=1, metadata={"help": "rollout worker threads inside the trainer when the run has one process"})
     max_batch_size: int = 64
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each rollout engine: rollout ranks form consecutive groups "
+                                                 "of this many processes; the group's first rank runs the worker"})
     max_seq_len: int = field(default=1024, metadata={"help": "engine context: prompt + all turns of an agent episode"})
     cache_memory_mb: int = 256
     agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
@@ -67,6 +75,8 @@ class RolloutConfig:
 
         if self.group_size < 1:
             raise ConfigError(f"rollout.group_size must be >= 1, got {self.group_size}")
+        if self.tp < 1:
+            raise ConfigError(f"rollout.tp must be >= 1 (processes per rollout engine), got {self.tp}")
         if self.max_new_tokens < 1 or self.agent_max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
         if self.temperature <= 0:
@@ -85,6 +95,13 @@ class RolloutConfig:
 
 class EpisodeCrash(RuntimeError):
     """The episode's sandbox failed; the episode (not its reward) is lost and is rerun."""
+
+
+def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0) -> Engine:
+    """The engine of a rollout worker; every rank of a tensor-parallel group builds it identically (the
+    scheduler's batches and cache blocks must match)."""
+    return Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+                  cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
 
 
 def _seed(*parts: int) -> int:
@@ -141,8 +158,9 @@ class RolloutWorker:
         self.subscriber = subscriber
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
         self.seed = seed
-        self.engine = Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
-                             cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
+        self.engine = rollout_engine(model, cfg, seed)
+        # every call that changes the engine goes through here (the other tensor-parallel ranks replay it)
+        self.drive = Lockstep(self.engine)
         self.stop_ids = [t for t in (tokenizer.token_to_id(IM_END), tokenizer.eod) if t is not None]
         self._im_end = tokenizer.token_to_id(IM_END)
         self._drive_lock = threading.Lock()
@@ -164,7 +182,7 @@ class RolloutWorker:
 
     def _apply(self, version: int, state_dict: dict) -> None:
         t0 = time.perf_counter()
-        self.engine.update_weights(state_dict, version)
+        self.drive.update_weights(state_dict, version, broadcast=False)  # followers fetch `version` themselves
         dt = time.perf_counter() - t0
         self.applied.append((version, dt))
         print(f"worker {self.name}: applied weights v{version} in {dt * 1e3:.1f} ms "
@@ -182,7 +200,7 @@ class RolloutWorker:
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                                  stop_token_ids=self.stop_ids, seed=s) for s in seeds]
         with self._drive_lock:
-            rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            rids = [self.drive.add_request(p, sp) for p, sp in zip(prompts, params)]
         results: dict[int, object] = {}
         while len(results) < len(rids):
             with self._drive_lock:
@@ -191,7 +209,7 @@ class RolloutWorker:
                     if rid not in results and (r := self.engine.pop_result(rid)) is not None:
                         results[rid] = r
                 if len(results) < len(rids):
-                    self.engine.step()
+                    self.drive.step()
         return [results[r] for r in rids]
 
     def _prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -297,7 +315,8 @@ class RolloutWorker:
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> None:
-        """Claim and run groups until the queue says stop."""
+        """Claim and run groups until the queue says stop (then the tensor-parallel followers stop too)."""
+        beat = _LockstepHeartbeat(self.drive) if self.drive.group is not None else None
         try:
             self.wait_for_weights()
             while not self.queue.stop_requested(self.name, self.stops_since):
@@ -323,9 +342,90 @@ class RolloutWorker:
             traceback.print_exc()
             raise
         finally:
+            if beat is not None:
+                beat.stop()
+            self.drive.stop()
             self.subscriber.stop() if hasattr(self.subscriber, "stop") else None
             if self._pool is not None:
                 self._pool.close()
+
+
+class _LockstepHeartbeat:
+    """While the worker waits for work or weights no broadcast reaches the followers; a beat every
+    `every_s` keeps their wait within the process group's timeout."""
+
+    def __init__(self, drive: Lockstep, every_s: float = 30.0):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(drive, every_s), name="lockstep-beat", daemon=True)
+        self._thread.start()
+
+    def _run(self, drive: Lockstep, every_s: float):
+        while not self._stop.wait(every_s):
+            drive.heartbeat()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+class _PrefetchedVersions:
+    """A follower's weights: its own subscriber decodes new versions in the background (as the worker's
+    does); `fetch(version)` hands over the one the worker applied, or reconstructs it if not yet there."""
+
+    def __init__(self, subscriber, keep: int = 2):
+        self.subscriber, self.keep = subscriber, keep
+        self._states: dict[int, dict] = {}
+        self._applied = -1
+        self._lock = threading.Lock()
+
+    def on_ready(self, _version: int) -> None:
+        ready = self.subscriber.pop_ready()
+        with self._lock:
+            if ready is not None and ready[0] > self._applied:
+                self._states[ready[0]] = ready[1]
+                for v in sorted(self._states)[:-self.keep]:
+                    del self._states[v]
+
+    def fetch(self, version: int) -> dict:
+        with self._lock:
+            state = self._states.pop(version, None)
+            self._applied = max(self._applied, version)
+            for v in [v for v in self._states if v < version]:
+                del self._states[v]  # the worker never goes back
+        return state if state is not None else self.subscriber.fetch(version)
+
+
+class _Replica:
+    """A follower's engine as `follow` drives it. Only the worker reads results, so finished ones are
+    dropped here (they would otherwise pile up in the follower's engine)."""
+
+    def __init__(self, engine: Engine, name: str):
+        self.engine, self.tp_group, self.name = engine, engine.tp_group, name
+
+    def add_request(self, prompt, params) -> int:
+        return self.engine.add_request(prompt, params)
+
+    def step(self):
+        done = self.engine.step()
+        for r in done:
+            self.engine.pop_result(r.request_id)
+        return done
+
+    def update_weights(self, weights, version: int, **kw) -> None:
+        self.engine.update_weights(weights, version, **kw)
+        print(f"{self.name}: applied weights v{version}", flush=True)
+
+
+def run_follower(name: str, cfg: RolloutConfig, model: torch.nn.Module, subscriber, poll_seconds: float = 1.0) -> None:
+    """A tensor-parallel rank other than the group's first: replay the worker's engine calls, with weights
+    read from the store, until the worker stops."""
+    engine = rollout_engine(model, cfg)
+    versions = _PrefetchedVersions(subscriber)
+    subscriber.start(poll_seconds, on_ready=versions.on_ready)
+    try:
+        follow(_Replica(engine, name), versions.fetch)
+    finally:
+        subscriber.stop()
 
 
 class _Heartbeat:
