@@ -25,7 +25,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, **extra) -> subprocess.CompletedProcess:
+def _overrides(rl_assets: Path, run_dir: Path, steps: int, **extra) -> list[str]:
     over = {
         "run.dir": run_dir, "data.tokenizer": rl_assets / "tok", "data.tasks": rl_assets / "tasks",
         "model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
@@ -38,11 +38,20 @@ def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, **extra) -> 
         "weight_sync.dtype": "float32", "weight_sync.poll_seconds": 0.1, "checkpoint.init_from": "''",
         **extra,
     }
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+    return [f"{k}={v}" for k, v in over.items()]
+
+
+def _env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", **extra, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
+def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, env: dict | None = None,
+            **extra) -> subprocess.CompletedProcess:
+    env = env or _env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(_port()), str(ROOT / "rl_composer.py"), "--config",
-           str(ROOT / "examples/tiny/rl.yaml"), *[f"{k}={v}" for k, v in over.items()]]
+           str(ROOT / "examples/tiny/rl.yaml"), *_overrides(rl_assets, run_dir, steps, **extra)]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -73,3 +82,37 @@ def test_rollout_tp_that_does_not_divide_the_rollout_ranks_is_refused(rl_assets,
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
     assert lines and "rollout.tp=2 does not divide the 1 rollout rank(s)" in lines[0], res.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.dist
+def test_separately_launched_tensor_parallel_rollouts(rl_assets, tmp_path):
+    """role=trainer (one process) and `torchrun --nproc-per-node 2 ... role=rollout rollout.tp=2` against the same
+    run.dir: the rollout group generates every group, follows the versions, and exits when the trainer is done."""
+    run_dir = tmp_path / "run"
+    env = _env(RL_WORKER_NAME="tpjob")
+    over = ["role=trainer", "rollout.tp=2"]  # the trainer ignores rollout.tp
+    trainer = subprocess.Popen(
+        [sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"),
+         *_overrides(rl_assets, run_dir, steps=2), *over], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        res = _launch(rl_assets, run_dir, nproc=2, steps=2, env=env, role="rollout")
+    finally:
+        trainer_out, _ = trainer.communicate(timeout=300)
+    out = res.stdout + res.stderr
+    assert trainer.returncode == 0, trainer_out[-6000:]
+    assert res.returncode == 0, out[-6000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "worker tpjobx0: applied weights v1" in out, out[-6000:]
+    assert "tpjobx1 (rollout tp rank 1): applied weights v1" in out, out[-6000:]
+    assert max(v for r in rows for v in r["token_versions"]) >= 1, [r["token_versions"] for r in rows]
+
+
+def test_rollout_launch_not_a_multiple_of_rollout_tp_is_refused(rl_assets, tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"),
+                          *_overrides(rl_assets, tmp_path / "run", steps=1), "role=rollout"],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "error: rollout.tp=2 does not divide this launch's 1 rollout process(es)"), res.stderr[-3000:]
