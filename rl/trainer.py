@@ -4,8 +4,9 @@
 (rank 0 also owns the orchestrator, see rl/orchestrator.py, and publishes the weights); every other rank is a
 rollout worker (rl/rollout/worker.py). The trainer ranks, and only they, form torch.distributed's default
 process group, cut into the pretraining layouts (parallel.tp/cp/ep, dp inferred, ZeRO-1; see rl/learner.py);
-rollout ranks never join it. When the launch leaves no rollout rank (one process, or trainer_ranks = world
-size) trainer rank 0 runs ``rollout.embedded_workers`` worker threads. Separate launches (clusters) run the
+rollout ranks never join it (with ``rollout.tp`` > 1 they form their own group, cut into tensor-parallel
+engines of that size; see `init_rollout_group`). When the launch leaves no rollout rank (one process, or
+trainer_ranks = world size) trainer rank 0 runs ``rollout.embedded_workers`` worker threads. Separate launches (clusters) run the
 same entrypoint with ``role=trainer`` (every process trains; trainer_ranks = their number) or
 ``role=rollout``; they meet only through ``run.dir``'s rollout queue and the weight-sync store.
 
