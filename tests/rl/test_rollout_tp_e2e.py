@@ -116,3 +116,13 @@ def test_rollout_launch_not_a_multiple_of_rollout_tp_is_refused(rl_assets, tmp_p
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith(
         "error: rollout.tp=2 does not divide this launch's 1 rollout process(es)"), res.stderr[-3000:]
+
+
+def test_rollout_tp_that_does_not_divide_the_heads_is_refused(rl_assets, tmp_path):
+    """Checked on every rank before any process group exists (here: rank 0 of 4, one trainer + a tp 3 group)."""
+    res = subprocess.run([sys.executable, str(ROOT / "rl_composer.py"), "--config", str(ROOT / "examples/tiny/rl.yaml"),
+                          *_overrides(rl_assets, tmp_path / "run", steps=1), "rollout.tp=3"],
+                         env=_env(RANK="0", WORLD_SIZE="4"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout.tp=3:") and "rollout.tp" in last[len("error: rollout.tp=3:"):], res.stderr[-3000:]
