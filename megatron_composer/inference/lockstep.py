@@ -87,7 +87,8 @@ def follow(engine: Engine, fetch: Optional[Callable[[int], Mapping[str, torch.Te
         for prompt, params in adds:
             engine.add_request(prompt, params)
         if command == "step":
-            engine.step()
+            for result in engine.step():  # only rank 0 reads results: drop them here or they pile up
+                engine.pop_result(result.request_id)
         elif command == "update":
             version, delta, recompute, weights = payload
             if weights is None:

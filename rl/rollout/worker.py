@@ -396,8 +396,7 @@ class _PrefetchedVersions:
 
 
 class _Replica:
-    """A follower's engine as `follow` drives it. Only the worker reads results, so finished ones are
-    dropped here (they would otherwise pile up in the follower's engine)."""
+    """A follower's engine as `follow` drives it, logging each weight version it applies."""
 
     def __init__(self, engine: Engine, name: str):
         self.engine, self.tp_group, self.name = engine, engine.tp_group, name
@@ -406,10 +405,10 @@ class _Replica:
         return self.engine.add_request(prompt, params)
 
     def step(self):
-        done = self.engine.step()
-        for r in done:
-            self.engine.pop_result(r.request_id)
-        return done
+        return self.engine.step()
+
+    def pop_result(self, rid: int):
+        return self.engine.pop_result(rid)
 
     def update_weights(self, weights, version: int, **kw) -> None:
         self.engine.update_weights(weights, version, **kw)
