@@ -47,32 +47,36 @@ def _doc_starts(doc_ids_BS: Optional[torch.Tensor], S: int) -> Optional[torch.Te
 
 
 class _Blocks:
-    """The query blocks of one call: (first row, end row, first key, keep-mask or None)."""
+    """The query blocks of one call as (first row, end row, first key, first masked key); their masks are
+    rebuilt when used (`drop`), so backward holds the document ids, never O(S^2) masks."""
 
-    def __init__(self, B: int, KV: int, rep: int, S: int, doc_ids_BS: Optional[torch.Tensor], device):
+    def __init__(self, B: int, KV: int, rep: int, S: int, doc_ids_BS: Optional[torch.Tensor]):
         rows = _rows_per_block(B * KV, rep, S)
         starts = _doc_starts(doc_ids_BS, S)
+        self.doc_ids_BS = doc_ids_BS
         self.items = []
         for s0 in range(0, S, rows):
             e = min(S, s0 + rows)
             k0 = 0 if starts is None else int(starts[:, s0].min())  # keys before every row's document: skipped
-            q_pos = torch.arange(s0, e, device=device)
-            k_pos = torch.arange(k0, e, device=device)
-            if doc_ids_BS is None:  # only the block's own square can hold keys after a row
-                m0 = s0
-                keep = (k_pos[None, m0 - k0:] <= q_pos[:, None])[None]  # [1, rows, e - s0]
-            else:
-                m0 = k0
-                keep = (k_pos[None, :] <= q_pos[:, None]) & (doc_ids_BS[:, s0:e, None] == doc_ids_BS[:, None, k0:e])
-            # masks keys m0:e; as [B, 1, rows, 1, keys] against scores viewed [B, KV, rows, rep, keys]
-            self.items.append((s0, e, k0, m0, ~keep[:, None, :, None, :]))
-        self.prob_elements = B * KV * rep * sum((e - k0) * (e - s0) for s0, e, k0, _, _ in self.items)
+            m0 = s0 if doc_ids_BS is None else k0  # without documents only the block's own square is masked
+            self.items.append((s0, e, k0, m0))
+        self.prob_elements = B * KV * rep * sum((e - k0) * (e - s0) for s0, e, k0, _ in self.items)
+
+    def drop(self, s0: int, e: int, m0: int, device) -> torch.Tensor:
+        """Mask of keys m0:e that rows s0:e may not see, as [B or 1, 1, rows, 1, keys] against scores viewed
+        [B, KV, rows, rep, keys]."""
+        q_pos = torch.arange(s0, e, device=device)
+        k_pos = torch.arange(m0, e, device=device)
+        keep = (k_pos[None, :] <= q_pos[:, None])[None]
+        if self.doc_ids_BS is not None:
+            keep = keep & (self.doc_ids_BS[:, s0:e, None] == self.doc_ids_BS[:, None, m0:e])
+        return ~keep[:, None, :, None, :]
 
 
-def _block_scores(q_NRD, k_NLD, s0, e, k0, m0, drop, scale, B, KV, rep):
+def _block_scores(q_NRD, k_NLD, blocks, s0, e, k0, m0, scale, B, KV, rep):
     """Scores of rows s0:e against keys k0:e, scaled and masked: [N, (e-s0)*rep, e-k0] float32."""
     s = torch.bmm(q_NRD[:, s0 * rep:e * rep], k_NLD[:, k0:e].transpose(1, 2)).mul_(scale)
-    s.view(B, KV, e - s0, rep, e - k0)[..., m0 - k0:].masked_fill_(drop, float("-inf"))
+    s.view(B, KV, e - s0, rep, e - k0)[..., m0 - k0:].masked_fill_(blocks.drop(s0, e, m0, s.device), float("-inf"))
     return s
 
 
@@ -93,14 +97,14 @@ class _CausalAttention(torch.autograd.Function):
         rep = H // KV
         ct = torch.promote_types(q_BHSD.dtype, torch.float32)
         q, k, v = _as_rows(q_BHSD, KV, ct), _as_rows(k_BKSD, KV, ct), _as_rows(v_BKSD, KV, ct)
-        blocks = _Blocks(B, KV, rep, S, doc_ids_BS, q.device)
+        blocks = _Blocks(B, KV, rep, S, doc_ids_BS)
         out_BSHD = q_BHSD.new_empty(B, S, H, Dv)
         out_BSKRD = out_BSHD.view(B, S, KV, rep, Dv)
         lse = q.new_empty(B * KV, S * rep)
         keep_probs = blocks.prob_elements <= _SAVED_PROB_ELEMENTS
         probs = []
-        for s0, e, k0, m0, drop in blocks.items:
-            p = _block_scores(q, k, s0, e, k0, m0, drop, scale, B, KV, rep)
+        for s0, e, k0, m0 in blocks.items:
+            p = _block_scores(q, k, blocks, s0, e, k0, m0, scale, B, KV, rep)
             m = p.amax(dim=-1, keepdim=True)  # every row sees at least itself: finite
             denom = p.sub_(m).exp_().sum(dim=-1, keepdim=True)
             p.div_(denom)
@@ -124,12 +128,12 @@ class _CausalAttention(torch.autograd.Function):
         delta_BHS = (dout_BHSD.to(ct) * out_BSHD.transpose(1, 2).to(ct)).sum(-1)
         delta = delta_BHS.view(B, KV, rep, S).transpose(2, 3).reshape(B * KV, S * rep)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for i, (s0, e, k0, m0, drop) in enumerate(ctx.blocks.items):
+        for i, (s0, e, k0, m0) in enumerate(ctx.blocks.items):
             r0, r1 = s0 * rep, e * rep
             if probs:
                 p = probs[i]
             else:
-                p = _block_scores(q, k, s0, e, k0, m0, drop, scale, B, KV, rep).sub_(lse[:, r0:r1, None]).exp_()
+                p = _block_scores(q, k, ctx.blocks, s0, e, k0, m0, scale, B, KV, rep).sub_(lse[:, r0:r1, None]).exp_()
             dv[:, k0:e] += torch.bmm(p.transpose(1, 2), do[:, r0:r1])
             ds = torch.bmm(do[:, r0:r1], v[:, k0:e].transpose(1, 2))
             ds.sub_(delta[:, r0:r1, None]).mul_(p).mul_(scale)
