@@ -91,13 +91,14 @@ def _pad_to(batch: dict[str, torch.Tensor], multiple: int, pad_id: int, top_k: i
 class PolicyLearner:
     """This trainer rank's policy shard, reference policy, optimizer and RL loss (see the module docstring)."""
 
-    def __init__(self, cfg, tokenizer, layout: Layout, device: torch.device, init_from: str = ""):
+    def __init__(self, cfg, tokenizer, layout: Layout, device: torch.device, init_from: str = "",
+                 resuming: bool = False):
         self.cfg, self.layout, self.device = cfg, layout, device
         self.tokenizer = tokenizer
         self.mc = rl_model_config(cfg, tokenizer)
         layout.validate(self.mc, None)
         self.meta = {"model": architecture(self.mc), "tokenizer": tokenizer.describe()}
-        self.model = self._build(init_from)
+        self.model = self._build("" if resuming else init_from)  # a resume loads the run's own checkpoint next
         self.optimizer = layout.build_optimizer(self.model, cfg.optim)
         self.ref_model = None
         if cfg.rl.kl_coef > 0:  # the reference policy: the initial weights (same seed and init checkpoint)

@@ -231,7 +231,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         init = cfg.checkpoint.init_from
-        self.learner = PolicyLearner(cfg, self.tokenizer, self.layout, self.device, init_from=init)
+        self.learner = PolicyLearner(cfg, self.tokenizer, self.layout, self.device, init_from=init,
+                                     resuming=self.latest is not None)
         self.model, self.meta = self.learner.model, self.learner.meta
         if self.latest is None and init and self.is_main:
             from megatron_composer.checkpoint.dcp import resolve_checkpoint
@@ -458,7 +459,9 @@ def init_rollout_group(cfg: RLConfig, rank: int, world: int):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    timeout = datetime.timedelta(seconds=1800)
+    # Short: the leader beats every 30 s while idle, so a silent group means a dead rank; fail instead of
+    # holding the group's lease for half an hour.
+    timeout = datetime.timedelta(seconds=300)
     if first == 0:
         dist.init_process_group(backend, rank=rank, world_size=n, timeout=timeout)
     else:

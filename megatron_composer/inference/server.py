@@ -74,6 +74,7 @@ class InferenceServer:
         self._done: dict[int, threading.Event] = {}
         self._errors: dict[int, str] = {}
         self._stop = threading.Event()
+        self._fatal = ""
         self._lockstep = Lockstep(engine)
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
@@ -101,19 +102,25 @@ class InferenceServer:
             t.join(timeout=10)
 
     def serve_forever(self) -> None:
+        """Serve until interrupted, or until the engine loop ends (a tensor-parallel engine whose step failed:
+        its ranks may no longer agree, so the server stops instead of serving from a broken engine)."""
         self.start()
         try:
-            while True:
-                time.sleep(3600)
+            while not self._stop.wait(1.0):
+                pass
         except KeyboardInterrupt:
-            self.stop()
+            pass
+        self.stop()
+        if self._fatal:
+            raise SystemExit(self._fatal)
 
     # ---- engine side -------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
         try:
             self._run_engine()
         finally:
-            self._lockstep.stop()
+            self._lockstep.stop()  # the other tensor-parallel ranks leave follow()
+            self._stop.set()
 
     def _run_engine(self) -> None:
         while not self._stop.is_set():
@@ -137,6 +144,12 @@ class InferenceServer:
                 for rid in pending:
                     self._errors[rid] = message
                     self._signal(rid)
+                if self._lockstep.group is not None:
+                    # the other ranks still hold those requests (or failed themselves): they cannot be
+                    # brought back in step, so the server stops and says why
+                    self._fatal = f"tensor-parallel {message}; the server stopped"
+                    print(self._fatal, flush=True)
+                    return
                 continue
             for r in finished:
                 self._signal(r.request_id)
@@ -382,7 +395,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if world > 1 and dist.get_rank() != 0:
         follow(engine)
         return
-    server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port)
+    try:
+        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port)
+    except BaseException:
+        if world > 1:
+            Lockstep(engine).stop()  # release the ranks already waiting in follow()
+        raise
     print(f"serving {args.model_name} on {server.url}" + (f" (tensor-parallel over {world} ranks)" if world > 1 else ""),
           flush=True)
     server.serve_forever()

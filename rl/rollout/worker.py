@@ -316,7 +316,8 @@ class RolloutWorker:
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> None:
         """Claim and run groups until the queue says stop (then the tensor-parallel followers stop too)."""
-        beat = _LockstepHeartbeat(self.drive) if self.drive.group is not None else None
+        lockstep_beat = _LockstepHeartbeat(self.drive) if self.drive.group is not None else None
+        beat = None
         try:
             self.wait_for_weights()
             while not self.queue.stop_requested(self.name, self.stops_since):
@@ -342,8 +343,9 @@ class RolloutWorker:
             traceback.print_exc()
             raise
         finally:
-            if beat is not None:
-                beat.stop()
+            for b in (beat, lockstep_beat):
+                if b is not None:
+                    b.stop()
             self.drive.stop()
             self.subscriber.stop() if hasattr(self.subscriber, "stop") else None
             if self._pool is not None:
@@ -351,8 +353,8 @@ class RolloutWorker:
 
 
 class _LockstepHeartbeat:
-    """While the worker waits for work or weights no broadcast reaches the followers; a beat every
-    `every_s` keeps their wait within the process group's timeout."""
+    """Between engine steps (waiting for work or weights, running sandbox commands) no broadcast reaches the
+    followers; a beat every `every_s` for the whole run keeps their wait within the process group's timeout."""
 
     def __init__(self, drive: Lockstep, every_s: float = 30.0):
         self._stop = threading.Event()
