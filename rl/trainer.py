@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -283,10 +283,12 @@ class Trainer:
         if self.layout.world > 1:
             dist.barrier()
 
-    def _publish(self) -> dict:
-        """Collective: gather the full weights to trainer rank 0, which publishes them as self.version."""
+    def _publish(self, out: Optional[dict] = None) -> dict:
+        """Collective: gather the full weights to trainer rank 0, which publishes them as self.version (and
+        puts them in `out` when given)."""
         state_dict = self.learner.full_state_dict(self.cfg.weight_sync.dtype)
-        self._last_state_dict = state_dict
+        if out is not None and state_dict is not None:  # None on trainer ranks other than 0
+            out.update(state_dict)
         if not self.is_main:
             return {}
         try:
@@ -361,9 +363,11 @@ class Trainer:
                     raise RuntimeError(f"{skipped} consecutive non-finite steps; lower optim.lr")
                 self.step += 1
                 self.version += 1
-                metrics.update(self._publish())
+                published = {}
+                metrics.update(self._publish(published))
                 if self.is_main:
-                    self._log(metrics, results, versions, wait_s, t0, total)
+                    self._log(metrics, results, versions, wait_s, t0, total, published)
+                del published  # the full weights live only until the held-out evaluation has used them
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
                     self.save()
         finally:
@@ -374,7 +378,8 @@ class Trainer:
                 self.logger.close()
         return self.run_dir
 
-    def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int):
+    def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int,
+             published: dict):
         cfg = self.cfg
         hist = self.orch.take_staleness()
         metrics.update(
@@ -389,11 +394,11 @@ class Trainer:
             print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
                   f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
         if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
-            metrics.update(self.held_out_eval())
+            metrics.update(self.held_out_eval(published))
         console = self.step % cfg.logging.interval == 0 or self.step == total
         self.logger.log(self.step, metrics, console=console)
 
-    def held_out_eval(self) -> dict:
+    def held_out_eval(self, state_dict: dict) -> dict:
         """pass@1 / pass@K of the current (just published) weights on eval.tasks, on trainer rank 0 (the other
         trainer ranks wait for the next step; rollout workers go on)."""
         from rl.evaluate import evaluate_model
@@ -405,10 +410,11 @@ class Trainer:
         if self._eval_model is None:
             self._eval_model, _ = build_model(cfg, self.tokenizer)
         model = self._eval_model
-        model.load_state_dict(self._last_state_dict)
+        model.load_state_dict(state_dict)
         model.to(self.device, getattr(torch, cfg.weight_sync.dtype))
         summary, _ = evaluate_model(model, self.tokenizer, cfg.rollout, self._eval_tasks, cfg.eval.samples,
                                     cfg.eval.success_reward, seed=cfg.train.seed + self.step, progress=False)
+        model.to("cpu")  # kept between evaluations off the accelerator the trainer uses
         k = cfg.eval.samples
         return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"],
                 "eval_reward_mean": summary["reward_mean"]}
