@@ -78,7 +78,10 @@ def initial_messages(task: Task, workdir: str) -> list[dict]:
 
 def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeConfig | None = None, *,
                 count_tokens: Callable[[str], int] = approx_tokens,
-                summarize: Callable[[list[dict]], str] | None = None, verify: bool = True) -> EpisodeResult:
+                summarize: Callable[[list[dict]], str] | None = None, verify: bool = True,
+                context_tokens: Callable[[list[dict]], int] | None = None) -> EpisodeResult:
+    """`context_tokens(messages)`: the context size the summary trigger compares (default: count_tokens of the
+    rendered conversation; a policy that holds the token stream answers without re-tokenising it)."""
     config = config or EpisodeConfig()
     t0 = time.monotonic()
     budget_s = config.time_budget_s if config.time_budget_s is not None else task.limits.agent_timeout_s
@@ -116,7 +119,8 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
             break
         more_turns = turns < max_turns and generated < config.max_generated_tokens  # a summary nobody reads is waste
         if (summarize is not None and config.summary_trigger_tokens is not None and more_turns
-                and count_tokens(render_text(messages)) >= config.summary_trigger_tokens):
+                and (context_tokens(messages) if context_tokens else count_tokens(render_text(messages)))
+                >= config.summary_trigger_tokens):
             summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
             generated += count_tokens(summary)
             summaries.append(summary)

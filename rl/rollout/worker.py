@@ -264,7 +264,7 @@ class RolloutWorker:
         try:
             ep = run_episode(task.harbor, sandbox, policy, cfg,
                              count_tokens=lambda text: len(self.tokenizer.encode(text)),
-                             summarize=policy.summarize if trigger else None)
+                             summarize=policy.summarize if trigger else None, context_tokens=policy.context_tokens)
         except Exception as e:  # the sandbox or the verifier's machinery broke, not the model
             raise EpisodeCrash(f"{type(e).__name__}: {e}") from e
         segments = policy.all_segments()
@@ -494,6 +494,14 @@ class EnginePolicy:
             return ""  # no tool call: the episode ends and is verified as it stands
         self.seen += 1  # the assistant message run_episode is about to append
         return text
+
+    def context_tokens(self, messages: list[dict]) -> int:
+        """Size of the context `messages` makes: the ledger plus what run_episode appended since our last turn
+        (only that tail is tokenised)."""
+        if self.ledger is None:
+            return len(self.worker._prompt_ids(messages))
+        new = [m for m in messages[self.seen:] if m["role"] != "assistant"]
+        return len(self.ledger.ids) + (len(self.worker.tokenizer.encode(render_text(new))) if new else 0)
 
     def summarize(self, messages: list[dict]) -> str:
         self._read(messages)  # ends with the summary request
