@@ -34,7 +34,7 @@ from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import apply_fp8
 from megatron_composer.parallel import collectives as C
 from megatron_composer.parallel.context_parallel import shard_sequence, unshard_sequence
-from megatron_composer.parallel.layers import ShardSpec, _gather_full, spec_of
+from megatron_composer.parallel.layers import iter_full_state_dict
 from megatron_composer.parallel.vocab_parallel import vocab_parallel_logprobs
 from pretrain.layout import Layout
 from pretrain.trainer import architecture, model_config
@@ -137,13 +137,9 @@ class PolicyLearner:
         """Collective: the unsharded weights in ``dtype`` on CPU on trainer rank 0 (None elsewhere), the format
         rollout workers load. Tensor by tensor: a rank holds at most one gathered tensor at a time."""
         dt = getattr(torch, dtype)
-        groups, main = self.layout.groups, self.layout.rank == 0
-        params = dict(self.model.named_parameters())
+        main = self.layout.rank == 0
         out = {}
-        for name, t in self.model.state_dict().items():
-            if groups is not None:
-                spec = spec_of(params[name]) if name in params else ShardSpec()
-                t = _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
+        for name, t in iter_full_state_dict(self.model, self.layout.groups):
             if main:
                 out[name] = (t.detach().to(dt) if t.is_floating_point() else t.detach()).cpu()
         return out if main else None

@@ -166,16 +166,22 @@ def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     return torch.cat([per_block[r][b] for b in range(spec.blocks) for r in range(spec.size)], dim=spec.dim)
 
 
-def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (every rank gets it): tensor-parallel pieces gathered over tp, experts over ep.
-    Feeds single-file checkpoints, conversion to Hugging Face format and loading under another layout."""
+def iter_full_state_dict(model: nn.Module, groups):
+    """Collective: (name, unsharded tensor) one entry at a time, on every rank: tensor-parallel pieces gathered
+    over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller keeps them."""
     params = dict(model.named_parameters())
-    out = {}
     for name, t in model.state_dict().items():
+        if groups is None:
+            yield name, t
+            continue
         spec = spec_of(params[name]) if name in params else ShardSpec()
-        group = groups.group("ep") if spec.kind == "expert" else groups.group("tp")
-        out[name] = _gather_full(t, spec, group)
-    return out
+        yield name, _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
+
+
+def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (every rank gets it). Feeds single-file checkpoints, conversion to Hugging Face
+    format and loading under another layout."""
+    return dict(iter_full_state_dict(model, groups))
 
 
 @torch.no_grad()
@@ -195,4 +201,4 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
 
 
 __all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "full_state_dict", "load_full_state_dict"]
+           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict", "load_full_state_dict"]
