@@ -274,7 +274,7 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         load_hf_weights(model, hf_init)
         if is_main:
             print(f"initialised weights from Hugging Face checkpoint {hf_init} (fresh optimizer and schedule)")
-    model = layout.parallelize(model.to(device))
+    model = layout.parallelize(model).to(device)  # shard on the host: a device holds only its shard
     try:
         # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped experts
         model = apply_fp8(model, cfg.fp8)

@@ -114,7 +114,7 @@ class PolicyLearner:
         from megatron_composer.model import Transformer
 
         torch.manual_seed(self.cfg.train.seed)
-        model = self.layout.parallelize(Transformer(self.mc).to(self.device))
+        model = self.layout.parallelize(Transformer(self.mc)).to(self.device)  # shard first, then move the shard
         try:
             model = apply_fp8(model, self.cfg.fp8)
         except ValueError as e:

@@ -485,7 +485,8 @@ def rollout_model(cfg: RLConfig, tokenizer, groups) -> torch.nn.Module:
     from megatron_composer.parallel.parallelize import parallelize_model
 
     model, _ = build_model(cfg, tokenizer)
-    return parallelize_model(model.to(local_device(), getattr(torch, cfg.weight_sync.dtype)), groups).eval()
+    model = parallelize_model(model.to(getattr(torch, cfg.weight_sync.dtype)), groups)  # shard on the host first
+    return model.to(local_device()).eval()
 
 
 def check_model_layout(cfg: RLConfig) -> None:

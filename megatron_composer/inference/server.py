@@ -387,9 +387,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            model = model.cuda()
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        model = parallelize_model(model, ParallelDims(world, tp=args.tp).build())
+        model = parallelize_model(model, ParallelDims(world, tp=args.tp).build())  # shard on the host first
+        if torch.cuda.is_available():
+            model = model.cuda()
     engine = Engine(model, max_batch_size=args.max_batch_size, cache_memory_bytes=int(args.cache_memory_gb * 2**30),
                     batch_invariant=args.batch_invariant, detokenize=tokenizer.decode)
     if world > 1 and dist.get_rank() != 0:
