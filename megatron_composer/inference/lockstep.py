@@ -65,7 +65,9 @@ class Lockstep:
         version: the other ranks' `follow` must have a `fetch` that returns the same tensors."""
         with self.lock:  # rank 0 first: a rejected update is sent nowhere
             self.engine.update_weights(weights, version, delta=delta, recompute_cache=recompute_cache)
-            self._send("update", (version, delta, recompute_cache, dict(weights) if broadcast else None))
+            # host copies: a pickled device tensor would be rebuilt on rank 0's device index on the other ranks
+            sent = {k: v.detach().cpu() for k, v in weights.items()} if broadcast and weights is not None else None
+            self._send("update", (version, delta, recompute_cache, sent))
 
     def heartbeat(self) -> None:
         """While idle: keeps the other ranks' broadcasts within their collective timeout."""
