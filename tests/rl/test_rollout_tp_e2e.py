@@ -33,6 +33,8 @@ def _overrides(rl_assets: Path, run_dir: Path, steps: int, **extra) -> list[str]
         "train.micro_batch_size": 4, "train.seed": 3, "rollout.group_size": 4, "rollout.max_new_tokens": 8,
         "rollout.max_inflight_groups": 1, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
         "rollout.lease_s": 20, "rollout.heartbeat_s": 0.5, "rollout.group_timeout_s": 240,
+        # on-policy only: groups trained after the first update must be sampled under it (not timing-dependent)
+        "rollout.max_staleness": 0,
         "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
         "rl.loss_constant": 8, "checkpoint.interval": 10, "checkpoint.keep_last": 0, "logging.interval": 1,
         "weight_sync.dtype": "float32", "weight_sync.poll_seconds": 0.1, "checkpoint.init_from": "''",
