@@ -16,6 +16,7 @@ import torch
 
 from megatron_composer.config import load_config
 from rl.orchestrator import Orchestrator, QueueError, WorkItem, WorkQueue
+from tests.rl_assets import write_rl_assets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,22 +114,7 @@ PROMPTS = [("Start a function.", r"[\s\S]*def[\s\S]*"), ("Write an import.", r"[
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A byte-level BPE tokenizer.json with the chat markers and a task set of 8 single-turn prompts."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    root = tmp_path_factory.mktemp("rl_assets")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-    corpus = [p for p, _ in PROMPTS] * 20 + ["def f(x):\n    return x\nimport os\nclass A:\n    pass\nfor i in range(3):"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    (root / "tok").mkdir()
-    tok.save(str(root / "tok" / "tokenizer.json"))
-    (root / "tasks").mkdir()
-    (root / "tasks" / "tasks.jsonl").write_text(
-        "".join(json.dumps({"id": f"t{i}", "prompt": p, "check": {"regex": r}}) + "\n" for i, (p, r) in enumerate(PROMPTS)))
-    return root
+    return write_rl_assets(tmp_path_factory.mktemp("rl_assets"), PROMPTS)
 
 
 def _overrides(assets: Path, run_dir: Path, **extra) -> list[str]:
