@@ -106,13 +106,16 @@ class InferenceServer:
         its ranks may no longer agree, so the server stops instead of serving from a broken engine)."""
         self.start()
         try:
-            while not self._stop.wait(1.0):
-                pass
+            self._wait_for_stop()
         except KeyboardInterrupt:
-            pass
+            self._stop.set()
         self.stop()
         if self._fatal:
             raise SystemExit(self._fatal)
+
+    def _wait_for_stop(self) -> None:
+        while not self._stop.wait(1.0):  # a timed wait, so Ctrl-C reaches the main thread
+            continue
 
     # ---- engine side -------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
