@@ -337,7 +337,7 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        token_B1 = logits_BV.argmax(-1, keepdim=True)
+        token_B1 = (logits_BV.argmax(-1) if self.fast is None else self.fast.argmax_rows(logits_BV))[:, None]
         sampling_logp_B1 = torch.zeros(token_B1.shape, dtype=torch.float64, device=token_B1.device)
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # every sampled row at once, each from its own generator
@@ -418,16 +418,17 @@ class Engine:
         return attn.wo(o_BHND.transpose(1, 2).reshape(B, N, -1))
 
     def _block(self, layer, cache_layer: int, h_BND, cos, sin, batch: _Batch):
-        """TransformerBlock.forward with cached attention; returns (h, chosen experts [B, N, K] or None).
-        The fast path (fast_path.py) computes the same function with fused weights."""
-        if self.fast is not None:
-            return self.fast.block(cache_layer, h_BND, cos, sin, batch, self.cache)
+        """TransformerBlock.forward with cached attention (the batch-invariant path); returns (h, chosen
+        experts [B, N, K] or None). The fast path (fast_path.py) computes the same function with fused weights."""
         h_BND = h_BND + self._attention(cache_layer, layer.attention, layer.attention_norm(h_BND), cos, sin, batch)
         f = layer.ffn_norm(h_BND)
         if layer.is_moe:
             out, indices, _ = layer.feed_forward(f)
             return h_BND + out, indices
         return h_BND + layer.feed_forward(f), None
+
+    def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if self.fast is None else self.fast.rms_norm(norm, x)
 
     def _logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (the head's vocabulary shards gathered under TP)."""
@@ -443,12 +444,15 @@ class Engine:
         batch = self._batch(seqs, starts, [len(t) for t in token_lists])
         h = self.model.tok_embeddings(self._ids(token_lists))
         cos, sin = self.model.rope(batch.pos_BN, h.dtype)
-        routes = []
-        for i, layer in enumerate(self.model.layers):
-            h, indices = self._block(layer, i, h, cos, sin, batch)
-            if indices is not None:
-                routes.append(indices)
-        return self.model.norm(h), (torch.stack(routes) if routes else None), batch
+        if self.fast is not None:
+            h, routes = self.fast.forward_blocks(0, self.cfg.num_layers, h, cos, sin, batch, self.cache)
+        else:
+            routes = []
+            for i, layer in enumerate(self.model.layers):
+                h, indices = self._block(layer, i, h, cos, sin, batch)
+                if indices is not None:
+                    routes.append(indices)
+        return self._norm(self.model.norm, h), (torch.stack(routes) if routes else None), batch
 
     def _mtp_forward(self, seqs: list[_Sequence], h_prev: torch.Tensor, token_lists: list[list[int]],
                      starts: list[int]) -> torch.Tensor:
@@ -458,12 +462,14 @@ class Engine:
         batch = self._batch(seqs, starts, [len(t) for t in token_lists])
         emb = self.model.tok_embeddings(self._ids(token_lists))
         cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
-        x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev)], dim=-1))
+        x = module.eh_proj(torch.cat([self._norm(module.enorm, emb), self._norm(module.hnorm, h_prev)], dim=-1))
+        if self.fast is not None:
+            return self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, cos, sin, batch, self.cache)[0]
         x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
         return x
 
     def _mtp_logits(self, x_RD: torch.Tensor) -> torch.Tensor:
-        return self._logits(self.model.mtp[0].norm(x_RD))
+        return self._logits(self._norm(self.model.mtp[0].norm, x_RD))
 
     # ---- prefill / decode / verify -----------------------------------------------------------------
     def _prefill(self, seqs: list[_Sequence]) -> None:

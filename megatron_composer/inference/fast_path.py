@@ -22,6 +22,12 @@ batch-invariant path of engine.py calls the modules and is the bit-exact one):
   experts join that form as more experts with gate 1. The router is the model's own module,
   so the recorded routing is what the model's router chooses.
 
+C++: `kernels/csrc/decode.cpp` is this module's block() as one compiled call per forward pass (all layers,
+the same ATen operations in the same order, RMSNorm and RoPE as loops), used when it builds (a C++ compiler is
+present; MEGATRON_COMPOSER_CPP=0 turns it off), the model is unsharded and float32 or bfloat16. Decoding a few
+requests costs per-operation dispatch, ~40 Python-level operations per layer here; the C++ call removes that
+overhead, and this Python code stays the reference it is tested against (tests/test_inference_fast_cpp.py).
+
 Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
 the parallel layers parallelize_model installed. Row-parallel outputs (attention, MLP, shared experts) are
 all-reduced over the tensor-parallel group; routed experts that are all local (ep = 1) run on every rank
@@ -37,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_composer.kernels import cpp
 from megatron_composer.model.rope import apply_rope
 from megatron_composer.parallel import collectives as C
 
@@ -131,7 +138,6 @@ class PackedWeights:
     def __init__(self, model, tp_group=None):
         self.model, self.tp_group = model, tp_group
         self.blocks: list[_Block] = []
-        self.refresh()
 
     def refresh(self) -> None:
         blocks = list(self.model.layers) + [m.block for m in self.model.mtp[:1]]
@@ -220,12 +226,89 @@ class FastForward:
     """Blocks over new tokens with cached attention (see the module docstring). The engine supplies the
     batch layout (`_Batch`: write/read slots and the additive mask) and the cache."""
 
-    def __init__(self, model, tp_group=None):
+    def __init__(self, model, tp_group=None, use_cpp: bool = True):
         self.weights = PackedWeights(model, tp_group)
+        self.weights.refresh()
         self.tp_group = tp_group
+        # the C++ twin of block() (kernels/csrc/decode.cpp): one call per forward pass, where it applies
+        self._cpp = cpp.load("decode") if use_cpp and self._cpp_applies(model) else None
+        self._cpp_blocks: list = []
+        self._cpp_cache = None
+        if self._cpp is not None:
+            self._cpp_blocks = [self._cpp_block(b) for b in self.weights.blocks]
+
+    def _cpp_applies(self, model) -> bool:
+        """Unsharded model (no collectives inside a block), float32 or bfloat16."""
+        dtype = model.tok_embeddings.weight.dtype
+        return (self.tp_group is None and dtype in (torch.float32, torch.bfloat16)
+                and all(b.ffn.local for b in self.weights.blocks if isinstance(b.ffn, _MoE)))
+
+    @property
+    def uses_cpp(self) -> bool:
+        return self._cpp is not None
 
     def refresh(self) -> None:
         self.weights.refresh()
+        if self._cpp is not None:
+            self._cpp_blocks = [self._cpp_block(b) for b in self.weights.blocks]
+            self._cpp_cache = None
+
+    def _cpp_block(self, p: _Block):
+        b = self._cpp.Block()
+        b.attn_norm, b.ffn_norm, b.eps = p.attn_norm, p.ffn_norm, p.eps
+        a = p.attn
+        if isinstance(a, _MLA):
+            b.mla = True
+            b.H, b.Q, b.C, b.R, b.Dn, b.Dv = a.H, a.Q, a.C, a.R, a.Dn, a.Dv
+            b.q_lora, b.q_folded, b.o_folded, b.interleave = a.q_lora, a.q_folded, a.o_folded, a.interleave
+            b.w_down, b.b_down, b.q_norm, b.kv_norm, b.q_eps = a.w_down, a.b_down, a.q_norm, a.kv_norm, a.eps
+            b.w_q, b.w_uk, b.w_uv, b.w_o, b.b_o, b.scale = a.w_q, a.w_uk, a.w_uv, a.w_o, a.b_o, a.scale
+        else:
+            b.mla = False
+            b.H, b.KV, b.Dh = a.H, a.KV, a.Dh
+            b.w_qkv, b.b_qkv, b.q_norm, b.k_norm, b.q_eps = a.w_qkv, a.b_qkv, a.q_norm, a.k_norm, a.eps
+            b.w_o, b.scale = a.w_o, a.scale
+        f = p.ffn
+        if isinstance(f, _MoE):
+            r = f.module.router
+            b.moe = True
+            b.w13, b.w2, b.w13_all, b.w2_all, b.gate_init = f.w13, f.w2, f.w13_all, f.w2_all, f.gate_init
+            if f.shared is not None:
+                b.shared_w13, b.shared_w2 = f.shared.w13, f.shared.w2
+            # the router's own tensors (not copies): the expert-bias balancing rule updates them in place
+            b.router_w, b.router_bias = r.weight.detach(), r.e_score_correction_bias
+            b.sigmoid, b.norm_topk = r.score_func == "sigmoid", r.norm_topk_prob
+            b.E, b.top_k, b.n_group, b.topk_group = r.num_experts, r.top_k, r.n_group, r.topk_group
+            b.routed_scale = float(r.routed_scaling_factor)
+        else:
+            b.moe = False
+            b.w13, b.w2 = f.w13, f.w2
+        return b
+
+    def rms_norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm module `norm` applied to x."""
+        return norm(x) if self._cpp is None else self._cpp.rms_norm(x, norm.weight.detach(), norm.eps)
+
+    def argmax_rows(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """logits_BV.argmax(-1) (the first of equal maxima)."""
+        return logits_BV.argmax(-1) if self._cpp is None else self._cpp.argmax_rows(logits_BV)
+
+    def forward_blocks(self, first: int, last: int, h_BND: torch.Tensor, cos, sin, batch, cache):
+        """Blocks [first, last) (main layers, then MTP) over new tokens; returns (h, [chosen experts [B, N, K]
+        per MoE block])."""
+        if self._cpp is None:
+            routes = []
+            for i in range(first, last):
+                h_BND, indices = self.block(i, h_BND, cos, sin, batch, cache)
+                if indices is not None:
+                    routes.append(indices)
+            return h_BND, routes
+        if self._cpp_cache is not cache:  # the blocks attend to this cache's tensors
+            for i, b in enumerate(self._cpp_blocks):
+                b.cache = cache.layers[i]
+            self._cpp_cache = cache
+        return self._cpp.forward_blocks(self._cpp_blocks, first, last, h_BND, cos, sin, batch.write_slots_T,
+                                        batch.rows_T, batch.read_slots_BL, batch.bias_BNL(h_BND.dtype))
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return C.all_reduce(x, self.tp_group)

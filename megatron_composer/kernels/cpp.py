@@ -26,19 +26,19 @@ def enabled() -> bool:
 
 def load(name: str, extra_cflags: tuple[str, ...] = ()) -> Optional[ModuleType]:
     """The compiled module for csrc/<name>.cpp, or None (Python fallback) when disabled or unbuildable."""
+    if not enabled():
+        return None
     if name in _modules:
         return _modules[name]
     module = None
-    if enabled():
-        try:
-            from torch.utils.cpp_extension import load as build
+    try:
+        from torch.utils.cpp_extension import load as build
 
-            module = build(f"megatron_composer_{name}", [str(_CSRC / f"{name}.cpp")],
-                           extra_cflags=["-O3", *extra_cflags],
-                           verbose=False)
-        except Exception as e:  # no compiler or headers: the Python path computes the same function
-            warnings.warn(f"C++ kernel '{name}' could not be built ({type(e).__name__}: {str(e)[:200]}); "
-                          "using the Python implementation (set MEGATRON_COMPOSER_CPP=0 to skip the attempt)")
+        module = build(f"megatron_composer_{name}", [str(_CSRC / f"{name}.cpp")],
+                       extra_cflags=["-O3", *extra_cflags], verbose=False)
+    except Exception as e:  # no compiler or headers: the Python path computes the same function
+        warnings.warn(f"C++ kernel '{name}' could not be built ({type(e).__name__}: {str(e)[-600:]}); "
+                      "using the Python implementation (set MEGATRON_COMPOSER_CPP=0 to skip the attempt)")
     _modules[name] = module
     return module
 

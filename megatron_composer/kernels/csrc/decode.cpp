@@ -1,0 +1,384 @@
+// The inference engine's fast path (megatron_composer/inference/fast_path.py) in C++: the same operations in
+// the same order on the same fused weights, so results equal the Python path's to float rounding (RMSNorm and
+// RoPE are hand loops; everything else is the same ATen call). Decoding a small batch is bound by per-operation
+// overhead, not arithmetic; one call per forward pass instead of ~40 Python-dispatched operations per layer is
+// the point. fast_path.py is the reference; tests/test_inference_fast_cpp.py compares the two.
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+template <typename T>
+void rms_rows(const T* x, int64_t row_stride, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * row_stride;
+    T* yr = y + r * D;
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) {
+      float v = static_cast<float>(xr[i]);
+      ss += v * v;
+    }
+    float rstd = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) {
+      // normalise in float32, cast back, then scale (the model's RMSNorm)
+      T n = static_cast<T>(static_cast<float>(xr[i]) * rstd);
+      yr[i] = static_cast<T>(static_cast<float>(n) * static_cast<float>(w[i]));
+    }
+  }
+}
+
+// RMSNorm over the last dim of x (rows may be strided, the last dim contiguous); returns a new contiguous tensor.
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t D = x.size(-1);
+  Tensor x2 = x.stride(-1) == 1 ? x.reshape({-1, D}) : x.contiguous().reshape({-1, D});
+  if (x2.stride(-1) != 1) x2 = x2.contiguous();
+  Tensor y = at::empty({x2.size(0), D}, x.options());
+  Tensor wc = w.contiguous().to(x.scalar_type());
+  if (x.scalar_type() == at::kFloat) {
+    rms_rows<float>(x2.data_ptr<float>(), x2.stride(0), wc.data_ptr<float>(), y.data_ptr<float>(), x2.size(0), D, eps);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_rows<at::BFloat16>(x2.data_ptr<at::BFloat16>(), x2.stride(0), wc.data_ptr<at::BFloat16>(),
+                           y.data_ptr<at::BFloat16>(), x2.size(0), D, eps);
+  } else {
+    Tensor x32 = x.to(at::kFloat);
+    Tensor r = at::rsqrt(x32.pow(2).mean(-1, true).add_(eps));
+    return w * (x32 * r).to(x.scalar_type());
+  }
+  return y.view(x.sizes());
+}
+
+template <typename T>
+void rope_rows(T* dst, int64_t dst_stride, const T* src, int64_t src_stride, const T* cos, const T* sin,
+               int64_t rows, int64_t heads, int64_t head_stride_dst, int64_t head_stride_src, int64_t half,
+               bool interleaved) {
+  // rows = B*N positions; cos/sin [rows, half]. Interleaved pairs stay interleaved (as the Python fast path's
+  // complex multiply leaves them); halves follow apply_rope (arithmetic in T, like torch's).
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + r * half;
+    const T* s = sin + r * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* x = src + r * src_stride + h * head_stride_src;
+      T* y = dst + r * dst_stride + h * head_stride_dst;
+      if (interleaved) {
+        for (int64_t i = 0; i < half; ++i) {
+          float a = static_cast<float>(x[2 * i]), b = static_cast<float>(x[2 * i + 1]);
+          float cc = static_cast<float>(c[i]), ss = static_cast<float>(s[i]);
+          T re = static_cast<T>(a * cc - b * ss);
+          T im = static_cast<T>(a * ss + b * cc);
+          y[2 * i] = re;
+          y[2 * i + 1] = im;
+        }
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          T x1 = x[i], x2 = x[i + half];
+          T a = static_cast<T>(x1 * c[i]), b = static_cast<T>(x2 * s[i]);
+          T d = static_cast<T>(x2 * c[i]), e = static_cast<T>(x1 * s[i]);
+          y[i] = static_cast<T>(a - b);
+          y[i + half] = static_cast<T>(d + e);
+        }
+      }
+    }
+  }
+}
+
+// Rotate `heads` heads of `src` ([rows, ...], head h at h * head_stride_src, rope dim 2 * half) into dst.
+void rope(Tensor& dst, int64_t dst_stride, int64_t dst_offset, const Tensor& src, int64_t src_stride,
+          int64_t src_offset, const Tensor& cos, const Tensor& sin, int64_t rows, int64_t heads,
+          int64_t head_stride_dst, int64_t head_stride_src, bool interleaved) {
+  const int64_t half = cos.size(-1);
+  if (dst.scalar_type() == at::kFloat) {
+    rope_rows<float>(dst.data_ptr<float>() + dst_offset, dst_stride, src.data_ptr<float>() + src_offset, src_stride,
+                     cos.data_ptr<float>(), sin.data_ptr<float>(), rows, heads, head_stride_dst, head_stride_src, half,
+                     interleaved);
+  } else {
+    TORCH_CHECK(dst.scalar_type() == at::kBFloat16, "decode kernels support float32 and bfloat16");
+    rope_rows<at::BFloat16>(dst.data_ptr<at::BFloat16>() + dst_offset, dst_stride,
+                            src.data_ptr<at::BFloat16>() + src_offset, src_stride, cos.data_ptr<at::BFloat16>(),
+                            sin.data_ptr<at::BFloat16>(), rows, heads, head_stride_dst, head_stride_src, half,
+                            interleaved);
+  }
+}
+
+Tensor softmax_like(const Tensor& scores) {
+  return scores.scalar_type() == at::kFloat ? at::softmax(scores, -1)
+                                            : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
+}
+
+// argmax over the last dim of a 2-d tensor (the first of equal maxima, NaN counting as the largest, as
+// torch.argmax): a vectorised max, then a scan for its first position (torch's argmax is a slow scalar
+// reduction over long rows on CPU).
+Tensor argmax_rows(const Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "argmax_rows takes [rows, vocab] logits");
+  Tensor x = logits.contiguous().to(at::kFloat);
+  Tensor m = x.amax(-1).contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* px = x.data_ptr<float>();
+  const float* pm = m.data_ptr<float>();
+  int64_t* po = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = px + b * V;
+    int64_t at = -1;
+    if (!std::isnan(pm[b])) {
+      for (int64_t i = 0; i < V; ++i) {
+        if (row[i] == pm[b]) { at = i; break; }
+      }
+    }
+    po[b] = at >= 0 ? at : at::argmax(x[b]).item<int64_t>();
+  }
+  return out;
+}
+
+// What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
+struct Step {
+  Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
+  Tensor write_slots;       // [T] slots of the valid rows
+  OptTensor rows;           // flat indices of the valid rows (None: every row)
+  Tensor read_flat;         // [B * L]
+  Tensor bias;              // [B, N, L] additive mask (0 / -inf), the model's dtype
+  int64_t L = 0;
+
+  Tensor valid_rows(const Tensor& x_BN_) const {
+    Tensor flat = x_BN_.reshape({-1, x_BN_.size(-1)});
+    return rows.has_value() ? flat.index_select(0, *rows) : flat;
+  }
+};
+
+struct Block {
+  // norms
+  Tensor attn_norm, ffn_norm;
+  double eps = 1e-6;
+  // attention: "mla" or "gqa"
+  bool mla = true;
+  int64_t H = 0, Q = 0, C = 0, R = 0, Dn = 0, Dv = 0, KV = 0, Dh = 0;
+  bool q_lora = false, q_folded = false, o_folded = false, interleave = false;
+  Tensor w_down, w_q, w_uk, w_uv, w_o, kv_norm, w_qkv;
+  OptTensor b_down, q_norm, b_o, b_qkv, k_norm;
+  double q_eps = 1e-6, scale = 1.0;
+  // feed-forward: dense SwiGLU (w13, w2) or MoE
+  bool moe = false;
+  Tensor w13, w2;                   // dense: [2F, D], [D, F]; MoE: routed experts [E, 2F, D], [E, D, F]
+  OptTensor w13_all, w2_all, gate_init;  // every-expert form (few experts)
+  OptTensor shared_w13, shared_w2;  // shared experts as one SwiGLU
+  Tensor router_w;
+  OptTensor router_bias;
+  bool sigmoid = true, norm_topk = false;
+  int64_t E = 0, top_k = 1, n_group = 1, topk_group = 1;
+  double routed_scale = 1.0;
+  std::vector<Tensor> cache;        // this block's KV cache tensors (the engine's, shared)
+
+  Tensor swiglu(const Tensor& x, const Tensor& w13_, const Tensor& w2_) const {
+    auto gu = at::linear(x, w13_).chunk(2, -1);
+    return at::linear(at::silu(gu[0]) * gu[1], w2_);
+  }
+
+  Tensor attention_mla(const Tensor& x_BND, const Step& s, const Tensor& cache) const {
+    const int64_t B = x_BND.size(0), N = x_BND.size(1);
+    Tensor down = at::linear(x_BND, w_down, b_down);  // [B, N, Q + C + R]
+    Tensor q_in = down.narrow(-1, 0, Q);
+    if (q_lora) q_in = at::linear(rms_norm(q_in, *q_norm, q_eps), w_q);
+    Tensor c_kv = rms_norm(down.narrow(-1, Q, C), kv_norm, q_eps);  // [B, N, C] contiguous
+    const int64_t X = C + R, rows = B * N;
+    // score rows [B, N, H, C + R]: latent query, then the rotated rope query
+    Tensor q_MX = at::empty({B, N, H, X}, x_BND.options());
+    Tensor q_rope_src;
+    int64_t q_stride, q_head_stride, q_rope_off;
+    if (q_folded) {
+      Tensor q = q_in.contiguous().view({B, N, H, X});
+      q_MX.narrow(-1, 0, C).copy_(q.narrow(-1, 0, C));
+      q_rope_src = q, q_stride = H * X, q_head_stride = X, q_rope_off = C;
+    } else {
+      Tensor q = q_in.contiguous().view({B, N, H, Dn + R});
+      Tensor q_lat = at::bmm(q.narrow(-1, 0, Dn).reshape({rows, H, Dn}).transpose(0, 1), w_uk);  // [H, rows, C]
+      q_MX.narrow(-1, 0, C).copy_(q_lat.transpose(0, 1).view({B, N, H, C}));
+      q_rope_src = q, q_stride = H * (Dn + R), q_head_stride = Dn + R, q_rope_off = Dn;
+    }
+    rope(q_MX, H * X, C, q_rope_src, q_stride, q_rope_off, s.cos, s.sin, rows, H, X, q_head_stride, interleave);
+    Tensor kv_new = at::empty({B, N, X}, x_BND.options());
+    kv_new.narrow(-1, 0, C).copy_(c_kv);
+    Tensor downc = down.contiguous();
+    rope(kv_new, X, C, downc, Q + C + R, Q + C, s.cos, s.sin, rows, 1, 0, 0, interleave);
+    Tensor vals = s.valid_rows(kv_new);
+    cache.index_copy_(0, s.write_slots, vals.scalar_type() == cache.scalar_type() ? vals : vals.to(cache.scalar_type()));
+    Tensor kv_BLX = cache.index_select(0, s.read_flat).view({B, s.L, X});
+    if (kv_BLX.scalar_type() != x_BND.scalar_type()) kv_BLX = kv_BLX.to(x_BND.scalar_type());
+    Tensor bias = N == 1 ? s.bias : s.bias.unsqueeze(2).expand({B, N, H, s.L}).reshape({B, N * H, s.L});
+    Tensor scores = at::baddbmm(bias, q_MX.view({B, N * H, X}), kv_BLX.transpose(1, 2), 1.0, scale);
+    Tensor probs = softmax_like(scores);
+    Tensor o_lat = at::bmm(probs, kv_BLX.narrow(-1, 0, C));  // [B, N * H, C]
+    Tensor out;
+    if (o_folded) {
+      out = at::linear(o_lat.view({B, N, H * C}), w_o);
+    } else {
+      Tensor o = at::bmm(o_lat.view({rows, H, C}).transpose(0, 1), w_uv);  // [H, rows, Dv]
+      out = at::linear(o.transpose(0, 1).reshape({B, N, H * Dv}), w_o);
+    }
+    return b_o.has_value() ? out + *b_o : out;
+  }
+
+  Tensor attention_gqa(const Tensor& x_BND, const Step& s, const Tensor& k_cache, const Tensor& v_cache) const {
+    const int64_t B = x_BND.size(0), N = x_BND.size(1), rep = H / KV, rows = B * N;
+    Tensor qkv = at::linear(x_BND, w_qkv, b_qkv).view({B, N, H + 2 * KV, Dh});
+    Tensor q = qkv.narrow(2, 0, H), k = qkv.narrow(2, H, KV), v = qkv.narrow(2, H + KV, KV);
+    if (q_norm.has_value()) {
+      q = rms_norm(q, *q_norm, q_eps);
+      k = rms_norm(k, *k_norm, q_eps);
+    } else {
+      q = q.contiguous();
+      k = k.contiguous();
+    }
+    Tensor qr = at::empty({B, N, H, Dh}, x_BND.options()), kr = at::empty({B, N, KV, Dh}, x_BND.options());
+    rope(qr, H * Dh, 0, q, H * Dh, 0, s.cos, s.sin, rows, H, Dh, Dh, false);
+    rope(kr, KV * Dh, 0, k, KV * Dh, 0, s.cos, s.sin, rows, KV, Dh, Dh, false);
+    auto put = [&](const Tensor& cache, const Tensor& t) {
+      Tensor vals = s.rows.has_value() ? t.reshape({rows, KV, Dh}).index_select(0, *s.rows) : t.reshape({rows, KV, Dh});
+      cache.index_copy_(0, s.write_slots, vals.scalar_type() == cache.scalar_type() ? vals : vals.to(cache.scalar_type()));
+    };
+    put(k_cache, kr);
+    put(v_cache, v);
+    Tensor k_BLKD = k_cache.index_select(0, s.read_flat).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
+    Tensor v_BLKD = v_cache.index_select(0, s.read_flat).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
+    Tensor q_BKMD = qr.view({B, N, KV, rep, Dh}).permute({0, 2, 3, 1, 4}).reshape({B, KV, rep * N, Dh});
+    Tensor bias = s.bias.unsqueeze(1).unsqueeze(1).expand({B, 1, rep, N, s.L}).reshape({B, 1, rep * N, s.L});
+    Tensor scores = at::matmul(q_BKMD, k_BLKD.permute({0, 2, 3, 1})) * scale + bias;
+    Tensor probs = at::softmax(scores, -1, at::kFloat).to(x_BND.scalar_type());
+    Tensor o = at::matmul(probs, v_BLKD.transpose(1, 2));  // [B, KV, rep * N, Dh]
+    o = o.view({B, KV, rep, N, Dh}).permute({0, 3, 1, 2, 4}).reshape({B, N, H * Dh});
+    return at::linear(o, w_o);
+  }
+
+  // The model's Router.forward (no replay): float32 scores, group-limited top-k on biased scores.
+  std::pair<Tensor, Tensor> route(const Tensor& x_TD) const {
+    Tensor logits = at::linear(x_TD.to(at::kFloat), router_w.to(at::kFloat));
+    Tensor scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
+    Tensor choice = router_bias.has_value() ? scores + *router_bias : scores;
+    if (n_group > 1) {
+      const int64_t T = choice.size(0);
+      Tensor grouped = choice.view({T, n_group, -1});
+      Tensor group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);
+      Tensor keep = std::get<1>(group_scores.topk(topk_group, -1, true, false));
+      Tensor group_mask = at::zeros_like(group_scores, group_scores.options().dtype(at::kBool)).scatter_(1, keep, true);
+      choice = grouped.masked_fill(group_mask.logical_not().unsqueeze(-1), -INFINITY).view({T, -1});
+    }
+    Tensor indices = std::get<1>(choice.topk(top_k, -1, true, false));
+    Tensor weights = scores.gather(1, indices);
+    if (norm_topk) weights = weights / (weights.sum(-1, true) + (sigmoid ? 1e-20 : 0.0));
+    return {indices, weights * routed_scale};
+  }
+
+  std::pair<Tensor, Tensor> feed_forward_moe(const Tensor& x_BND) const {
+    const int64_t B = x_BND.size(0), N = x_BND.size(1), D = x_BND.size(2);
+    Tensor x_TD = x_BND.reshape({-1, D});
+    auto [indices_TK, weights_TK] = route(x_TD);
+    const int64_t T = indices_TK.size(0), K = indices_TK.size(1);
+    Tensor out;
+    bool shared_done = false;
+    if (w2_all.has_value() && E <= T * K && T * K <= 16 * E) {
+      // every token through every expert (and the folded shared ones), unchosen experts gated 0
+      const int64_t EA = w13_all->size(0);
+      auto gu = at::linear(x_TD, w13_all->view({-1, D})).view({T, EA, -1}).chunk(2, -1);
+      Tensor gates = gate_init->unsqueeze(0).expand({T, EA}).contiguous().scatter_(1, indices_TK,
+                                                                                    weights_TK.to(x_TD.scalar_type()));
+      out = at::linear(((at::silu(gu[0]) * gu[1]) * gates.unsqueeze(-1)).view({T, -1}), *w2_all);
+      shared_done = EA > E;
+    } else {
+      // tokens sorted by expert, one matmul per expert that received tokens
+      Tensor flat = indices_TK.reshape({-1});
+      Tensor order = at::argsort(flat, /*stable=*/true);
+      Tensor token_of_slot = at::floor_divide(order, K);
+      Tensor x_SD = x_TD.index_select(0, token_of_slot);
+      Tensor counts = at::bincount(flat, {}, E).contiguous();
+      const int64_t* c = counts.data_ptr<int64_t>();
+      Tensor h = at::empty({x_SD.size(0), w13.size(1)}, x_SD.options());
+      int64_t start = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (c[e]) {
+          Tensor hs = h.narrow(0, start, c[e]);
+          at::mm_out(hs, x_SD.narrow(0, start, c[e]), w13[e].t());
+          start += c[e];
+        }
+      }
+      auto gu = h.chunk(2, -1);
+      Tensor act = at::silu(gu[0]) * gu[1];
+      Tensor y_SD = at::empty_like(x_SD);
+      start = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (c[e]) {
+          Tensor ys = y_SD.narrow(0, start, c[e]);
+          at::mm_out(ys, act.narrow(0, start, c[e]), w2[e].t());
+          start += c[e];
+        }
+      }
+      y_SD = y_SD * weights_TK.reshape({-1}).index_select(0, order).unsqueeze(1).to(y_SD.scalar_type());
+      out = at::zeros_like(x_TD).index_add_(0, token_of_slot, y_SD);
+    }
+    if (shared_w13.has_value() && !shared_done) out = out + swiglu(x_TD, *shared_w13, *shared_w2);
+    return {out.view({B, N, D}), indices_TK.view({B, N, -1})};
+  }
+
+  // One transformer block over new tokens; returns (h, chosen experts [B, N, K] or an undefined tensor).
+  std::pair<Tensor, Tensor> forward(const Tensor& h_BND, const Step& s, const std::vector<Tensor>& cache) const {
+    Tensor x = rms_norm(h_BND, attn_norm, eps);
+    Tensor attn = mla ? attention_mla(x, s, cache[0]) : attention_gqa(x, s, cache[0], cache[1]);
+    Tensor h = h_BND + attn;
+    x = rms_norm(h, ffn_norm, eps);
+    if (moe) {
+      auto [out, indices] = feed_forward_moe(x);
+      return {h + out, indices};
+    }
+    return {h + swiglu(x, w13, w2), Tensor()};
+  }
+};
+
+// Blocks [first, last) of `blocks` over h; caches[i] are block i's cache tensors. Returns (h, routes stacked over
+// the MoE blocks [M, B, N, K], or an empty list).
+std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>& blocks, int64_t first, int64_t last,
+                                                      const Tensor& h_BND, const Tensor& cos, const Tensor& sin,
+                                                      const Tensor& write_slots, const OptTensor& rows,
+                                                      const Tensor& read_slots_BL, const Tensor& bias) {
+  c10::InferenceMode inference;
+  Step s;
+  s.cos = cos.contiguous();
+  s.sin = sin.contiguous();
+  s.write_slots = write_slots;
+  s.rows = rows;
+  s.read_flat = read_slots_BL.reshape({-1});
+  s.L = read_slots_BL.size(1);
+  s.bias = bias;
+  Tensor h = h_BND;
+  std::vector<Tensor> routes;
+  for (int64_t i = first; i < last; ++i) {
+    auto [out, indices] = blocks[i]->forward(h, s, blocks[i]->cache);
+    h = out;
+    if (indices.defined()) routes.push_back(indices);
+  }
+  return {h, routes};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 statistics, cast back, then scale)");
+  m.def("argmax_rows", &argmax_rows, "argmax over the last dim of [rows, vocab] (first of equal maxima)");
+  m.def("forward_blocks", &forward_blocks, "blocks [first, last) over new tokens with cached attention");
+  namespace py = pybind11;
+  py::class_<Block>(m, "Block")
+      .def(py::init<>())
+#define FIELD(name) .def_readwrite(#name, &Block::name)
+      FIELD(attn_norm) FIELD(ffn_norm) FIELD(eps) FIELD(mla) FIELD(H) FIELD(Q) FIELD(C) FIELD(R) FIELD(Dn) FIELD(Dv)
+      FIELD(KV) FIELD(Dh) FIELD(q_lora) FIELD(q_folded) FIELD(o_folded) FIELD(interleave) FIELD(w_down) FIELD(w_q)
+      FIELD(w_uk) FIELD(w_uv) FIELD(w_o) FIELD(kv_norm) FIELD(w_qkv) FIELD(b_down) FIELD(q_norm) FIELD(b_o)
+      FIELD(b_qkv) FIELD(k_norm) FIELD(q_eps) FIELD(scale) FIELD(moe) FIELD(w13) FIELD(w2) FIELD(w13_all)
+      FIELD(w2_all) FIELD(gate_init) FIELD(shared_w13) FIELD(shared_w2) FIELD(router_w) FIELD(router_bias)
+      FIELD(sigmoid) FIELD(norm_topk) FIELD(E) FIELD(top_k) FIELD(n_group) FIELD(topk_group) FIELD(routed_scale)
+      FIELD(cache);
+#undef FIELD
+}
