@@ -118,7 +118,6 @@ class _Batch:
     """Positions and cache slots of a padded batch of new tokens ([B, N])."""
     pos_BN: torch.Tensor
     read_slots_BL: torch.Tensor
-    mask_B1NL: torch.Tensor
     lengths: list[int]
     starts: list[int]
     write_slots_T: torch.Tensor          # slots of the valid rows only
@@ -134,7 +133,8 @@ class _Batch:
     def bias_BNL(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias (0 or -inf), made once per forward and shared by its layers."""
         if self._bias is None or self._bias.dtype != dtype:
-            mask = self.mask_B1NL[:, 0]
+            L = self.read_slots_BL.shape[1]
+            mask = torch.arange(L, device=self.pos_BN.device) <= self.pos_BN[:, :, None]  # causal over the cache
             self._bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         return self._bias
 
@@ -337,7 +337,7 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        token_B1 = (logits_BV.argmax(-1) if self.fast is None else self.fast.argmax_rows(logits_BV))[:, None]
+        token_B1 = self._argmax(logits_BV)[:, None]
         sampling_logp_B1 = torch.zeros(token_B1.shape, dtype=torch.float64, device=token_B1.device)
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # every sampled row at once, each from its own generator
@@ -382,14 +382,13 @@ class Engine:
         # rows past a sequence's length are padding: their slots are never written, their outputs unused
         write_BN = table_BW.gather(1, pos_BN.clamp(max=table_BW.shape[1] - 1))
         read_BL = table_BW[:, :L]
-        mask_B1NL = (torch.arange(L, device=dev) <= pos_BN[:, :, None])[:, None]
         if min(lengths) == N:
             rows_T, write_T = None, write_BN.reshape(-1)
         else:
             valid_BN = torch.arange(N, device=dev) < torch.tensor(lengths, device=dev)[:, None]
             rows_T = valid_BN.reshape(-1).nonzero().squeeze(-1)
             write_T = write_BN.reshape(-1).index_select(0, rows_T)
-        return _Batch(pos_BN, read_BL, mask_B1NL, lengths, starts, write_T, rows_T)
+        return _Batch(pos_BN, read_BL, lengths, starts, write_T, rows_T)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
         """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the
@@ -427,6 +426,9 @@ class Engine:
             return h_BND + out, indices
         return h_BND + layer.feed_forward(f), None
 
+    def _argmax(self, logits_RV: torch.Tensor) -> torch.Tensor:
+        return logits_RV.argmax(-1) if self.fast is None else self.fast.argmax_rows(logits_RV)
+
     def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
         return norm(x) if self.fast is None else self.fast.rms_norm(norm, x)
 
@@ -443,10 +445,10 @@ class Engine:
         Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, batch)."""
         batch = self._batch(seqs, starts, [len(t) for t in token_lists])
         h = self.model.tok_embeddings(self._ids(token_lists))
-        cos, sin = self.model.rope(batch.pos_BN, h.dtype)
         if self.fast is not None:
-            h, routes = self.fast.forward_blocks(0, self.cfg.num_layers, h, cos, sin, batch, self.cache)
+            h, routes = self.fast.forward_blocks(0, self.cfg.num_layers, h, batch, self.cache)
         else:
+            cos, sin = self.model.rope(batch.pos_BN, h.dtype)
             routes = []
             for i, layer in enumerate(self.model.layers):
                 h, indices = self._block(layer, i, h, cos, sin, batch)
@@ -461,10 +463,11 @@ class Engine:
         module = self.model.mtp[0]
         batch = self._batch(seqs, starts, [len(t) for t in token_lists])
         emb = self.model.tok_embeddings(self._ids(token_lists))
-        cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
-        x = module.eh_proj(torch.cat([self._norm(module.enorm, emb), self._norm(module.hnorm, h_prev)], dim=-1))
         if self.fast is not None:
-            return self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, cos, sin, batch, self.cache)[0]
+            x = self.fast.mtp_input(module, emb, h_prev)
+            return self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, batch, self.cache)[0]
+        cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
+        x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev)], dim=-1))
         x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
         return x
 
@@ -501,7 +504,7 @@ class Engine:
         logits = self._logits(hidden)
         logp = torch.log_softmax(logits.float(), dim=-1)
         # greedy rows need only the argmax and its log-prob at every position: one host transfer for all
-        best_BN1 = logits.argmax(-1, keepdim=True)
+        best_BN1 = self._argmax(logits.flatten(0, 1)).view(*logits.shape[:2], 1)
         best = torch.cat([best_BN1.double(), logp.gather(-1, best_BN1).double()], -1).tolist()  # [B][N][2]
         route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
@@ -557,7 +560,7 @@ class Engine:
                                           [seqs[b].processed - 1 + j for b in active])[:, 0]
                 x_prev = x_new if every else x_prev.index_copy(0, rows, x_new)
             logits = self._mtp_logits(x_prev if every else x_prev.index_select(0, rows))
-            drafts = logits.argmax(-1)
+            drafts = self._argmax(logits)
             sampled = [row for row, b in enumerate(active) if not seqs[b].params.greedy]
             if sampled:  # greedy acceptance compares tokens only; sampled rows keep their draft distribution
                 at = torch.tensor(sampled, device=self.device)

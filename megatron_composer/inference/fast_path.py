@@ -230,6 +230,7 @@ class FastForward:
         self.weights = PackedWeights(model, tp_group)
         self.weights.refresh()
         self.tp_group = tp_group
+        self.rope = model.rope
         # the C++ twin of block() (kernels/csrc/decode.cpp): one call per forward pass, where it applies
         self._cpp = cpp.load("decode") if use_cpp and self._cpp_applies(model) else None
         self._cpp_blocks: list = []
@@ -293,10 +294,18 @@ class FastForward:
         """logits_BV.argmax(-1) (the first of equal maxima)."""
         return logits_BV.argmax(-1) if self._cpp is None else self._cpp.argmax_rows(logits_BV)
 
-    def forward_blocks(self, first: int, last: int, h_BND: torch.Tensor, cos, sin, batch, cache):
-        """Blocks [first, last) (main layers, then MTP) over new tokens; returns (h, [chosen experts [B, N, K]
-        per MoE block])."""
+    def mtp_input(self, module: torch.nn.Module, emb_BND: torch.Tensor, h_prev_BND: torch.Tensor) -> torch.Tensor:
+        """An MTP module's block input: eh_proj([enorm(embedding), hnorm(previous hidden)])."""
         if self._cpp is None:
+            return module.eh_proj(torch.cat([module.enorm(emb_BND), module.hnorm(h_prev_BND)], dim=-1))
+        return self._cpp.mtp_input(emb_BND, h_prev_BND, module.enorm.weight.detach(), module.enorm.eps,
+                                   module.hnorm.weight.detach(), module.hnorm.eps, module.eh_proj.weight.detach())
+
+    def forward_blocks(self, first: int, last: int, h_BND: torch.Tensor, batch, cache):
+        """Blocks [first, last) (main layers, then MTP) over new tokens at batch.pos_BN; returns (h, [chosen
+        experts [B, N, K] per MoE block])."""
+        if self._cpp is None:
+            cos, sin = self.rope(batch.pos_BN, h_BND.dtype)
             routes = []
             for i in range(first, last):
                 h_BND, indices = self.block(i, h_BND, cos, sin, batch, cache)
@@ -307,8 +316,9 @@ class FastForward:
             for i, b in enumerate(self._cpp_blocks):
                 b.cache = cache.layers[i]
             self._cpp_cache = cache
-        return self._cpp.forward_blocks(self._cpp_blocks, first, last, h_BND, cos, sin, batch.write_slots_T,
-                                        batch.rows_T, batch.read_slots_BL, batch.bias_BNL(h_BND.dtype))
+        return self._cpp.forward_blocks(self._cpp_blocks, first, last, h_BND, batch.pos_BN, self.rope.inv_freq,
+                                        float(self.rope.attention_factor), batch.write_slots_T, batch.rows_T,
+                                        batch.read_slots_BL)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return C.all_reduce(x, self.tp_group)

@@ -137,6 +137,19 @@ Tensor argmax_rows(const Tensor& logits) {
   return out;
 }
 
+// An MTP module's block input: eh_proj(cat[enorm(embedding), hnorm(previous hidden)]), the halves normed in place.
+Tensor mtp_input(const Tensor& emb, const Tensor& h_prev, const Tensor& enorm_w, double enorm_eps,
+                 const Tensor& hnorm_w, double hnorm_eps, const Tensor& eh_w) {
+  c10::InferenceMode inference;
+  const int64_t D = emb.size(-1);
+  Tensor both = at::empty({emb.numel() / D, 2 * D}, emb.options());
+  both.narrow(1, 0, D).copy_(rms_norm(emb, enorm_w, enorm_eps).reshape({-1, D}));
+  both.narrow(1, D, D).copy_(rms_norm(h_prev, hnorm_w, hnorm_eps).reshape({-1, D}));
+  auto sizes = emb.sizes().vec();
+  sizes.back() = eh_w.size(0);
+  return at::linear(both, eh_w).view(sizes);
+}
+
 // What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
 struct Step {
   Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
@@ -340,19 +353,25 @@ struct Block {
 
 // Blocks [first, last) of `blocks` over h; caches[i] are block i's cache tensors. Returns (h, routes stacked over
 // the MoE blocks [M, B, N, K], or an empty list).
+// New tokens sit at positions pos_BN; RoPE tables and the causal mask over the L cached slots are made here as
+// the model's RotaryEmbedding and the engine's _Batch.bias_BNL make them.
 std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>& blocks, int64_t first, int64_t last,
-                                                      const Tensor& h_BND, const Tensor& cos, const Tensor& sin,
+                                                      const Tensor& h_BND, const Tensor& pos_BN,
+                                                      const Tensor& inv_freq, double attention_factor,
                                                       const Tensor& write_slots, const OptTensor& rows,
-                                                      const Tensor& read_slots_BL, const Tensor& bias) {
+                                                      const Tensor& read_slots_BL) {
   c10::InferenceMode inference;
   Step s;
-  s.cos = cos.contiguous();
-  s.sin = sin.contiguous();
+  const auto dtype = h_BND.scalar_type();
+  Tensor freqs = pos_BN.unsqueeze(-1).to(at::kFloat) * inv_freq.to(at::kFloat);
+  s.cos = (freqs.cos() * attention_factor).to(dtype).contiguous();
+  s.sin = (freqs.sin() * attention_factor).to(dtype).contiguous();
   s.write_slots = write_slots;
   s.rows = rows;
   s.read_flat = read_slots_BL.reshape({-1});
   s.L = read_slots_BL.size(1);
-  s.bias = bias;
+  Tensor visible = at::arange(s.L, pos_BN.options()) <= pos_BN.unsqueeze(-1);  // [B, N, L]
+  s.bias = at::zeros(visible.sizes(), h_BND.options()).masked_fill_(visible.logical_not(), -INFINITY);
   Tensor h = h_BND;
   std::vector<Tensor> routes;
   for (int64_t i = first; i < last; ++i) {
@@ -368,6 +387,7 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 statistics, cast back, then scale)");
   m.def("argmax_rows", &argmax_rows, "argmax over the last dim of [rows, vocab] (first of equal maxima)");
+  m.def("mtp_input", &mtp_input, "an MTP module's block input from the embedding and the previous hidden state");
   m.def("forward_blocks", &forward_blocks, "blocks [first, last) over new tokens with cached attention");
   namespace py = pybind11;
   py::class_<Block>(m, "Block")
