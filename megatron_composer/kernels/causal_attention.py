@@ -11,6 +11,11 @@ saved log-sum-exp, so memory stays O(S) per head beyond one block of scores.
 GQA without repeating K/V: queries are laid out [B*KV, S, H/KV, D], so the H/KV heads sharing a K/V head
 are extra rows of the same matmul.
 
+The same function is compiled from csrc/causal_attention.cpp (kernels/cpp.py) and runs whenever it could be
+built: the Python blocks' many small torch ops parallelise poorly past one thread, while the C++ kernel splits
+the work into tasks (batch x kv-head x query block) that threads take largest first. The Python autograd
+function below stays the reference and the fallback (no compiler, MEGATRON_COMPOSER_CPP=0, mixed dtypes).
+
     causal_attention(q [B,H,S,Dqk], k [B,KV,S,Dqk], v [B,KV,S,Dv], scale, doc_ids [B,S] or None) -> [B,H,S,Dv]
     reference_attention(...)  # same contract through SDPA with an explicit mask, for the tests
 """
@@ -21,6 +26,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import cpp
 
 # Scores of one query block are kept under this many float32 elements (rows x keys x batch*kv-heads).
 _BLOCK_ELEMENTS = 1 << 22
@@ -143,13 +150,49 @@ class _CausalAttention(torch.autograd.Function):
         return dq, dk.view(B, KV, S, -1).to(k_BKSD.dtype), dv.view(B, KV, S, -1).to(v_BKSD.dtype), None, None
 
 
+class _CausalAttentionCpp(torch.autograd.Function):
+    """The C++ kernel with the same saved state as _CausalAttention: inputs in their own dtype, the output
+    ([B, S, H, Dv], shared with the output projection), the log-sum-exp, and the probabilities when small."""
+
+    @staticmethod
+    def forward(ctx, kernel, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS, keep_prob_elements):
+        rows = _rows_per_block(1, q_BHSD.shape[1] // k_BKSD.shape[1], q_BHSD.shape[2])
+        out_BSHD, lse, probs = kernel.forward(q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS, rows, keep_prob_elements)
+        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out_BSHD, lse, probs)
+        ctx.kernel, ctx.scale, ctx.doc_ids_BS, ctx.rows = kernel, scale, doc_ids_BS, rows
+        return out_BSHD.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dout_BHSD):
+        q_BHSD, k_BKSD, v_BKSD, out_BSHD, lse, probs = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(dout_BHSD, q_BHSD, k_BKSD, v_BKSD, out_BSHD, lse, probs, ctx.scale,
+                                         ctx.doc_ids_BS, ctx.rows)
+        return None, dq, dk, dv, None, None, None
+
+
+_CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _compiled():
+    """The C++ kernel, or None where it cannot be built. Built with OpenMP: ATen's parallel_for is a header
+    template that only runs on the ATen threads when the including code is compiled with OpenMP."""
+    return cpp.load("causal_attention", extra_cflags=("-fopenmp",))
+
+
 def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,
                      doc_ids_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention within documents; k/v may have fewer heads than q (GQA). Computes in float32 (or
-    float64 for float64 inputs) and returns q's dtype."""
+    float64 for float64 inputs) and returns q's dtype. Documents are contiguous runs of equal doc_ids (as
+    model.attention.document_ids labels them). Runs the C++ kernel where it is built, else the Python one."""
     H, KV = q_BHSD.shape[1], k_BKSD.shape[1]
     if H % KV:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({KV})")
+    kernel = _compiled()
+    if (kernel is not None and q_BHSD.device.type == "cpu" and q_BHSD.dtype in _CPP_DTYPES
+            and q_BHSD.dtype == k_BKSD.dtype == v_BKSD.dtype):
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSD, k_BKSD, v_BKSD))
+        keep = _SAVED_PROB_ELEMENTS if needs_grad else 0
+        return _CausalAttentionCpp.apply(kernel, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS, keep)
     return _CausalAttention.apply(q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS)
 
 

@@ -1,0 +1,581 @@
+// Causal (document-aware) attention for CPU training, forward and backward: the C++ twin of
+// megatron_composer/kernels/causal_attention.py, which stays the reference (tests/test_kernels_attention.py
+// compares the two). Same function, same blocking idea: a block of query rows is one matmul against exactly
+// the keys it may see, a float32 (float64 for float64 inputs) softmax, one matmul with V; GQA heads sharing a
+// K/V head are extra rows of the same matmul; the backward reuses saved probabilities when the caller allows
+// it and otherwise recomputes them from the log-sum-exp.
+//
+// Why C++: the Python kernel issues ~10 small torch ops per block, which scale poorly past one thread. Here
+// the work is split into tasks, one per (batch, kv-head, query block) in the forward and one per (batch,
+// kv-head, run of query blocks) in the backward, which threads take largest first from a shared counter; each
+// task is single-threaded (BLAS through ATen on tile views, hand loops for the softmax).
+//
+// Documents: doc_ids label contiguous runs of tokens (model/attention.py::document_ids makes them so); a
+// query sees the keys from the first token of its run up to itself.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// The row loops are compiled for AVX-512 and AVX2 next to the baseline and picked at load time (the build
+// uses no -march flag, so without this they would be SSE2 only).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MC_MULTI_ISA __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MC_MULTI_ISA
+#endif
+#if defined(__GNUC__)
+#define MC_INLINE inline __attribute__((always_inline))
+#else
+#define MC_INLINE inline
+#endif
+
+constexpr float kLog2e = 1.44269504088896341f;
+
+// exp for float32 (Cephes expf: 2^n * e^r with |r| <= ln2/2, ~1 ulp), branch-free. Arguments are clamped to
+// [-87, 88]: callers pass x <= ~0, and exp(-87) ~ 1.6e-38 is as good as 0 next to the row maximum's 1.
+template <typename V, typename I>
+MC_INLINE V exp_poly(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f, shift = V{} + 12582912.0f;  // 1.5 * 2^23 rounds to integers
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const V n = (x * kLog2e + shift) - shift;
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  return p * (V)bits;  // same-size vector cast: reinterprets the bits
+}
+
+// float32 rows, 16 lanes at a time through GCC/Clang vector types (AVX-512: one register; AVX2: two).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x1 __attribute__((vector_size(4)));
+typedef int32_t i32x1 __attribute__((vector_size(4)));
+constexpr int64_t kLanes = 16;
+
+MC_INLINE f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+MC_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+MC_INLINE float exp1(float x) { return exp_poly<f32x1, i32x1>(f32x1{x})[0]; }
+
+// max over j of x[j] * scale
+MC_INLINE float scaled_max(const float* x, int64_t n, float scale) {
+  f32x16 acc = f32x16{} - std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const f32x16 v = load16(x + j) * scale;
+    acc = v > acc ? v : acc;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < kLanes; ++l) m = std::max(m, acc[l]);
+  for (; j < n; ++j) m = std::max(m, x[j] * scale);
+  return m;
+}
+
+// x[j] = exp(x[j] * scale - sub); returns the sum
+MC_INLINE float exp_store(float* x, int64_t n, float scale, float sub) {
+  f32x16 acc = f32x16{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const f32x16 e = exp_poly<f32x16, i32x16>(load16(x + j) * scale - sub);
+    store16(x + j, e);
+    acc += e;
+  }
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; j < n; ++j) s += (x[j] = exp1(x[j] * scale - sub));
+  return s;
+}
+
+// Scores [R, L] (ld L, unscaled q.k) -> probabilities in place; row i sees columns [lo[i], hi[i]) and every
+// other column becomes 0. Writes each row's log-sum-exp of the scaled scores.
+MC_MULTI_ISA void softmax_rows(float* s, int64_t R, int64_t L, const int64_t* lo, const int64_t* hi, float scale,
+                               float* lse) {
+  for (int64_t i = 0; i < R; ++i) {
+    float* row = s + i * L;
+    float* seen = row + lo[i];
+    const int64_t n = hi[i] - lo[i];
+    std::fill(row, seen, 0.f);
+    std::fill(row + hi[i], row + L, 0.f);
+    const float m = scaled_max(seen, n, scale);  // every row sees at least itself: finite
+    const float denom = exp_store(seen, n, scale, m);
+    const float inv = 1.f / denom;
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) store16(seen + j, load16(seen + j) * inv);
+    for (; j < n; ++j) seen[j] *= inv;
+    lse[i] = m + std::log(denom);
+  }
+}
+
+// Backward, per row: p = exp(score * scale - lse) when p holds scores (recompute), then
+// ds = (dp - delta) * p * scale into dp; columns outside [lo, hi) are 0 in both.
+MC_MULTI_ISA void score_grads(float* p, float* dp, int64_t R, int64_t L, const int64_t* lo, const int64_t* hi,
+                              const float* lse, const float* delta, float scale, bool recompute) {
+  for (int64_t i = 0; i < R; ++i) {
+    float* prow = p + i * L;
+    float* drow = dp + i * L;
+    const int64_t a = lo[i], n = hi[i] - lo[i];
+    if (recompute) {
+      std::fill(prow, prow + a, 0.f);
+      std::fill(prow + a + n, prow + L, 0.f);
+      exp_store(prow + a, n, scale, lse[i]);
+    }
+    std::fill(drow, drow + a, 0.f);
+    std::fill(drow + a + n, drow + L, 0.f);
+    const float d = delta[i];
+    float* ps = prow + a;
+    float* ds = drow + a;
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) store16(ds + j, (load16(ds + j) - d) * load16(ps + j) * scale);
+    for (; j < n; ++j) ds[j] = (ds[j] - d) * ps[j] * scale;
+  }
+}
+
+// float64 (the exactness check of the tests): the same steps, plain loops.
+void softmax_rows(double* s, int64_t R, int64_t L, const int64_t* lo, const int64_t* hi, double scale,
+                  double* lse) {
+  for (int64_t i = 0; i < R; ++i) {
+    double* row = s + i * L;
+    std::fill(row, row + lo[i], 0.0);
+    std::fill(row + hi[i], row + L, 0.0);
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t j = lo[i]; j < hi[i]; ++j) m = std::max(m, row[j] * scale);
+    double denom = 0;
+    for (int64_t j = lo[i]; j < hi[i]; ++j) denom += (row[j] = std::exp(row[j] * scale - m));
+    for (int64_t j = lo[i]; j < hi[i]; ++j) row[j] /= denom;
+    lse[i] = m + std::log(denom);
+  }
+}
+void score_grads(double* p, double* dp, int64_t R, int64_t L, const int64_t* lo, const int64_t* hi,
+                 const double* lse, const double* delta, double scale, bool recompute) {
+  for (int64_t i = 0; i < R; ++i) {
+    double* prow = p + i * L;
+    double* drow = dp + i * L;
+    if (recompute) {
+      std::fill(prow, prow + lo[i], 0.0);
+      std::fill(prow + hi[i], prow + L, 0.0);
+      for (int64_t j = lo[i]; j < hi[i]; ++j) prow[j] = std::exp(prow[j] * scale - lse[i]);
+    }
+    std::fill(drow, drow + lo[i], 0.0);
+    std::fill(drow + hi[i], drow + L, 0.0);
+    for (int64_t j = lo[i]; j < hi[i]; ++j) drow[j] = (drow[j] - delta[i]) * prow[j] * scale;
+  }
+}
+
+// c[M, N] (+)= a[M, K] @ b[K, N], all row-major with leading dimensions. float32: oneDNN's batch-reduce GEMM
+// micro-kernel through ATen (falls back to BLAS where oneDNN has none), cheaper per call than a dispatched
+// op; float64: ATen's addmm on views.
+void mm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+        int64_t ldc, bool accumulate) {
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+}
+void mm(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
+        int64_t ldc, bool accumulate) {
+  const auto opts = at::TensorOptions().dtype(at::kDouble);
+  Tensor cv = at::from_blob(c, {M, N}, {ldc, 1}, opts);
+  at::addmm_out(cv, cv, at::from_blob(const_cast<double*>(a), {M, K}, {lda, 1}, opts),
+                at::from_blob(const_cast<double*>(b), {K, N}, {ldb, 1}, opts), accumulate ? 1.0 : 0.0, 1.0);
+}
+
+// One query block of one sequence: positions [s0, e) see keys [k0, e).
+struct Block {
+  int64_t s0, e, k0;
+};
+
+// The blocks of every batch row, and the offsets of their probabilities in the saved buffer (order: batch,
+// kv head, block). A block's first key is rounded down so its key count is a multiple of kKeyQuantum (or
+// reaches position 0): packed documents then give few distinct matmul shapes (each shape is a compiled
+// micro-kernel); the extra keys are masked.
+struct Plan {
+  static constexpr int64_t kKeyQuantum = 32;
+  int64_t B, KV, rep, S, nblk;
+  std::vector<int64_t> start;        // [B, S] first position of each token's document
+  std::vector<Block> blocks;         // [B, nblk]
+  std::vector<int64_t> prob_offset;  // [B, KV, nblk]
+  int64_t prob_elements = 0;
+
+  Plan(int64_t B_, int64_t KV_, int64_t rep_, int64_t S_, int64_t rows, const std::optional<Tensor>& doc_ids)
+      : B(B_), KV(KV_), rep(rep_), S(S_), nblk((S_ + rows - 1) / rows), start(B_ * S_, 0) {
+    if (doc_ids.has_value()) {
+      TORCH_CHECK(doc_ids->dim() == 2 && doc_ids->size(0) == B && doc_ids->size(1) == S,
+                  "causal_attention: doc_ids must be [batch, seq] = [", B, ", ", S, "], got ", doc_ids->sizes());
+      const Tensor d = doc_ids->to(at::kLong).contiguous();
+      const int64_t* ids = d.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t s = 1; s < S; ++s)
+          start[b * S + s] = ids[b * S + s] == ids[b * S + s - 1] ? start[b * S + s - 1] : s;
+    }
+    blocks.reserve(B * nblk);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s0 = 0; s0 < S; s0 += rows) {
+        const int64_t e = std::min(S, s0 + rows);
+        const int64_t keys = (e - start[b * S + s0] + kKeyQuantum - 1) / kKeyQuantum * kKeyQuantum;
+        blocks.push_back({s0, e, std::max<int64_t>(0, e - keys)});
+      }
+    prob_offset.resize(B * KV * nblk);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < KV; ++g)
+        for (int64_t i = 0; i < nblk; ++i) {
+          const Block& blk = blocks[b * nblk + i];
+          prob_offset[(b * KV + g) * nblk + i] = prob_elements;
+          prob_elements += (blk.e - blk.s0) * rep * (blk.e - blk.k0);
+        }
+  }
+
+  const Block& block(int64_t b, int64_t i) const { return blocks[b * nblk + i]; }
+  int64_t cost(int64_t b, int64_t i) const {
+    const Block& blk = block(b, i);
+    return (blk.e - blk.s0) * (blk.e - blk.k0);
+  }
+  // Visible columns [lo, hi) of each matmul row (position, head within the group) of block (b, i).
+  void row_ranges(int64_t b, int64_t i, int64_t* lo, int64_t* hi) const {
+    const Block& blk = block(b, i);
+    for (int64_t s = blk.s0; s < blk.e; ++s)
+      for (int64_t r = 0; r < rep; ++r) {
+        const int64_t row = (s - blk.s0) * rep + r;
+        lo[row] = start[b * S + s] - blk.k0;
+        hi[row] = s + 1 - blk.k0;
+      }
+  }
+};
+
+// Runs fn(task, worker_scratch) for every task in `order` on the ATen thread pool; each thread takes the next
+// task from a shared counter, so tasks listed largest first balance across threads.
+template <typename Scratch, typename Fn>
+void run_tasks(const std::vector<int64_t>& order, const std::function<Scratch()>& make_scratch, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView no_autograd;
+    Scratch scratch = make_scratch();
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(order[t], scratch);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
+  });
+}
+
+std::vector<int64_t> largest_first(const std::vector<int64_t>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  return order;
+}
+
+// Rows (position, head within the K/V group) of heads g*rep .. g*rep+rep-1, positions [s0, e), of x
+// [B, H, S, D] (any strides) as a dense [rows, D] tile in the compute type, and transposed [D, rows] when
+// dst_t is given.
+template <typename in_t, typename T>
+void gather_rows(const Tensor& x, int64_t b, int64_t g, int64_t rep, int64_t s0, int64_t e, T* dst, T* dst_t) {
+  const in_t* base = x.data_ptr<in_t>() + b * x.stride(0);
+  const int64_t D = x.size(3), sh = x.stride(1), ss = x.stride(2), sd = x.stride(3);
+  const int64_t R = (e - s0) * rep;
+  for (int64_t s = s0; s < e; ++s)
+    for (int64_t r = 0; r < rep; ++r) {
+      const in_t* src = base + (g * rep + r) * sh + s * ss;
+      const int64_t i = (s - s0) * rep + r;
+      T* row = dst + i * D;
+      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(src[d * sd]);
+      if (dst_t != nullptr)
+        for (int64_t d = 0; d < D; ++d) dst_t[d * R + i] = row[d];
+    }
+}
+
+// The inverse for a [B, S, H, D] contiguous destination in its own dtype.
+template <typename out_t, typename T>
+void scatter_rows(const T* src, Tensor& y_BSHD, int64_t b, int64_t g, int64_t rep, int64_t s0, int64_t e) {
+  const int64_t S = y_BSHD.size(1), H = y_BSHD.size(2), D = y_BSHD.size(3);
+  out_t* base = y_BSHD.data_ptr<out_t>() + b * S * H * D;
+  for (int64_t s = s0; s < e; ++s)
+    for (int64_t r = 0; r < rep; ++r) {
+      const T* row = src + ((s - s0) * rep + r) * D;
+      out_t* dst = base + (s * H + g * rep + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<out_t>(row[d]);
+    }
+}
+
+// [B, KV, S, D] in the compute type with unit last stride (no copy when it already is): the keys/values as
+// matmul rows.
+Tensor key_rows(const Tensor& x, at::ScalarType ct) {
+  Tensor y = x.to(ct);
+  return y.stride(-1) == 1 ? y : y.contiguous();
+}
+// [B, KV, D, S] contiguous in the compute type: the keys/values as matmul columns.
+Tensor key_cols(const Tensor& x, at::ScalarType ct) { return x.to(ct).transpose(2, 3).contiguous(); }
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, int64_t rows) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "causal_attention: q, k, v must be [B, H, S, D], [B, KV, S, D], [B, KV, S, Dv]");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "causal_attention (C++): tensors must be on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "causal_attention (C++): q, k, v must share one dtype");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                  v.size(2) == q.size(2) && k.size(1) == v.size(1) && k.size(3) == q.size(3),
+              "causal_attention: q, k, v shapes disagree (batch, sequence, K/V heads or q/k head dim)");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads (", q.size(1),
+              ") must be a multiple of key/value heads (", k.size(1), ")");
+  TORCH_CHECK(rows > 0, "causal_attention: rows per block must be positive");
+}
+
+template <typename T>
+struct FwdScratch {
+  std::vector<T> q, o, s, lse;
+  std::vector<int64_t> lo, hi;
+};
+
+// out [B, S, H, Dv] in q's dtype, lse [B, KV, S, rep] in the compute type, probabilities (empty unless kept).
+template <typename in_t, typename T>
+std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                                 const std::optional<Tensor>& doc_ids, int64_t rows, int64_t saved_prob_elements) {
+  const at::ScalarType ct = c10::CppTypeToScalarType<T>::value;
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
+  const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
+  const Plan plan(B, KV, rep, S, rows, doc_ids);
+  const Tensor kt = key_cols(k, ct), vr = key_rows(v, ct);
+  Tensor out = at::empty({B, S, H, Dv}, q.options());
+  Tensor lse = at::empty({B, KV, S, rep}, q.options().dtype(ct));
+  const bool keep = plan.prob_elements <= saved_prob_elements;
+  Tensor probs = at::empty({keep ? plan.prob_elements : 0}, q.options().dtype(ct));
+
+  const int64_t R = rows * rep;
+  std::vector<int64_t> cost(B * KV * plan.nblk);
+  for (int64_t t = 0; t < static_cast<int64_t>(cost.size()); ++t)
+    cost[t] = plan.cost(t / (KV * plan.nblk), t % plan.nblk);
+  std::function<FwdScratch<T>()> make = [&] {
+    FwdScratch<T> w;
+    w.q.resize(R * Dqk);
+    w.o.resize(R * Dv);
+    w.s.resize(keep ? 0 : R * S);
+    w.lse.resize(R);
+    w.lo.resize(R);
+    w.hi.resize(R);
+    return w;
+  };
+  run_tasks(largest_first(cost), make, [&](int64_t t, FwdScratch<T>& w) {
+    const int64_t i = t % plan.nblk, g = (t / plan.nblk) % KV, b = t / (plan.nblk * KV);
+    const Block& blk = plan.block(b, i);
+    const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
+    gather_rows<in_t, T>(q, b, g, rep, blk.s0, blk.e, w.q.data(), nullptr);
+    T* p = keep ? probs.data_ptr<T>() + plan.prob_offset[t] : w.s.data();
+    const T* kt_bg = kt.data_ptr<T>() + (b * KV + g) * Dqk * S;
+    const T* v_bg = vr.data_ptr<T>() + b * vr.stride(0) + g * vr.stride(1);
+    mm(Rb, L, Dqk, w.q.data(), Dqk, kt_bg + blk.k0, S, p, L, false);  // scores = q k^T
+    plan.row_ranges(b, i, w.lo.data(), w.hi.data());
+    T* lse_rows = lse.data_ptr<T>() + ((b * KV + g) * S + blk.s0) * rep;
+    softmax_rows(p, Rb, L, w.lo.data(), w.hi.data(), static_cast<T>(scale), lse_rows);
+    mm(Rb, Dv, L, p, L, v_bg + blk.k0 * vr.stride(2), vr.stride(2), w.o.data(), Dv, false);  // out = p v
+    scatter_rows<in_t, T>(w.o.data(), out, b, g, rep, blk.s0, blk.e);
+  });
+  return {out, lse, probs};
+}
+
+template <typename T>
+struct BwdScratch {
+  std::vector<T> q, q_t, dout, dout_t, o, dq, p, dp, delta;
+  std::vector<int64_t> lo, hi;
+};
+
+// dq [B, H, S, Dqk], dk [B, KV, S, Dqk], dv [B, KV, S, Dv], each in its input's dtype.
+template <typename in_t, typename T>
+std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out_BSHD, const Tensor& lse, const Tensor& probs, double scale,
+                                  const std::optional<Tensor>& doc_ids, int64_t rows) {
+  const at::ScalarType ct = c10::CppTypeToScalarType<T>::value;
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
+  const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
+  const Plan plan(B, KV, rep, S, rows, doc_ids);
+  const bool saved = probs.numel() > 0;
+  TORCH_CHECK(!saved || probs.numel() == plan.prob_elements, "causal_attention backward: saved probabilities "
+              "do not match the blocking (rows per block or doc_ids changed between forward and backward)");
+  const Tensor kr = key_rows(k, ct), kt = key_cols(k, ct), vt = key_cols(v, ct);
+  const Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
+  const Tensor out_BHSD = out_BSHD.transpose(1, 2);
+  Tensor dq = at::empty({B, S, H, Dqk}, q.options());
+  // dK and dV are accumulated transposed, [B, KV, D, S]: each block adds (q^T ds) and (dout^T p), whose left
+  // factors are the block's small [D, rows] tiles, so no [rows, keys] tile is ever transposed.
+  Tensor dk_t = at::zeros({B, KV, Dqk, S}, q.options().dtype(ct));
+  Tensor dv_t = at::zeros({B, KV, Dv, S}, q.options().dtype(ct));
+
+  // The sums over query blocks: each (batch, kv head) is split into `chunks` runs of blocks of about equal cost,
+  // enough for every thread to stay busy; run 0 adds into dk_t/dv_t, the others into their own partial buffers
+  // (keys from the run's first key to its end), summed in a fixed order afterwards.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = std::min(plan.nblk, (4 * threads + B * KV - 1) / (B * KV));
+  chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, (int64_t(1) << 26) / std::max<int64_t>(1, B * KV * S * (Dqk + Dv))));
+  std::vector<int64_t> chunk_begin(B * (chunks + 1));  // block index where each run starts, per batch row
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < plan.nblk; ++i) total += plan.cost(b, i);
+    int64_t c = 1, acc = 0;
+    chunk_begin[b * (chunks + 1)] = 0;
+    for (int64_t i = 0; i < plan.nblk && c < chunks; ++i) {
+      acc += plan.cost(b, i);
+      while (c < chunks && acc * chunks >= total * c) chunk_begin[b * (chunks + 1) + c++] = i + 1;
+    }
+    while (c <= chunks) chunk_begin[b * (chunks + 1) + c++] = plan.nblk;
+  }
+  // partial buffer of (b, g, c >= 1): [D, keys] for keys [first key of the run, end of the run)
+  std::vector<int64_t> part_k0(B * KV * chunks, 0), part_len(B * KV * chunks, 0), part_off(B * KV * chunks, 0);
+  int64_t part_elems = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < KV; ++g)
+      for (int64_t c = 1; c < chunks; ++c) {
+        const int64_t i0 = chunk_begin[b * (chunks + 1) + c], i1 = chunk_begin[b * (chunks + 1) + c + 1];
+        if (i0 == i1) continue;
+        const int64_t x = (b * KV + g) * chunks + c;
+        part_k0[x] = plan.block(b, i0).k0;
+        for (int64_t i = i0; i < i1; ++i) part_k0[x] = std::min(part_k0[x], plan.block(b, i).k0);
+        part_len[x] = plan.block(b, i1 - 1).e - part_k0[x];
+        part_off[x] = part_elems;
+        part_elems += part_len[x];
+      }
+  Tensor part_dk = at::zeros({part_elems * Dqk}, q.options().dtype(ct));
+  Tensor part_dv = at::zeros({part_elems * Dv}, q.options().dtype(ct));
+
+  const int64_t R = rows * rep;
+  std::vector<int64_t> cost(B * KV * chunks, 0);
+  for (int64_t t = 0; t < static_cast<int64_t>(cost.size()); ++t) {
+    const int64_t c = t % chunks, b = t / (chunks * KV);
+    for (int64_t i = chunk_begin[b * (chunks + 1) + c]; i < chunk_begin[b * (chunks + 1) + c + 1]; ++i)
+      cost[t] += plan.cost(b, i);
+  }
+  std::function<BwdScratch<T>()> make = [&] {
+    BwdScratch<T> w;
+    w.q.resize(R * Dqk);
+    w.q_t.resize(R * Dqk);
+    w.dout.resize(R * Dv);
+    w.dout_t.resize(R * Dv);
+    w.o.resize(R * Dv);
+    w.dq.resize(R * Dqk);
+    w.p.resize(saved ? 0 : R * S);
+    w.dp.resize(R * S);
+    w.delta.resize(R);
+    w.lo.resize(R);
+    w.hi.resize(R);
+    return w;
+  };
+  run_tasks(largest_first(cost), make, [&](int64_t t, BwdScratch<T>& w) {
+    const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV);
+    const int64_t bg = b * KV + g;
+    const T* k_bg = kr.data_ptr<T>() + b * kr.stride(0) + g * kr.stride(1);
+    const T* kt_bg = kt.data_ptr<T>() + bg * Dqk * S;
+    const T* vt_bg = vt.data_ptr<T>() + bg * Dv * S;
+    T *dk_acc, *dv_acc;  // [D, ld] accumulators whose column 0 is key position key0
+    int64_t key0, ld;
+    if (c == 0) {
+      dk_acc = dk_t.data_ptr<T>() + bg * Dqk * S;
+      dv_acc = dv_t.data_ptr<T>() + bg * Dv * S;
+      key0 = 0;
+      ld = S;
+    } else {
+      dk_acc = part_dk.data_ptr<T>() + part_off[t] * Dqk;
+      dv_acc = part_dv.data_ptr<T>() + part_off[t] * Dv;
+      key0 = part_k0[t];
+      ld = part_len[t];
+    }
+    for (int64_t i = chunk_begin[b * (chunks + 1) + c]; i < chunk_begin[b * (chunks + 1) + c + 1]; ++i) {
+      const Block& blk = plan.block(b, i);
+      const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
+      gather_rows<in_t, T>(q, b, g, rep, blk.s0, blk.e, w.q.data(), w.q_t.data());
+      gather_rows<in_t, T>(dout_c, b, g, rep, blk.s0, blk.e, w.dout.data(), w.dout_t.data());
+      gather_rows<in_t, T>(out_BHSD, b, g, rep, blk.s0, blk.e, w.o.data(), nullptr);
+      for (int64_t row = 0; row < Rb; ++row) {  // delta = rowsum(dout * out)
+        T acc = 0;
+        for (int64_t d = 0; d < Dv; ++d) acc += w.dout[row * Dv + d] * w.o[row * Dv + d];
+        w.delta[row] = acc;
+      }
+      plan.row_ranges(b, i, w.lo.data(), w.hi.data());
+      T* p = saved ? probs.data_ptr<T>() + plan.prob_offset[bg * plan.nblk + i] : w.p.data();
+      T* ds = w.dp.data();
+      if (!saved) mm(Rb, L, Dqk, w.q.data(), Dqk, kt_bg + blk.k0, S, p, L, false);  // scores = q k^T
+      mm(Rb, L, Dv, w.dout.data(), Dv, vt_bg + blk.k0, S, ds, L, false);            // dp = dout v^T
+      const T* lse_rows = lse.data_ptr<T>() + (bg * S + blk.s0) * rep;
+      score_grads(p, ds, Rb, L, w.lo.data(), w.hi.data(), lse_rows, w.delta.data(), static_cast<T>(scale), !saved);
+      mm(Dv, L, Rb, w.dout_t.data(), Rb, p, L, dv_acc + (blk.k0 - key0), ld, true);                 // dv^T += dout^T p
+      mm(Rb, Dqk, L, ds, L, k_bg + blk.k0 * kr.stride(2), kr.stride(2), w.dq.data(), Dqk, false);  // dq = ds k
+      mm(Dqk, L, Rb, w.q_t.data(), Rb, ds, L, dk_acc + (blk.k0 - key0), ld, true);                  // dk^T += q^T ds
+      scatter_rows<in_t, T>(w.dq.data(), dq, b, g, rep, blk.s0, blk.e);
+    }
+  });
+  if (chunks > 1) {
+    at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bg = begin; bg < end; ++bg)
+        for (int64_t c = 1; c < chunks; ++c) {
+          const int64_t x = bg * chunks + c, n = part_len[x];
+          for (int64_t d = 0; d < Dqk; ++d) {
+            const T* src = part_dk.data_ptr<T>() + part_off[x] * Dqk + d * n;
+            T* dst = dk_t.data_ptr<T>() + (bg * Dqk + d) * S + part_k0[x];
+            for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+          }
+          for (int64_t d = 0; d < Dv; ++d) {
+            const T* src = part_dv.data_ptr<T>() + part_off[x] * Dv + d * n;
+            T* dst = dv_t.data_ptr<T>() + (bg * Dv + d) * S + part_k0[x];
+            for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+          }
+        }
+    });
+  }
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  return {dq.transpose(1, 2), dk_t.transpose(2, 3).to(k.options(), false, false, contiguous),
+          dv_t.transpose(2, 3).to(v.options(), false, false, contiguous)};
+}
+
+#define MC_DISPATCH(dtype, NAME, ...)                                                          \
+  switch (dtype) {                                                                             \
+    case at::kFloat: return NAME<float, float>(__VA_ARGS__);                                   \
+    case at::kDouble: return NAME<double, double>(__VA_ARGS__);                                \
+    case at::kBFloat16: return NAME<at::BFloat16, float>(__VA_ARGS__);                         \
+    case at::kHalf: return NAME<at::Half, float>(__VA_ARGS__);                                 \
+    default: TORCH_CHECK(false, "causal_attention (C++): unsupported dtype ", dtype,           \
+                         "; use float32, float64, bfloat16 or float16");                       \
+  }
+
+std::vector<Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                            const std::optional<Tensor>& doc_ids, int64_t rows, int64_t saved_prob_elements) {
+  check_inputs(q, k, v, rows);
+  MC_DISPATCH(q.scalar_type(), forward_impl, q, k, v, scale, doc_ids, rows, saved_prob_elements)
+}
+
+std::vector<Tensor> backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out_BSHD, const Tensor& lse, const Tensor& probs, double scale,
+                             const std::optional<Tensor>& doc_ids, int64_t rows) {
+  check_inputs(q, k, v, rows);
+  MC_DISPATCH(q.scalar_type(), backward_impl, dout, q, k, v, out_BSHD, lse, probs, scale, doc_ids, rows)
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Causal document-aware attention for CPU training (reference: kernels/causal_attention.py)";
+  m.def("forward", &forward, "out [B,S,H,Dv], lse [B,KV,S,H/KV], saved probabilities (or empty)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("doc_ids"), py::arg("rows"),
+        py::arg("saved_prob_elements"), py::call_guard<py::gil_scoped_release>());
+  m.def("backward", &backward, "dq [B,H,S,Dqk], dk [B,KV,S,Dqk], dv [B,KV,S,Dv]", py::arg("dout"), py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("probs"), py::arg("scale"),
+        py::arg("doc_ids"), py::arg("rows"), py::call_guard<py::gil_scoped_release>());
+}
