@@ -1,8 +1,9 @@
 """Forward+backward tokens/s of our model versus transformers' DeepseekV3ForCausalLM with identical weights.
 
-Both sides run in the same process, interleaved step by step, in float32 and bfloat16; transformers is run
-with each of its expert implementations (eager loop, grouped_mm, batched_mm) and the fastest is the
-baseline. MFU is quoted against the peak matmul FLOP/s of the same dtype measured in this run.
+Both sides run in the same process, interleaved step by step, in float32 and bfloat16, each through its own
+training loss (transformers' `labels=` loss; our trainer's lm_loss_sum), and the losses are checked equal;
+transformers is run with each of its expert implementations (eager loop, grouped_mm, batched_mm) and the
+fastest is the baseline. MFU is quoted against the peak matmul FLOP/s of the same dtype measured in this run.
 
     python benchmarks/model_forward_backward.py [--layers 4 --hidden 256 --experts 32 --topk 4 --seq 512]
 """
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.checkpoint.hf import load_hf_checkpoint  # noqa: E402
 from megatron_composer.training.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
+from pretrain.losses import lm_loss_sum  # noqa: E402
 
 
 def build_reference(args):
@@ -40,9 +42,17 @@ def build_reference(args):
 
 
 def step_fn(model, ids, hf: bool):
+    """One training step's forward+backward through each library's own next-token loss: transformers'
+    `labels=` path (its ForCausalLMLoss) and our pretraining trainer's `lm_loss_sum`."""
+    labels = F.pad(ids[:, 1:], (0, 1))
+    mask = torch.ones(ids.shape, dtype=torch.float32)
+    mask[:, -1] = 0
+
     def run():
-        logits = model(ids).logits if hf else model(ids)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        if hf:
+            loss = model(ids, labels=ids).loss
+        else:
+            loss = lm_loss_sum(model(ids), labels, mask) / mask.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()
@@ -73,6 +83,10 @@ def main() -> None:
         err = (ours(ids) - ref(ids).logits).abs().max().item()
     print(f"config: layers={args.layers} hidden={args.hidden} experts={args.experts} top{args.topk} seq={args.seq} "
           f"batch={args.batch} vocab={args.vocab}; float32 logits max|ours-transformers| = {err:.2e}")
+    loss_ours, loss_ref = step_fn(ours, ids, hf=False)(), step_fn(ref, ids, hf=True)()
+    print(f"float32 training loss: ours {loss_ours:.6f}, transformers {loss_ref:.6f}")
+    if abs(loss_ours - loss_ref) > 1e-4 * abs(loss_ref):
+        raise SystemExit("the two sides do not compute the same loss: the timings below would not compare like with like")
     flops_tok = training_flops_per_token(ours.config, args.seq, include_mtp=False)
     tokens = args.batch * args.seq
     impls = ["eager", "grouped_mm", "batched_mm"]

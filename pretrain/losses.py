@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_composer.config import ConfigError
+from megatron_composer.kernels.cross_entropy import cross_entropy
 
 
 @dataclass
@@ -65,7 +66,7 @@ def token_counts(batch: dict[str, torch.Tensor], num_mtp_depths: int, shift_left
 
 def _cross_entropy(logits_NV: torch.Tensor, target_N: torch.Tensor, vocab_group) -> torch.Tensor:
     if vocab_group is None:
-        return F.cross_entropy(logits_NV.float(), target_N, reduction="none")
+        return cross_entropy(logits_NV, target_N)
     from megatron_composer.parallel import vocab_parallel_cross_entropy
 
     return vocab_parallel_cross_entropy(logits_NV.float(), target_N, vocab_group)
