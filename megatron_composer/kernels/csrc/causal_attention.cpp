@@ -24,6 +24,8 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <numeric>
 #include <optional>
 #include <vector>
@@ -71,8 +73,6 @@ MC_INLINE V exp_poly(V x) {
 // float32 rows, 16 lanes at a time through GCC/Clang vector types (AVX-512: one register; AVX2: two).
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float f32x1 __attribute__((vector_size(4)));
-typedef int32_t i32x1 __attribute__((vector_size(4)));
 constexpr int64_t kLanes = 16;
 
 MC_INLINE f32x16 load16(const float* p) {
@@ -81,7 +81,6 @@ MC_INLINE f32x16 load16(const float* p) {
   return v;
 }
 MC_INLINE void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-MC_INLINE float exp1(float x) { return exp_poly<f32x1, i32x1>(f32x1{x})[0]; }
 
 // max over j of x[j] * scale
 MC_INLINE float scaled_max(const float* x, int64_t n, float scale) {
@@ -97,7 +96,8 @@ MC_INLINE float scaled_max(const float* x, int64_t n, float scale) {
   return m;
 }
 
-// x[j] = exp(x[j] * scale - sub); returns the sum
+// x[j] = exp(x[j] * scale - sub); returns the sum. The last partial vector goes through a padded copy (a
+// scalar tail would cost as much as a whole row's vectors).
 MC_INLINE float exp_store(float* x, int64_t n, float scale, float sub) {
   f32x16 acc = f32x16{};
   int64_t j = 0;
@@ -106,9 +106,17 @@ MC_INLINE float exp_store(float* x, int64_t n, float scale, float sub) {
     store16(x + j, e);
     acc += e;
   }
+  if (j < n) {
+    float tail[kLanes];
+    const int64_t rest = n - j;
+    for (int64_t l = 0; l < kLanes; ++l) tail[l] = l < rest ? x[j + l] * scale - sub : -100.0f;
+    f32x16 e = exp_poly<f32x16, i32x16>(load16(tail));
+    for (int64_t l = rest; l < kLanes; ++l) e[l] = 0.f;
+    acc += e;
+    for (int64_t l = 0; l < rest; ++l) x[j + l] = e[l];
+  }
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (; j < n; ++j) s += (x[j] = exp1(x[j] * scale - sub));
   return s;
 }
 
@@ -286,46 +294,82 @@ std::vector<int64_t> largest_first(const std::vector<int64_t>& cost) {
   return order;
 }
 
-// Rows (position, head within the K/V group) of heads g*rep .. g*rep+rep-1, positions [s0, e), of x
-// [B, H, S, D] (any strides) as a dense [rows, D] tile in the compute type, and transposed [D, rows] when
-// dst_t is given.
+// dst[c * dst_ld + r] = src[r * src_ld + c] for a [rows, cols] source, converting the element type; 16 source
+// rows at a time (they stay in L1) so every store run is contiguous.
+template <typename src_t, typename dst_t>
+void transpose(const src_t* src, int64_t rows, int64_t cols, int64_t src_ld, dst_t* dst, int64_t dst_ld) {
+  constexpr int64_t kB = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+    const int64_t r1 = std::min(rows, r0 + kB);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = r0; r < r1; ++r) dst[c * dst_ld + r] = static_cast<dst_t>(src[r * src_ld + c]);
+  }
+}
+
+// The matmul rows (position, head within the K/V group) of heads g*rep .. g*rep+rep-1 of x [B, H, S, D]:
+// read in place when x is in the compute type and those rows are evenly spaced (one head per group, or the
+// heads of a group adjacent in a [B, S, H, D] layout with a single group), else copied into a dense tile.
 template <typename in_t, typename T>
-void gather_rows(const Tensor& x, int64_t b, int64_t g, int64_t rep, int64_t s0, int64_t e, T* dst, T* dst_t) {
-  const in_t* base = x.data_ptr<in_t>() + b * x.stride(0);
-  const int64_t D = x.size(3), sh = x.stride(1), ss = x.stride(2), sd = x.stride(3);
-  const int64_t R = (e - s0) * rep;
-  for (int64_t s = s0; s < e; ++s)
-    for (int64_t r = 0; r < rep; ++r) {
-      const in_t* src = base + (g * rep + r) * sh + s * ss;
-      const int64_t i = (s - s0) * rep + r;
-      T* row = dst + i * D;
-      for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(src[d * sd]);
-      if (dst_t != nullptr)
-        for (int64_t d = 0; d < D; ++d) dst_t[d * R + i] = row[d];
-    }
-}
+struct HeadRows {
+  const Tensor& x;
+  int64_t rep, D, ld = 0;
+  bool in_place = false;
 
-// The inverse for a [B, S, H, D] contiguous destination in its own dtype.
-template <typename out_t, typename T>
-void scatter_rows(const T* src, Tensor& y_BSHD, int64_t b, int64_t g, int64_t rep, int64_t s0, int64_t e) {
-  const int64_t S = y_BSHD.size(1), H = y_BSHD.size(2), D = y_BSHD.size(3);
-  out_t* base = y_BSHD.data_ptr<out_t>() + b * S * H * D;
-  for (int64_t s = s0; s < e; ++s)
-    for (int64_t r = 0; r < rep; ++r) {
-      const T* row = src + ((s - s0) * rep + r) * D;
-      out_t* dst = base + (s * H + g * rep + r) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<out_t>(row[d]);
+  HeadRows(const Tensor& x_, int64_t rep_) : x(x_), rep(rep_), D(x_.size(3)) {
+    if (std::is_same_v<in_t, T> && x.stride(3) == 1) {
+      if (rep == 1) ld = x.stride(2);
+      else if (x.stride(2) == rep * x.stride(1)) ld = x.stride(1);
+      in_place = ld >= D;
     }
-}
+  }
+  in_t* at(int64_t b, int64_t g, int64_t s0) const {
+    return x.data_ptr<in_t>() + b * x.stride(0) + g * rep * x.stride(1) + s0 * x.stride(2);
+  }
+  // Rows of positions [s0, e): a pointer and its row stride, copying into `tile` ([rows, D]) when needed.
+  std::pair<const T*, int64_t> read(int64_t b, int64_t g, int64_t s0, int64_t e, T* tile) const {
+    if (in_place) return {reinterpret_cast<const T*>(at(b, g, s0)), ld};
+    const in_t* base = x.data_ptr<in_t>() + b * x.stride(0);
+    const int64_t sh = x.stride(1), ss = x.stride(2), sd = x.stride(3);
+    for (int64_t s = s0; s < e; ++s)
+      for (int64_t r = 0; r < rep; ++r) {
+        const in_t* src = base + (g * rep + r) * sh + s * ss;
+        T* row = tile + ((s - s0) * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(src[d * sd]);
+      }
+    return {tile, D};
+  }
+  // Where a [rows, D] result for positions [s0, e) goes: in place, or `tile` to be stored by write().
+  std::pair<T*, int64_t> target(int64_t b, int64_t g, int64_t s0, T* tile) const {
+    if (in_place) return {reinterpret_cast<T*>(at(b, g, s0)), ld};
+    return {tile, D};
+  }
+  void write(int64_t b, int64_t g, int64_t s0, int64_t e, const T* tile) const {
+    if (in_place) return;
+    in_t* base = x.data_ptr<in_t>() + b * x.stride(0);
+    const int64_t sh = x.stride(1), ss = x.stride(2), sd = x.stride(3);
+    for (int64_t s = s0; s < e; ++s)
+      for (int64_t r = 0; r < rep; ++r) {
+        in_t* dst = base + (g * rep + r) * sh + s * ss;
+        const T* row = tile + ((s - s0) * rep + r) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d * sd] = static_cast<in_t>(row[d]);
+      }
+  }
+};
 
-// [B, KV, S, D] in the compute type with unit last stride (no copy when it already is): the keys/values as
-// matmul rows.
+// [B, KV, S, D] in the compute type with unit last stride (no copy when it already is): keys/values as rows.
 Tensor key_rows(const Tensor& x, at::ScalarType ct) {
   Tensor y = x.to(ct);
   return y.stride(-1) == 1 ? y : y.contiguous();
 }
-// [B, KV, D, S] contiguous in the compute type: the keys/values as matmul columns.
-Tensor key_cols(const Tensor& x, at::ScalarType ct) { return x.to(ct).transpose(2, 3).contiguous(); }
+
+// Uninitialised scratch memory of one worker.
+template <typename T>
+struct Buf {
+  std::unique_ptr<T[]> p;
+  void resize(int64_t n) { p.reset(n > 0 ? new T[n] : nullptr); }
+  T* data() { return p.get(); }
+  T& operator[](int64_t i) { return p[i]; }
+};
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, int64_t rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
@@ -342,10 +386,57 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, int64_t row
   TORCH_CHECK(rows > 0, "causal_attention: rows per block must be positive");
 }
 
+// Tasks: each (batch, kv head) is one run of query blocks, or `chunks` runs of about equal cost when there are
+// too few (batch, kv head) pairs to keep every thread busy. A task transposes the keys (and values) its run
+// sees once, into its worker's scratch; in the backward it also owns the dK/dV sums of its run.
+struct Runs {
+  int64_t chunks;
+  std::vector<int64_t> first;  // [B, chunks + 1] index of each run's first block; a run is [first[c], first[c+1])
+  std::vector<int64_t> key0;   // [B, chunks] first key any block of the run sees
+  std::vector<int64_t> cost;   // [B, chunks]
+
+  Runs(const Plan& plan, int64_t threads) {
+    const int64_t B = plan.B, pairs = plan.B * plan.KV;
+    chunks = std::max<int64_t>(1, std::min(plan.nblk, (4 * threads + pairs - 1) / pairs));
+    first.assign(B * (chunks + 1), plan.nblk);
+    key0.assign(B * chunks, 0);
+    cost.assign(B * chunks, 0);
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t total = 0, acc = 0, c = 1;
+      for (int64_t i = 0; i < plan.nblk; ++i) total += plan.cost(b, i);
+      first[b * (chunks + 1)] = 0;
+      for (int64_t i = 0; i < plan.nblk && c < chunks; ++i) {
+        acc += plan.cost(b, i);
+        while (c < chunks && acc * chunks >= total * c) first[b * (chunks + 1) + c++] = i + 1;
+      }
+      for (c = 0; c < chunks; ++c) {
+        key0[b * chunks + c] = end(plan, b, c);
+        for (int64_t i = begin(b, c); i < first[b * (chunks + 1) + c + 1]; ++i) {
+          key0[b * chunks + c] = std::min(key0[b * chunks + c], plan.block(b, i).k0);
+          cost[b * chunks + c] += plan.cost(b, i);
+        }
+      }
+    }
+  }
+  int64_t begin(int64_t b, int64_t c) const { return first[b * (chunks + 1) + c]; }
+  int64_t stop(int64_t b, int64_t c) const { return first[b * (chunks + 1) + c + 1]; }
+  // one past the last key (= query position) of run c
+  int64_t end(const Plan& plan, int64_t b, int64_t c) const {
+    return stop(b, c) > begin(b, c) ? plan.block(b, stop(b, c) - 1).e : 0;
+  }
+  // Tasks (batch, kv head, run) largest first.
+  std::vector<int64_t> order(int64_t KV) const {
+    std::vector<int64_t> task_cost(cost.size() * KV);
+    for (int64_t t = 0; t < static_cast<int64_t>(task_cost.size()); ++t)
+      task_cost[t] = cost[(t / (chunks * KV)) * chunks + t % chunks];
+    return largest_first(task_cost);
+  }
+};
+
 template <typename T>
 struct FwdScratch {
-  std::vector<T> q, o, s, lse;
-  std::vector<int64_t> lo, hi;
+  Buf<T> q, o, s, kt;
+  Buf<int64_t> lo, hi;
 };
 
 // out [B, S, H, Dv] in q's dtype, lse [B, KV, S, rep] in the compute type, probabilities (empty unless kept).
@@ -356,48 +447,53 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
   const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
   const Plan plan(B, KV, rep, S, rows, doc_ids);
-  const Tensor kt = key_cols(k, ct), vr = key_rows(v, ct);
+  const Runs runs(plan, at::get_num_threads());
+  const Tensor kr = key_rows(k, ct), vr = key_rows(v, ct);
   Tensor out = at::empty({B, S, H, Dv}, q.options());
   Tensor lse = at::empty({B, KV, S, rep}, q.options().dtype(ct));
   const bool keep = plan.prob_elements <= saved_prob_elements;
   Tensor probs = at::empty({keep ? plan.prob_elements : 0}, q.options().dtype(ct));
+  const Tensor out_BHSD = out.transpose(1, 2);
+  const HeadRows<in_t, T> q_rows(q, rep), out_rows(out_BHSD, rep);
 
-  const int64_t R = rows * rep;
-  std::vector<int64_t> cost(B * KV * plan.nblk);
-  for (int64_t t = 0; t < static_cast<int64_t>(cost.size()); ++t)
-    cost[t] = plan.cost(t / (KV * plan.nblk), t % plan.nblk);
+  const int64_t R = rows * rep, chunks = runs.chunks;
   std::function<FwdScratch<T>()> make = [&] {
     FwdScratch<T> w;
     w.q.resize(R * Dqk);
     w.o.resize(R * Dv);
     w.s.resize(keep ? 0 : R * S);
-    w.lse.resize(R);
+    w.kt.resize(Dqk * S);
     w.lo.resize(R);
     w.hi.resize(R);
     return w;
   };
-  run_tasks(largest_first(cost), make, [&](int64_t t, FwdScratch<T>& w) {
-    const int64_t i = t % plan.nblk, g = (t / plan.nblk) % KV, b = t / (plan.nblk * KV);
-    const Block& blk = plan.block(b, i);
-    const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
-    gather_rows<in_t, T>(q, b, g, rep, blk.s0, blk.e, w.q.data(), nullptr);
-    T* p = keep ? probs.data_ptr<T>() + plan.prob_offset[t] : w.s.data();
-    const T* kt_bg = kt.data_ptr<T>() + (b * KV + g) * Dqk * S;
+  run_tasks(runs.order(KV), make, [&](int64_t t, FwdScratch<T>& w) {
+    const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV), bg = b * KV + g;
+    const int64_t key0 = runs.key0[b * chunks + c], n = runs.end(plan, b, c) - key0;
+    const T* k_bg = kr.data_ptr<T>() + b * kr.stride(0) + g * kr.stride(1);
     const T* v_bg = vr.data_ptr<T>() + b * vr.stride(0) + g * vr.stride(1);
-    mm(Rb, L, Dqk, w.q.data(), Dqk, kt_bg + blk.k0, S, p, L, false);  // scores = q k^T
-    plan.row_ranges(b, i, w.lo.data(), w.hi.data());
-    T* lse_rows = lse.data_ptr<T>() + ((b * KV + g) * S + blk.s0) * rep;
-    softmax_rows(p, Rb, L, w.lo.data(), w.hi.data(), static_cast<T>(scale), lse_rows);
-    mm(Rb, Dv, L, p, L, v_bg + blk.k0 * vr.stride(2), vr.stride(2), w.o.data(), Dv, false);  // out = p v
-    scatter_rows<in_t, T>(w.o.data(), out, b, g, rep, blk.s0, blk.e);
+    transpose(k_bg + key0 * kr.stride(2), n, Dqk, kr.stride(2), w.kt.data(), n);  // keys as columns [Dqk, n]
+    for (int64_t i = runs.begin(b, c); i < runs.stop(b, c); ++i) {
+      const Block& blk = plan.block(b, i);
+      const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
+      const auto [qp, ldq] = q_rows.read(b, g, blk.s0, blk.e, w.q.data());
+      T* p = keep ? probs.data_ptr<T>() + plan.prob_offset[bg * plan.nblk + i] : w.s.data();
+      mm(Rb, L, Dqk, qp, ldq, w.kt.data() + (blk.k0 - key0), n, p, L, false);  // scores = q k^T
+      plan.row_ranges(b, i, w.lo.data(), w.hi.data());
+      T* lse_rows = lse.data_ptr<T>() + (bg * S + blk.s0) * rep;
+      softmax_rows(p, Rb, L, w.lo.data(), w.hi.data(), static_cast<T>(scale), lse_rows);
+      const auto [op, ldo] = out_rows.target(b, g, blk.s0, w.o.data());
+      mm(Rb, Dv, L, p, L, v_bg + blk.k0 * vr.stride(2), vr.stride(2), op, ldo, false);  // out = p v
+      out_rows.write(b, g, blk.s0, blk.e, w.o.data());
+    }
   });
   return {out, lse, probs};
 }
 
 template <typename T>
 struct BwdScratch {
-  std::vector<T> q, q_t, dout, dout_t, o, dq, p, dp, delta;
-  std::vector<int64_t> lo, hi;
+  Buf<T> q, q_t, dout, dout_t, o, dq, p, dp, delta, kt, vt, dk_t, dv_t;
+  Buf<int64_t> lo, hi;
 };
 
 // dq [B, H, S, Dqk], dk [B, KV, S, Dqk], dv [B, KV, S, Dv], each in its input's dtype.
@@ -409,61 +505,31 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
   const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
   const Plan plan(B, KV, rep, S, rows, doc_ids);
+  const Runs runs(plan, at::get_num_threads());
   const bool saved = probs.numel() > 0;
   TORCH_CHECK(!saved || probs.numel() == plan.prob_elements, "causal_attention backward: saved probabilities "
               "do not match the blocking (rows per block or doc_ids changed between forward and backward)");
-  const Tensor kr = key_rows(k, ct), kt = key_cols(k, ct), vt = key_cols(v, ct);
+  const Tensor kr = key_rows(k, ct), vr = key_rows(v, ct);
   const Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
   const Tensor out_BHSD = out_BSHD.transpose(1, 2);
   Tensor dq = at::empty({B, S, H, Dqk}, q.options());
-  // dK and dV are accumulated transposed, [B, KV, D, S]: each block adds (q^T ds) and (dout^T p), whose left
-  // factors are the block's small [D, rows] tiles, so no [rows, keys] tile is ever transposed.
-  Tensor dk_t = at::zeros({B, KV, Dqk, S}, q.options().dtype(ct));
-  Tensor dv_t = at::zeros({B, KV, Dv, S}, q.options().dtype(ct));
+  Tensor dk = at::empty({B, KV, S, Dqk}, k.options()), dv = at::empty({B, KV, S, Dv}, v.options());
+  const Tensor dq_BHSD = dq.transpose(1, 2);
+  const HeadRows<in_t, T> q_rows(q, rep), dout_rows(dout_c, rep), out_rows(out_BHSD, rep), dq_rows(dq_BHSD, rep);
 
-  // The sums over query blocks: each (batch, kv head) is split into `chunks` runs of blocks of about equal cost,
-  // enough for every thread to stay busy; run 0 adds into dk_t/dv_t, the others into their own partial buffers
-  // (keys from the run's first key to its end), summed in a fixed order afterwards.
-  const int64_t threads = at::get_num_threads();
-  int64_t chunks = std::min(plan.nblk, (4 * threads + B * KV - 1) / (B * KV));
-  chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, (int64_t(1) << 26) / std::max<int64_t>(1, B * KV * S * (Dqk + Dv))));
-  std::vector<int64_t> chunk_begin(B * (chunks + 1));  // block index where each run starts, per batch row
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < plan.nblk; ++i) total += plan.cost(b, i);
-    int64_t c = 1, acc = 0;
-    chunk_begin[b * (chunks + 1)] = 0;
-    for (int64_t i = 0; i < plan.nblk && c < chunks; ++i) {
-      acc += plan.cost(b, i);
-      while (c < chunks && acc * chunks >= total * c) chunk_begin[b * (chunks + 1) + c++] = i + 1;
+  // With one run per (batch, kv head) a task's dK/dV sums are final; with several, each run's sums go to its own
+  // slot [keys, D] and are added in run order afterwards.
+  const int64_t chunks = runs.chunks;
+  std::vector<int64_t> part_off(B * KV * chunks + 1, 0);
+  if (chunks > 1)
+    for (int64_t x = 0; x < B * KV * chunks; ++x) {
+      const int64_t b = x / (KV * chunks), c = x % chunks;
+      part_off[x + 1] = part_off[x] + runs.end(plan, b, c) - runs.key0[b * chunks + c];
     }
-    while (c <= chunks) chunk_begin[b * (chunks + 1) + c++] = plan.nblk;
-  }
-  // partial buffer of (b, g, c >= 1): [D, keys] for keys [first key of the run, end of the run)
-  std::vector<int64_t> part_k0(B * KV * chunks, 0), part_len(B * KV * chunks, 0), part_off(B * KV * chunks, 0);
-  int64_t part_elems = 0;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < KV; ++g)
-      for (int64_t c = 1; c < chunks; ++c) {
-        const int64_t i0 = chunk_begin[b * (chunks + 1) + c], i1 = chunk_begin[b * (chunks + 1) + c + 1];
-        if (i0 == i1) continue;
-        const int64_t x = (b * KV + g) * chunks + c;
-        part_k0[x] = plan.block(b, i0).k0;
-        for (int64_t i = i0; i < i1; ++i) part_k0[x] = std::min(part_k0[x], plan.block(b, i).k0);
-        part_len[x] = plan.block(b, i1 - 1).e - part_k0[x];
-        part_off[x] = part_elems;
-        part_elems += part_len[x];
-      }
-  Tensor part_dk = at::zeros({part_elems * Dqk}, q.options().dtype(ct));
-  Tensor part_dv = at::zeros({part_elems * Dv}, q.options().dtype(ct));
+  Tensor part_dk = at::empty({part_off.back() * Dqk}, q.options().dtype(ct));
+  Tensor part_dv = at::empty({part_off.back() * Dv}, q.options().dtype(ct));
 
   const int64_t R = rows * rep;
-  std::vector<int64_t> cost(B * KV * chunks, 0);
-  for (int64_t t = 0; t < static_cast<int64_t>(cost.size()); ++t) {
-    const int64_t c = t % chunks, b = t / (chunks * KV);
-    for (int64_t i = chunk_begin[b * (chunks + 1) + c]; i < chunk_begin[b * (chunks + 1) + c + 1]; ++i)
-      cost[t] += plan.cost(b, i);
-  }
   std::function<BwdScratch<T>()> make = [&] {
     BwdScratch<T> w;
     w.q.resize(R * Dqk);
@@ -475,74 +541,83 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
     w.p.resize(saved ? 0 : R * S);
     w.dp.resize(R * S);
     w.delta.resize(R);
+    w.kt.resize(Dqk * S);
+    w.vt.resize(Dv * S);
+    w.dk_t.resize(Dqk * S);
+    w.dv_t.resize(Dv * S);
     w.lo.resize(R);
     w.hi.resize(R);
     return w;
   };
-  run_tasks(largest_first(cost), make, [&](int64_t t, BwdScratch<T>& w) {
-    const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV);
-    const int64_t bg = b * KV + g;
+  run_tasks(runs.order(KV), make, [&](int64_t t, BwdScratch<T>& w) {
+    const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV), bg = b * KV + g;
+    const int64_t key0 = runs.key0[b * chunks + c], n = runs.end(plan, b, c) - key0;
     const T* k_bg = kr.data_ptr<T>() + b * kr.stride(0) + g * kr.stride(1);
-    const T* kt_bg = kt.data_ptr<T>() + bg * Dqk * S;
-    const T* vt_bg = vt.data_ptr<T>() + bg * Dv * S;
-    T *dk_acc, *dv_acc;  // [D, ld] accumulators whose column 0 is key position key0
-    int64_t key0, ld;
-    if (c == 0) {
-      dk_acc = dk_t.data_ptr<T>() + bg * Dqk * S;
-      dv_acc = dv_t.data_ptr<T>() + bg * Dv * S;
-      key0 = 0;
-      ld = S;
-    } else {
-      dk_acc = part_dk.data_ptr<T>() + part_off[t] * Dqk;
-      dv_acc = part_dv.data_ptr<T>() + part_off[t] * Dv;
-      key0 = part_k0[t];
-      ld = part_len[t];
-    }
-    for (int64_t i = chunk_begin[b * (chunks + 1) + c]; i < chunk_begin[b * (chunks + 1) + c + 1]; ++i) {
+    const T* v_bg = vr.data_ptr<T>() + b * vr.stride(0) + g * vr.stride(1);
+    // keys and values of the run as columns, and dK/dV accumulated transposed ([D, n]): each block adds
+    // (q^T ds) and (dout^T p), whose left factors are its small [D, rows] tiles, so no [rows, keys] tile is
+    // ever transposed
+    transpose(k_bg + key0 * kr.stride(2), n, Dqk, kr.stride(2), w.kt.data(), n);
+    transpose(v_bg + key0 * vr.stride(2), n, Dv, vr.stride(2), w.vt.data(), n);
+    std::fill(w.dk_t.data(), w.dk_t.data() + Dqk * n, T(0));
+    std::fill(w.dv_t.data(), w.dv_t.data() + Dv * n, T(0));
+    for (int64_t i = runs.begin(b, c); i < runs.stop(b, c); ++i) {
       const Block& blk = plan.block(b, i);
-      const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
-      gather_rows<in_t, T>(q, b, g, rep, blk.s0, blk.e, w.q.data(), w.q_t.data());
-      gather_rows<in_t, T>(dout_c, b, g, rep, blk.s0, blk.e, w.dout.data(), w.dout_t.data());
-      gather_rows<in_t, T>(out_BHSD, b, g, rep, blk.s0, blk.e, w.o.data(), nullptr);
+      const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0, j0 = blk.k0 - key0;
+      const auto [qp, ldq] = q_rows.read(b, g, blk.s0, blk.e, w.q.data());
+      const auto [dop, lddo] = dout_rows.read(b, g, blk.s0, blk.e, w.dout.data());
+      const auto [op, ldo] = out_rows.read(b, g, blk.s0, blk.e, w.o.data());
+      transpose(qp, Rb, Dqk, ldq, w.q_t.data(), Rb);
+      transpose(dop, Rb, Dv, lddo, w.dout_t.data(), Rb);
       for (int64_t row = 0; row < Rb; ++row) {  // delta = rowsum(dout * out)
         T acc = 0;
-        for (int64_t d = 0; d < Dv; ++d) acc += w.dout[row * Dv + d] * w.o[row * Dv + d];
+        for (int64_t d = 0; d < Dv; ++d) acc += dop[row * lddo + d] * op[row * ldo + d];
         w.delta[row] = acc;
       }
       plan.row_ranges(b, i, w.lo.data(), w.hi.data());
       T* p = saved ? probs.data_ptr<T>() + plan.prob_offset[bg * plan.nblk + i] : w.p.data();
       T* ds = w.dp.data();
-      if (!saved) mm(Rb, L, Dqk, w.q.data(), Dqk, kt_bg + blk.k0, S, p, L, false);  // scores = q k^T
-      mm(Rb, L, Dv, w.dout.data(), Dv, vt_bg + blk.k0, S, ds, L, false);            // dp = dout v^T
+      if (!saved) mm(Rb, L, Dqk, qp, ldq, w.kt.data() + j0, n, p, L, false);  // scores = q k^T
+      mm(Rb, L, Dv, dop, lddo, w.vt.data() + j0, n, ds, L, false);             // dp = dout v^T
       const T* lse_rows = lse.data_ptr<T>() + (bg * S + blk.s0) * rep;
       score_grads(p, ds, Rb, L, w.lo.data(), w.hi.data(), lse_rows, w.delta.data(), static_cast<T>(scale), !saved);
-      mm(Dv, L, Rb, w.dout_t.data(), Rb, p, L, dv_acc + (blk.k0 - key0), ld, true);                 // dv^T += dout^T p
-      mm(Rb, Dqk, L, ds, L, k_bg + blk.k0 * kr.stride(2), kr.stride(2), w.dq.data(), Dqk, false);  // dq = ds k
-      mm(Dqk, L, Rb, w.q_t.data(), Rb, ds, L, dk_acc + (blk.k0 - key0), ld, true);                  // dk^T += q^T ds
-      scatter_rows<in_t, T>(w.dq.data(), dq, b, g, rep, blk.s0, blk.e);
+      mm(Dv, L, Rb, w.dout_t.data(), Rb, p, L, w.dv_t.data() + j0, n, true);  // dv^T += dout^T p
+      const auto [dqp, lddq] = dq_rows.target(b, g, blk.s0, w.dq.data());
+      mm(Rb, Dqk, L, ds, L, k_bg + blk.k0 * kr.stride(2), kr.stride(2), dqp, lddq, false);  // dq = ds k
+      dq_rows.write(b, g, blk.s0, blk.e, w.dq.data());
+      mm(Dqk, L, Rb, w.q_t.data(), Rb, ds, L, w.dk_t.data() + j0, n, true);  // dk^T += q^T ds
+    }
+    if (chunks == 1) {  // the run covers every key of (b, g): key0 = 0, n = S
+      transpose(w.dk_t.data(), Dqk, n, n, dk.data_ptr<in_t>() + bg * S * Dqk, Dqk);
+      transpose(w.dv_t.data(), Dv, n, n, dv.data_ptr<in_t>() + bg * S * Dv, Dv);
+    } else {
+      const int64_t x = bg * chunks + c;
+      transpose(w.dk_t.data(), Dqk, n, n, part_dk.data_ptr<T>() + part_off[x] * Dqk, Dqk);
+      transpose(w.dv_t.data(), Dv, n, n, part_dv.data_ptr<T>() + part_off[x] * Dv, Dv);
     }
   });
-  if (chunks > 1) {
+  if (chunks > 1) {  // dk/dv = the runs' sums, added in run order
     at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bg = begin; bg < end; ++bg)
-        for (int64_t c = 1; c < chunks; ++c) {
-          const int64_t x = bg * chunks + c, n = part_len[x];
-          for (int64_t d = 0; d < Dqk; ++d) {
-            const T* src = part_dk.data_ptr<T>() + part_off[x] * Dqk + d * n;
-            T* dst = dk_t.data_ptr<T>() + (bg * Dqk + d) * S + part_k0[x];
-            for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
-          }
-          for (int64_t d = 0; d < Dv; ++d) {
-            const T* src = part_dv.data_ptr<T>() + part_off[x] * Dv + d * n;
-            T* dst = dv_t.data_ptr<T>() + (bg * Dv + d) * S + part_k0[x];
-            for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
-          }
+      std::vector<T> acc_k(S * Dqk), acc_v(S * Dv);
+      for (int64_t bg = begin; bg < end; ++bg) {
+        std::fill(acc_k.begin(), acc_k.end(), T(0));
+        std::fill(acc_v.begin(), acc_v.end(), T(0));
+        const int64_t b = bg / KV;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t x = bg * chunks + c, j0 = runs.key0[b * chunks + c], n = part_off[x + 1] - part_off[x];
+          const T* pk = part_dk.data_ptr<T>() + part_off[x] * Dqk;
+          const T* pv = part_dv.data_ptr<T>() + part_off[x] * Dv;
+          for (int64_t j = 0; j < n * Dqk; ++j) acc_k[j0 * Dqk + j] += pk[j];
+          for (int64_t j = 0; j < n * Dv; ++j) acc_v[j0 * Dv + j] += pv[j];
         }
+        in_t* dkx = dk.data_ptr<in_t>() + bg * S * Dqk;
+        in_t* dvx = dv.data_ptr<in_t>() + bg * S * Dv;
+        for (int64_t j = 0; j < S * Dqk; ++j) dkx[j] = static_cast<in_t>(acc_k[j]);
+        for (int64_t j = 0; j < S * Dv; ++j) dvx[j] = static_cast<in_t>(acc_v[j]);
+      }
     });
   }
-  const auto contiguous = at::MemoryFormat::Contiguous;
-  return {dq.transpose(1, 2), dk_t.transpose(2, 3).to(k.options(), false, false, contiguous),
-          dv_t.transpose(2, 3).to(v.options(), false, false, contiguous)};
+  return {dq_BHSD, dk, dv};
 }
 
 #define MC_DISPATCH(dtype, NAME, ...)                                                          \
