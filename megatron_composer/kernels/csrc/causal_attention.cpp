@@ -6,9 +6,10 @@
 // it and otherwise recomputes them from the log-sum-exp.
 //
 // Why C++: the Python kernel issues ~10 small torch ops per block, which scale poorly past one thread. Here
-// the work is split into tasks, one per (batch, kv-head, query block) in the forward and one per (batch,
-// kv-head, run of query blocks) in the backward, which threads take largest first from a shared counter; each
-// task is single-threaded (BLAS through ATen on tile views, hand loops for the softmax).
+// the work is split into tasks, one per (batch, kv head, run of query blocks), which the ATen threads take
+// largest first from a shared counter; each task is single-threaded: matmuls through oneDNN's micro-kernel
+// (at::native::cpublas::brgemm, row-major operands, so keys/values are transposed once per task and dK/dV
+// are accumulated transposed), softmax and its gradient in vectorised loops.
 //
 // Documents: doc_ids label contiguous runs of tokens (model/attention.py::document_ids makes them so); a
 // query sees the keys from the first token of its run up to itself.
@@ -25,9 +26,9 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <type_traits>
 #include <numeric>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
