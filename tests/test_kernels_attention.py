@@ -141,16 +141,29 @@ def test_cpp_matches_python_float32(B, H, KV, S, Dq, Dv, docs):
 
 
 @needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,KV,S,Dq,Dv,docs", _SHAPES[:4])
-def test_cpp_matches_python_bfloat16(B, H, KV, S, Dq, Dv, docs):
-    """Both compute in float32 from the same bf16 inputs; they differ by float32 rounding, then bf16 rounding
-    of the results (one bf16 ulp where a value lands near a rounding boundary)."""
-    q, k, v, doc, dout = _inputs(B, H, KV, S, Dq, Dv, torch.bfloat16, docs, seed=S)
+def test_cpp_matches_python_half_precision(dtype, B, H, KV, S, Dq, Dv, docs):
+    """Both compute in float32 from the same 16-bit inputs; they differ by float32 rounding, then the 16-bit
+    rounding of the results (one ulp where a value lands near a rounding boundary)."""
+    q, k, v, doc, dout = _inputs(B, H, KV, S, Dq, Dv, dtype, docs, seed=S)
     want, got = _python_and_cpp(q, k, v, 0.35, doc, dout)
     for a, b in zip(got, want):
-        assert a.dtype == torch.bfloat16
+        assert a.dtype == dtype
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=1e-2)
         assert (a.float() - b.float()).abs().mean() < 1e-3  # nearly all equal
+
+
+@needs_cpp
+def test_cpp_broadcast_output_gradient():
+    """out.sum().backward() hands the kernel a gradient expanded from one element (all strides 0)."""
+    q, k, v, doc, _ = _inputs(2, 4, 2, 50, 8, 8, torch.float64, 3, seed=5)
+    grads = []
+    for run in (lambda: ca._CausalAttention.apply(q, k, v, 0.5, doc),
+                lambda: ca._CausalAttentionCpp.apply(_CPP, q, k, v, 0.5, doc, 0)):
+        grads.append(torch.autograd.grad(run().sum(), (q, k, v)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 @needs_cpp
