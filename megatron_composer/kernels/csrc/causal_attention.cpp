@@ -295,10 +295,49 @@ std::vector<int64_t> largest_first(const std::vector<int64_t>& cost) {
   return order;
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define MC_FAST_TRANSPOSE 1
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// float32 transpose (see transpose below) by 8 x 8 blocks in registers: three rounds of interleaving rows i and
+// i + 4 turn 8 rows into 8 columns.
+MC_MULTI_ISA void transpose_f32(const float* src, int64_t rows, int64_t cols, int64_t src_ld, float* dst,
+                                int64_t dst_ld) {
+  const i32x8 lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
+  int64_t r0 = 0;
+  for (; r0 + 8 <= rows; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) {
+      f32x8 x[8], y[8];
+      for (int i = 0; i < 8; ++i) std::memcpy(&x[i], src + (r0 + i) * src_ld + c0, sizeof(f32x8));
+      for (int round = 0; round < 3; ++round) {
+        for (int i = 0; i < 4; ++i) {
+          y[2 * i] = __builtin_shuffle(x[i], x[i + 4], lo);
+          y[2 * i + 1] = __builtin_shuffle(x[i], x[i + 4], hi);
+        }
+        for (int i = 0; i < 8; ++i) x[i] = y[i];
+      }
+      for (int j = 0; j < 8; ++j) std::memcpy(dst + (c0 + j) * dst_ld + r0, &x[j], sizeof(f32x8));
+    }
+    for (; c0 < cols; ++c0)
+      for (int64_t r = r0; r < r0 + 8; ++r) dst[c0 * dst_ld + r] = src[r * src_ld + c0];
+  }
+  for (; r0 < rows; ++r0)
+    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r0] = src[r0 * src_ld + c];
+}
+#endif
+
 // dst[c * dst_ld + r] = src[r * src_ld + c] for a [rows, cols] source, converting the element type; 16 source
 // rows at a time (they stay in L1) so every store run is contiguous.
 template <typename src_t, typename dst_t>
 void transpose(const src_t* src, int64_t rows, int64_t cols, int64_t src_ld, dst_t* dst, int64_t dst_ld) {
+#ifdef MC_FAST_TRANSPOSE
+  if constexpr (std::is_same_v<src_t, float> && std::is_same_v<dst_t, float>) {
+    transpose_f32(src, rows, cols, src_ld, dst, dst_ld);
+    return;
+  }
+#endif
   constexpr int64_t kB = 16;
   for (int64_t r0 = 0; r0 < rows; r0 += kB) {
     const int64_t r1 = std::min(rows, r0 + kB);
