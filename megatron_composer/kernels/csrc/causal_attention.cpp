@@ -31,6 +31,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"  // the 64-byte vector helpers are always inlined: no call passes one
+#endif
+
 namespace {
 
 using at::Tensor;
@@ -396,10 +400,21 @@ struct HeadRows {
   }
 };
 
-// [B, KV, S, D] in the compute type with unit last stride (no copy when it already is): keys/values as rows.
-Tensor key_rows(const Tensor& x, at::ScalarType ct) {
-  Tensor y = x.to(ct);
-  return y.stride(-1) == 1 ? y : y.contiguous();
+// Keys or values (x [B, KV, S, D]) of one (batch, kv head) at positions [j0, j0 + n) as matmul rows: in place
+// when x is in the compute type with unit last stride, else converted into `tile` ([n, D]).
+template <typename in_t, typename T>
+std::pair<const T*, int64_t> key_rows(const Tensor& x, int64_t b, int64_t g, int64_t j0, int64_t n, T* tile) {
+  const in_t* src = x.data_ptr<in_t>() + b * x.stride(0) + g * x.stride(1) + j0 * x.stride(2);
+  const int64_t D = x.size(3), sj = x.stride(2), sd = x.stride(3);
+  if (std::is_same_v<in_t, T> && sd == 1 && sj >= D) return {reinterpret_cast<const T*>(src), sj};
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) tile[j * D + d] = static_cast<T>(src[j * sj + d * sd]);
+  return {tile, D};
+}
+// Whether key_rows needs its tile.
+template <typename in_t, typename T>
+bool key_rows_copy(const Tensor& x) {
+  return !(std::is_same_v<in_t, T> && x.stride(3) == 1 && x.stride(2) >= x.size(3));
 }
 
 // Uninitialised scratch memory of one worker.
@@ -475,7 +490,7 @@ struct Runs {
 
 template <typename T>
 struct FwdScratch {
-  Buf<T> q, o, s, kt;
+  Buf<T> q, o, s, kt, k, v;
   Buf<int64_t> lo, hi;
 };
 
@@ -488,7 +503,6 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
   const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
   const Plan plan(B, KV, rep, S, rows, doc_ids);
   const Runs runs(plan, at::get_num_threads());
-  const Tensor kr = key_rows(k, ct), vr = key_rows(v, ct);
   Tensor out = at::empty({B, S, H, Dv}, q.options());
   Tensor lse = at::empty({B, KV, S, rep}, q.options().dtype(ct));
   const bool keep = plan.prob_elements <= saved_prob_elements;
@@ -503,6 +517,8 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
     w.o.resize(R * Dv);
     w.s.resize(keep ? 0 : R * S);
     w.kt.resize(Dqk * S);
+    w.k.resize(key_rows_copy<in_t, T>(k) ? S * Dqk : 0);
+    w.v.resize(key_rows_copy<in_t, T>(v) ? S * Dv : 0);
     w.lo.resize(R);
     w.hi.resize(R);
     return w;
@@ -510,9 +526,9 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
   run_tasks(runs.order(KV), make, [&](int64_t t, FwdScratch<T>& w) {
     const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV), bg = b * KV + g;
     const int64_t key0 = runs.key0[b * chunks + c], n = runs.end(plan, b, c) - key0;
-    const T* k_bg = kr.data_ptr<T>() + b * kr.stride(0) + g * kr.stride(1);
-    const T* v_bg = vr.data_ptr<T>() + b * vr.stride(0) + g * vr.stride(1);
-    transpose(k_bg + key0 * kr.stride(2), n, Dqk, kr.stride(2), w.kt.data(), n);  // keys as columns [Dqk, n]
+    const auto [kp, ldk] = key_rows<in_t, T>(k, b, g, key0, n, w.k.data());
+    const auto [vp, ldv] = key_rows<in_t, T>(v, b, g, key0, n, w.v.data());
+    transpose(kp, n, Dqk, ldk, w.kt.data(), n);  // keys as columns [Dqk, n]
     for (int64_t i = runs.begin(b, c); i < runs.stop(b, c); ++i) {
       const Block& blk = plan.block(b, i);
       const int64_t Rb = (blk.e - blk.s0) * rep, L = blk.e - blk.k0;
@@ -523,7 +539,7 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
       T* lse_rows = lse.data_ptr<T>() + (bg * S + blk.s0) * rep;
       softmax_rows(p, Rb, L, w.lo.data(), w.hi.data(), static_cast<T>(scale), lse_rows);
       const auto [op, ldo] = out_rows.target(b, g, blk.s0, w.o.data());
-      mm(Rb, Dv, L, p, L, v_bg + blk.k0 * vr.stride(2), vr.stride(2), op, ldo, false);  // out = p v
+      mm(Rb, Dv, L, p, L, vp + (blk.k0 - key0) * ldv, ldv, op, ldo, false);  // out = p v
       out_rows.write(b, g, blk.s0, blk.e, w.o.data());
     }
   });
@@ -532,7 +548,7 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
 
 template <typename T>
 struct BwdScratch {
-  Buf<T> q, q_t, dout, dout_t, o, dq, p, dp, delta, kt, vt, dk_t, dv_t;
+  Buf<T> q, q_t, dout, dout_t, o, dq, p, dp, delta, k, v, kt, vt, dk_t, dv_t;
   Buf<int64_t> lo, hi;
 };
 
@@ -549,7 +565,6 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
   const bool saved = probs.numel() > 0;
   TORCH_CHECK(!saved || probs.numel() == plan.prob_elements, "causal_attention backward: saved probabilities "
               "do not match the blocking (rows per block or doc_ids changed between forward and backward)");
-  const Tensor kr = key_rows(k, ct), vr = key_rows(v, ct);
   const Tensor dout_c = dout.scalar_type() == q.scalar_type() ? dout : dout.to(q.scalar_type());
   const Tensor out_BHSD = out_BSHD.transpose(1, 2);
   Tensor dq = at::empty({B, S, H, Dqk}, q.options());
@@ -581,6 +596,8 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
     w.p.resize(saved ? 0 : R * S);
     w.dp.resize(R * S);
     w.delta.resize(R);
+    w.k.resize(key_rows_copy<in_t, T>(k) ? S * Dqk : 0);
+    w.v.resize(key_rows_copy<in_t, T>(v) ? S * Dv : 0);
     w.kt.resize(Dqk * S);
     w.vt.resize(Dv * S);
     w.dk_t.resize(Dqk * S);
@@ -592,13 +609,13 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
   run_tasks(runs.order(KV), make, [&](int64_t t, BwdScratch<T>& w) {
     const int64_t c = t % chunks, g = (t / chunks) % KV, b = t / (chunks * KV), bg = b * KV + g;
     const int64_t key0 = runs.key0[b * chunks + c], n = runs.end(plan, b, c) - key0;
-    const T* k_bg = kr.data_ptr<T>() + b * kr.stride(0) + g * kr.stride(1);
-    const T* v_bg = vr.data_ptr<T>() + b * vr.stride(0) + g * vr.stride(1);
+    const auto [kp, ldk] = key_rows<in_t, T>(k, b, g, key0, n, w.k.data());
+    const auto [vp, ldv] = key_rows<in_t, T>(v, b, g, key0, n, w.v.data());
     // keys and values of the run as columns, and dK/dV accumulated transposed ([D, n]): each block adds
     // (q^T ds) and (dout^T p), whose left factors are its small [D, rows] tiles, so no [rows, keys] tile is
     // ever transposed
-    transpose(k_bg + key0 * kr.stride(2), n, Dqk, kr.stride(2), w.kt.data(), n);
-    transpose(v_bg + key0 * vr.stride(2), n, Dv, vr.stride(2), w.vt.data(), n);
+    transpose(kp, n, Dqk, ldk, w.kt.data(), n);
+    transpose(vp, n, Dv, ldv, w.vt.data(), n);
     std::fill(w.dk_t.data(), w.dk_t.data() + Dqk * n, T(0));
     std::fill(w.dv_t.data(), w.dv_t.data() + Dv * n, T(0));
     for (int64_t i = runs.begin(b, c); i < runs.stop(b, c); ++i) {
@@ -623,7 +640,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
       score_grads(p, ds, Rb, L, w.lo.data(), w.hi.data(), lse_rows, w.delta.data(), static_cast<T>(scale), !saved);
       mm(Dv, L, Rb, w.dout_t.data(), Rb, p, L, w.dv_t.data() + j0, n, true);  // dv^T += dout^T p
       const auto [dqp, lddq] = dq_rows.target(b, g, blk.s0, w.dq.data());
-      mm(Rb, Dqk, L, ds, L, k_bg + blk.k0 * kr.stride(2), kr.stride(2), dqp, lddq, false);  // dq = ds k
+      mm(Rb, Dqk, L, ds, L, kp + j0 * ldk, ldk, dqp, lddq, false);  // dq = ds k
       dq_rows.write(b, g, blk.s0, blk.e, w.dq.data());
       mm(Dqk, L, Rb, w.q_t.data(), Rb, ds, L, w.dk_t.data() + j0, n, true);  // dk^T += q^T ds
     }
