@@ -47,11 +47,16 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         scale_N1 = torch.where(valid_N, grad_N.float(), 0.0)[:, None]
         grad_NV = torch.empty_like(logits_NV)
         rows = _rows_per_block(V)
+        in_place = logits_NV.dtype == torch.float32  # the float32 block is the gradient's own rows
         for a in range(0, N, rows):
             b = min(N, a + rows)
-            p = torch.softmax(logits_NV[a:b].float(), dim=-1)
-            p.scatter_add_(1, safe_N1[a:b], p.new_full((b - a, 1), -1.0))
-            grad_NV[a:b].copy_(p.mul_(scale_N1[a:b]))
+            if in_place:
+                p = torch.softmax(logits_NV[a:b], dim=-1, out=grad_NV[a:b])
+            else:
+                p = torch.softmax(logits_NV[a:b].float(), dim=-1)
+            p.scatter_add_(1, safe_N1[a:b], p.new_full((b - a, 1), -1.0)).mul_(scale_N1[a:b])
+            if not in_place:
+                grad_NV[a:b].copy_(p)
         return grad_NV, None, None
 
 
