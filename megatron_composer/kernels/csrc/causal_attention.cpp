@@ -450,9 +450,9 @@ struct Runs {
   std::vector<int64_t> key0;   // [B, chunks] first key any block of the run sees
   std::vector<int64_t> cost;   // [B, chunks]
 
-  Runs(const Plan& plan, int64_t threads) {
+  Runs(const Plan& plan, int64_t threads, int64_t max_chunks) {
     const int64_t B = plan.B, pairs = plan.B * plan.KV;
-    chunks = std::max<int64_t>(1, std::min(plan.nblk, (4 * threads + pairs - 1) / pairs));
+    chunks = std::max<int64_t>(1, std::min({plan.nblk, max_chunks, (4 * threads + pairs - 1) / pairs}));
     first.assign(B * (chunks + 1), plan.nblk);
     key0.assign(B * chunks, 0);
     cost.assign(B * chunks, 0);
@@ -502,7 +502,7 @@ std::vector<Tensor> forward_impl(const Tensor& q, const Tensor& k, const Tensor&
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
   const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
   const Plan plan(B, KV, rep, S, rows, doc_ids);
-  const Runs runs(plan, at::get_num_threads());
+  const Runs runs(plan, at::get_num_threads(), plan.nblk);
   Tensor out = at::empty({B, S, H, Dv}, q.options());
   Tensor lse = at::empty({B, KV, S, rep}, q.options().dtype(ct));
   const bool keep = plan.prob_elements <= saved_prob_elements;
@@ -561,7 +561,8 @@ std::vector<Tensor> backward_impl(const Tensor& dout, const Tensor& q, const Ten
   const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dqk = q.size(3);
   const int64_t KV = k.size(1), Dv = v.size(3), rep = H / KV;
   const Plan plan(B, KV, rep, S, rows, doc_ids);
-  const Runs runs(plan, at::get_num_threads());
+  // several runs per (batch, kv head) need a dK/dV slot each: at most ~2^26 elements of them
+  const Runs runs(plan, at::get_num_threads(), (int64_t(1) << 26) / std::max<int64_t>(1, B * KV * S * (Dqk + Dv)));
   const bool saved = probs.numel() > 0;
   TORCH_CHECK(!saved || probs.numel() == plan.prob_elements, "causal_attention backward: saved probabilities "
               "do not match the blocking (rows per block or doc_ids changed between forward and backward)");
