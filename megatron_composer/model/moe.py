@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.grouped_mm import mm_outer, mm_rows
 from .args import ModelConfig
 
 
@@ -35,64 +36,18 @@ class MLP(nn.Module):
 
 
 # ---- grouped matmul ------------------------------------------------------------------------------------
-def _has_grouped_mm() -> bool:
-    try:
-        x, w = torch.zeros(2, 2), torch.zeros(1, 2, 2)
-        torch._grouped_mm(x, w, offs=torch.tensor([2], dtype=torch.int32))
-        return True
-    except Exception:
-        return False
-
-
-_GROUPED_MM = _has_grouped_mm()
-
-
-def _segment_mm(a: torch.Tensor, b_G: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Fallback: per-group matmul over the non-empty groups only."""
-    counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    out = a.new_empty(a.shape[0], b_G.shape[-1])
-    start = 0
-    for g, c in enumerate(counts):
-        if c:
-            torch.matmul(a[start:start + c], b_G[g], out=out[start:start + c])
-            start += c
-    return out
-
-
-def _mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of a in group g times b[g]: [T, K] x [G, K, N] -> [T, N]."""
-    if _GROUPED_MM:
-        return torch._grouped_mm(a_TK, b_GKN, offs=offs)
-    return _segment_mm(a_TK, b_GKN, offs)
-
-
-def _mm_outer(a_TM: torch.Tensor, b_TN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Per group g: a[rows of g]^T b[rows of g] -> [G, M, N] (weight gradients)."""
-    if _GROUPED_MM:
-        return torch._grouped_mm(a_TM.t(), b_TN, offs=offs)
-    G = offs.numel()
-    out = a_TM.new_zeros(G, a_TM.shape[1], b_TN.shape[1])
-    counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    start = 0
-    for g, c in enumerate(counts):
-        if c:
-            torch.matmul(a_TM[start:start + c].t(), b_TN[start:start + c], out=out[g])
-            start += c
-    return out
-
-
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w_EFD, offs):
         ctx.save_for_backward(x_TD, w_EFD, offs)
-        return _mm_rows(x_TD, w_EFD.transpose(-2, -1), offs)
+        return mm_rows(x_TD, w_EFD.transpose(-2, -1), offs)
 
     @staticmethod
     def backward(ctx, dy_TF):
         x_TD, w_EFD, offs = ctx.saved_tensors
         dy_TF = dy_TF.contiguous()
-        dx = _mm_rows(dy_TF, w_EFD, offs) if ctx.needs_input_grad[0] else None
-        dw = _mm_outer(dy_TF, x_TD, offs) if ctx.needs_input_grad[1] else None
+        dx = mm_rows(dy_TF, w_EFD, offs) if ctx.needs_input_grad[0] else None
+        dw = mm_outer(dy_TF, x_TD, offs) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
