@@ -6,7 +6,7 @@
 offs are cumulative row counts (group g holds rows offs[g-1]:offs[g]). Where torch has `_grouped_mm` for the
 device it is used; on CPU the C++ kernel (csrc/grouped_mm.cpp) runs the groups as parallel tasks, each
 matmul on one thread, instead of one small matmul after another split across threads; the loops below are
-its reference and the fallback when it cannot be built.
+its reference and the fallback when it cannot be built or a torch function mode must see every matmul.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _GROUPED_MM = _has_grouped_mm()
 
 
 def _cpu_kernel(*tensors: torch.Tensor):
-    if any(t.device.type != "cpu" for t in tensors):
+    # under a torch function mode (batch-invariant numerics, tracing) the loops run, so the mode sees each matmul
+    if any(t.device.type != "cpu" for t in tensors) or torch._C._is_torch_function_mode_enabled():
         return None
     return cpp.load("grouped_mm", extra_cflags=("-fopenmp",))
 
