@@ -18,6 +18,7 @@ setup(
         "zstandard",
         "fsspec",
         "s3fs",
+        "ninja",  # builds the C++ CPU kernels on first use (kernels/cpp.py); a C++ compiler is needed too
     ],
     extras_require={
         "dev": [

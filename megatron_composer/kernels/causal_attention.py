@@ -174,9 +174,9 @@ _CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _compiled():
-    """The C++ kernel, or None where it cannot be built. Built with OpenMP: ATen's parallel_for is a header
-    template that only runs on the ATen threads when the including code is compiled with OpenMP."""
-    return cpp.load("causal_attention", extra_cflags=("-fopenmp",))
+    """The C++ kernel, or None where it cannot be built (kernels/cpp.py builds it with OpenMP: ATen's
+    parallel_for is a header template that only runs on the ATen threads when compiled with OpenMP)."""
+    return cpp.load("causal_attention")
 
 
 def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,
@@ -189,7 +189,7 @@ def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.T
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({KV})")
     kernel = _compiled()
     if (kernel is not None and q_BHSD.device.type == "cpu" and q_BHSD.dtype in _CPP_DTYPES
-            and q_BHSD.dtype == k_BKSD.dtype == v_BKSD.dtype):
+            and q_BHSD.dtype == k_BKSD.dtype == v_BKSD.dtype and q_BHSD.shape[0] * KV > 0):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHSD, k_BKSD, v_BKSD))
         keep = _SAVED_PROB_ELEMENTS if needs_grad else 0
         return _CausalAttentionCpp.apply(kernel, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS, keep)

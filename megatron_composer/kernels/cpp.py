@@ -1,46 +1,84 @@
 """C++ CPU kernels, compiled on first use.
 
-`load(name)` builds `csrc/<name>.cpp` (ATen + pybind11 only, ~20 s once per source version; the build is
-cached by torch.utils.cpp_extension under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and
-guarded by a file lock, so concurrent ranks build it once) and returns the module. Where it cannot be built
-(no C++ compiler, MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming the reason, and the
-caller runs its Python reference instead: every C++ kernel here has a Python implementation of the same
+`load(name)` builds `csrc/<name>.cpp` (ATen + pybind11 only, ~20 s once per source version, with the flags
+listed in _FLAGS) and returns the module. The build is cached by torch.utils.cpp_extension under
+$TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) in a directory named after a hash of the source,
+the flags and the torch version, so checkouts and versions never rebuild or load each other's module, and a
+file lock makes concurrent ranks build it once. Where it cannot be built (no C++ compiler or ninja,
+MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming the reason (`failure(name)` keeps it), and
+the caller runs its Python reference instead: every C++ kernel here has a Python implementation of the same
 function next to its caller, and the tests compare the two.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+import torch
+
 _CSRC = Path(__file__).resolve().parent / "csrc"
+# extension code that calls at::parallel_for needs OpenMP, or its loops silently run on one thread
+_FLAGS = {"causal_attention": ("-fopenmp",), "grouped_mm": ("-fopenmp",)}
 _modules: dict[str, Optional[ModuleType]] = {}
+_failures: dict[str, str] = {}
 
 
 def enabled() -> bool:
     return os.environ.get("MEGATRON_COMPOSER_CPP", "1") not in ("0", "false", "no")
 
 
-def load(name: str, extra_cflags: tuple[str, ...] = ()) -> Optional[ModuleType]:
+def _put_ninja_on_path() -> None:
+    """torch.utils.cpp_extension runs `ninja` from PATH; the pip package's binary sits beside this interpreter,
+    which is not on PATH when .venv/bin/python is run without activating the environment."""
+    try:
+        import ninja
+
+        where = ninja.BIN_DIR
+    except Exception:
+        where = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and Path(where, "ninja").exists():
+        os.environ["PATH"] = where + os.pathsep + os.environ.get("PATH", "")
+
+
+def toolchain_present() -> bool:
+    """A C++ compiler and ninja are on PATH (what torch.utils.cpp_extension needs)."""
+    _put_ninja_on_path()
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
+
+
+def failure(name: str) -> Optional[str]:
+    """Why load(name) returned None in this process (None if it loaded or was not tried)."""
+    return _failures.get(name)
+
+
+def load(name: str) -> Optional[ModuleType]:
     """The compiled module for csrc/<name>.cpp, or None (Python fallback) when disabled or unbuildable."""
     if not enabled():
         return None
     if name in _modules:
         return _modules[name]
     module = None
+    source = _CSRC / f"{name}.cpp"
+    flags = ["-O3", *_FLAGS.get(name, ())]
+    key = hashlib.sha1(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
+    _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as build
 
-        module = build(f"megatron_composer_{name}", [str(_CSRC / f"{name}.cpp")],
-                       extra_cflags=["-O3", *extra_cflags], verbose=False)
-    except Exception as e:  # no compiler or headers: the Python path computes the same function
-        warnings.warn(f"C++ kernel '{name}' could not be built ({type(e).__name__}: {str(e)[-600:]}); "
-                      "using the Python implementation (set MEGATRON_COMPOSER_CPP=0 to skip the attempt)")
+        module = build(f"megatron_composer_{name}_{key[:12]}", [str(source)], extra_cflags=flags, verbose=False)
+    except Exception as e:  # no compiler, ninja or headers: the Python path computes the same function
+        _failures[name] = f"{type(e).__name__}: {str(e)[-600:]}"
+        warnings.warn(f"C++ kernel '{name}' could not be built ({_failures[name]}); using the Python "
+                      "implementation (set MEGATRON_COMPOSER_CPP=0 to skip the attempt)")
     _modules[name] = module
     return module
 
 
-__all__ = ["enabled", "load"]
+__all__ = ["enabled", "failure", "load", "toolchain_present"]

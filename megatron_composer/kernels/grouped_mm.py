@@ -29,10 +29,13 @@ _GROUPED_MM = _has_grouped_mm()
 
 
 def _cpu_kernel(*tensors: torch.Tensor):
-    # under a torch function mode (batch-invariant numerics, tracing) the loops run, so the mode sees each matmul
-    if any(t.device.type != "cpu" for t in tensors) or torch._C._is_torch_function_mode_enabled():
+    # The loops run instead under a torch function mode (batch-invariant numerics, tracing: the mode must see
+    # each matmul) and when autograd must record them (the kernel is called from model.moe's autograd Function,
+    # whose backward makes the gradient matmuls itself).
+    if (any(t.device.type != "cpu" for t in tensors) or torch._C._is_torch_function_mode_enabled()
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return None
-    return cpp.load("grouped_mm", extra_cflags=("-fopenmp",))
+    return cpp.load("grouped_mm")
 
 
 def reference_mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
