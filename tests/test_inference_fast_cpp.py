@@ -97,7 +97,7 @@ def test_cpp_fast_path_bfloat16_close_to_python(preset, monkeypatch):
             torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
 
 
-def test_cpp_fast_path_follows_weight_updates_and_expert_bias(monkeypatch):
+def test_cpp_fast_path_follows_weight_updates(monkeypatch):
     model = _model("tiny-deepseek-v3", num_layers=2)
     fast, reference = _engines(model, monkeypatch)
     prompts = _prompts(model.config.vocab_size, [5, 8])
@@ -107,4 +107,13 @@ def test_cpp_fast_path_follows_weight_updates_and_expert_bias(monkeypatch):
         engine.update_weights(new, version=1)
     ours, ref = fast.generate(prompts, max_new_tokens=8), reference.generate(prompts, max_new_tokens=8)
     assert [r.token_ids for r in ours] == [r.token_ids for r in ref]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-5, rtol=0)
     assert all(v == 1 for r in ours for v in r.weight_versions)
+
+
+def test_cpp_fast_path_off_the_cpu():
+    """Models on another device keep the Python fast path (the C++ loops read host memory)."""
+    model = Transformer(get_preset("tiny-deepseek-v3").replace(num_layers=2)).to("meta")
+    from megatron_composer.inference.fast_path import FastForward
+    assert not FastForward(model).uses_cpp

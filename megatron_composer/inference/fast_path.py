@@ -19,8 +19,9 @@ batch-invariant path of engine.py calls the modules and is the bit-exact one):
   the routed arithmetic) and a batch that reaches them all but gives each only a few rows
   (E <= T K <= 16 E: decoding, not prefill), every token runs every expert in two matmuls and the
   unchosen ones get gate 0: cheaper than E small matmuls when per-call overhead dominates (never the case for DeepSeek-V3's 256 experts, top-8). Without tensor parallelism the shared
-  experts join that form as more experts with gate 1. The router is the model's own module,
-  so the recorded routing is what the model's router chooses.
+  experts join that form as more experts with gate 1. The router is the model's own module
+  (decode.cpp repeats Router.forward's operations in the same order), so the recorded routing is what the
+  model's router chooses.
 
 C++: `kernels/csrc/decode.cpp` is this module's block() as one compiled call per forward pass (all layers,
 the same ATen operations in the same order, RMSNorm and RoPE as loops), used when it builds (a C++ compiler is
@@ -239,9 +240,9 @@ class FastForward:
             self._cpp_blocks = [self._cpp_block(b) for b in self.weights.blocks]
 
     def _cpp_applies(self, model) -> bool:
-        """Unsharded model (no collectives inside a block), float32 or bfloat16."""
-        dtype = model.tok_embeddings.weight.dtype
-        return (self.tp_group is None and dtype in (torch.float32, torch.bfloat16)
+        """Unsharded model (no collectives inside a block) on the CPU, float32 or bfloat16."""
+        weight = model.tok_embeddings.weight
+        return (self.tp_group is None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
                 and all(b.ffn.local for b in self.weights.blocks if isinstance(b.ffn, _MoE)))
 
     @property

@@ -90,7 +90,8 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """Scores tokens against experts in float32 and picks the top-k."""
+    """Scores tokens against experts in float32 and picks the top-k. (The inference engine's C++ decode path,
+    kernels/csrc/decode.cpp Block::route, repeats forward()'s operations: change both together.)"""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -21,12 +21,12 @@ void rms_rows(const T* x, int64_t row_stride, const T* w, T* y, int64_t rows, in
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * row_stride;
     T* yr = y + r * D;
-    float ss = 0.f;
+    double ss = 0.0;  // one accumulator in double: as accurate as torch's blocked float sums at any width
     for (int64_t i = 0; i < D; ++i) {
-      float v = static_cast<float>(xr[i]);
+      const double v = static_cast<float>(xr[i]);
       ss += v * v;
     }
-    float rstd = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    const float rstd = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(D) + eps));
     for (int64_t i = 0; i < D; ++i) {
       // normalise in float32, cast back, then scale (the model's RMSNorm)
       T n = static_cast<T>(static_cast<float>(xr[i]) * rstd);
@@ -37,6 +37,7 @@ void rms_rows(const T* x, int64_t row_stride, const T* w, T* y, int64_t rows, in
 
 // RMSNorm over the last dim of x (rows may be strided, the last dim contiguous); returns a new contiguous tensor.
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "decode kernels run on CPU tensors only");
   const int64_t D = x.size(-1);
   Tensor x2 = x.stride(-1) == 1 ? x.reshape({-1, D}) : x.contiguous().reshape({-1, D});
   if (x2.stride(-1) != 1) x2 = x2.contiguous();
@@ -116,7 +117,7 @@ Tensor softmax_like(const Tensor& scores) {
 // torch.argmax): a vectorised max, then a scan for its first position (torch's argmax is a slow scalar
 // reduction over long rows on CPU).
 Tensor argmax_rows(const Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2, "argmax_rows takes [rows, vocab] logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu(), "argmax_rows takes [rows, vocab] CPU logits");
   Tensor x = logits.contiguous().to(at::kFloat);
   Tensor m = x.amax(-1).contiguous();
   const int64_t B = x.size(0), V = x.size(1);
@@ -360,6 +361,7 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
                                                       const Tensor& inv_freq, double attention_factor,
                                                       const Tensor& write_slots, const OptTensor& rows,
                                                       const Tensor& read_slots_BL) {
+  TORCH_CHECK(h_BND.device().is_cpu(), "decode kernels run on CPU tensors only");
   c10::InferenceMode inference;
   Step s;
   const auto dtype = h_BND.scalar_type();
@@ -388,8 +390,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 statistics, cast back, then scale)");
   m.def("argmax_rows", &argmax_rows, "argmax over the last dim of [rows, vocab] (first of equal maxima)");
   m.def("mtp_input", &mtp_input, "an MTP module's block input from the embedding and the previous hidden state");
-  m.def("forward_blocks", &forward_blocks, "blocks [first, last) over new tokens with cached attention");
   namespace py = pybind11;
+  // no Python objects are touched after the arguments are converted: other threads (the HTTP server's) run
+  m.def("forward_blocks", &forward_blocks, "blocks [first, last) over new tokens with cached attention",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<Block>(m, "Block")
       .def(py::init<>())
 #define FIELD(name) .def_readwrite(#name, &Block::name)
