@@ -210,3 +210,8 @@ def test_mixed_dtypes_use_the_python_kernel():
     out = ca.causal_attention(q, k.detach().double(), v.detach().double(), 0.5)
     assert out.grad_fn is not None and "CausalAttentionBackward" in type(out.grad_fn).__name__
     assert "Cpp" not in type(out.grad_fn).__name__
+
+
+def test_empty_batch_returns_empty():
+    q, k = torch.zeros(0, 4, 16, 8), torch.zeros(0, 2, 16, 8)
+    assert ca.causal_attention(q, k, k, 0.3).shape == (0, 4, 16, 8)

@@ -17,13 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# float32 elements of one block of rows (~1 MiB): small enough to stay in a core's L2 between the passes
-_BLOCK_ELEMENTS = 1 << 18
+# float32 elements of one block of rows: on CPU ~1 MiB, small enough to stay in a core's L2 between the
+# passes; on accelerators ~1 GiB, where the point is only not to hold a whole float32 copy of the logits and
+# each block must be large enough to fill the device
+_BLOCK_ELEMENTS = {"cpu": 1 << 18}
+_DEVICE_BLOCK_ELEMENTS = 1 << 28
 _MIN_ROWS = 8
 
 
-def _rows_per_block(vocab: int) -> int:
-    return max(_MIN_ROWS, _BLOCK_ELEMENTS // max(vocab, 1))
+def _rows_per_block(vocab: int, device: torch.device) -> int:
+    return max(_MIN_ROWS, _BLOCK_ELEMENTS.get(device.type, _DEVICE_BLOCK_ELEMENTS) // max(vocab, 1))
 
 
 class _BlockedCrossEntropy(torch.autograd.Function):
@@ -33,7 +36,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         valid_N = target_N != ignore_index
         safe_N1 = torch.where(valid_N, target_N, 0)[:, None]
         logp_N1 = torch.empty(N, 1, dtype=torch.float32, device=logits_NV.device)
-        rows = _rows_per_block(V)
+        rows = _rows_per_block(V, logits_NV.device)
         for a in range(0, N, rows):
             b = min(N, a + rows)
             torch.gather(torch.log_softmax(logits_NV[a:b].float(), dim=-1), 1, safe_N1[a:b], out=logp_N1[a:b])
@@ -46,7 +49,7 @@ class _BlockedCrossEntropy(torch.autograd.Function):
         N, V = logits_NV.shape
         scale_N1 = torch.where(valid_N, grad_N.float(), 0.0)[:, None]
         grad_NV = torch.empty_like(logits_NV)
-        rows = _rows_per_block(V)
+        rows = _rows_per_block(V, logits_NV.device)
         in_place = logits_NV.dtype == torch.float32  # the float32 block is the gradient's own rows
         for a in range(0, N, rows):
             b = min(N, a + rows)

@@ -19,6 +19,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -26,8 +27,10 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <type_traits>
 #include <vector>
 
@@ -203,9 +206,30 @@ void score_grads(double* p, double* dp, int64_t R, int64_t L, const int64_t* lo,
 // c[M, N] (+)= a[M, K] @ b[K, N], all row-major with leading dimensions. float32: oneDNN's batch-reduce GEMM
 // micro-kernel through ATen (falls back to BLAS where oneDNN has none), cheaper per call than a dispatched
 // op; float64: ATen's addmm on views.
+// oneDNN compiles a micro-kernel per distinct (M, N, K, lda, ldb, ldc) and caches it per thread for good;
+// packed documents make shapes data-dependent, so past kMaxKernelShapes distinct shapes the rest go through
+// ATen's matmul (same result, more per-call overhead) and memory stays bounded.
+constexpr size_t kMaxKernelShapes = 256;
+bool micro_kernel_shape(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+  static std::mutex mutex;
+  static std::set<std::array<int64_t, 6>> seen;
+  const std::array<int64_t, 6> key{M, N, K, lda, ldb, ldc};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.count(key)) return true;
+  if (seen.size() >= kMaxKernelShapes) return false;
+  seen.insert(key);
+  return true;
+}
 void mm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
         int64_t ldc, bool accumulate) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+  if (micro_kernel_shape(M, N, K, lda, ldb, ldc)) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+    return;
+  }
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  Tensor cv = at::from_blob(c, {M, N}, {ldc, 1}, opts);
+  at::addmm_out(cv, cv, at::from_blob(const_cast<float*>(a), {M, K}, {lda, 1}, opts),
+                at::from_blob(const_cast<float*>(b), {K, N}, {ldb, 1}, opts), accumulate ? 1.0 : 0.0, 1.0);
 }
 void mm(int64_t M, int64_t N, int64_t K, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
         int64_t ldc, bool accumulate) {
