@@ -12,13 +12,7 @@ from megatron_composer.inference import (
 from megatron_composer.inference.sampling import sampling_probs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra threads only add contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(preset, seed=0, **changes):

@@ -9,12 +9,7 @@ from megatron_composer.kernels import cpp
 from megatron_composer.model import Transformer, get_preset
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(preset, seed=0, dtype=torch.float32, **changes):

@@ -18,12 +18,7 @@ from megatron_composer.model import Transformer, get_preset
 TOOL_JSON = '{"name": "ls", "arguments": {"path": "."}}'
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokenizer(tmp_path):
