@@ -139,6 +139,7 @@ class PackedWeights:
     def __init__(self, model, tp_group=None):
         self.model, self.tp_group = model, tp_group
         self.blocks: list[_Block] = []
+        self.refresh()
 
     def refresh(self) -> None:
         blocks = list(self.model.layers) + [m.block for m in self.model.mtp[:1]]
@@ -229,7 +230,6 @@ class FastForward:
 
     def __init__(self, model, tp_group=None, use_cpp: bool = True):
         self.weights = PackedWeights(model, tp_group)
-        self.weights.refresh()
         self.tp_group = tp_group
         self.rope = model.rope
         # the C++ twin of block() (kernels/csrc/decode.cpp): one call per forward pass, where it applies
