@@ -11,7 +11,6 @@ advantage), so the reward plateaus below 1; the test asks for a clear rise, not 
 import copy
 import dataclasses
 
-import pytest
 import torch
 
 from megatron_composer.model import Transformer, get_preset
@@ -94,15 +93,6 @@ def run_loop(steps: int = STEPS, seed: int = 0) -> list[float]:
         loss.backward()
         optimizer.step()
     return rewards_per_step
-
-
-@pytest.fixture
-def one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a shared CPU extra threads only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_default_objective_raises_reward_on_toy_task(one_thread):
