@@ -7,6 +7,7 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -269,23 +270,68 @@ struct Block {
     return at::linear(o, w_o);
   }
 
-  // The model's Router.forward (no replay): float32 scores, group-limited top-k on biased scores.
+  // The model's Router.forward (no replay): float32 scores, group-limited top-k on biased scores. The scores
+  // are ATen's (vectorised sigmoid/softmax, bit for bit the model's); the selection is a loop over each token's
+  // E scores instead of ~15 tiny tensor operations, making the same choices in the same order: torch.topk's CPU
+  // kernel (ATen/native/TopKImpl.h) ranks (double score, index) pairs with std::nth_element (k * 64 > E) or
+  // std::partial_sort, and the order of the chosen experts is the order it leaves them in.
   std::pair<Tensor, Tensor> route(const Tensor& x_TD) const {
     Tensor logits = at::linear(x_TD.to(at::kFloat), router_w.to(at::kFloat));
-    Tensor scores = sigmoid ? logits.sigmoid() : logits.softmax(-1);
-    Tensor choice = router_bias.has_value() ? scores + *router_bias : scores;
-    if (n_group > 1) {
-      const int64_t T = choice.size(0);
-      Tensor grouped = choice.view({T, n_group, -1});
-      Tensor group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);
-      Tensor keep = std::get<1>(group_scores.topk(topk_group, -1, true, false));
-      Tensor group_mask = at::zeros_like(group_scores, group_scores.options().dtype(at::kBool)).scatter_(1, keep, true);
-      choice = grouped.masked_fill(group_mask.logical_not().unsqueeze(-1), -INFINITY).view({T, -1});
+    Tensor scores = (sigmoid ? logits.sigmoid() : logits.softmax(-1)).contiguous();
+    const int64_t T = scores.size(0), K = top_k, G = n_group, per_group = E / n_group;
+    Tensor indices = at::empty({T, K}, scores.options().dtype(at::kLong));
+    Tensor weights = at::empty({T, K}, scores.options());
+    Tensor bias = router_bias.has_value() ? router_bias->to(at::kFloat).contiguous() : Tensor();
+    const float* pb = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    const float* ps = scores.data_ptr<float>();
+    int64_t* pi = indices.data_ptr<int64_t>();
+    float* pw = weights.data_ptr<float>();
+    using Elem = std::pair<double, int64_t>;
+    auto larger = [](const Elem& a, const Elem& b) {
+      return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+    };
+    auto top = [&](std::vector<Elem>& q, int64_t k, bool sorted) {  // torch.topk's CPU selection
+      if (k * 64 <= static_cast<int64_t>(q.size())) {
+        std::partial_sort(q.begin(), q.begin() + k, q.end(), larger);
+      } else {
+        std::nth_element(q.begin(), q.begin() + k - 1, q.end(), larger);
+        if (sorted) std::sort(q.begin(), q.begin() + k - 1, larger);
+      }
+    };
+    std::vector<float> choice(E);
+    std::vector<Elem> q(E), gq(G), inq(per_group);
+    std::vector<char> keep(G);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* st = ps + t * E;
+      for (int64_t e = 0; e < E; ++e) choice[e] = pb ? st[e] + pb[e] : st[e];
+      if (G > 1) {
+        for (int64_t g = 0; g < G; ++g) {  // a group's score: the sum of its two best (topk(2).values.sum())
+          for (int64_t j = 0; j < per_group; ++j) inq[j] = {choice[g * per_group + j], j};
+          top(inq, 2, true);
+          gq[g] = {static_cast<float>(static_cast<float>(inq[0].first) + static_cast<float>(inq[1].first)), g};
+        }
+        top(gq, topk_group, false);
+        std::fill(keep.begin(), keep.end(), 0);
+        for (int64_t g = 0; g < topk_group; ++g) keep[gq[g].second] = 1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!keep[e / per_group]) choice[e] = -INFINITY;
+      }
+      for (int64_t e = 0; e < E; ++e) q[e] = {choice[e], e};
+      top(q, K, false);
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        pi[t * K + k] = q[k].second;
+        pw[t * K + k] = st[q[k].second];
+        sum += pw[t * K + k];
+      }
+      if (norm_topk) {
+        const float denom = sum + static_cast<float>(sigmoid ? 1e-20 : 0.0);
+        for (int64_t k = 0; k < K; ++k) pw[t * K + k] = pw[t * K + k] / denom;
+      }
+      const float scale = static_cast<float>(routed_scale);
+      for (int64_t k = 0; k < K; ++k) pw[t * K + k] = pw[t * K + k] * scale;
     }
-    Tensor indices = std::get<1>(choice.topk(top_k, -1, true, false));
-    Tensor weights = scores.gather(1, indices);
-    if (norm_topk) weights = weights / (weights.sum(-1, true) + (sigmoid ? 1e-20 : 0.0));
-    return {indices, weights * routed_scale};
+    return {indices, weights};
   }
 
   std::pair<Tensor, Tensor> feed_forward_moe(const Tensor& x_BND) const {
