@@ -152,6 +152,112 @@ Tensor mtp_input(const Tensor& emb, const Tensor& h_prev, const Tensor& enorm_w,
   return at::linear(both, eh_w).view(sizes);
 }
 
+// ---- routed experts for a few tokens: AVX2/FMA dot products (x86-64 with those instructions, float32) ----------------
+// At decode sizes each expert sees a handful of tokens: a matmul per expert pays per-call overhead on tiny shapes,
+// and the every-expert form does E / K times the arithmetic. This computes exactly the chosen (token, expert) pairs,
+// each weight row read once per pair of tokens. Elsewhere the ATen forms below run.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define MC_PAIR_KERNEL 1
+
+__attribute__((target("avx2,fma"))) static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[r * ldo + j] = dot(W[j], x_r) for rows j < rows of W ([rows, n] contiguous) and NX (1 or 2) vectors x_r.
+template <int NX>
+__attribute__((target("avx2,fma"))) static void dot_rows(const float* W, int64_t rows, int64_t n, const float* const* x,
+                                                         float* out, int64_t ldo) {
+  const int64_t n8 = n & ~int64_t(7);
+  int64_t j = 0;
+  for (; j + 4 <= rows; j += 4) {
+    __m256 acc[NX][4];
+    for (int r = 0; r < NX; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    const float* w0 = W + j * n;
+    for (int64_t i = 0; i < n8; i += 8) {
+      __m256 wv[4];
+      for (int c = 0; c < 4; ++c) wv[c] = _mm256_loadu_ps(w0 + c * n + i);
+      for (int r = 0; r < NX; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x[r] + i);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NX; ++r)
+      for (int c = 0; c < 4; ++c) {
+        float v = hsum8(acc[r][c]);
+        for (int64_t i = n8; i < n; ++i) v += w0[c * n + i] * x[r][i];
+        out[r * ldo + j + c] = v;
+      }
+  }
+  for (; j < rows; ++j) {
+    for (int r = 0; r < NX; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(W + j * n + i), _mm256_loadu_ps(x[r] + i), acc);
+      float v = hsum8(acc);
+      for (int64_t i = n8; i < n; ++i) v += W[j * n + i] * x[r][i];
+      out[r * ldo + j] = v;
+    }
+  }
+}
+
+static bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// y_T D = sum over pairs (token t, expert e, gate g) of g * W2_e (silu(W1_e x_t) * W3_e x_t). Experts are given as
+// w13 [2F, D] (gate rows, then up rows) and w2 [D, F] pointers; `pairs` lists (token, gate) per expert.
+static void pair_experts(const Tensor& x_TD, const std::vector<const float*>& w13s, const std::vector<const float*>& w2s,
+                         const std::vector<int64_t>& widths, const std::vector<std::vector<std::pair<int64_t, float>>>& pairs,
+                         Tensor& out_TD) {
+  const int64_t D = x_TD.size(1);
+  const float* px = x_TD.data_ptr<float>();
+  float* po = out_TD.data_ptr<float>();
+  // first all pairs' gate/up rows, then one vectorised silu * up, then the down projections
+  std::vector<int64_t> offset(pairs.size() + 1, 0);
+  int64_t P = 0, width_max = 0;
+  for (size_t e = 0; e < pairs.size(); ++e) {
+    offset[e] = P;
+    P += static_cast<int64_t>(pairs[e].size()) * 2 * widths[e];
+    width_max = std::max(width_max, widths[e]);
+  }
+  Tensor h = at::empty({P}, x_TD.options());
+  float* ph = h.data_ptr<float>();
+  for (size_t e = 0; e < pairs.size(); ++e) {
+    const int64_t F2 = 2 * widths[e], n = static_cast<int64_t>(pairs[e].size());
+    for (int64_t i = 0; i < n; i += 2) {
+      const float* xs[2] = {px + pairs[e][i].first * D, i + 1 < n ? px + pairs[e][i + 1].first * D : nullptr};
+      float* dst = ph + offset[e] + i * F2;
+      if (i + 1 < n) dot_rows<2>(w13s[e], F2, D, xs, dst, F2);
+      else dot_rows<1>(w13s[e], F2, D, xs, dst, F2);
+    }
+  }
+  std::vector<float> y(2 * D);
+  for (size_t e = 0; e < pairs.size(); ++e) {
+    const int64_t F = widths[e], n = static_cast<int64_t>(pairs[e].size());
+    if (!n) continue;
+    Tensor hv = h.narrow(0, offset[e], n * 2 * F).view({n, 2, F});
+    Tensor act = at::silu(hv.select(1, 0)) * hv.select(1, 1);  // [n, F], contiguous
+    const float* pa = act.data_ptr<float>();
+    for (int64_t i = 0; i < n; i += 2) {
+      const bool two = i + 1 < n;
+      const float* as[2] = {pa + i * F, two ? pa + (i + 1) * F : nullptr};
+      if (two) dot_rows<2>(w2s[e], D, F, as, y.data(), D);
+      else dot_rows<1>(w2s[e], D, F, as, y.data(), D);
+      for (int r = 0; r < (two ? 2 : 1); ++r) {
+        const auto [t, g] = pairs[e][i + r];
+        float* o = po + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += g * y[r * D + d];
+      }
+    }
+  }
+}
+#endif
+
 // What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
 struct Step {
   Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
@@ -341,6 +447,34 @@ struct Block {
     const int64_t T = indices_TK.size(0), K = indices_TK.size(1);
     Tensor out;
     bool shared_done = false;
+#ifdef MC_PAIR_KERNEL
+    if (x_TD.scalar_type() == at::kFloat && T * K <= 16 * E && cpu_has_avx2_fma() && w13.is_contiguous() &&
+        w2.is_contiguous() && (!shared_w13.has_value() || (shared_w13->is_contiguous() && shared_w2->is_contiguous()))) {
+      // the chosen (token, expert) pairs only; the shared experts as one more expert every token takes with gate 1
+      const int64_t F = w2.size(2), S = shared_w13.has_value() ? 1 : 0;
+      std::vector<const float*> w13s(E + S), w2s(E + S);
+      std::vector<int64_t> widths(E + S, F);
+      for (int64_t e = 0; e < E; ++e) {
+        w13s[e] = w13.data_ptr<float>() + e * 2 * F * D;
+        w2s[e] = w2.data_ptr<float>() + e * D * F;
+      }
+      std::vector<std::vector<std::pair<int64_t, float>>> pairs(E + S);
+      Tensor xc = x_TD.contiguous();
+      const int64_t* pi = indices_TK.data_ptr<int64_t>();
+      const float* pw = weights_TK.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < K; ++k) pairs[pi[t * K + k]].push_back({t, pw[t * K + k]});
+      if (S) {
+        w13s[E] = shared_w13->data_ptr<float>();
+        w2s[E] = shared_w2->data_ptr<float>();
+        widths[E] = shared_w2->size(1);
+        for (int64_t t = 0; t < T; ++t) pairs[E].push_back({t, 1.0f});
+      }
+      out = at::zeros_like(xc);
+      pair_experts(xc, w13s, w2s, widths, pairs, out);
+      return {out.view({B, N, D}), indices_TK.view({B, N, -1})};
+    }
+#endif
     if (w2_all.has_value() && E <= T * K && T * K <= 16 * E) {
       // every token through every expert (and the folded shared ones), unchosen experts gated 0
       const int64_t EA = w13_all->size(0);
