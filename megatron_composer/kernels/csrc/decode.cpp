@@ -217,35 +217,33 @@ static void pair_experts(const Tensor& x_TD, const std::vector<const float*>& w1
   const int64_t D = x_TD.size(1);
   const float* px = x_TD.data_ptr<float>();
   float* po = out_TD.data_ptr<float>();
-  // first all pairs' gate/up rows, then one vectorised silu * up, then the down projections
+  // first every pair's gate and up rows, then one vectorised silu(gate) * up, then the down projections
   std::vector<int64_t> offset(pairs.size() + 1, 0);
-  int64_t P = 0, width_max = 0;
+  for (size_t e = 0; e < pairs.size(); ++e) offset[e + 1] = offset[e] + static_cast<int64_t>(pairs[e].size()) * widths[e];
+  Tensor gate = at::empty({offset.back()}, x_TD.options()), up = at::empty({offset.back()}, x_TD.options());
+  float* pg = gate.data_ptr<float>();
+  float* pu = up.data_ptr<float>();
   for (size_t e = 0; e < pairs.size(); ++e) {
-    offset[e] = P;
-    P += static_cast<int64_t>(pairs[e].size()) * 2 * widths[e];
-    width_max = std::max(width_max, widths[e]);
-  }
-  Tensor h = at::empty({P}, x_TD.options());
-  float* ph = h.data_ptr<float>();
-  for (size_t e = 0; e < pairs.size(); ++e) {
-    const int64_t F2 = 2 * widths[e], n = static_cast<int64_t>(pairs[e].size());
+    const int64_t F = widths[e], n = static_cast<int64_t>(pairs[e].size());
     for (int64_t i = 0; i < n; i += 2) {
       const float* xs[2] = {px + pairs[e][i].first * D, i + 1 < n ? px + pairs[e][i + 1].first * D : nullptr};
-      float* dst = ph + offset[e] + i * F2;
-      if (i + 1 < n) dot_rows<2>(w13s[e], F2, D, xs, dst, F2);
-      else dot_rows<1>(w13s[e], F2, D, xs, dst, F2);
+      const int64_t at_ = offset[e] + i * F;
+      if (i + 1 < n) {
+        dot_rows<2>(w13s[e], F, D, xs, pg + at_, F);
+        dot_rows<2>(w13s[e] + F * D, F, D, xs, pu + at_, F);
+      } else {
+        dot_rows<1>(w13s[e], F, D, xs, pg + at_, F);
+        dot_rows<1>(w13s[e] + F * D, F, D, xs, pu + at_, F);
+      }
     }
   }
+  at::silu_(gate).mul_(up);
   std::vector<float> y(2 * D);
   for (size_t e = 0; e < pairs.size(); ++e) {
     const int64_t F = widths[e], n = static_cast<int64_t>(pairs[e].size());
-    if (!n) continue;
-    Tensor hv = h.narrow(0, offset[e], n * 2 * F).view({n, 2, F});
-    Tensor act = at::silu(hv.select(1, 0)) * hv.select(1, 1);  // [n, F], contiguous
-    const float* pa = act.data_ptr<float>();
     for (int64_t i = 0; i < n; i += 2) {
       const bool two = i + 1 < n;
-      const float* as[2] = {pa + i * F, two ? pa + (i + 1) * F : nullptr};
+      const float* as[2] = {pg + offset[e] + i * F, two ? pg + offset[e] + (i + 1) * F : nullptr};
       if (two) dot_rows<2>(w2s[e], D, F, as, y.data(), D);
       else dot_rows<1>(w2s[e], D, F, as, y.data(), D);
       for (int r = 0; r < (two ? 2 : 1); ++r) {
