@@ -28,9 +28,11 @@ the same ATen operations in the same order, RMSNorm, RoPE and the router's top-k
 it builds (a C++ compiler is present; MEGATRON_COMPOSER_CPP=0 turns it off), the model is unsharded and float32
 or bfloat16. Decoding a few requests costs per-operation dispatch, ~40 Python-level operations per layer here;
 the C++ call removes that overhead, and this Python code stays the reference it is tested against
-(tests/test_inference_fast_cpp.py). One difference in arithmetic: at decode sizes (T K <= 16 E) in float32 on
-x86-64 with AVX2/FMA, the routed and shared experts run as dot products over exactly the chosen (token,
-expert) pairs (equal to float rounding, a third of the every-expert form's arithmetic at top-2 of 8).
+(tests/test_inference_fast_cpp.py). Where it differs in arithmetic (float32 on x86-64 with AVX2/FMA; equal to
+float rounding): at decode sizes (T K <= 16 E) the routed and shared experts run as dot products over exactly
+the chosen (token, expert) pairs (a third of the every-expert form's arithmetic at top-2 of 8), and MLA with at
+most 4 new positions per request reads its scores and values straight from the paged cache rows instead of
+gathering them into a copy first.
 
 Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
 the parallel layers parallelize_model installed. Row-parallel outputs (attention, MLP, shared experts) are

@@ -254,6 +254,78 @@ static void pair_experts(const Tensor& x_TD, const std::vector<const float*>& w1
     }
   }
 }
+// MLA attention of a few new positions straight from the paged latent cache (no gathered copy of the rows):
+// scores[b, n * H + h, l] = scale * q[b, n, h] . cache[slot(b, l)] where l <= pos[b, n], -inf after.
+__attribute__((target("avx2,fma"))) static void latent_scores(const float* q, const float* cache, int64_t X,
+                                                              const int64_t* slots, int64_t slot_stride,
+                                                              const int64_t* pos, int64_t B, int64_t N, int64_t H,
+                                                              int64_t L, float scale, float* scores) {
+  const int64_t X8 = X & ~int64_t(7);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t l = 0; l < L; ++l) {
+      const float* row = cache + slots[b * slot_stride + l] * X;
+      for (int64_t n = 0; n < N; ++n) {
+        float* out = scores + (b * N + n) * H * L + l;
+        const bool visible = l <= pos[b * N + n];
+        for (int64_t h = 0; h < H; ++h) {
+          if (!visible) {
+            out[h * L] = -INFINITY;
+            continue;
+          }
+          const float* qh = q + ((b * N + n) * H + h) * X;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t i = 0; i < X8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(row + i), acc);
+          float v = hsum8(acc);
+          for (int64_t i = X8; i < X; ++i) v += qh[i] * row[i];
+          out[h * L] = v * scale;
+        }
+      }
+    }
+  }
+}
+
+// out[b, n * H + h, :C] = sum over visible l of probs[b, n * H + h, l] * cache[slot(b, l), :C].
+__attribute__((target("avx2,fma"))) static void latent_values(const float* probs, const float* cache, int64_t X, int64_t C,
+                                                              const int64_t* slots, int64_t slot_stride,
+                                                              const int64_t* pos, int64_t B, int64_t N, int64_t H,
+                                                              int64_t L, float* out) {
+  const int64_t C32 = C & ~int64_t(31), C8 = C & ~int64_t(7);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* sl = slots + b * slot_stride;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t Lv = std::min(L, pos[b * N + n] + 1);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* p = probs + ((b * N + n) * H + h) * L;
+        float* o = out + ((b * N + n) * H + h) * C;
+        for (int64_t c = 0; c < C32; c += 32) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t l = 0; l < Lv; ++l) {
+            const float* row = cache + sl[l] * X + c;
+            const __m256 pl = _mm256_set1_ps(p[l]);
+            a0 = _mm256_fmadd_ps(pl, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(pl, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(pl, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(pl, _mm256_loadu_ps(row + 24), a3);
+          }
+          _mm256_storeu_ps(o + c, a0);
+          _mm256_storeu_ps(o + c + 8, a1);
+          _mm256_storeu_ps(o + c + 16, a2);
+          _mm256_storeu_ps(o + c + 24, a3);
+        }
+        for (int64_t c = C32; c < C8; c += 8) {
+          __m256 a = _mm256_setzero_ps();
+          for (int64_t l = 0; l < Lv; ++l) a = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), _mm256_loadu_ps(cache + sl[l] * X + c), a);
+          _mm256_storeu_ps(o + c, a);
+        }
+        for (int64_t c = C8; c < C; ++c) {
+          float a = 0.0f;
+          for (int64_t l = 0; l < Lv; ++l) a += p[l] * cache[sl[l] * X + c];
+          o[c] = a;
+        }
+      }
+    }
+  }
+}
 #endif
 
 // What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
@@ -261,14 +333,32 @@ struct Step {
   Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
   Tensor write_slots;       // [T] slots of the valid rows
   OptTensor rows;           // flat indices of the valid rows (None: every row)
-  Tensor read_flat;         // [B * L]
-  Tensor bias;              // [B, N, L] additive mask (0 / -inf), the model's dtype
+  Tensor pos;               // [B, N] positions of the new tokens (int64, contiguous)
+  Tensor read_slots;        // [B, L] cache slots to attend to (int64, rows may be strided)
   int64_t L = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  // made on first use: the paged MLA kernels read slots and positions directly and need neither
+  const Tensor& read_flat() const {
+    if (!read_flat_.defined()) read_flat_ = read_slots.reshape({-1});
+    return read_flat_;
+  }
+  // [B, N, L] additive mask (0 / -inf), the model's dtype
+  const Tensor& bias() const {
+    if (!bias_.defined()) {
+      Tensor visible = at::arange(L, pos.options()) <= pos.unsqueeze(-1);
+      bias_ = at::zeros(visible.sizes(), pos.options().dtype(dtype)).masked_fill_(visible.logical_not(), -INFINITY);
+    }
+    return bias_;
+  }
 
   Tensor valid_rows(const Tensor& x_BN_) const {
     Tensor flat = x_BN_.reshape({-1, x_BN_.size(-1)});
     return rows.has_value() ? flat.index_select(0, *rows) : flat;
   }
+
+ private:
+  mutable Tensor read_flat_, bias_;
 };
 
 struct Block {
@@ -327,12 +417,29 @@ struct Block {
     rope(kv_new, X, C, downc, Q + C + R, Q + C, s.cos, s.sin, rows, 1, 0, 0, interleave);
     Tensor vals = s.valid_rows(kv_new);
     cache.index_copy_(0, s.write_slots, vals.scalar_type() == cache.scalar_type() ? vals : vals.to(cache.scalar_type()));
-    Tensor kv_BLX = cache.index_select(0, s.read_flat).view({B, s.L, X});
-    if (kv_BLX.scalar_type() != x_BND.scalar_type()) kv_BLX = kv_BLX.to(x_BND.scalar_type());
-    Tensor bias = N == 1 ? s.bias : s.bias.unsqueeze(2).expand({B, N, H, s.L}).reshape({B, N * H, s.L});
-    Tensor scores = at::baddbmm(bias, q_MX.view({B, N * H, X}), kv_BLX.transpose(1, 2), 1.0, scale);
-    Tensor probs = softmax_like(scores);
-    Tensor o_lat = at::bmm(probs, kv_BLX.narrow(-1, 0, C));  // [B, N * H, C]
+    Tensor o_lat;  // [B, N * H, C]
+#ifdef MC_PAIR_KERNEL
+    if (N <= 4 && x_BND.scalar_type() == at::kFloat && cache.scalar_type() == at::kFloat && cache.is_contiguous() &&
+        s.read_slots.stride(1) == 1 && cpu_has_avx2_fma()) {
+      // a few new positions per request (decoding, verification): attend to the cache rows where they lie
+      Tensor scores = at::empty({B, N * H, s.L}, x_BND.options());
+      latent_scores(q_MX.data_ptr<float>(), cache.data_ptr<float>(), X, s.read_slots.data_ptr<int64_t>(),
+                    s.read_slots.stride(0), s.pos.data_ptr<int64_t>(), B, N, H, s.L, static_cast<float>(scale),
+                    scores.data_ptr<float>());
+      Tensor probs = at::softmax(scores, -1);
+      o_lat = at::empty({B, N * H, C}, x_BND.options());
+      latent_values(probs.data_ptr<float>(), cache.data_ptr<float>(), X, C, s.read_slots.data_ptr<int64_t>(),
+                    s.read_slots.stride(0), s.pos.data_ptr<int64_t>(), B, N, H, s.L, o_lat.data_ptr<float>());
+    }
+#endif
+    if (!o_lat.defined()) {
+      Tensor kv_BLX = cache.index_select(0, s.read_flat()).view({B, s.L, X});
+      if (kv_BLX.scalar_type() != x_BND.scalar_type()) kv_BLX = kv_BLX.to(x_BND.scalar_type());
+      Tensor bias = N == 1 ? s.bias() : s.bias().unsqueeze(2).expand({B, N, H, s.L}).reshape({B, N * H, s.L});
+      Tensor scores = at::baddbmm(bias, q_MX.view({B, N * H, X}), kv_BLX.transpose(1, 2), 1.0, scale);
+      Tensor probs = softmax_like(scores);
+      o_lat = at::bmm(probs, kv_BLX.narrow(-1, 0, C));
+    }
     Tensor out;
     if (o_folded) {
       out = at::linear(o_lat.view({B, N, H * C}), w_o);
@@ -363,10 +470,10 @@ struct Block {
     };
     put(k_cache, kr);
     put(v_cache, v);
-    Tensor k_BLKD = k_cache.index_select(0, s.read_flat).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
-    Tensor v_BLKD = v_cache.index_select(0, s.read_flat).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
+    Tensor k_BLKD = k_cache.index_select(0, s.read_flat()).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
+    Tensor v_BLKD = v_cache.index_select(0, s.read_flat()).view({B, s.L, KV, Dh}).to(x_BND.scalar_type());
     Tensor q_BKMD = qr.view({B, N, KV, rep, Dh}).permute({0, 2, 3, 1, 4}).reshape({B, KV, rep * N, Dh});
-    Tensor bias = s.bias.unsqueeze(1).unsqueeze(1).expand({B, 1, rep, N, s.L}).reshape({B, 1, rep * N, s.L});
+    Tensor bias = s.bias().unsqueeze(1).unsqueeze(1).expand({B, 1, rep, N, s.L}).reshape({B, 1, rep * N, s.L});
     Tensor scores = at::matmul(q_BKMD, k_BLKD.permute({0, 2, 3, 1})) * scale + bias;
     Tensor probs = at::softmax(scores, -1, at::kFloat).to(x_BND.scalar_type());
     Tensor o = at::matmul(probs, v_BLKD.transpose(1, 2));  // [B, KV, rep * N, Dh]
@@ -548,10 +655,10 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
   s.sin = (freqs.sin() * attention_factor).to(dtype).contiguous();
   s.write_slots = write_slots;
   s.rows = rows;
-  s.read_flat = read_slots_BL.reshape({-1});
+  s.pos = pos_BN.to(at::kLong).contiguous();
+  s.read_slots = read_slots_BL.to(at::kLong);
   s.L = read_slots_BL.size(1);
-  Tensor visible = at::arange(s.L, pos_BN.options()) <= pos_BN.unsqueeze(-1);  // [B, N, L]
-  s.bias = at::zeros(visible.sizes(), h_BND.options()).masked_fill_(visible.logical_not(), -INFINITY);
+  s.dtype = dtype;
   Tensor h = h_BND;
   std::vector<Tensor> routes;
   for (int64_t i = first; i < last; ++i) {
