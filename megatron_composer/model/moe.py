@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.grouped_mm import mm_outer, mm_rows
+from ..kernels.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, mm_outer, mm_rows,
+                                  reference_combine)
 from .args import ModelConfig
 
 
@@ -77,6 +78,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
+        # The C++ pass (kernels/grouped_mm.py GroupedSwiGLU) where it can run: the default grouped_mm (a
+        # quantised replacement takes the reference), CPU, no torch function mode.
+        kernel = autograd_kernel(x_TD, self.w1) if self.grouped_mm is grouped_mm else None
+        if kernel is not None and x_TD.dtype == self.w1.dtype == self.w2.dtype == self.w3.dtype:
+            return GroupedSwiGLU.apply(kernel, x_TD, self.w1, self.w3, self.w2, offs)
+        return self.reference_forward(x_TD, offs)
+
+    def reference_forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         w13 = torch.cat([self.w1, self.w3], dim=1)  # one grouped matmul for gate and up
         gate, up = self.grouped_mm(x_TD, w13, offs).chunk(2, dim=-1)
         return self.grouped_mm(F.silu(gate) * up, self.w2, offs)
@@ -182,10 +191,15 @@ def sort_by_expert(indices_TK: torch.Tensor, num_experts: int) -> tuple[torch.Te
 def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torch.Tensor,
                    weights_TK: torch.Tensor) -> torch.Tensor:
     """Permute tokens by expert, run the grouped experts, weight and sum back per token."""
-    K = indices_TK.shape[1]
+    T, K = indices_TK.shape
     order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
     token_of_slot = order // K
     offs = counts.cumsum(0).to(torch.int32)
-    y = experts(x_TD.index_select(0, token_of_slot), offs)  # backward: index_add, not index_put
-    y = y * weights_TK.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x_TD).index_add_(0, token_of_slot, y)
+    kernel = autograd_kernel(x_TD) if x_TD.dtype in (torch.float32, torch.bfloat16) else None
+    if kernel is None:
+        y = experts(x_TD.index_select(0, token_of_slot), offs)  # backward: index_add, not index_put
+        return reference_combine(y, weights_TK, order)
+    pos_TK = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
+    pos_TK = pos_TK.view(T, K)  # row of each (token, slot) pair among the sorted rows
+    y = experts(GatherRows.apply(kernel, x_TD, token_of_slot, pos_TK), offs)
+    return CombineRows.apply(kernel, y, weights_TK, pos_TK)

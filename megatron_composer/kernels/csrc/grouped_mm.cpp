@@ -1,4 +1,6 @@
 // Grouped matmuls of the mixture of experts on CPU (reference: megatron_composer/kernels/grouped_mm.py).
+// Also the whole SwiGLU expert pass (gate and up from w1/w3 without concatenating them, silu * up, w2) with
+// its backward, and the token <-> (token, slot) permutations around the experts.
 //
 // Tokens sorted by expert make one small matmul per expert (~T*K/E rows). Split across threads, each such
 // matmul parallelises poorly; here the experts are the parallel tasks instead: every ATen thread takes the
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -79,9 +82,238 @@ Tensor mm_outer(const Tensor& a, const Tensor& b, const Tensor& offs) {
   return out;
 }
 
+void check_experts(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2, const Tensor& offs) {
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w1.sizes() == w3.sizes() && w2.dim() == 3 &&
+                  w1.size(0) == w2.size(0) && w1.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
+                  w2.size(2) == w1.size(1) && offs.numel() == w1.size(0),
+              "grouped swiglu: x [T, D], w1 and w3 [E, F, D], w2 [E, D, F], offs [E]");
+}
+
+// w1[g] over w3[g]: [2F, D], built per group (in cache) so gate and up come from one matmul, as in the
+// Python path's concatenated weight (one [2F]-wide matmul is faster than two [F]-wide ones in bfloat16).
+Tensor stacked_gate_up(const Tensor& w1, const Tensor& w3, int64_t g) {
+  const int64_t F = w1.size(1);
+  Tensor w13 = at::empty({2 * F, w1.size(2)}, w1.options());
+  w13.narrow(0, 0, F).copy_(w1[g]);
+  w13.narrow(0, F, F).copy_(w3[g]);
+  return w13;
+}
+
+// Per expert g on its rows: [gate | up] = x [w1[g]; w3[g]]^T, y = (silu(gate) * up) w2[g]^T; returns
+// (y, [gate | up] [T, 2F]), the second being what the backward needs. The Python path's ops, per group.
+std::vector<Tensor> swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
+                                   const Tensor& offs) {
+  check_experts(x, w1, w3, w2, offs);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const Groups groups(offs);
+  const int64_t T = x.size(0), F = w1.size(1);
+  TORCH_CHECK(offs.numel() == 0 ? T == 0 : offs[-1].item<int64_t>() == T,
+              "grouped swiglu: offs must end at the number of rows of x");
+  Tensor gate_up = at::empty({T, 2 * F}, x.options());
+  Tensor y = at::empty({T, w2.size(1)}, x.options());
+  groups.run([&](int64_t g) {
+    const int64_t s = groups.start[g], n = groups.count[g];
+    Tensor gu = gate_up.narrow(0, s, n), yg = y.narrow(0, s, n);
+    at::mm_out(gu, x.narrow(0, s, n), stacked_gate_up(w1, w3, g).t());
+    at::mm_out(yg, at::silu(gu.narrow(1, 0, F)).mul_(gu.narrow(1, F, F)), w2[g].t());
+  });
+  return {y, gate_up};
+}
+
+// Gradients of swiglu_forward: (dx or undefined, dw1, dw3, dw2), weight gradients zero for empty experts
+// (undefined when need_dw is false). silu(gate) * up is recomputed per group from the saved [gate | up].
+std::vector<Tensor> swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& gate_up, const Tensor& w1,
+                                    const Tensor& w3, const Tensor& w2, const Tensor& offs, bool need_dx,
+                                    bool need_dw) {
+  check_experts(x, w1, w3, w2, offs);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const Groups groups(offs);
+  const int64_t G = offs.numel(), F = w1.size(1);
+  Tensor dx = need_dx ? at::empty_like(x, at::MemoryFormat::Contiguous) : Tensor();
+  Tensor dw1, dw3, dw2;
+  if (need_dw) {
+    dw1 = at::empty(w1.sizes(), w1.options());
+    dw3 = at::empty(w3.sizes(), w3.options());
+    dw2 = at::empty(w2.sizes(), w2.options());
+    for (int64_t g = 0; g < G; ++g)
+      if (groups.count[g] == 0) {
+        dw1[g].zero_();
+        dw3[g].zero_();
+        dw2[g].zero_();
+      }
+  }
+  groups.run([&](int64_t g) {
+    const int64_t s = groups.start[g], n = groups.count[g];
+    const Tensor xg = x.narrow(0, s, n), dyg = dy.narrow(0, s, n);
+    const Tensor gu = gate_up.narrow(0, s, n), gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
+    const Tensor act = at::silu(gate);
+    const Tensor dh = at::mm(dyg, w2[g]);
+    Tensor dgu = at::empty({n, 2 * F}, x.options());
+    Tensor dgate = dgu.narrow(1, 0, F), dup = dgu.narrow(1, F, F);
+    at::silu_backward_out(dgate, dh * up, gate);
+    at::mul_out(dup, dh, act);
+    if (need_dw) {
+      Tensor d2 = dw2[g], d1 = dw1[g], d3 = dw3[g];
+      at::mm_out(d2, dyg.t(), act * up);
+      const Tensor dw13 = at::mm(dgu.t(), xg);
+      d1.copy_(dw13.narrow(0, 0, F));
+      d3.copy_(dw13.narrow(0, F, F));
+    }
+    if (need_dx) {
+      Tensor dxg = dx.narrow(0, s, n);
+      at::mm_out(dxg, dgu, stacked_gate_up(w1, w3, g));
+    }
+  });
+  return {dx, dw1, dw3, dw2};
+}
+
+// ---- row loops of combine: float32 arithmetic on float32 or bfloat16 rows, compiled for AVX-512, AVX2 and
+// plain x86-64 and chosen at load time (the extension is built without -march flags).
+#define ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void from_float(float v, float& out) { out = v; }
+inline void from_float(float v, c10::BFloat16& out) {  // round to nearest even, as c10::BFloat16(float)
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  out.x = v != v ? uint16_t(0x7fc0) : rounded;
+}
+
+template <typename T>
+inline void axpy(float* acc, const T* src, float w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * to_float(src[i]);
+}
+template <typename T>
+inline void scale_to(T* dst, const float* src, float w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) from_float(w * src[i], dst[i]);
+}
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  constexpr int64_t L = 16;  // independent partial sums, so the reduction vectorises without -ffast-math
+  float part[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int64_t j = 0; j < L; ++j) part[j] += a[i + j] * to_float(b[i + j]);
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * to_float(b[i]);
+  for (int64_t j = 0; j < L; ++j) s += part[j];
+  return s;
+}
+
+// One token of combine: out = sum_k w[k] rows[pos[k]]; acc has n floats of scratch.
+template <typename T>
+inline void combine_token(T* out, const T* rows, const int64_t* pos, const float* w, int64_t K, int64_t n,
+                          float* acc) {
+  std::fill(acc, acc + n, 0.f);
+  for (int64_t k = 0; k < K; ++k) axpy(acc, rows + pos[k] * n, w ? w[k] : 1.f, n);
+  scale_to(out, acc, 1.f, n);
+}
+// One token of combine's backward: d_rows[pos[k]] = w[k] g, d_w[k] = <g, rows[pos[k]]>; g has n floats.
+template <typename T>
+inline void combine_token_backward(const T* dout, const T* rows, const int64_t* pos, const float* w, int64_t K,
+                                   int64_t n, T* drows, float* dw, float* g) {
+  for (int64_t i = 0; i < n; ++i) g[i] = to_float(dout[i]);
+  for (int64_t k = 0; k < K; ++k) {
+    if (drows) scale_to(drows + pos[k] * n, g, w[k], n);
+    if (dw) dw[k] = dot(g, rows + pos[k] * n, n);
+  }
+}
+
+ROW_LOOP void combine_rows_f32(float* out, const float* rows, const int64_t* pos, const float* w, int64_t t0,
+                               int64_t t1, int64_t K, int64_t n, float* acc) {
+  for (int64_t t = t0; t < t1; ++t) combine_token(out + t * n, rows, pos + t * K, w ? w + t * K : nullptr, K, n, acc);
+}
+ROW_LOOP void combine_rows_bf16(c10::BFloat16* out, const c10::BFloat16* rows, const int64_t* pos, const float* w,
+                                int64_t t0, int64_t t1, int64_t K, int64_t n, float* acc) {
+  for (int64_t t = t0; t < t1; ++t) combine_token(out + t * n, rows, pos + t * K, w ? w + t * K : nullptr, K, n, acc);
+}
+ROW_LOOP void combine_backward_f32(const float* dout, const float* rows, const int64_t* pos, const float* w,
+                                   int64_t t0, int64_t t1, int64_t K, int64_t n, float* drows, float* dw, float* g) {
+  for (int64_t t = t0; t < t1; ++t)
+    combine_token_backward(dout + t * n, rows, pos + t * K, w + t * K, K, n, drows, dw ? dw + t * K : nullptr, g);
+}
+ROW_LOOP void combine_backward_bf16(const c10::BFloat16* dout, const c10::BFloat16* rows, const int64_t* pos,
+                                    const float* w, int64_t t0, int64_t t1, int64_t K, int64_t n,
+                                    c10::BFloat16* drows, float* dw, float* g) {
+  for (int64_t t = t0; t < t1; ++t)
+    combine_token_backward(dout + t * n, rows, pos + t * K, w + t * K, K, n, drows, dw ? dw + t * K : nullptr, g);
+}
+
+void check_pos(const Tensor& pos, int64_t S) {
+  TORCH_CHECK(pos.dim() == 2 && pos.scalar_type() == at::kLong, "combine: pos [T, K] int64");
+  if (pos.numel())
+    TORCH_CHECK(pos.min().item<int64_t>() >= 0 && pos.max().item<int64_t>() < S, "combine: pos out of range of rows");
+}
+
+// out[t] = sum_k w[t, k] * rows[pos[t, k]] (w = 1 when absent), summed in float32: rows [S, D] float32 or
+// bfloat16, pos [T, K] int64 (row of each (token, slot) pair), w [T, K] -> [T, D] in rows' dtype.
+Tensor combine(const Tensor& rows, const Tensor& pos, const c10::optional<Tensor>& weights) {
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16),
+              "combine: rows [S, D] float32 or bfloat16");
+  check_pos(pos, rows.size(0));
+  const Tensor r = rows.contiguous(), p = pos.contiguous();
+  const int64_t T = p.size(0), K = p.size(1), D = r.size(1);
+  Tensor w;
+  if (weights.has_value() && weights->defined()) {
+    TORCH_CHECK(weights->sizes() == p.sizes(), "combine: weights [T, K] like pos");
+    w = weights->to(at::kFloat).contiguous();
+  }
+  const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
+  Tensor out = at::empty({T, D}, r.options());
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(D);
+    if (r.scalar_type() == at::kFloat)
+      combine_rows_f32(out.data_ptr<float>(), r.data_ptr<float>(), p.data_ptr<int64_t>(), wp, t0, t1, K, D, acc.data());
+    else
+      combine_rows_bf16(out.data_ptr<c10::BFloat16>(), r.data_ptr<c10::BFloat16>(), p.data_ptr<int64_t>(), wp, t0, t1,
+                        K, D, acc.data());
+  });
+  return out;
+}
+
+// Gradients of combine with weights: d_rows[pos[t, k]] = w[t, k] * d_out[t] (rows no pair points at stay zero)
+// and d_w[t, k] = <d_out[t], rows[pos[t, k]]> (float32).
+std::vector<Tensor> combine_backward(const Tensor& dout, const Tensor& rows, const Tensor& pos,
+                                     const Tensor& weights, bool need_drows, bool need_dw) {
+  TORCH_CHECK(rows.dim() == 2 && (rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16) &&
+                  dout.scalar_type() == rows.scalar_type(),
+              "combine backward: rows and d_out float32 or bfloat16");
+  check_pos(pos, rows.size(0));
+  const Tensor dO = dout.contiguous(), r = rows.contiguous(), p = pos.contiguous();
+  const Tensor w = weights.to(at::kFloat).contiguous();
+  const int64_t T = p.size(0), K = p.size(1), D = r.size(1);
+  TORCH_CHECK(dO.size(0) == T && dO.size(1) == D && w.sizes() == p.sizes(), "combine backward: shapes");
+  Tensor drows = need_drows ? (p.numel() == r.size(0) ? at::empty_like(r) : at::zeros_like(r)) : Tensor();
+  Tensor dw = need_dw ? at::empty({T, K}, w.options()) : Tensor();
+  float* dwp = need_dw ? dw.data_ptr<float>() : nullptr;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> g(D);
+    if (r.scalar_type() == at::kFloat)
+      combine_backward_f32(dO.data_ptr<float>(), r.data_ptr<float>(), p.data_ptr<int64_t>(), w.data_ptr<float>(), t0,
+                           t1, K, D, need_drows ? drows.data_ptr<float>() : nullptr, dwp, g.data());
+    else
+      combine_backward_bf16(dO.data_ptr<c10::BFloat16>(), r.data_ptr<c10::BFloat16>(), p.data_ptr<int64_t>(),
+                            w.data_ptr<float>(), t0, t1, K, D,
+                            need_drows ? drows.data_ptr<c10::BFloat16>() : nullptr, dwp, g.data());
+  });
+  return {drows, dw};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_rows", &mm_rows, "rows of a in group g times b[g]");
   m.def("mm_outer", &mm_outer, "per group: a[rows]^T b[rows]");
+  m.def("swiglu_forward", &swiglu_forward, "grouped SwiGLU experts: (y, [gate | up])");
+  m.def("swiglu_backward", &swiglu_backward, "gradients of swiglu_forward: (dx, dw1, dw3, dw2)");
+  m.def("combine", &combine, "out[t] = sum_k w[t, k] rows[pos[t, k]]", pybind11::arg("rows"), pybind11::arg("pos"),
+        pybind11::arg("weights") = pybind11::none());
+  m.def("combine_backward", &combine_backward, "gradients of combine: (d_rows, d_weights)");
 }
