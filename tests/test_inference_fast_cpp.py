@@ -112,3 +112,25 @@ def test_cpp_fast_path_off_the_cpu():
     model = Transformer(get_preset("tiny-deepseek-v3").replace(num_layers=2)).to("meta")
     from megatron_composer.inference.fast_path import FastForward
     assert not FastForward(model).uses_cpp
+
+
+def test_cpp_greedy_rows_equals_argmax_and_log_softmax():
+    """Argmax (first of equal maxima) and its log-probability per row, for vocabularies with and without a
+    multiple-of-8 tail, large logits, ties, and rows holding NaN or infinities (which take ATen's result)."""
+    decode = cpp.load("decode")
+    if decode is None:
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    for V in (7, 8, 97, 4096):
+        for scale in (0.1, 3.0, 300.0):
+            x = torch.randn(6, V, generator=g) * scale
+            x[2, V // 2] = x[2].max()  # a tie: the first maximum wins
+            token, logp = decode.greedy_rows(x)
+            assert torch.equal(token, x.argmax(-1))
+            want = torch.log_softmax(x, -1).gather(1, token[:, None])[:, 0]
+            torch.testing.assert_close(logp, want, atol=2e-6, rtol=0)
+    x = torch.randn(3, 40, generator=g)
+    x[0, 7], x[1, 3], x[2] = float("nan"), float("inf"), float("-inf")
+    x[2, 30] = 0.0
+    token, logp = decode.greedy_rows(x)
+    assert token.tolist() == [7, 3, 30] and logp[0].isnan() and logp[1].isnan() and logp[2] == 0.0

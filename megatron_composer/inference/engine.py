@@ -336,17 +336,17 @@ class Engine:
             r.finish_reason = "length"
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
-        logp_BV = torch.log_softmax(logits_BV.float(), dim=-1)
-        token_B1 = self._argmax(logits_BV)[:, None]
-        sampling_logp_B1 = torch.zeros(token_B1.shape, dtype=torch.float64, device=token_B1.device)
+        token_B, logp_B = self._greedy(logits_BV)
+        sampling_logp_B = torch.zeros(token_B.shape, dtype=torch.float64, device=token_B.device)
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # every sampled row at once, each from its own generator
-            rows = torch.tensor(sampled, device=token_B1.device)
-            token_S, slp_S = sample_rows(logits_BV.index_select(0, rows), [seqs[b].params for b in sampled],
-                                         [seqs[b].generator for b in sampled])
-            token_B1 = token_B1.index_copy(0, rows, token_S[:, None])
-            sampling_logp_B1 = sampling_logp_B1.index_copy(0, rows, slp_S[:, None].double())
-        parts = [token_B1.double(), logp_BV.gather(1, token_B1).double(), sampling_logp_B1]
+            rows = torch.tensor(sampled, device=token_B.device)
+            logits_SV = logits_BV.index_select(0, rows)
+            token_S, slp_S = sample_rows(logits_SV, [seqs[b].params for b in sampled], [seqs[b].generator for b in sampled])
+            token_B = token_B.index_copy(0, rows, token_S)
+            logp_B = logp_B.index_copy(0, rows, torch.log_softmax(logits_SV.float(), dim=-1).gather(1, token_S[:, None])[:, 0])
+            sampling_logp_B = sampling_logp_B.index_copy(0, rows, slp_S.double())
+        parts = [token_B[:, None].double(), logp_B[:, None].double(), sampling_logp_B[:, None]]
         if routes is not None:
             parts.append(routes.reshape(len(seqs), -1).double())
         # ids are exact in float64: one host transfer per step for ids, both log-probs and the routing
@@ -429,6 +429,14 @@ class Engine:
     def _argmax(self, logits_RV: torch.Tensor) -> torch.Tensor:
         return logits_RV.argmax(-1) if self.fast is None else self.fast.argmax_rows(logits_RV)
 
+    def _greedy(self, logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the argmax and its temperature-1 log-probability (float32). The batch-invariant path takes
+        torch's log_softmax, bit for bit what the trainer computes; the fast path skips writing it out."""
+        if self.fast is not None:
+            return self.fast.greedy_rows(logits_RV)
+        token_R = logits_RV.argmax(-1)
+        return token_R, torch.log_softmax(logits_RV.float(), dim=-1).gather(1, token_R[:, None])[:, 0]
+
     def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
         return norm(x) if self.fast is None else self.fast.rms_norm(norm, x)
 
@@ -502,10 +510,11 @@ class Engine:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
         hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
         logits = self._logits(hidden)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        # greedy rows need only the argmax and its log-prob at every position: one host transfer for all
-        best_BN1 = self._argmax(logits.flatten(0, 1)).view(*logits.shape[:2], 1)
-        best = torch.cat([best_BN1.double(), logp.gather(-1, best_BN1).double()], -1).tolist()  # [B][N][2]
+        # sampled rows need the whole distribution; greedy rows only the argmax and its log-prob at every
+        # position: one host transfer for all
+        logp = torch.log_softmax(logits.float(), dim=-1) if any(not s.params.greedy for s in seqs) else None
+        best_T, best_logp_T = self._greedy(logits.flatten(0, 1))
+        best = torch.stack([best_T.double(), best_logp_T.double()], -1).view(*logits.shape[:2], 2).tolist()  # [B][N][2]
         route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
             D = len(s.drafts)

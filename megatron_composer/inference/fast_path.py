@@ -300,6 +300,15 @@ class FastForward:
         """logits_BV.argmax(-1) (the first of equal maxima)."""
         return logits_BV.argmax(-1) if self._cpp is None else self._cpp.argmax_rows(logits_BV)
 
+    def greedy_rows(self, logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: the argmax (the first of equal maxima) and its log_softmax log-probability (float32); the
+        C++ twin computes max, position and log-sum-exp in one pass over each row instead of writing the whole
+        log-softmax (equal to float rounding)."""
+        if self._cpp is not None:
+            return self._cpp.greedy_rows(logits_RV)
+        token_R = logits_RV.argmax(-1)
+        return token_R, torch.log_softmax(logits_RV.float(), dim=-1).gather(1, token_R[:, None])[:, 0]
+
     def mtp_input(self, module: torch.nn.Module, emb_BND: torch.Tensor, h_prev_BND: torch.Tensor) -> torch.Tensor:
         """An MTP module's block input: eh_proj([enorm(embedding), hnorm(previous hidden)])."""
         if self._cpp is None:

@@ -328,6 +328,85 @@ __attribute__((target("avx2,fma"))) static void latent_values(const float* probs
 }
 #endif
 
+#ifdef MC_PAIR_KERNEL
+// exp of x <= 0 (Cephes' expf: Cody-Waite reduction, degree-6 polynomial, ~1 ulp); below -87.3 it returns
+// 2^-126 instead of underflowing, negligible next to the row maximum's term, 1.
+__attribute__((target("avx2,fma"))) static inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One row: the first maximum's index and log-probability (x_max - max) - log(sum exp(x - max)), as log_softmax
+// computes it. Returns false (the caller uses ATen) for rows holding NaN or infinities.
+__attribute__((target("avx2,fma"))) static bool greedy_row(const float* x, int64_t V, int64_t* token, float* logp) {
+  const int64_t V8 = V & ~int64_t(7);
+  __m256 m = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  for (int64_t i = 0; i < V8; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m = _mm256_max_ps(m, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));  // NaN or inf
+  }
+  float mx = -INFINITY;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float l : lanes) mx = std::max(mx, l);
+  for (int64_t i = V8; i < V; ++i) {
+    if (!std::isfinite(x[i])) return false;
+    mx = std::max(mx, x[i]);
+  }
+  if (_mm256_movemask_ps(bad) || !std::isfinite(mx)) return false;
+  int64_t at = 0;
+  while (x[at] != mx) ++at;
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= V8; i += 16) {
+    s0 = _mm256_add_ps(s0, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    s1 = _mm256_add_ps(s1, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv)));
+  }
+  for (; i < V8; i += 8) s0 = _mm256_add_ps(s0, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  float sum = hsum8(_mm256_add_ps(s0, s1));
+  for (int64_t j = V8; j < V; ++j) sum += std::exp(x[j] - mx);
+  *token = at;
+  *logp = (x[at] - mx) - std::log(sum);
+  return true;
+}
+#endif
+
+// Greedy decoding's per-row result: argmax (the first of equal maxima, as torch.argmax) and its log-probability
+// under log_softmax, without writing the [rows, vocab] log-softmax (equal to it to float rounding).
+std::pair<Tensor, Tensor> greedy_rows(const Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu(), "greedy_rows takes [rows, vocab] CPU logits");
+  c10::InferenceMode inference;
+  Tensor x = logits.to(at::kFloat).contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  Tensor token = at::empty({R}, x.options().dtype(at::kLong));
+  Tensor logp = at::empty({R}, x.options());
+  int64_t* pt = token.data_ptr<int64_t>();
+  float* pl = logp.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+#ifdef MC_PAIR_KERNEL
+    if (V > 0 && cpu_has_avx2_fma() && greedy_row(x.data_ptr<float>() + r * V, V, pt + r, pl + r)) continue;
+#endif
+    Tensor row = x[r];
+    pt[r] = argmax_rows(row.unsqueeze(0)).item<int64_t>();
+    pl[r] = at::log_softmax(row, -1)[pt[r]].item<float>();
+  }
+  return {token, logp};
+}
+
 // What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
 struct Step {
   Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
@@ -674,6 +753,7 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 statistics, cast back, then scale)");
   m.def("argmax_rows", &argmax_rows, "argmax over the last dim of [rows, vocab] (first of equal maxima)");
+  m.def("greedy_rows", &greedy_rows, "per row of [rows, vocab] logits: argmax and its log_softmax log-probability");
   m.def("mtp_input", &mtp_input, "an MTP module's block input from the embedding and the previous hidden state");
   namespace py = pybind11;
   // no Python objects are touched after the arguments are converted: other threads (the HTTP server's) run
