@@ -134,3 +134,18 @@ def test_cpp_greedy_rows_equals_argmax_and_log_softmax():
     x[2, 30] = 0.0
     token, logp = decode.greedy_rows(x)
     assert token.tolist() == [7, 3, 30] and logp[0].isnan() and logp[1].isnan() and logp[2] == 0.0
+
+
+def test_cpp_small_linear_equals_linear():
+    """The few-rows matmul (AVX2 dot products up to 4 rows, at::linear beyond) against F.linear, with and without
+    bias, widths with and without a multiple-of-8 tail, row counts not a multiple of the kernel's blocks."""
+    decode = cpp.load("decode")
+    if decode is None:
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    for rows, n in [(112, 128), (7, 20), (4096, 128), (13, 3)]:
+        w, b = torch.randn(rows, n, generator=g), torch.randn(rows, generator=g)
+        for T in (1, 2, 3, 5):
+            x = torch.randn(T, 1, n, generator=g)
+            torch.testing.assert_close(decode.small_linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(decode.small_linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)

@@ -442,6 +442,8 @@ class Engine:
 
     def _logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (the head's vocabulary shards gathered under TP)."""
+        if self.fast is not None and self.tp_group is None:
+            return self.fast.linear(self.model.output, h_ND)
         return C.all_gather(self.model.output(h_ND), h_ND.dim() - 1, self.tp_group)
 
     def _ids(self, token_lists: list[list[int]]) -> torch.Tensor:

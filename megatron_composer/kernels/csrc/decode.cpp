@@ -139,6 +139,8 @@ Tensor argmax_rows(const Tensor& logits) {
   return out;
 }
 
+Tensor small_linear(const Tensor& x, const Tensor& w, const OptTensor& b);
+
 // An MTP module's block input: eh_proj(cat[enorm(embedding), hnorm(previous hidden)]), the halves normed in place.
 Tensor mtp_input(const Tensor& emb, const Tensor& h_prev, const Tensor& enorm_w, double enorm_eps,
                  const Tensor& hnorm_w, double hnorm_eps, const Tensor& eh_w) {
@@ -149,7 +151,7 @@ Tensor mtp_input(const Tensor& emb, const Tensor& h_prev, const Tensor& enorm_w,
   both.narrow(1, D, D).copy_(rms_norm(h_prev, hnorm_w, hnorm_eps).reshape({-1, D}));
   auto sizes = emb.sizes().vec();
   sizes.back() = eh_w.size(0);
-  return at::linear(both, eh_w).view(sizes);
+  return small_linear(both, eh_w, std::nullopt).view(sizes);
 }
 
 // ---- routed experts for a few tokens: AVX2/FMA dot products (x86-64 with those instructions, float32) ----------------
@@ -407,6 +409,38 @@ std::pair<Tensor, Tensor> greedy_rows(const Tensor& logits) {
   return {token, logp};
 }
 
+
+// x @ w.T (+ b) for at most 4 rows of x (decoding a request or two): there a matmul's cost is MKL's per-call setup
+// and packing, not arithmetic, and AVX2 dot products over the weight rows are about twice as fast (from 16 rows
+// on MKL is faster). Equal to at::linear to float rounding; at::linear elsewhere (more rows, other dtypes, no AVX2).
+Tensor small_linear(const Tensor& x, const Tensor& w, const OptTensor& b) {
+#ifdef MC_PAIR_KERNEL
+  const int64_t n = x.size(-1), rows = w.size(0), T = n ? x.numel() / n : 0;
+  if (T >= 1 && T <= 4 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2 &&
+      w.is_contiguous() && (!b.has_value() || b->scalar_type() == at::kFloat) && cpu_has_avx2_fma()) {
+    Tensor xc = x.reshape({T, n}).contiguous();
+    Tensor out = at::empty({T, rows}, x.options());
+    const float* px = xc.data_ptr<float>();
+    const float* pw = w.data_ptr<float>();
+    float* po = out.data_ptr<float>();
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) {
+      const float* xs[2] = {px + t * n, px + (t + 1) * n};
+      dot_rows<2>(pw, rows, n, xs, po + t * rows, rows);
+    }
+    if (t < T) {
+      const float* xs[2] = {px + t * n, nullptr};
+      dot_rows<1>(pw, rows, n, xs, po + t * rows, rows);
+    }
+    if (b.has_value()) out.add_(*b);
+    auto sizes = x.sizes().vec();
+    sizes.back() = rows;
+    return out.view(sizes);
+  }
+#endif
+  return at::linear(x, w, b);
+}
+
 // What one forward pass shares across layers: positions' rotation, cache slots, the additive mask.
 struct Step {
   Tensor cos, sin;          // [B, N, half], contiguous, the model's dtype
@@ -464,15 +498,15 @@ struct Block {
   std::vector<Tensor> cache;        // this block's KV cache tensors (the engine's, shared)
 
   Tensor swiglu(const Tensor& x, const Tensor& w13_, const Tensor& w2_) const {
-    auto gu = at::linear(x, w13_).chunk(2, -1);
-    return at::linear(at::silu(gu[0]) * gu[1], w2_);
+    auto gu = small_linear(x, w13_, std::nullopt).chunk(2, -1);
+    return small_linear(at::silu(gu[0]) * gu[1], w2_, std::nullopt);
   }
 
   Tensor attention_mla(const Tensor& x_BND, const Step& s, const Tensor& cache) const {
     const int64_t B = x_BND.size(0), N = x_BND.size(1);
-    Tensor down = at::linear(x_BND, w_down, b_down);  // [B, N, Q + C + R]
+    Tensor down = small_linear(x_BND, w_down, b_down);  // [B, N, Q + C + R]
     Tensor q_in = down.narrow(-1, 0, Q);
-    if (q_lora) q_in = at::linear(rms_norm(q_in, *q_norm, q_eps), w_q);
+    if (q_lora) q_in = small_linear(rms_norm(q_in, *q_norm, q_eps), w_q, std::nullopt);
     Tensor c_kv = rms_norm(down.narrow(-1, Q, C), kv_norm, q_eps);  // [B, N, C] contiguous
     const int64_t X = C + R, rows = B * N;
     // score rows [B, N, H, C + R]: latent query, then the rotated rope query
@@ -521,17 +555,17 @@ struct Block {
     }
     Tensor out;
     if (o_folded) {
-      out = at::linear(o_lat.view({B, N, H * C}), w_o);
+      out = small_linear(o_lat.view({B, N, H * C}), w_o, std::nullopt);
     } else {
       Tensor o = at::bmm(o_lat.view({rows, H, C}).transpose(0, 1), w_uv);  // [H, rows, Dv]
-      out = at::linear(o.transpose(0, 1).reshape({B, N, H * Dv}), w_o);
+      out = small_linear(o.transpose(0, 1).reshape({B, N, H * Dv}), w_o, std::nullopt);
     }
     return b_o.has_value() ? out + *b_o : out;
   }
 
   Tensor attention_gqa(const Tensor& x_BND, const Step& s, const Tensor& k_cache, const Tensor& v_cache) const {
     const int64_t B = x_BND.size(0), N = x_BND.size(1), rep = H / KV, rows = B * N;
-    Tensor qkv = at::linear(x_BND, w_qkv, b_qkv).view({B, N, H + 2 * KV, Dh});
+    Tensor qkv = small_linear(x_BND, w_qkv, b_qkv).view({B, N, H + 2 * KV, Dh});
     Tensor q = qkv.narrow(2, 0, H), k = qkv.narrow(2, H, KV), v = qkv.narrow(2, H + KV, KV);
     if (q_norm.has_value()) {
       q = rms_norm(q, *q_norm, q_eps);
@@ -557,7 +591,7 @@ struct Block {
     Tensor probs = at::softmax(scores, -1, at::kFloat).to(x_BND.scalar_type());
     Tensor o = at::matmul(probs, v_BLKD.transpose(1, 2));  // [B, KV, rep * N, Dh]
     o = o.view({B, KV, rep, N, Dh}).permute({0, 3, 1, 2, 4}).reshape({B, N, H * Dh});
-    return at::linear(o, w_o);
+    return small_linear(o, w_o, std::nullopt);
   }
 
   // The model's Router.forward (no replay): float32 scores, group-limited top-k on biased scores. The scores
@@ -566,7 +600,7 @@ struct Block {
   // kernel (ATen/native/TopKImpl.h) ranks (double score, index) pairs with std::nth_element (k * 64 > E) or
   // std::partial_sort, and the order of the chosen experts is the order it leaves them in.
   std::pair<Tensor, Tensor> route(const Tensor& x_TD) const {
-    Tensor logits = at::linear(x_TD.to(at::kFloat), router_w.to(at::kFloat));
+    Tensor logits = small_linear(x_TD.to(at::kFloat), router_w.to(at::kFloat), std::nullopt);
     Tensor scores = (sigmoid ? logits.sigmoid() : logits.softmax(-1)).contiguous();
     const int64_t T = scores.size(0), K = top_k, G = n_group, per_group = E / n_group;
     Tensor indices = at::empty({T, K}, scores.options().dtype(at::kLong));
@@ -752,6 +786,7 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 statistics, cast back, then scale)");
+  m.def("small_linear", &small_linear, "x @ w.T (+ b) for a few rows of x (decode sizes)", pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
   m.def("argmax_rows", &argmax_rows, "argmax over the last dim of [rows, vocab] (first of equal maxima)");
   m.def("greedy_rows", &greedy_rows, "per row of [rows, vocab] logits: argmax and its log_softmax log-probability");
   m.def("mtp_input", &mtp_input, "an MTP module's block input from the embedding and the previous hidden state");
