@@ -99,7 +99,7 @@ class _Sequence:
         self.rid, self.params, self.generator, self.blocks = rid, params, generator, blocks
         self.tokens = list(prompt)
         self.result = GenerationResult(rid, list(prompt))
-        self.routes: list[list[float]] = []  # per generated token: num_moe_layers x top_k expert ids, flat
+        self.routes: list[list[int]] = []  # per generated token: num_moe_layers x top_k expert ids, flat
         self.processed = 0  # positions held in the main cache; tokens[processed:] not yet fed
         self.text_len = 0
         # speculative state
@@ -337,7 +337,7 @@ class Engine:
 
     def _sample_rows(self, seqs: list[_Sequence], logits_BV: torch.Tensor, routes: Optional[torch.Tensor]) -> None:
         token_B, logp_B = self._greedy(logits_BV)
-        sampling_logp_B = torch.zeros(token_B.shape, dtype=torch.float64, device=token_B.device)
+        sampling_logp = [0.0] * len(seqs)
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:  # every sampled row at once, each from its own generator
             rows = torch.tensor(sampled, device=token_B.device)
@@ -345,15 +345,13 @@ class Engine:
             token_S, slp_S = sample_rows(logits_SV, [seqs[b].params for b in sampled], [seqs[b].generator for b in sampled])
             token_B = token_B.index_copy(0, rows, token_S)
             logp_B = logp_B.index_copy(0, rows, torch.log_softmax(logits_SV.float(), dim=-1).gather(1, token_S[:, None])[:, 0])
-            sampling_logp_B = sampling_logp_B.index_copy(0, rows, slp_S.double())
-        parts = [token_B[:, None].double(), logp_B[:, None].double(), sampling_logp_B[:, None]]
-        if routes is not None:
-            parts.append(routes.reshape(len(seqs), -1).double())
-        # ids are exact in float64: one host transfer per step for ids, both log-probs and the routing
-        rows = torch.cat(parts, 1).tolist()
+            for b, slp in zip(sampled, slp_S.tolist()):
+                sampling_logp[b] = slp
+        # a few small host lists (packing them into one float64 tensor first costs more than it saves)
+        tokens, logps = token_B.tolist(), logp_B.tolist()
+        route_rows = None if routes is None else routes.reshape(len(seqs), -1).tolist()
         for b, seq in enumerate(seqs):
-            row = rows[b]
-            self._emit(seq, int(row[0]), row[1], row[2], None if routes is None else row[3:])
+            self._emit(seq, tokens[b], logps[b], sampling_logp[b], None if routes is None else route_rows[b])
 
     # ---- forward passes ----------------------------------------------------------------------------
     def _slot_table(self, seqs: list[_Sequence]) -> torch.Tensor:
@@ -374,14 +372,15 @@ class Engine:
         dev = self.device
         table_BW = self._slot_table(seqs)
         N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
-        start_B = torch.tensor(starts, device=dev)
-        if N == 1:  # decode: every row valid
-            pos_BN = start_B[:, None]
-        else:
-            pos_BN = start_B[:, None] + torch.arange(N, device=dev)
+        read_BL = table_BW[:, :L]
+        if N == 1:  # decode: every row valid; positions and slots in one host-to-tensor copy
+            bs = self.cache.block_size
+            pos_write = torch.tensor([starts, [s.blocks[a // bs] * bs + a % bs for s, a in zip(seqs, starts)]],
+                                     device=dev)
+            return _Batch(pos_write[0, :, None], read_BL, lengths, starts, pos_write[1], None)
+        pos_BN = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
         # rows past a sequence's length are padding: their slots are never written, their outputs unused
         write_BN = table_BW.gather(1, pos_BN.clamp(max=table_BW.shape[1] - 1))
-        read_BL = table_BW[:, :L]
         if min(lengths) == N:
             rows_T, write_T = None, write_BN.reshape(-1)
         else:
@@ -448,6 +447,8 @@ class Engine:
 
     def _ids(self, token_lists: list[list[int]]) -> torch.Tensor:
         N = max(len(t) for t in token_lists)
+        if N == 1:
+            return torch.tensor([t[0] for t in token_lists], dtype=torch.long, device=self.device)[:, None]
         return torch.tensor([t + [0] * (N - len(t)) for t in token_lists], dtype=torch.long, device=self.device)
 
     def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
