@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels.causal_attention import causal_attention
 from .args import ModelConfig
 from .norms import RMSNorm
-from .rope import apply_rope, softmax_scale
+from .rope import apply_rope_tail, softmax_scale
 
 
 def document_ids(position_ids_BS: torch.Tensor) -> Optional[torch.Tensor]:
@@ -88,13 +88,12 @@ class MLAttention(nn.Module):
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
         q_BSHD = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        q_nope, q_rope = q_BSHD.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        return torch.cat([q_nope, apply_rope(q_rope, cos, sin, self.rope_interleave)], dim=-1)
+        return apply_rope_tail(q_BSHD, cos, sin, self.rope_interleave, self.qk_rope_head_dim)
 
     def compress_kv(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token cache content: normed latent [B, S, kv_lora_rank] and rotated rope key [B, S, rope]."""
         c_kv, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.rope_interleave).squeeze(2)
+        k_rope = apply_rope_tail(k_rope.unsqueeze(2), cos, sin, self.rope_interleave, self.qk_rope_head_dim).squeeze(2)
         return self.kv_norm(c_kv), k_rope
 
     def expand_kv(self, c_kv_BSC: torch.Tensor, k_rope_BSR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +136,8 @@ class GQAttention(nn.Module):
         q = self.q_norm(self.wq(x_BSD).view(B, S, -1, self.head_dim))
         k = self.k_norm(self.wk(x_BSD).view(B, S, -1, self.head_dim))
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
-        return apply_rope(q, cos, sin, False), apply_rope(k, cos, sin, False), v
+        return (apply_rope_tail(q, cos, sin, False, self.head_dim), apply_rope_tail(k, cos, sin, False, self.head_dim),
+                v)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:

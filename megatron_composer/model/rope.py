@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ..kernels.rope import RopeTail, kernel_for
 from .args import ModelConfig, RopeScaling
 
 
@@ -90,3 +91,19 @@ def apply_rope(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
         half = x_BSHD.shape[-1] // 2
         x1, x2 = x_BSHD[..., :half], x_BSHD[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rope_tail(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, interleaved: bool,
+                    rope_dim: int) -> torch.Tensor:
+    """apply_rope on the last `rope_dim` dims of each head, the others passed through: one C++ pass each way
+    (kernels/rope.py) where it applies, else the reference below (equal bit for bit in float32)."""
+    lead = x_BSHD.shape[:-2]
+    if cos_BSd.shape[:-1] != lead:  # broadcast positions (one row of ids for the batch)
+        cos_BSd, sin_BSd = cos_BSd.expand(*lead, -1), sin_BSd.expand(*lead, -1)
+    kernel = kernel_for(x_BSHD, cos_BSd, sin_BSd)
+    if kernel is not None:
+        return RopeTail.apply(kernel, x_BSHD, cos_BSd, sin_BSd, rope_dim, interleaved)
+    if rope_dim == x_BSHD.shape[-1]:
+        return apply_rope(x_BSHD, cos_BSd, sin_BSd, interleaved)
+    x_pass, x_rot = x_BSHD.split([x_BSHD.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat([x_pass, apply_rope(x_rot, cos_BSd, sin_BSd, interleaved)], dim=-1)
