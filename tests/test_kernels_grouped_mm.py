@@ -173,3 +173,14 @@ def test_experts_take_the_reference_under_function_modes_and_replaced_grouped_mm
     ex.grouped_mm = replacement
     torch.testing.assert_close(moe.local_dispatch(ex, x[:10], indices, weights), fused, atol=1e-5, rtol=1e-5)
     assert calls == [(6, 32, 24), (6, 24, 16)]
+
+
+def test_local_dispatch_of_no_tokens(kernel):
+    from megatron_composer.model import moe
+
+    ex = _experts(torch.float32)
+    x = torch.zeros(0, 24, requires_grad=True)
+    weights = torch.zeros(0, 2, requires_grad=True)
+    out = moe.local_dispatch(ex, x, torch.zeros(0, 2, dtype=torch.long), weights)
+    out.sum().backward()
+    assert out.shape == (0, 24) and x.grad.shape == (0, 24) and torch.all(ex.w1.grad == 0)
