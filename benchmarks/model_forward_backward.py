@@ -1,7 +1,8 @@
 """Forward+backward tokens/s of our model versus transformers' DeepseekV3ForCausalLM with identical weights.
 
 Both sides run in the same process, interleaved step by step, in float32 and bfloat16, each through its own
-training loss (transformers' `labels=` loss; our trainer's lm_loss_sum), and the losses are checked equal;
+training loss (transformers' `labels=` loss; our trainer's pretrain_loss, which fuses the output head into the
+cross-entropy where it can), and the losses are checked equal;
 transformers is run with each of its expert implementations (eager loop, grouped_mm, batched_mm) and the
 fastest is the baseline. MFU is quoted against the peak matmul FLOP/s of the same dtype measured in this run.
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.checkpoint.hf import load_hf_checkpoint  # noqa: E402
 from megatron_composer.training.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
-from pretrain.losses import lm_loss_sum  # noqa: E402
+from pretrain.losses import MTPLossConfig, fused_head_applies, pretrain_loss, token_counts  # noqa: E402
 
 
 def build_reference(args):
@@ -43,16 +44,21 @@ def build_reference(args):
 
 def step_fn(model, ids, hf: bool):
     """One training step's forward+backward through each library's own next-token loss: transformers'
-    `labels=` path (its ForCausalLMLoss) and our pretraining trainer's `lm_loss_sum`."""
-    labels = F.pad(ids[:, 1:], (0, 1))
+    `labels=` path (its ForCausalLMLoss) and our pretraining trainer's forward + `pretrain_loss`."""
     mask = torch.ones(ids.shape, dtype=torch.float32)
     mask[:, -1] = 0
+    batch = {"labels": F.pad(ids[:, 1:], (0, 1)), "loss_mask": mask,
+             "position_ids": torch.arange(ids.shape[1]).expand(ids.shape)}
+    mtp_cfg = MTPLossConfig(weight=0.0)  # transformers' DeepseekV3 has no MTP head to train
 
     def run():
         if hf:
             loss = model(ids, labels=ids).loss
         else:
-            loss = lm_loss_sum(model(ids), labels, mask) / mask.sum()
+            fused = fused_head_applies(model, mtp_cfg)
+            out = model(ids, batch["position_ids"], logits=not fused, return_hidden=True)
+            loss, _ = pretrain_loss(out, batch, mtp_cfg, token_counts(batch, 0),
+                                    head_weight=model.output.weight if fused else None)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()

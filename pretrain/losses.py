@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron_composer.config import ConfigError
 from megatron_composer.kernels.cross_entropy import cross_entropy
+from megatron_composer.kernels.linear_cross_entropy import linear_cross_entropy_sum
 
 
 @dataclass
@@ -107,6 +108,21 @@ def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS:
     return (losses * loss_mask_BS.flatten()).sum()
 
 
+def lm_loss_sum_fused_head(hidden_BSD: torch.Tensor, head_weight_VD: torch.Tensor, labels_BS: torch.Tensor,
+                           loss_mask_BS: torch.Tensor) -> torch.Tensor:
+    """lm_loss_sum(hidden @ head^T, ...) without ever making the [B, S, V] logits or their gradient."""
+    return linear_cross_entropy_sum(hidden_BSD.flatten(0, 1), head_weight_VD, labels_BS.flatten(),
+                                    loss_mask_BS.flatten())
+
+
+def fused_head_applies(model, mtp_cfg: MTPLossConfig, vocab_group=None) -> bool:
+    """Whether the trainer may leave the main head to the loss (model(..., logits=False) + head_weight):
+    a plain, unsharded Linear head (not vocab-parallel, not FP8) and no MTP self-distillation, whose teacher
+    is the main head's whole distribution."""
+    mtp_on = mtp_cfg.weight > 0 and model.config.num_mtp_layers > 0
+    return vocab_group is None and type(model.output) is torch.nn.Linear and not mtp_on
+
+
 def mtp_self_distillation_sums(
     main_logits_BSV: torch.Tensor,
     mtp_logits: list[torch.Tensor],
@@ -144,19 +160,29 @@ def mtp_self_distillation_sums(
 
 
 def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor, shift_left=shift_left_local,
-                  vocab_group=None):
+                  vocab_group=None, head_weight=None):
     """Loss to backpropagate for one micro-batch (already divided by global counts) and detached stats.
 
     `output` is the model's ModelOutput (logits, mtp_logits, aux_loss); `global_counts` is the sum over the
     global batch of token_counts(). Returns (loss, stats) where stats holds this micro-batch's contribution to
     each logged metric (summing stats over micro-batches and ranks gives the step's values).
+    When the model ran without its main head (output.logits None, see fused_head_applies), `head_weight`
+    is that head's weight and the LM loss applies it fused with the cross-entropy.
     """
-    lm_sum = lm_loss_sum(output.logits, batch["labels"], batch["loss_mask"], vocab_group)
+    if output.logits is None:
+        if head_weight is None or output.hidden_states is None:
+            raise ValueError("pretrain_loss: the model output has no logits; pass head_weight and the output's hidden_states "
+                             "(model(..., logits=False)) or run the model with its head")
+        lm_sum = lm_loss_sum_fused_head(output.hidden_states, head_weight, batch["labels"], batch["loss_mask"])
+    else:
+        lm_sum = lm_loss_sum(output.logits, batch["labels"], batch["loss_mask"], vocab_group)
     lm = lm_sum / global_counts[0].clamp(min=1)
     loss = lm
     stats = {"lm_loss": lm.detach()}
     mtp_logits = list(getattr(output, "mtp_logits", None) or [])
     if mtp_logits and mtp_cfg.weight > 0:
+        if output.logits is None:
+            raise ValueError("MTP self-distillation needs the main logits as its teacher: run the model with its head")
         per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg, shift_left, vocab_group)
         mtp_total = 0.0
         for k, d in enumerate(per_depth, start=1):

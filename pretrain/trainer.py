@@ -26,13 +26,14 @@ from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_data
 from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.fp8 import FP8Config, apply_fp8
+from megatron_composer.model import ModelOutput
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.dims import ParallelConfig
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.metrics import LoggingConfig, MetricsLogger, memory_gb
 from megatron_composer.training.optim import OptimizerConfig, lr_at, set_lr
 from pretrain.layout import Layout
-from pretrain.losses import MTPLossConfig, pretrain_loss, token_counts
+from pretrain.losses import MTPLossConfig, fused_head_applies, pretrain_loss, token_counts
 
 
 @dataclass
@@ -207,9 +208,13 @@ def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
 
 
 def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout):
+    fused = fused_head_applies(model, mtp_cfg, layout.vocab_group)  # no [tokens, vocab] logits are made
     with autocast:
-        out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing)
-    return pretrain_loss(out, batch, mtp_cfg, counts, layout.shift_left, layout.vocab_group), out
+        out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing, logits=not fused)
+        if torch.is_tensor(out):  # the model returns bare logits when nothing else was asked for
+            out = ModelOutput(logits=out)
+        return pretrain_loss(out, batch, mtp_cfg, counts, layout.shift_left, layout.vocab_group,
+                             head_weight=model.output.weight if fused else None), out
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from .rope import RotaryEmbedding
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]  # None when the forward was asked not to apply the main head
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     routed_experts: Optional[torch.Tensor] = None  # [num_moe_layers, B, S, K]
     aux_loss: Optional[torch.Tensor] = None
@@ -114,8 +114,11 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 routed_experts: Optional[torch.Tensor] = None, return_routing: bool = False,
-                mtp: bool = False, return_hidden: bool = False):
+                mtp: bool = False, return_hidden: bool = False, logits: bool = True):
         """Logits [B, S, V]; or a ModelOutput when routing, MTP logits or hidden states are requested.
+
+        logits=False leaves out the main head (ModelOutput.logits is None, hidden_states holds the final
+        normed states) for a loss that fuses the head, as pretrain.losses does.
 
         position_ids [B, S] restarting at document boundaries mark packed documents. routed_experts
         [num_moe_layers, B, S, K] replays a recorded routing (main layers; MTP blocks route freely).
@@ -140,10 +143,10 @@ class Transformer(nn.Module):
                 aux_total = aux_total + aux
                 moe_i += 1
         h = self.norm(h)
-        logits = self.output(h)
-        if not (return_routing or mtp or return_hidden):
-            return logits
-        out = ModelOutput(logits=logits, aux_loss=aux_total, hidden_states=h if return_hidden else None)
+        main_logits = self.output(h) if logits else None
+        if not (return_routing or mtp or return_hidden or not logits):
+            return main_logits
+        out = ModelOutput(logits=main_logits, aux_loss=aux_total, hidden_states=h if return_hidden or not logits else None)
         if return_routing and chosen:
             out.routed_experts = torch.stack(chosen)
         if mtp:
