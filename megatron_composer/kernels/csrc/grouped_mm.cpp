@@ -7,6 +7,7 @@
 // next largest expert from a shared counter and runs its whole matmul single-threaded (ATen runs ops inside a
 // parallel region serially). Each matmul is the at::mm the Python loop makes, on the same rows.
 #include <ATen/ATen.h>
+#include "float_rows.h"
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -169,22 +170,7 @@ std::vector<Tensor> swiglu_backward(const Tensor& dy, const Tensor& x, const Ten
 
 // ---- row loops of combine: float32 arithmetic on float32 or bfloat16 rows, compiled for AVX-512, AVX2 and
 // plain x86-64 and chosen at load time (the extension is built without -march flags).
-#define ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void from_float(float v, float& out) { out = v; }
-inline void from_float(float v, c10::BFloat16& out) {  // round to nearest even, as c10::BFloat16(float)
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  out.x = v != v ? uint16_t(0x7fc0) : rounded;
-}
+using namespace float_rows;
 
 template <typename T>
 inline void axpy(float* acc, const T* src, float w, int64_t n) {
@@ -192,7 +178,7 @@ inline void axpy(float* acc, const T* src, float w, int64_t n) {
 }
 template <typename T>
 inline void scale_to(T* dst, const float* src, float w, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) from_float(w * src[i], dst[i]);
+  for (int64_t i = 0; i < n; ++i) store(w * src[i], dst[i]);
 }
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {

@@ -4,6 +4,7 @@
 // instead of the reference's ~6 elementwise passes and float32 temporaries each way. Rows are split over the
 // ATen threads; the weight gradient is summed per thread (in float64), then over threads.
 #include <ATen/ATen.h>
+#include "float_rows.h"
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -15,34 +16,7 @@ namespace {
 
 using at::Tensor;
 
-// Row loops compiled for AVX-512, AVX2 and plain x86-64, chosen at load time (no -march flags in the build).
-#define ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-// Rounded to T and back: what storing a float32 result in a T tensor does (round to nearest even, as
-// c10::BFloat16(float)).
-inline float round_as(float v, float) { return v; }
-inline float round_as(float v, c10::BFloat16) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  uint32_t r = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
-  float f;
-  std::memcpy(&f, &r, sizeof f);
-  return v != v ? v : f;
-}
-inline void store(float v, float& out) { out = v; }
-inline void store(float v, c10::BFloat16& out) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  out.x = v != v ? uint16_t(0x7fc0) : rounded;
-}
+using namespace float_rows;
 
 constexpr int64_t kLanes = 16;  // independent partial sums, so reductions vectorise without -ffast-math
 

@@ -6,6 +6,7 @@
 // fused into FMAs), so float32 results equal the reference's bit for bit.
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/ATen.h>
+#include "float_rows.h"
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -16,31 +17,7 @@ namespace {
 
 using at::Tensor;
 
-#define ROW_LOOP __attribute__((target_clones("avx512f", "avx2", "default")))
-
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float round_as(float v, float) { return v; }
-inline float round_as(float v, c10::BFloat16) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  uint32_t r = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
-  float f;
-  std::memcpy(&f, &r, sizeof f);
-  return v != v ? v : f;
-}
-inline void store(float v, float& out) { out = v; }
-inline void store(float v, c10::BFloat16& out) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  out.x = v != v ? uint16_t(0x7fc0) : rounded;
-}
+using namespace float_rows;
 
 // rows r0..r1 of H heads each: x [rows, H, P + R], cs [rows, R/2] cos and sin. Forward: out as above.
 // Backward (inverse = true): the rotation by -angle, which is the gradient of the forward.
