@@ -59,7 +59,7 @@ def test_cpp_fast_path_equals_python(case, monkeypatch):
     model = _model(preset, num_layers=3, **changes)
     fast, reference = _engines(model, monkeypatch)
     V = model.config.vocab_size
-    # batch 1 (experts by sorted tokens), a mixed-length batch of 16 (padded prefill rows, every-expert form
+    # batch 1 (decode-size experts over the chosen pairs; sorted tokens at prefill), a mixed-length batch of 16 (padded prefill rows, every-expert form
     # where experts are few), and speculative verification (several new tokens per request, the MTP block)
     for lengths, spec in [([7], False), ([3, 9, 5, 12] * 4, False), ([6, 11], True)]:
         if spec and model.config.num_mtp_layers == 0:
