@@ -102,8 +102,7 @@ class _Sequence:
         self.routes: list[list[int]] = []  # per generated token: num_moe_layers x top_k expert ids, flat
         self.processed = 0  # positions held in the main cache; tokens[processed:] not yet fed
         self.text_len = 0
-        # speculative state
-        self.pending_hidden: Optional[torch.Tensor] = None  # main normed hidden for positions [mtp_valid, processed)
+        # speculative state: the MTP cache holds positions [0, mtp_valid); each draft catches it up to processed
         self.mtp_valid = 0
         self.drafts: list[int] = []
         self.draft_probs: list[torch.Tensor] = []
@@ -369,25 +368,20 @@ class Engine:
         return table
 
     def _batch(self, seqs: list[_Sequence], starts: list[int], lengths: list[int]) -> _Batch:
-        dev = self.device
         table_BW = self._slot_table(seqs)
         N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
         read_BL = table_BW[:, :L]
-        if N == 1:  # decode: every row valid; positions and slots in one host-to-tensor copy
-            bs = self.cache.block_size
-            pos_write = torch.tensor([starts, [s.blocks[a // bs] * bs + a % bs for s, a in zip(seqs, starts)]],
-                                     device=dev)
-            return _Batch(pos_write[0, :, None], read_BL, lengths, starts, pos_write[1], None)
-        pos_BN = torch.tensor(starts, device=dev)[:, None] + torch.arange(N, device=dev)
+        bs, B = self.cache.block_size, len(seqs)
+        # positions, write slots (valid rows only) and valid row indices from the host lists in one copy
+        pos = [a + j for a in starts for j in range(N)]
+        write = [s.blocks[p // bs] * bs + p % bs for s, a, n in zip(seqs, starts, lengths) for p in range(a, a + n)]
+        ragged = min(lengths) != N
+        rows = [b * N + j for b, n in enumerate(lengths) for j in range(n)] if ragged else []
+        host = torch.tensor(pos + write + rows, device=self.device)
+        T = len(write)
+        pos_BN = host[:B * N].view(B, N)
         # rows past a sequence's length are padding: their slots are never written, their outputs unused
-        write_BN = table_BW.gather(1, pos_BN.clamp(max=table_BW.shape[1] - 1))
-        if min(lengths) == N:
-            rows_T, write_T = None, write_BN.reshape(-1)
-        else:
-            valid_BN = torch.arange(N, device=dev) < torch.tensor(lengths, device=dev)[:, None]
-            rows_T = valid_BN.reshape(-1).nonzero().squeeze(-1)
-            write_T = write_BN.reshape(-1).index_select(0, rows_T)
-        return _Batch(pos_BN, read_BL, lengths, starts, write_T, rows_T)
+        return _Batch(pos_BN, read_BL, lengths, starts, host[B * N:B * N + T], host[B * N + T:] if ragged else None)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
         """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the
@@ -496,12 +490,9 @@ class Engine:
             s.processed = lengths[b]
             if routes is not None:
                 s.result.prompt_routed_experts = routes[:, b, :lengths[b] - 1].permute(1, 0, 2).clone()
-            if s.params.speculative:
-                s.pending_hidden, s.mtp_valid = hidden[b, :lengths[b]], 0
+            s.mtp_valid = 0
         self._sample_rows(seqs, logits_BV, None if routes is None else routes[:, rows, last].transpose(0, 1))
-        spec = [s for s in seqs if s.params.speculative and not s.finished]
-        if spec:
-            self._draft(spec)
+        self._draft_live(seqs, hidden)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
         hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs])
@@ -542,24 +533,37 @@ class Engine:
                 self._emit(s, tok, lp, slp, None if routes is None else route_rows[b][j])
                 if s.finished:
                     break
-            new = hidden[b, :len(emitted)]
-            s.pending_hidden = new if s.pending_hidden.shape[0] == 0 else torch.cat([s.pending_hidden, new])
             s.processed += len(emitted)
-        live = [s for s in seqs if not s.finished]
-        if live:
-            self._draft(live)
+        self._draft_live(seqs, hidden)
 
-    def _draft(self, seqs: list[_Sequence]) -> None:
-        """Propose num_draft_tokens per sequence with the first MTP module (see module docstring)."""
+    def _draft_live(self, seqs: list[_Sequence], hidden_BND: torch.Tensor) -> None:
+        """Draft for the unfinished speculative sequences of a forward whose row b of hidden_BND holds the main
+        model's hidden states at positions mtp_valid.. of seqs[b] (rows past processed are ignored)."""
+        live = [b for b, s in enumerate(seqs) if s.params.speculative and not s.finished]
+        if not live:
+            return
+        if len(live) < len(seqs):
+            hidden_BND = hidden_BND.index_select(0, torch.tensor(live, device=self.device))
+            seqs = [seqs[b] for b in live]
+        self._draft(seqs, hidden_BND)
+
+    def _draft(self, seqs: list[_Sequence], hidden_BND: torch.Tensor) -> None:
+        """Propose num_draft_tokens per sequence with the first MTP module (see module docstring). Row b of
+        hidden_BND holds the main model's hidden states at positions mtp_valid.. of seqs[b]: the MTP cache
+        first catches up over positions [mtp_valid, processed), in the same forward as the first draft."""
         starts = [s.mtp_valid for s in seqs]
         # position t pairs the main hidden at t with the token at t + 1 (the last one is the newest token)
         tokens = [s.tokens[s.mtp_valid + 1:s.processed + 1] for s in seqs]
-        h_prev = torch.nn.utils.rnn.pad_sequence([s.pending_hidden for s in seqs], batch_first=True)
-        x = self._mtp_forward(seqs, h_prev, tokens, starts)
-        last = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
-        x_prev = x[torch.arange(len(seqs), device=self.device), last]
+        lengths = [len(t) for t in tokens]
+        N = max(lengths)
+        x = self._mtp_forward(seqs, hidden_BND[:, :N], tokens, starts)
+        if min(lengths) == N:
+            x_prev = x[:, N - 1]
+        else:
+            x_prev = x.flatten(0, 1).index_select(0, torch.tensor([b * N + n - 1 for b, n in enumerate(lengths)],
+                                                                   device=self.device))
         for s in seqs:
-            s.mtp_valid, s.pending_hidden = s.processed, s.pending_hidden[:0]
+            s.mtp_valid = s.processed
             s.drafts, s.draft_probs = [], []
         for j in range(max(s.params.num_draft_tokens for s in seqs)):
             active = [b for b, s in enumerate(seqs) if len(s.drafts) < s.params.num_draft_tokens]
@@ -632,6 +636,7 @@ class Engine:
             return
         with batch_invariant_mode(self.batch_invariant):
             hidden, _, _ = self._main_forward(seqs, [s.tokens[:s.processed] for s in seqs], [0] * len(seqs))
-        for b, s in enumerate(seqs):
-            if s.params.speculative:
-                s.pending_hidden, s.mtp_valid = hidden[b, :s.processed], 0
+            for s in seqs:
+                s.mtp_valid = 0
+            # the MTP cache is rebuilt from the new hidden states, and the drafts with it
+            self._draft_live(seqs, hidden)
