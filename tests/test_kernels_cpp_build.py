@@ -5,7 +5,7 @@ import pytest
 
 from megatron_composer.kernels import cpp
 
-KERNELS = ["decode", "causal_attention", "grouped_mm", "rms_norm", "rope"]
+KERNELS = ["decode", "causal_attention", "cross_entropy", "grouped_mm", "rms_norm", "rope"]
 
 
 @pytest.mark.parametrize("name", KERNELS)

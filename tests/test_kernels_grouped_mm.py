@@ -67,11 +67,12 @@ def _grads(fn, tensors):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_swiglu_matches_reference_forward(kernel, threads, dtype):
+@pytest.mark.parametrize("F", [16, 8, 20])  # the activation runs 16 columns at a time: whole, only a tail, both
+def test_grouped_swiglu_matches_reference_forward(kernel, threads, dtype, F):
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ex = _experts(dtype)
+        ex = _experts(dtype, F=F)
         counts = torch.tensor([9, 0, 30, 1, 0, 17])  # empty experts included
         offs = counts.cumsum(0).to(torch.int32)
         x = torch.randn(int(counts.sum()), 24, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()

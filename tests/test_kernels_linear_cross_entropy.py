@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_composer.kernels import cpp
 from megatron_composer.kernels import linear_cross_entropy as lce
 from megatron_composer.kernels.linear_cross_entropy import linear_cross_entropy_sum, reference_linear_cross_entropy_sum
 from megatron_composer.model import Transformer, get_preset
@@ -27,9 +28,14 @@ def _loss_and_grads(fn, h, w, target, tw, scale=1.0):
     return loss.detach(), h.grad.clone(), w.grad.clone()
 
 
+@pytest.mark.parametrize("rows_path", ["cpp", "torch"])  # the C++ row pass and its torch reference
 @pytest.mark.parametrize("block_elements", [53 * 16, 53 * 20, 1 << 21])  # several blocks with a ragged last one; one block
-def test_matches_reference_float32(monkeypatch, block_elements):
+def test_matches_reference_float32(monkeypatch, block_elements, rows_path):
     monkeypatch.setitem(lce._BLOCK_ELEMENTS, "cpu", block_elements)
+    if rows_path == "torch":
+        monkeypatch.setattr(lce, "_rows_kernel", lambda device: None)
+    elif cpp.load("cross_entropy") is None:
+        pytest.skip(f"C++ kernel unavailable: {cpp.failure('cross_entropy')}")
     h, w, target, tw = _inputs()
     ref = _loss_and_grads(reference_linear_cross_entropy_sum, h, w, target, tw, scale=2.5)
     got = _loss_and_grads(linear_cross_entropy_sum, h, w, target, tw, scale=2.5)
@@ -38,6 +44,40 @@ def test_matches_reference_float32(monkeypatch, block_elements):
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
     assert got[1][::5].abs().max() == 0  # weight-0 tokens get no gradient
+
+
+def _cpp_rows():
+    module = cpp.load("cross_entropy")
+    if module is None:
+        pytest.skip(f"C++ kernel unavailable: {cpp.failure('cross_entropy')}")
+    return module
+
+
+@pytest.mark.parametrize("V", [1, 16, 8192 + 7])  # one column, whole vectors, a ragged tail
+def test_cpp_row_pass_matches_torch(V):
+    rows = _cpp_rows()
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(9, V, generator=g) * 30  # large logits: the max subtraction matters
+    target = torch.randint(0, V, (9,), generator=g)
+    weight = torch.rand(9, generator=g)
+    weight[3] = 0
+    logp_ref = torch.log_softmax(x, -1)
+    grad_ref = (logp_ref.exp() - torch.nn.functional.one_hot(target, V)) * weight[:, None]
+    y = x.clone()
+    logp = rows.log_softmax_grad_rows(y, target, weight, True)
+    torch.testing.assert_close(logp, logp_ref.gather(1, target[:, None])[:, 0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(y, grad_ref, rtol=1e-5, atol=1e-7)
+    assert rows.log_softmax_grad_rows(x.clone(), target, weight, False).equal(logp)  # loss only: same log-probs
+
+
+def test_cpp_row_pass_propagates_nan_and_checks_targets():
+    rows = _cpp_rows()
+    x = torch.zeros(2, 40)
+    x[1, 7] = float("nan")
+    logp = rows.log_softmax_grad_rows(x, torch.tensor([0, 0]), torch.ones(2), True)
+    assert logp[0] == pytest.approx(-torch.log(torch.tensor(40.0)).item()) and logp[1].isnan()
+    with pytest.raises(RuntimeError, match="target 40 outside the vocabulary"):
+        rows.log_softmax_grad_rows(torch.zeros(1, 40), torch.tensor([40]), torch.ones(1), True)
 
 
 def test_matches_reference_bfloat16(monkeypatch):

@@ -25,7 +25,7 @@ import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # extension code that calls at::parallel_for needs OpenMP, or its loops silently run on one thread
-_FLAGS = {"causal_attention": ("-fopenmp",), "grouped_mm": ("-fopenmp",), "rms_norm": ("-fopenmp",), "rope": ("-fopenmp",)}
+_FLAGS = {name: ("-fopenmp",) for name in ("causal_attention", "cross_entropy", "grouped_mm", "rms_norm", "rope")}
 _modules: dict[str, Optional[ModuleType]] = {}
 _failures: dict[str, str] = {}
 

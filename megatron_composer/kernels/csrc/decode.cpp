@@ -782,6 +782,105 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
   return {h, routes};
 }
 
+// The embedding, the final norm, the output layer, and the first MTP module's input projection and norms.
+struct Heads {
+  Tensor embed_w;               // [V, D]
+  Tensor norm_w;                // the model's final norm
+  double norm_eps = 1e-6;
+  Tensor out_w;                 // [V, D], shared by the MTP module
+  OptTensor out_b;
+  Tensor enorm_w, hnorm_w, eh_w, mtp_norm_w;
+  double enorm_eps = 1e-6, hnorm_eps = 1e-6, mtp_norm_eps = 1e-6;
+};
+
+// One drafting forward of the first MTP module (blocks[index]) over (token, previous hidden) pairs at positions
+// pos_BN, as FastForward.mtp_draft: embedding, mtp_input, the block, then at each sequence's last pair (last_T:
+// flat row indices, or the last column when every row is valid) the module's norm, the head and the argmax.
+// Returns (block output [B, D], logits [B, V], argmax [B]).
+std::tuple<Tensor, Tensor, Tensor> mtp_draft(const std::vector<Block*>& blocks, int64_t index, const Heads& m,
+                                             const Tensor& ids_BN, const Tensor& h_prev_BND, const OptTensor& last_T,
+                                             const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
+                                             const Tensor& write_slots, const OptTensor& rows,
+                                             const Tensor& read_slots_BL) {
+  c10::InferenceMode inference;
+  Tensor x = mtp_input(at::embedding(m.embed_w, ids_BN), h_prev_BND, m.enorm_w, m.enorm_eps, m.hnorm_w, m.hnorm_eps,
+                       m.eh_w);
+  Tensor h = forward_blocks(blocks, index, index + 1, x, pos_BN, inv_freq, attention_factor, write_slots, rows,
+                            read_slots_BL).first;
+  const int64_t D = h.size(-1);
+  Tensor x_last = last_T.has_value() ? h.reshape({-1, D}).index_select(0, *last_T) : h.select(1, h.size(1) - 1).contiguous();
+  Tensor logits = small_linear(rms_norm(x_last, m.mtp_norm_w, m.mtp_norm_eps), m.out_w, m.out_b);
+  return {x_last, logits, argmax_rows(logits)};
+}
+
+// A greedy speculative step, as the engine's _verify followed by _draft's first forward for greedy requests: the
+// main model over each sequence's newest token and its drafts (ids_BN[b, :lengths[b]] at positions pos_BN[b], the
+// main layout's slots), the head's argmax and log-probability at every position, acceptance (drafts equal to the
+// argmax), then the MTP module over the emitted tokens' positions (slots from table_BW, the sequences' slot table)
+// and its draft at the last one. Returns (routes [B, N, K] per MoE block, argmax [B, N], log-probability [B, N],
+// MTP block output [B, D], draft logits [B, V], draft [B]).
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_draft(
+    const std::vector<Block*>& blocks, int64_t num_layers, const Heads& m, const Tensor& ids_BN,
+    const std::vector<int64_t>& lengths, const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
+    const Tensor& write_slots, const OptTensor& rows, const Tensor& read_slots_BL, const Tensor& table_BW) {
+  c10::InferenceMode inference;
+  const int64_t B = ids_BN.size(0), N = ids_BN.size(1);
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B, "verify_draft: one length per sequence");
+  auto [h, routes] = forward_blocks(blocks, 0, num_layers, at::embedding(m.embed_w, ids_BN), pos_BN, inv_freq,
+                                    attention_factor, write_slots, rows, read_slots_BL);
+  const int64_t D = h.size(-1);
+  Tensor hn = rms_norm(h, m.norm_w, m.norm_eps);
+  auto [best, logp] = greedy_rows(small_linear(hn, m.out_w, m.out_b).view({B * N, -1}));
+  // accepted drafts per sequence, then the MTP layout over positions start .. start + accepted
+  Tensor ids = ids_BN.to(at::kLong).contiguous(), pos = pos_BN.to(at::kLong).contiguous();
+  Tensor table = table_BW.to(at::kLong).contiguous();
+  const int64_t* pi = ids.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* pt = table.data_ptr<int64_t>();
+  const int64_t* pb = best.data_ptr<int64_t>();
+  const int64_t W = table.size(1);
+  std::vector<int64_t> emitted(B);
+  int64_t N2 = 0, L2 = 0, T2 = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t n = 0;
+    while (n + 1 < lengths[b] && pi[b * N + n + 1] == pb[b * N + n]) ++n;
+    emitted[b] = n + 1;
+    N2 = std::max(N2, n + 1);
+    L2 = std::max(L2, pp[b * N] + n + 1);
+    T2 += n + 1;
+  }
+  const bool ragged = T2 != B * N2;
+  Tensor host = at::empty({B * N2 * 2 + T2 * 2 + B}, ids.options());  // ids, positions, write slots, rows, last
+  int64_t* ph = host.data_ptr<int64_t>();
+  int64_t* ids2 = ph;
+  int64_t* pos2 = ph + B * N2;
+  int64_t* write2 = pos2 + B * N2;
+  int64_t* rows2 = write2 + T2;
+  int64_t* last2 = rows2 + T2;
+  int64_t t = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = pp[b * N];
+    for (int64_t j = 0; j < N2; ++j) {
+      // position start + j pairs the main hidden there with the token emitted after it
+      ids2[b * N2 + j] = j < emitted[b] ? pb[b * N + j] : 0;
+      pos2[b * N2 + j] = start + j;
+      if (j < emitted[b]) {
+        TORCH_CHECK(start + j < W, "verify_draft: position beyond the slot table");
+        write2[t] = pt[b * W + start + j];
+        rows2[t++] = b * N2 + j;
+      }
+    }
+    last2[b] = b * N2 + emitted[b] - 1;
+  }
+  Tensor h_prev = hn.narrow(1, 0, N2);
+  auto [x_last, draft_logits, drafts] = mtp_draft(
+      blocks, num_layers, m, host.narrow(0, 0, B * N2).view({B, N2}), h_prev,
+      ragged ? OptTensor(host.narrow(0, 2 * B * N2 + 2 * T2, B)) : std::nullopt, host.narrow(0, B * N2, B * N2).view({B, N2}),
+      inv_freq, attention_factor, host.narrow(0, 2 * B * N2, T2),
+      ragged ? OptTensor(host.narrow(0, 2 * B * N2 + T2, T2)) : std::nullopt, table_BW.narrow(1, 0, L2));
+  return {routes, best.view({B, N}), logp.view({B, N}), x_last, draft_logits, drafts};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -794,6 +893,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // no Python objects are touched after the arguments are converted: other threads (the HTTP server's) run
   m.def("forward_blocks", &forward_blocks, "blocks [first, last) over new tokens with cached attention",
         py::call_guard<py::gil_scoped_release>());
+  m.def("mtp_draft", &mtp_draft, "one drafting forward of the first MTP module: block output, logits and argmax at the last pairs",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("verify_draft", &verify_draft, "a greedy speculative step: verification, acceptance and the first draft",
+        py::call_guard<py::gil_scoped_release>());
+  py::class_<Heads>(m, "Heads")
+      .def(py::init<>())
+#define FIELD(name) .def_readwrite(#name, &Heads::name)
+      FIELD(embed_w) FIELD(norm_w) FIELD(norm_eps) FIELD(out_w) FIELD(out_b) FIELD(enorm_w) FIELD(hnorm_w) FIELD(eh_w)
+      FIELD(mtp_norm_w) FIELD(enorm_eps) FIELD(hnorm_eps) FIELD(mtp_norm_eps);
+#undef FIELD
   py::class_<Block>(m, "Block")
       .def(py::init<>())
 #define FIELD(name) .def_readwrite(#name, &Block::name)

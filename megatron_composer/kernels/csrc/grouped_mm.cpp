@@ -7,9 +7,11 @@
 // next largest expert from a shared counter and runs its whole matmul single-threaded (ATen runs ops inside a
 // parallel region serially). Each matmul is the at::mm the Python loop makes, on the same rows.
 #include <ATen/ATen.h>
-#include "float_rows.h"
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "float_rows.h"
+#include "softmax_rows.h"
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +22,8 @@
 namespace {
 
 using at::Tensor;
+using namespace float_rows;
+using namespace softmax_rows;
 
 struct Groups {
   std::vector<int64_t> start, count, order;  // order: non-empty groups, largest first
@@ -90,8 +94,9 @@ void check_experts(const Tensor& x, const Tensor& w1, const Tensor& w3, const Te
               "grouped swiglu: x [T, D], w1 and w3 [E, F, D], w2 [E, D, F], offs [E]");
 }
 
-// w1[g] over w3[g]: [2F, D], built per group (in cache) so gate and up come from one matmul, as in the
-// Python path's concatenated weight (one [2F]-wide matmul is faster than two [F]-wide ones in bfloat16).
+// w1[g] over w3[g]: [2F, D], built per group (in cache) so gate and up come from one matmul (in bfloat16 one
+// [2F]-wide matmul beats two [F]-wide ones by more than the copy costs; in float32 the two matmuls write their
+// halves of [gate | up] directly and win).
 Tensor stacked_gate_up(const Tensor& w1, const Tensor& w3, int64_t g) {
   const int64_t F = w1.size(1);
   Tensor w13 = at::empty({2 * F, w1.size(2)}, w1.options());
@@ -100,23 +105,128 @@ Tensor stacked_gate_up(const Tensor& w1, const Tensor& w3, int64_t g) {
   return w13;
 }
 
+// ---- SwiGLU activation rows: float32 arithmetic, rounded to T where the Python path's torch ops round (silu,
+// then the product), so bfloat16 results match it; 16 lanes at a time through softmax_rows' vector exp.
+template <typename T>
+MC_INLINE f32x16 load16_float(const T* p) {
+  float v[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = to_float(p[l]);
+  return load16(v);
+}
+MC_INLINE f32x16 sigmoid16(f32x16 x) { return 1.f / (1.f + exp_poly<f32x16, i32x16>(-x)); }
+
+// act = silu(gate) * up over n columns (n a multiple of 16; padded tails go through swiglu_rows).
+template <typename T>
+MC_INLINE void act_cols(const T* gate, const T* up, T* act, int64_t n) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const f32x16 g = load16_float(gate + j);
+    float silu[kLanes], u[kLanes];
+    store16(silu, g * sigmoid16(g));
+    store16(u, load16_float(up + j));
+    for (int64_t l = 0; l < kLanes; ++l) store(round_as(silu[l], T{}) * u[l], act[j + l]);
+  }
+}
+
+// Backward of act = silu(gate) * up given d_act: d_gate, d_up, and act itself (for w2's gradient; may be null).
+template <typename T>
+MC_INLINE void act_grad_cols(const T* gate, const T* up, const T* dact, T* dgate, T* dup, T* act, int64_t n) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const f32x16 g = load16_float(gate + j), s = sigmoid16(g);
+    float silu[kLanes], u[kLanes], d[kLanes], dsilu_dg[kLanes];
+    store16(silu, g * s);
+    store16(dsilu_dg, s * (1.f + g * (1.f - s)));
+    store16(u, load16_float(up + j));
+    store16(d, load16_float(dact + j));
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float si = round_as(silu[l], T{});
+      store(d[l] * si, dup[j + l]);
+      store(round_as(d[l] * u[l], T{}) * dsilu_dg[l], dgate[j + l]);
+      if (act) store(si * u[l], act[j + l]);
+    }
+  }
+}
+
+// Rows of [gate | up] (ld 2F) -> act [n, F] (ld F), or with dact the gradients into d[gate | up] (ld 2F) and act.
+template <typename T>
+MC_INLINE void swiglu_rows(const T* gu, const T* dact, T* dgu, T* act, int64_t n, int64_t F) {
+  const int64_t full = F / kLanes * kLanes, rest = F - full;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* gate = gu + i * 2 * F;
+    const T* up = gate + F;
+    T* a = act ? act + i * F : nullptr;
+    if (dact) {
+      act_grad_cols(gate, up, dact + i * F, dgu + i * 2 * F, dgu + i * 2 * F + F, a, full);
+    } else {
+      act_cols(gate, up, a, full);
+    }
+    if (rest) {  // through padded copies
+      T g[kLanes] = {}, u[kLanes] = {}, d[kLanes] = {}, o1[kLanes], o2[kLanes], o3[kLanes];
+      std::copy(gate + full, gate + F, g);
+      std::copy(up + full, up + F, u);
+      if (dact) {
+        std::copy(dact + i * F + full, dact + i * F + F, d);
+        act_grad_cols(g, u, d, o1, o2, a ? o3 : nullptr, kLanes);
+        std::copy(o1, o1 + rest, dgu + i * 2 * F + full);
+        std::copy(o2, o2 + rest, dgu + i * 2 * F + F + full);
+        if (a) std::copy(o3, o3 + rest, a + full);
+      } else {
+        act_cols(g, u, o3, kLanes);
+        std::copy(o3, o3 + rest, a + full);
+      }
+    }
+  }
+}
+
+MC_MULTI_ISA void swiglu_rows_f32(const float* gu, const float* dact, float* dgu, float* act, int64_t n, int64_t F) {
+  swiglu_rows(gu, dact, dgu, act, n, F);
+}
+MC_MULTI_ISA void swiglu_rows_bf16(const c10::BFloat16* gu, const c10::BFloat16* dact, c10::BFloat16* dgu,
+                                   c10::BFloat16* act, int64_t n, int64_t F) {
+  swiglu_rows(gu, dact, dgu, act, n, F);
+}
+
+// act = silu(gate) * up for the rows of gate_up [n, 2F]; or the gradients (dgu, act) given dact.
+void swiglu_act(const Tensor& gate_up, const Tensor& dact, const Tensor& dgu, const Tensor& act) {
+  const int64_t n = gate_up.size(0), F = gate_up.size(1) / 2;
+  if (gate_up.scalar_type() == at::kFloat)
+    swiglu_rows_f32(gate_up.data_ptr<float>(), dact.defined() ? dact.data_ptr<float>() : nullptr,
+                    dgu.defined() ? dgu.data_ptr<float>() : nullptr, act.defined() ? act.data_ptr<float>() : nullptr, n,
+                    F);
+  else
+    swiglu_rows_bf16(gate_up.data_ptr<c10::BFloat16>(), dact.defined() ? dact.data_ptr<c10::BFloat16>() : nullptr,
+                     dgu.defined() ? dgu.data_ptr<c10::BFloat16>() : nullptr,
+                     act.defined() ? act.data_ptr<c10::BFloat16>() : nullptr, n, F);
+}
+
 // Per expert g on its rows: [gate | up] = x [w1[g]; w3[g]]^T, y = (silu(gate) * up) w2[g]^T; returns
 // (y, [gate | up] [T, 2F]), the second being what the backward needs. The Python path's ops, per group.
 std::vector<Tensor> swiglu_forward(const Tensor& x, const Tensor& w1, const Tensor& w3, const Tensor& w2,
                                    const Tensor& offs) {
   check_experts(x, w1, w3, w2, offs);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "grouped swiglu: float32 or bfloat16");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const Groups groups(offs);
   const int64_t T = x.size(0), F = w1.size(1);
   TORCH_CHECK(offs.numel() == 0 ? T == 0 : offs[-1].item<int64_t>() == T,
               "grouped swiglu: offs must end at the number of rows of x");
+  const Tensor xc = x.contiguous();
   Tensor gate_up = at::empty({T, 2 * F}, x.options());
   Tensor y = at::empty({T, w2.size(1)}, x.options());
+  const bool split = x.scalar_type() == at::kFloat;
   groups.run([&](int64_t g) {
     const int64_t s = groups.start[g], n = groups.count[g];
+    const Tensor xg = xc.narrow(0, s, n);
     Tensor gu = gate_up.narrow(0, s, n), yg = y.narrow(0, s, n);
-    at::mm_out(gu, x.narrow(0, s, n), stacked_gate_up(w1, w3, g).t());
-    at::mm_out(yg, at::silu(gu.narrow(1, 0, F)).mul_(gu.narrow(1, F, F)), w2[g].t());
+    if (split) {
+      Tensor gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
+      at::mm_out(gate, xg, w1[g].t());
+      at::mm_out(up, xg, w3[g].t());
+    } else {
+      at::mm_out(gu, xg, stacked_gate_up(w1, w3, g).t());
+    }
+    Tensor act = at::empty({n, F}, x.options());
+    swiglu_act(gu, Tensor(), Tensor(), act);
+    at::mm_out(yg, act, w2[g].t());
   });
   return {y, gate_up};
 }
@@ -127,9 +237,12 @@ std::vector<Tensor> swiglu_backward(const Tensor& dy, const Tensor& x, const Ten
                                     const Tensor& w3, const Tensor& w2, const Tensor& offs, bool need_dx,
                                     bool need_dw) {
   check_experts(x, w1, w3, w2, offs);
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == x.scalar_type(),
+              "grouped swiglu backward: gate_up as swiglu_forward returned it");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const Groups groups(offs);
   const int64_t G = offs.numel(), F = w1.size(1);
+  const Tensor xc = x.contiguous();
   Tensor dx = need_dx ? at::empty_like(x, at::MemoryFormat::Contiguous) : Tensor();
   Tensor dw1, dw3, dw2;
   if (need_dw) {
@@ -143,26 +256,35 @@ std::vector<Tensor> swiglu_backward(const Tensor& dy, const Tensor& x, const Ten
         dw2[g].zero_();
       }
   }
+  const bool split = x.scalar_type() == at::kFloat;
   groups.run([&](int64_t g) {
     const int64_t s = groups.start[g], n = groups.count[g];
-    const Tensor xg = x.narrow(0, s, n), dyg = dy.narrow(0, s, n);
-    const Tensor gu = gate_up.narrow(0, s, n), gate = gu.narrow(1, 0, F), up = gu.narrow(1, F, F);
-    const Tensor act = at::silu(gate);
-    const Tensor dh = at::mm(dyg, w2[g]);
+    const Tensor xg = xc.narrow(0, s, n), dyg = dy.narrow(0, s, n);
+    const Tensor dact = at::mm(dyg, w2[g]);
     Tensor dgu = at::empty({n, 2 * F}, x.options());
-    Tensor dgate = dgu.narrow(1, 0, F), dup = dgu.narrow(1, F, F);
-    at::silu_backward_out(dgate, dh * up, gate);
-    at::mul_out(dup, dh, act);
+    Tensor act = need_dw ? at::empty({n, F}, x.options()) : Tensor();
+    swiglu_act(gate_up.narrow(0, s, n), dact, dgu, act);
+    const Tensor dgate = dgu.narrow(1, 0, F), dup = dgu.narrow(1, F, F);
     if (need_dw) {
       Tensor d2 = dw2[g], d1 = dw1[g], d3 = dw3[g];
-      at::mm_out(d2, dyg.t(), act * up);
-      const Tensor dw13 = at::mm(dgu.t(), xg);
-      d1.copy_(dw13.narrow(0, 0, F));
-      d3.copy_(dw13.narrow(0, F, F));
+      at::mm_out(d2, dyg.t(), act);
+      if (split) {
+        at::mm_out(d1, dgate.t(), xg);
+        at::mm_out(d3, dup.t(), xg);
+      } else {
+        const Tensor dw13 = at::mm(dgu.t(), xg);
+        d1.copy_(dw13.narrow(0, 0, F));
+        d3.copy_(dw13.narrow(0, F, F));
+      }
     }
     if (need_dx) {
       Tensor dxg = dx.narrow(0, s, n);
-      at::mm_out(dxg, dgu, stacked_gate_up(w1, w3, g));
+      if (split) {
+        at::mm_out(dxg, dgate, w1[g]);
+        dxg.addmm_(dup, w3[g]);
+      } else {
+        at::mm_out(dxg, dgu, stacked_gate_up(w1, w3, g));
+      }
     }
   });
   return {dx, dw1, dw3, dw2};
@@ -170,7 +292,6 @@ std::vector<Tensor> swiglu_backward(const Tensor& dy, const Tensor& x, const Ten
 
 // ---- row loops of combine: float32 arithmetic on float32 or bfloat16 rows, compiled for AVX-512, AVX2 and
 // plain x86-64 and chosen at load time (the extension is built without -march flags).
-using namespace float_rows;
 
 template <typename T>
 inline void axpy(float* acc, const T* src, float w, int64_t n) {
