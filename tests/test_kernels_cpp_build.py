@@ -19,3 +19,24 @@ def test_cpp_kernel_builds_where_a_toolchain_exists(name):
 
 def test_kernel_list_matches_sources():
     assert sorted(p.stem for p in cpp._CSRC.glob("*.cpp")) == sorted(KERNELS)
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale = tmp_path / "stale_ext" / "lock"
+    fresh = tmp_path / "fresh_ext" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    assert _get_build_directory("stale_ext", False) == str(stale.parent)
+    old = time.time() - cpp._STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        cpp._remove_stale_lock("stale_ext")
+    cpp._remove_stale_lock("fresh_ext")  # a build in progress elsewhere keeps its lock
+    assert not stale.exists() and fresh.exists()

@@ -4,7 +4,8 @@
 listed in _FLAGS) and returns the module. The build is cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) in a directory named after a hash of the source,
 the flags and the torch version, so checkouts and versions never rebuild or load each other's module, and a
-file lock makes concurrent ranks build it once. Where it cannot be built (no C++ compiler or ninja,
+file lock makes concurrent ranks build it once (a lock left by a process killed mid-build is removed once it
+is older than any build takes, _STALE_LOCK_S, instead of making every later run wait on it forever). Where it cannot be built (no C++ compiler or ninja,
 MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming the reason (`failure(name)` keeps it), and
 the caller runs its Python reference instead: every C++ kernel here has a Python implementation of the same
 function next to its caller, and the tests compare the two.
@@ -16,6 +17,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +28,8 @@ import torch
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # extension code that calls at::parallel_for needs OpenMP, or its loops silently run on one thread
 _FLAGS = {name: ("-fopenmp",) for name in ("causal_attention", "cross_entropy", "grouped_mm", "rms_norm", "rope")}
+# a build takes ~20-60 s; a lock older than this belongs to a build that died
+_STALE_LOCK_S = 900.0
 _modules: dict[str, Optional[ModuleType]] = {}
 _failures: dict[str, str] = {}
 
@@ -53,6 +57,19 @@ def toolchain_present() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
 
 
+def _remove_stale_lock(extension: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(extension, False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        warnings.warn(f"removing the build lock {lock} left {age:.0f} s ago by a build that did not finish")
+        lock.unlink(missing_ok=True)
+
+
 def failure(name: str) -> Optional[str]:
     """Why load(name) returned None in this process (None if it loaded or was not tried)."""
     return _failures.get(name)
@@ -73,6 +90,7 @@ def load(name: str) -> Optional[ModuleType]:
     try:
         from torch.utils.cpp_extension import load as build
 
+        _remove_stale_lock(f"megatron_composer_{name}_{key[:12]}")
         module = build(f"megatron_composer_{name}_{key[:12]}", [str(source)], extra_cflags=flags, verbose=False)
     except Exception as e:  # no compiler, ninja or headers: the Python path computes the same function
         _failures[name] = f"{type(e).__name__}: {str(e)[-600:]}"
