@@ -73,10 +73,12 @@ def test_cpp_fast_path_equals_python(case, monkeypatch):
             if a.routed_experts is not None:
                 assert torch.equal(a.routed_experts, b.routed_experts)
                 assert torch.equal(a.prompt_routed_experts, b.prompt_routed_experts)
-    # the caches hold the same keys/values (blocks are handed out in the same order by both engines)
+    # the caches hold the same keys/values (blocks are handed out in the same order by both engines), past the
+    # scratch block 0 that rows nobody reads are written to
+    scratch = fast.cache.block_size
     for layer_a, layer_b in zip(fast.cache.layers, reference.cache.layers):
         for a, b in zip(layer_a, layer_b):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a[scratch:], b[scratch:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-qwen3-moe"])

@@ -114,16 +114,24 @@ class _Sequence:
 
 @dataclass
 class _Batch:
-    """Positions and cache slots of a padded batch of new tokens ([B, N])."""
+    """Token ids, positions and cache slots of a padded batch of new tokens ([B, N])."""
+    ids_BN: torch.Tensor                 # 0 in padding rows
     pos_BN: torch.Tensor
     read_slots_BL: torch.Tensor
     lengths: list[int]
     starts: list[int]
     write_slots_T: torch.Tensor          # slots of the valid rows only
     rows_T: Optional[torch.Tensor]       # flat indices of the valid rows (None: every row is valid)
+    last_T: Optional[torch.Tensor]       # flat index of each sequence's last valid row (None: the last column)
     _bias: Optional[torch.Tensor] = None
     _rotation: Optional[torch.Tensor] = None
     _read_flat: Optional[torch.Tensor] = None
+
+    def last_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last valid row [B, ...]."""
+        if self.last_T is None:
+            return x_BN_[:, -1]
+        return x_BN_.reshape(-1, *x_BN_.shape[2:]).index_select(0, self.last_T)
 
     def valid_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
         flat = x_BN_.reshape(-1, *x_BN_.shape[2:])
@@ -367,21 +375,25 @@ class Engine:
             table = self._slot_tables[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         return table
 
-    def _batch(self, seqs: list[_Sequence], starts: list[int], lengths: list[int]) -> _Batch:
+    def _batch(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]]) -> _Batch:
+        """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b]."""
         table_BW = self._slot_table(seqs)
+        lengths = [len(t) for t in token_lists]
         N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
-        read_BL = table_BW[:, :L]
         bs, B = self.cache.block_size, len(seqs)
-        # positions, write slots (valid rows only) and valid row indices from the host lists in one copy
+        # ids, positions, write slots (valid rows only) and row indices from host lists in one copy
+        ids = [t for tokens in token_lists for t in tokens + [0] * (N - len(tokens))]
         pos = [a + j for a in starts for j in range(N)]
         write = [s.blocks[p // bs] * bs + p % bs for s, a, n in zip(seqs, starts, lengths) for p in range(a, a + n)]
         ragged = min(lengths) != N
         rows = [b * N + j for b, n in enumerate(lengths) for j in range(n)] if ragged else []
-        host = torch.tensor(pos + write + rows, device=self.device)
-        T = len(write)
-        pos_BN = host[:B * N].view(B, N)
+        last = [b * N + n - 1 for b, n in enumerate(lengths)] if ragged else []
+        host = torch.tensor(ids + pos + write + rows + last, device=self.device)
+        BN, T = B * N, len(write)
         # rows past a sequence's length are padding: their slots are never written, their outputs unused
-        return _Batch(pos_BN, read_BL, lengths, starts, host[B * N:B * N + T], host[B * N + T:] if ragged else None)
+        return _Batch(host[:BN].view(B, N), host[BN:2 * BN].view(B, N), table_BW[:, :L], lengths, starts,
+                      host[2 * BN:2 * BN + T], host[2 * BN + T:2 * BN + 2 * T] if ragged else None,
+                      host[2 * BN + 2 * T:] if ragged else None)
 
     def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
         """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the
@@ -439,17 +451,11 @@ class Engine:
             return self.fast.linear(self.model.output, h_ND)
         return C.all_gather(self.model.output(h_ND), h_ND.dim() - 1, self.tp_group)
 
-    def _ids(self, token_lists: list[list[int]]) -> torch.Tensor:
-        N = max(len(t) for t in token_lists)
-        if N == 1:
-            return torch.tensor([t[0] for t in token_lists], dtype=torch.long, device=self.device)[:, None]
-        return torch.tensor([t + [0] * (N - len(t)) for t in token_lists], dtype=torch.long, device=self.device)
-
     def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
         """Main model over new tokens at positions start.. of each sequence, writing the cache.
         Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, batch)."""
-        batch = self._batch(seqs, starts, [len(t) for t in token_lists])
-        h = self.model.tok_embeddings(self._ids(token_lists))
+        batch = self._batch(seqs, starts, token_lists)
+        h = self.model.tok_embeddings(batch.ids_BN)
         if self.fast is not None:
             h, routes = self.fast.forward_blocks(0, self.cfg.num_layers, h, batch, self.cache)
         else:
@@ -461,23 +467,26 @@ class Engine:
                     routes.append(indices)
         return self._norm(self.model.norm, h), (torch.stack(routes) if routes else None), batch
 
-    def _mtp_forward(self, seqs: list[_Sequence], h_prev: torch.Tensor, token_lists: list[list[int]],
-                     starts: list[int]) -> torch.Tensor:
-        """First MTP module over (previous hidden [B, N, D], rows past a sequence's tokens padding, next
-        token) pairs; returns its block output [B, N, D]."""
+    def _mtp_draft(self, seqs: list[_Sequence], h_prev_BND: torch.Tensor, token_lists: list[list[int]],
+                   starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """First MTP module over (previous hidden [B, N, D], rows past a sequence's tokens padding, next token)
+        pairs at positions starts..; returns its block output at each sequence's last pair [B, D], the draft
+        logits there [B, V] and their argmax [B]."""
+        batch = self._batch(seqs, starts, token_lists)
+        if self.fast is not None and self.tp_group is None:
+            return self.fast.mtp_draft(batch.ids_BN, h_prev_BND, batch, self.cache)
         module = self.model.mtp[0]
-        batch = self._batch(seqs, starts, [len(t) for t in token_lists])
-        emb = self.model.tok_embeddings(self._ids(token_lists))
+        emb = self.model.tok_embeddings(batch.ids_BN)
         if self.fast is not None:
-            x = self.fast.mtp_input(module, emb, h_prev)
-            return self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, batch, self.cache)[0]
-        cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
-        x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev)], dim=-1))
-        x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
-        return x
-
-    def _mtp_logits(self, x_RD: torch.Tensor) -> torch.Tensor:
-        return self._logits(self._norm(self.model.mtp[0].norm, x_RD))
+            x = self.fast.mtp_input(module, emb, h_prev_BND)
+            x = self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, batch, self.cache)[0]
+        else:
+            cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
+            x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev_BND)], dim=-1))
+            x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
+        x_last = batch.last_rows(x)
+        logits = self._logits(self._norm(module.norm, x_last))
+        return x_last, logits, self._argmax(logits)
 
     # ---- prefill / decode / verify -----------------------------------------------------------------
     def _prefill(self, seqs: list[_Sequence]) -> None:
@@ -502,21 +511,32 @@ class Engine:
 
     def _verify(self, seqs: list[_Sequence]) -> None:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
-        hidden, routes, _ = self._main_forward(seqs, inputs, [s.processed for s in seqs])
-        logits = self._logits(hidden)
-        # sampled rows need the whole distribution; greedy rows only the argmax and its log-prob at every
-        # position: one host transfer for all
-        logp = torch.log_softmax(logits.float(), dim=-1) if any(not s.params.greedy for s in seqs) else None
-        best_T, best_logp_T = self._greedy(logits.flatten(0, 1))
-        best = torch.stack([best_T.double(), best_logp_T.double()], -1).view(*logits.shape[:2], 2).tolist()  # [B][N][2]
+        starts = [s.processed for s in seqs]
+        fused = self.fast is not None and self.fast.uses_cpp and all(s.params.greedy for s in seqs)
+        if fused:  # greedy requests on the C++ path: verification, acceptance and the first draft in one call
+            batch = self._batch(seqs, starts, inputs)
+            limits = [min(s.params.max_new_tokens - len(s.result.token_ids), self.max_seq_len - len(s.tokens))
+                      for s in seqs]
+            routes, best_BN, best_logp_BN, x_prev, draft_logits, drafts = self.fast.verify_draft(
+                batch, self._slot_table(seqs), limits, self.cache)
+            logits = logp = None
+        else:
+            hidden, routes, _ = self._main_forward(seqs, inputs, starts)
+            logits = self._logits(hidden)
+            # sampled rows need the whole distribution; greedy rows only the argmax and its log-prob at every
+            # position
+            logp = torch.log_softmax(logits.float(), dim=-1) if any(not s.params.greedy for s in seqs) else None
+            best_T, best_logp_T = self._greedy(logits.flatten(0, 1))
+            best_BN, best_logp_BN = best_T.view(logits.shape[:2]), best_logp_T.view(logits.shape[:2])
+        best, best_logp = best_BN.tolist(), best_logp_BN.tolist()  # [B][N]
         route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
             D = len(s.drafts)
             if s.params.greedy:  # accept while the draft is the main model's argmax, then emit the argmax
                 n = 0
-                while n < D and s.drafts[n] == int(best[b][n][0]):
+                while n < D and s.drafts[n] == best[b][n]:
                     n += 1
-                emitted = [int(t) for t, _ in best[b][:n + 1]]
+                emitted = best[b][:n + 1]
             else:
                 emitted = accept_drafts(logits[b, :D + 1], s.drafts, s.draft_probs, s.params, s.generator)
             accepted = len(emitted) - 1
@@ -526,7 +546,7 @@ class Engine:
             self.stats["accepted_tokens"] += accepted
             for j, tok in enumerate(emitted):
                 if s.params.greedy:
-                    lp, slp = best[b][j][1], 0.0
+                    lp, slp = best_logp[b][j], 0.0
                 else:
                     lp = float(logp[b, j, tok])
                     slp = float(sampling_probs(logits[b, j], s.params)[tok].log())
@@ -534,7 +554,15 @@ class Engine:
                 if s.finished:
                     break
             s.processed += len(emitted)
-        self._draft_live(seqs, hidden)
+        if not fused:
+            self._draft_live(seqs, hidden)
+            return
+        live = [b for b, s in enumerate(seqs) if not s.finished]
+        if len(live) < len(seqs) and live:
+            rows = torch.tensor(live, device=self.device)
+            x_prev, draft_logits, drafts = (t.index_select(0, rows) for t in (x_prev, draft_logits, drafts))
+        if live:
+            self._extend_drafts([seqs[b] for b in live], x_prev, draft_logits, drafts)
 
     def _draft_live(self, seqs: list[_Sequence], hidden_BND: torch.Tensor) -> None:
         """Draft for the unfinished speculative sequences of a forward whose row b of hidden_BND holds the main
@@ -554,14 +582,14 @@ class Engine:
         starts = [s.mtp_valid for s in seqs]
         # position t pairs the main hidden at t with the token at t + 1 (the last one is the newest token)
         tokens = [s.tokens[s.mtp_valid + 1:s.processed + 1] for s in seqs]
-        lengths = [len(t) for t in tokens]
-        N = max(lengths)
-        x = self._mtp_forward(seqs, hidden_BND[:, :N], tokens, starts)
-        if min(lengths) == N:
-            x_prev = x[:, N - 1]
-        else:
-            x_prev = x.flatten(0, 1).index_select(0, torch.tensor([b * N + n - 1 for b, n in enumerate(lengths)],
-                                                                   device=self.device))
+        N = max(len(t) for t in tokens)
+        self._extend_drafts(seqs, *self._mtp_draft(seqs, hidden_BND[:, :N], tokens, starts))
+
+    def _extend_drafts(self, seqs: list[_Sequence], x_prev: torch.Tensor, logits: torch.Tensor,
+                       drafts: torch.Tensor) -> None:
+        """The drafts of seqs whose MTP cache is now complete up to processed, from the MTP forward there (block
+        output [B, D], logits [B, V], argmax [B] at each newest position): the first draft, then the others
+        recurrently."""
         for s in seqs:
             s.mtp_valid = s.processed
             s.drafts, s.draft_probs = [], []
@@ -569,14 +597,12 @@ class Engine:
             active = [b for b, s in enumerate(seqs) if len(s.drafts) < s.params.num_draft_tokens]
             every = len(active) == len(seqs)
             rows = None if every else torch.tensor(active, device=self.device)
-            if j > 0:
+            if j > 0:  # logits and drafts of the active rows
                 sub = seqs if every else [seqs[b] for b in active]
-                x_new = self._mtp_forward(sub, (x_prev if every else x_prev.index_select(0, rows))[:, None],
-                                          [[seqs[b].drafts[-1]] for b in active],
-                                          [seqs[b].processed - 1 + j for b in active])[:, 0]
+                x_new, logits, drafts = self._mtp_draft(sub, (x_prev if every else x_prev.index_select(0, rows))[:, None],
+                                                        [[seqs[b].drafts[-1]] for b in active],
+                                                        [seqs[b].processed - 1 + j for b in active])
                 x_prev = x_new if every else x_prev.index_copy(0, rows, x_new)
-            logits = self._mtp_logits(x_prev if every else x_prev.index_select(0, rows))
-            drafts = self._argmax(logits)
             sampled = [row for row, b in enumerate(active) if not seqs[b].params.greedy]
             if sampled:  # greedy acceptance compares tokens only; sampled rows keep their draft distribution
                 at = torch.tensor(sampled, device=self.device)

@@ -242,8 +242,10 @@ class FastForward:
         self._cpp = cpp.load("decode") if use_cpp and self._cpp_applies(model) else None
         self._cpp_blocks: list = []
         self._cpp_cache = None
+        self._cpp_heads = None
         if self._cpp is not None:
             self._cpp_blocks = [self._cpp_block(b) for b in self.weights.blocks]
+            self._cpp_heads = self._cpp_heads_of(model)
 
     def _cpp_applies(self, model) -> bool:
         """Unsharded model (no collectives inside a block) on the CPU, float32 or bfloat16."""
@@ -259,7 +261,23 @@ class FastForward:
         self.weights.refresh()
         if self._cpp is not None:
             self._cpp_blocks = [self._cpp_block(b) for b in self.weights.blocks]
+            self._cpp_heads = self._cpp_heads_of(self.weights.model)
             self._cpp_cache = None
+
+    def _cpp_heads_of(self, model):
+        """The embedding, final norm and head, and the first MTP module's input and norm, for the C++ twin."""
+        h = self._cpp.Heads()
+        h.embed_w = model.tok_embeddings.weight.detach()
+        h.norm_w, h.norm_eps = model.norm.weight.detach(), model.norm.eps
+        h.out_w = model.output.weight.detach()
+        h.out_b = None if model.output.bias is None else model.output.bias.detach()
+        if len(model.mtp):
+            module = model.mtp[0]
+            h.enorm_w, h.enorm_eps = module.enorm.weight.detach(), module.enorm.eps
+            h.hnorm_w, h.hnorm_eps = module.hnorm.weight.detach(), module.hnorm.eps
+            h.eh_w = module.eh_proj.weight.detach()
+            h.mtp_norm_w, h.mtp_norm_eps = module.norm.weight.detach(), module.norm.eps
+        return h
 
     def _cpp_block(self, p: _Block):
         b = self._cpp.Block()
@@ -324,6 +342,42 @@ class FastForward:
         return self._cpp.mtp_input(emb_BND, h_prev_BND, module.enorm.weight.detach(), module.enorm.eps,
                                    module.hnorm.weight.detach(), module.hnorm.eps, module.eh_proj.weight.detach())
 
+    def mtp_draft(self, ids_BN: torch.Tensor, h_prev_BND: torch.Tensor, batch, cache):
+        """One drafting forward of the first MTP module over (token, previous hidden) pairs at batch.pos_BN: its
+        block output at each sequence's last pair [B, D], the logits there (its norm, then the model's head; an
+        unsharded model's) [B, V] and their argmax [B]. The C++ twin is one call."""
+        model = self.weights.model
+        module, first = model.mtp[0], len(model.layers)
+        if self._cpp is None:
+            x = self.mtp_input(module, model.tok_embeddings(ids_BN), h_prev_BND)
+            x_last = batch.last_rows(self.forward_blocks(first, first + 1, x, batch, cache)[0])
+            logits = self.linear(model.output, self.rms_norm(module.norm, x_last))
+            return x_last, logits, self.argmax_rows(logits)
+        self._bind_cache(cache)
+        return self._cpp.mtp_draft(self._cpp_blocks, first, self._cpp_heads, ids_BN, h_prev_BND, batch.last_T,
+                                   batch.pos_BN, self.rope.inv_freq, float(self.rope.attention_factor),
+                                   batch.write_slots_T, batch.rows_T, batch.read_slots_BL)
+
+    def verify_draft(self, batch, slot_table_BW: torch.Tensor, limits: list[int], cache):
+        """A greedy speculative step in one C++ call (needs `uses_cpp`): the main model over each sequence's newest
+        token and its drafts (batch.ids_BN), the argmax and its log-probability at every position, the accepted
+        drafts (those equal to the argmax before the first that is not), then the first MTP module's catch-up over
+        the emitted tokens' positions and its next draft; the same operations as the engine's _verify and _draft
+        for greedy requests. A sequence emitting limits[b] tokens or more finishes and writes no MTP cache. Returns (routes [num_moe_layers, B, N, K] or None, argmax [B, N], log-probability
+        [B, N], MTP block output [B, D], draft logits [B, V], draft [B])."""
+        self._bind_cache(cache)
+        routes, *rest = self._cpp.verify_draft(
+            self._cpp_blocks, len(self.weights.model.layers), self._cpp_heads, batch.ids_BN, batch.lengths, limits,
+            batch.pos_BN, self.rope.inv_freq, float(self.rope.attention_factor), batch.write_slots_T, batch.rows_T,
+            batch.read_slots_BL, slot_table_BW)
+        return (torch.stack(routes) if routes else None), *rest
+
+    def _bind_cache(self, cache) -> None:
+        if self._cpp_cache is not cache:  # the blocks attend to this cache's tensors
+            for i, b in enumerate(self._cpp_blocks):
+                b.cache = cache.layers[i]
+            self._cpp_cache = cache
+
     def forward_blocks(self, first: int, last: int, h_BND: torch.Tensor, batch, cache):
         """Blocks [first, last) (main layers, then MTP) over new tokens at batch.pos_BN; returns (h, [chosen
         experts [B, N, K] per MoE block])."""
@@ -335,10 +389,7 @@ class FastForward:
                 if indices is not None:
                     routes.append(indices)
             return h_BND, routes
-        if self._cpp_cache is not cache:  # the blocks attend to this cache's tensors
-            for i, b in enumerate(self._cpp_blocks):
-                b.cache = cache.layers[i]
-            self._cpp_cache = cache
+        self._bind_cache(cache)
         return self._cpp.forward_blocks(self._cpp_blocks, first, last, h_BND, batch.pos_BN, self.rope.inv_freq,
                                         float(self.rope.attention_factor), batch.write_slots_T, batch.rows_T,
                                         batch.read_slots_BL)

@@ -817,15 +817,17 @@ std::tuple<Tensor, Tensor, Tensor> mtp_draft(const std::vector<Block*>& blocks, 
 // main model over each sequence's newest token and its drafts (ids_BN[b, :lengths[b]] at positions pos_BN[b], the
 // main layout's slots), the head's argmax and log-probability at every position, acceptance (drafts equal to the
 // argmax), then the MTP module over the emitted tokens' positions (slots from table_BW, the sequences' slot table)
-// and its draft at the last one. Returns (routes [B, N, K] per MoE block, argmax [B, N], log-probability [B, N],
+// and its draft at the last one. A sequence that reaches its length limit (limits[b] tokens) finishes now and drafts
+// no more: its MTP rows go to the scratch slot 0, so the cache holds what the engine's two-call path leaves. Returns (routes [B, N, K] per MoE block, argmax [B, N], log-probability [B, N],
 // MTP block output [B, D], draft logits [B, V], draft [B]).
 std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_draft(
     const std::vector<Block*>& blocks, int64_t num_layers, const Heads& m, const Tensor& ids_BN,
-    const std::vector<int64_t>& lengths, const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
+    const std::vector<int64_t>& lengths, const std::vector<int64_t>& limits, const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
     const Tensor& write_slots, const OptTensor& rows, const Tensor& read_slots_BL, const Tensor& table_BW) {
   c10::InferenceMode inference;
   const int64_t B = ids_BN.size(0), N = ids_BN.size(1);
-  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B, "verify_draft: one length per sequence");
+  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B && static_cast<int64_t>(limits.size()) == B,
+              "verify_draft: one length and one limit per sequence");
   auto [h, routes] = forward_blocks(blocks, 0, num_layers, at::embedding(m.embed_w, ids_BN), pos_BN, inv_freq,
                                     attention_factor, write_slots, rows, read_slots_BL);
   const int64_t D = h.size(-1);
@@ -866,7 +868,7 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_d
       pos2[b * N2 + j] = start + j;
       if (j < emitted[b]) {
         TORCH_CHECK(start + j < W, "verify_draft: position beyond the slot table");
-        write2[t] = pt[b * W + start + j];
+        write2[t] = emitted[b] >= limits[b] ? 0 : pt[b * W + start + j];
         rows2[t++] = b * N2 + j;
       }
     }
