@@ -514,11 +514,10 @@ class Engine:
         starts = [s.processed for s in seqs]
         fused = self.fast is not None and self.fast.uses_cpp and all(s.params.greedy for s in seqs)
         if fused:  # greedy requests on the C++ path: verification, acceptance and the first draft in one call
-            batch = self._batch(seqs, starts, inputs)
             limits = [min(s.params.max_new_tokens - len(s.result.token_ids), self.max_seq_len - len(s.tokens))
                       for s in seqs]
             routes, best_BN, best_logp_BN, x_prev, draft_logits, drafts = self.fast.verify_draft(
-                batch, self._slot_table(seqs), limits, self.cache)
+                inputs, starts, limits, self._slot_table(seqs), self.cache)
             logits = logp = None
         else:
             hidden, routes, _ = self._main_forward(seqs, inputs, starts)

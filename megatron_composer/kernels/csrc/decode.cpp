@@ -754,15 +754,9 @@ struct Block {
 // the MoE blocks [M, B, N, K], or an empty list).
 // New tokens sit at positions pos_BN; RoPE tables and the causal mask over the L cached slots are made here as
 // the model's RotaryEmbedding and the engine's _Batch.bias_BNL make them.
-std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>& blocks, int64_t first, int64_t last,
-                                                      const Tensor& h_BND, const Tensor& pos_BN,
-                                                      const Tensor& inv_freq, double attention_factor,
-                                                      const Tensor& write_slots, const OptTensor& rows,
-                                                      const Tensor& read_slots_BL) {
-  TORCH_CHECK(h_BND.device().is_cpu(), "decode kernels run on CPU tensors only");
-  c10::InferenceMode inference;
+Step make_step(const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor, at::ScalarType dtype,
+               const Tensor& write_slots, const OptTensor& rows, const Tensor& read_slots_BL) {
   Step s;
-  const auto dtype = h_BND.scalar_type();
   Tensor freqs = pos_BN.unsqueeze(-1).to(at::kFloat) * inv_freq.to(at::kFloat);
   s.cos = (freqs.cos() * attention_factor).to(dtype).contiguous();
   s.sin = (freqs.sin() * attention_factor).to(dtype).contiguous();
@@ -772,6 +766,11 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
   s.read_slots = read_slots_BL.to(at::kLong);
   s.L = read_slots_BL.size(1);
   s.dtype = dtype;
+  return s;
+}
+
+std::pair<Tensor, std::vector<Tensor>> run_blocks(const std::vector<Block*>& blocks, int64_t first, int64_t last,
+                                                  const Tensor& h_BND, const Step& s) {
   Tensor h = h_BND;
   std::vector<Tensor> routes;
   for (int64_t i = first; i < last; ++i) {
@@ -780,6 +779,71 @@ std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>&
     if (indices.defined()) routes.push_back(indices);
   }
   return {h, routes};
+}
+
+std::pair<Tensor, std::vector<Tensor>> forward_blocks(const std::vector<Block*>& blocks, int64_t first, int64_t last,
+                                                      const Tensor& h_BND, const Tensor& pos_BN,
+                                                      const Tensor& inv_freq, double attention_factor,
+                                                      const Tensor& write_slots, const OptTensor& rows,
+                                                      const Tensor& read_slots_BL) {
+  TORCH_CHECK(h_BND.device().is_cpu(), "decode kernels run on CPU tensors only");
+  c10::InferenceMode inference;
+  return run_blocks(blocks, first, last, h_BND,
+                    make_step(pos_BN, inv_freq, attention_factor, h_BND.scalar_type(), write_slots, rows, read_slots_BL));
+}
+
+// The engine's _Batch in C++: new tokens tokens[b] at positions starts[b].. of sequences whose cache slots are the
+// rows of table_BW. Rows past a sequence's tokens are padding (id 0, never written); rows of sequences marked in
+// `scratch` write to the scratch slot 0.
+struct Layout {
+  Tensor ids, pos, write, read;  // [B, N], [B, N], [T] (valid rows), [B, L]
+  OptTensor rows, last;          // flat indices of the valid rows and of each sequence's last one (None: all valid)
+  int64_t N = 0;
+};
+
+Layout make_layout(const std::vector<std::vector<int64_t>>& tokens, const std::vector<int64_t>& starts,
+                   const Tensor& table_BW, const std::vector<char>& scratch) {
+  const int64_t B = static_cast<int64_t>(tokens.size()), W = table_BW.size(1);
+  const int64_t* pt = table_BW.data_ptr<int64_t>();
+  int64_t N = 0, L = 0, T = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = static_cast<int64_t>(tokens[b].size());
+    TORCH_CHECK(n >= 1 && starts[b] + n <= W, "layout: every sequence needs new tokens inside its reserved slots");
+    N = std::max(N, n);
+    L = std::max(L, starts[b] + n);
+    T += n;
+  }
+  const bool ragged = T != B * N;
+  Tensor host = at::empty({2 * B * N + 2 * T + B}, table_BW.options());  // ids, positions, write slots, rows, last
+  int64_t* ids = host.data_ptr<int64_t>();
+  int64_t* pos = ids + B * N;
+  int64_t* write = pos + B * N;
+  int64_t* rows = write + T;
+  int64_t* last = rows + T;
+  int64_t t = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = static_cast<int64_t>(tokens[b].size());
+    for (int64_t j = 0; j < N; ++j) {
+      ids[b * N + j] = j < n ? tokens[b][j] : 0;
+      pos[b * N + j] = starts[b] + j;
+      if (j < n) {
+        write[t] = !scratch.empty() && scratch[b] ? 0 : pt[b * W + starts[b] + j];
+        rows[t++] = b * N + j;
+      }
+    }
+    last[b] = b * N + n - 1;
+  }
+  Layout l;
+  l.ids = host.narrow(0, 0, B * N).view({B, N});
+  l.pos = host.narrow(0, B * N, B * N).view({B, N});
+  l.write = host.narrow(0, 2 * B * N, T);
+  if (ragged) {
+    l.rows = host.narrow(0, 2 * B * N + T, T);
+    l.last = host.narrow(0, 2 * B * N + 2 * T, B);
+  }
+  l.read = table_BW.narrow(1, 0, L);
+  l.N = N;
+  return l;
 }
 
 // The embedding, the final norm, the output layer, and the first MTP module's input projection and norms.
@@ -793,93 +857,81 @@ struct Heads {
   double enorm_eps = 1e-6, hnorm_eps = 1e-6, mtp_norm_eps = 1e-6;
 };
 
-// One drafting forward of the first MTP module (blocks[index]) over (token, previous hidden) pairs at positions
-// pos_BN, as FastForward.mtp_draft: embedding, mtp_input, the block, then at each sequence's last pair (last_T:
-// flat row indices, or the last column when every row is valid) the module's norm, the head and the argmax.
-// Returns (block output [B, D], logits [B, V], argmax [B]).
-std::tuple<Tensor, Tensor, Tensor> mtp_draft(const std::vector<Block*>& blocks, int64_t index, const Heads& m,
-                                             const Tensor& ids_BN, const Tensor& h_prev_BND, const OptTensor& last_T,
-                                             const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
-                                             const Tensor& write_slots, const OptTensor& rows,
-                                             const Tensor& read_slots_BL) {
-  c10::InferenceMode inference;
+// The first MTP module (blocks[index]) over (token, previous hidden) pairs, then at each sequence's last pair
+// (last_T: flat row indices, or the last column when every row is valid) the module's norm, the head and the
+// argmax. Returns (block output [B, D], logits [B, V], argmax [B]).
+std::tuple<Tensor, Tensor, Tensor> mtp_draft_step(const std::vector<Block*>& blocks, int64_t index, const Heads& m,
+                                                  const Tensor& ids_BN, const Tensor& h_prev_BND,
+                                                  const OptTensor& last_T, const Step& s) {
   Tensor x = mtp_input(at::embedding(m.embed_w, ids_BN), h_prev_BND, m.enorm_w, m.enorm_eps, m.hnorm_w, m.hnorm_eps,
                        m.eh_w);
-  Tensor h = forward_blocks(blocks, index, index + 1, x, pos_BN, inv_freq, attention_factor, write_slots, rows,
-                            read_slots_BL).first;
+  Tensor h = run_blocks(blocks, index, index + 1, x, s).first;
   const int64_t D = h.size(-1);
   Tensor x_last = last_T.has_value() ? h.reshape({-1, D}).index_select(0, *last_T) : h.select(1, h.size(1) - 1).contiguous();
   Tensor logits = small_linear(rms_norm(x_last, m.mtp_norm_w, m.mtp_norm_eps), m.out_w, m.out_b);
   return {x_last, logits, argmax_rows(logits)};
 }
 
-// A greedy speculative step, as the engine's _verify followed by _draft's first forward for greedy requests: the
-// main model over each sequence's newest token and its drafts (ids_BN[b, :lengths[b]] at positions pos_BN[b], the
-// main layout's slots), the head's argmax and log-probability at every position, acceptance (drafts equal to the
-// argmax), then the MTP module over the emitted tokens' positions (slots from table_BW, the sequences' slot table)
-// and its draft at the last one. A sequence that reaches its length limit (limits[b] tokens) finishes now and drafts
-// no more: its MTP rows go to the scratch slot 0, so the cache holds what the engine's two-call path leaves. Returns (routes [B, N, K] per MoE block, argmax [B, N], log-probability [B, N],
-// MTP block output [B, D], draft logits [B, V], draft [B]).
-std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_draft(
-    const std::vector<Block*>& blocks, int64_t num_layers, const Heads& m, const Tensor& ids_BN,
-    const std::vector<int64_t>& lengths, const std::vector<int64_t>& limits, const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
-    const Tensor& write_slots, const OptTensor& rows, const Tensor& read_slots_BL, const Tensor& table_BW) {
+// One drafting forward of the first MTP module over the pairs at positions pos_BN (FastForward.mtp_draft).
+std::tuple<Tensor, Tensor, Tensor> mtp_draft(const std::vector<Block*>& blocks, int64_t index, const Heads& m,
+                                             const Tensor& ids_BN, const Tensor& h_prev_BND, const OptTensor& last_T,
+                                             const Tensor& pos_BN, const Tensor& inv_freq, double attention_factor,
+                                             const Tensor& write_slots, const OptTensor& rows,
+                                             const Tensor& read_slots_BL) {
   c10::InferenceMode inference;
-  const int64_t B = ids_BN.size(0), N = ids_BN.size(1);
-  TORCH_CHECK(static_cast<int64_t>(lengths.size()) == B && static_cast<int64_t>(limits.size()) == B,
-              "verify_draft: one length and one limit per sequence");
-  auto [h, routes] = forward_blocks(blocks, 0, num_layers, at::embedding(m.embed_w, ids_BN), pos_BN, inv_freq,
-                                    attention_factor, write_slots, rows, read_slots_BL);
-  const int64_t D = h.size(-1);
+  return mtp_draft_step(blocks, index, m, ids_BN, h_prev_BND, last_T,
+                        make_step(pos_BN, inv_freq, attention_factor, h_prev_BND.scalar_type(), write_slots, rows,
+                                  read_slots_BL));
+}
+
+// A greedy speculative step, as the engine's _verify followed by _draft's first forward for greedy requests: the
+// main model over each sequence's newest token and its drafts (inputs[b] at positions starts[b].., cache slots from
+// table_BW, the sequences' slot table), the head's argmax and log-probability at every position, acceptance (drafts
+// equal to the argmax), then the MTP module over the emitted tokens' positions and its draft at the last one. A
+// sequence that reaches its length limit (limits[b] tokens) finishes now and drafts no more: its MTP rows go to the
+// scratch slot 0, so the cache holds what the engine's two-call path leaves. Returns (routes [B, N, K] per MoE
+// block, argmax [B, N], log-probability [B, N], MTP block output [B, D], draft logits [B, V], draft [B]).
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_draft(
+    const std::vector<Block*>& blocks, int64_t num_layers, const Heads& m,
+    const std::vector<std::vector<int64_t>>& inputs, const std::vector<int64_t>& starts,
+    const std::vector<int64_t>& limits, const Tensor& table_BW, const Tensor& inv_freq, double attention_factor) {
+  c10::InferenceMode inference;
+  const int64_t B = static_cast<int64_t>(inputs.size());
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(limits.size()) == B,
+              "verify_draft: one start and one limit per sequence");
+  Tensor table = table_BW.to(at::kLong).contiguous();
+  const Layout main = make_layout(inputs, starts, table, {});
+  const int64_t N = main.N;
+  const auto dtype = m.embed_w.scalar_type();
+  const Step s = make_step(main.pos, inv_freq, attention_factor, dtype, main.write, main.rows, main.read);
+  auto [h, routes] = run_blocks(blocks, 0, num_layers, at::embedding(m.embed_w, main.ids), s);
   Tensor hn = rms_norm(h, m.norm_w, m.norm_eps);
   auto [best, logp] = greedy_rows(small_linear(hn, m.out_w, m.out_b).view({B * N, -1}));
-  // accepted drafts per sequence, then the MTP layout over positions start .. start + accepted
-  Tensor ids = ids_BN.to(at::kLong).contiguous(), pos = pos_BN.to(at::kLong).contiguous();
-  Tensor table = table_BW.to(at::kLong).contiguous();
-  const int64_t* pi = ids.data_ptr<int64_t>();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* pt = table.data_ptr<int64_t>();
+  // accepted drafts per sequence; position start + j then pairs the main hidden there with the token emitted after it
   const int64_t* pb = best.data_ptr<int64_t>();
-  const int64_t W = table.size(1);
-  std::vector<int64_t> emitted(B);
-  int64_t N2 = 0, L2 = 0, T2 = 0;
+  std::vector<std::vector<int64_t>> emitted(B);
+  std::vector<char> finished(B);
+  int64_t N2 = 0;
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t D = static_cast<int64_t>(inputs[b].size()) - 1;
     int64_t n = 0;
-    while (n + 1 < lengths[b] && pi[b * N + n + 1] == pb[b * N + n]) ++n;
-    emitted[b] = n + 1;
+    while (n < D && inputs[b][n + 1] == pb[b * N + n]) ++n;
+    emitted[b].assign(pb + b * N, pb + b * N + n + 1);
+    finished[b] = n + 1 >= limits[b];
     N2 = std::max(N2, n + 1);
-    L2 = std::max(L2, pp[b * N] + n + 1);
-    T2 += n + 1;
   }
-  const bool ragged = T2 != B * N2;
-  Tensor host = at::empty({B * N2 * 2 + T2 * 2 + B}, ids.options());  // ids, positions, write slots, rows, last
-  int64_t* ph = host.data_ptr<int64_t>();
-  int64_t* ids2 = ph;
-  int64_t* pos2 = ph + B * N2;
-  int64_t* write2 = pos2 + B * N2;
-  int64_t* rows2 = write2 + T2;
-  int64_t* last2 = rows2 + T2;
-  int64_t t = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = pp[b * N];
-    for (int64_t j = 0; j < N2; ++j) {
-      // position start + j pairs the main hidden there with the token emitted after it
-      ids2[b * N2 + j] = j < emitted[b] ? pb[b * N + j] : 0;
-      pos2[b * N2 + j] = start + j;
-      if (j < emitted[b]) {
-        TORCH_CHECK(start + j < W, "verify_draft: position beyond the slot table");
-        write2[t] = emitted[b] >= limits[b] ? 0 : pt[b * W + start + j];
-        rows2[t++] = b * N2 + j;
-      }
-    }
-    last2[b] = b * N2 + emitted[b] - 1;
-  }
-  Tensor h_prev = hn.narrow(1, 0, N2);
-  auto [x_last, draft_logits, drafts] = mtp_draft(
-      blocks, num_layers, m, host.narrow(0, 0, B * N2).view({B, N2}), h_prev,
-      ragged ? OptTensor(host.narrow(0, 2 * B * N2 + 2 * T2, B)) : std::nullopt, host.narrow(0, B * N2, B * N2).view({B, N2}),
-      inv_freq, attention_factor, host.narrow(0, 2 * B * N2, T2),
-      ragged ? OptTensor(host.narrow(0, 2 * B * N2 + T2, T2)) : std::nullopt, table_BW.narrow(1, 0, L2));
+  const Layout mtp = make_layout(emitted, starts, table, finished);
+  Step s2;  // the main step's rotations, for the first N2 positions
+  s2.cos = N2 == N ? s.cos : s.cos.narrow(1, 0, N2).contiguous();
+  s2.sin = N2 == N ? s.sin : s.sin.narrow(1, 0, N2).contiguous();
+  s2.write_slots = mtp.write;
+  s2.rows = mtp.rows;
+  s2.pos = mtp.pos;
+  s2.read_slots = mtp.read;
+  s2.L = mtp.read.size(1);
+  s2.dtype = dtype;
+  auto [x_last, draft_logits, drafts] =
+      mtp_draft_step(blocks, num_layers, m, mtp.ids, hn.narrow(1, 0, N2), mtp.last, s2);
   return {routes, best.view({B, N}), logp.view({B, N}), x_last, draft_logits, drafts};
 }
 
