@@ -513,11 +513,11 @@ class Engine:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
         starts = [s.processed for s in seqs]
         fused = self.fast is not None and self.fast.uses_cpp and all(s.params.greedy for s in seqs)
-        if fused:  # greedy requests on the C++ path: verification, acceptance and the first draft in one call
+        if fused:  # greedy requests on the C++ path: verification, acceptance and the next drafts in one call
             limits = [min(s.params.max_new_tokens - len(s.result.token_ids), self.max_seq_len - len(s.tokens))
                       for s in seqs]
-            routes, best_BN, best_logp_BN, x_prev, draft_logits, drafts = self.fast.verify_draft(
-                inputs, starts, limits, self._slot_table(seqs), self.cache)
+            routes, best_BN, best_logp_BN, drafts = self.fast.verify_draft(
+                inputs, starts, limits, [s.params.num_draft_tokens for s in seqs], self._slot_table(seqs), self.cache)
             logits = logp = None
         else:
             hidden, routes, _ = self._main_forward(seqs, inputs, starts)
@@ -556,12 +556,10 @@ class Engine:
         if not fused:
             self._draft_live(seqs, hidden)
             return
-        live = [b for b, s in enumerate(seqs) if not s.finished]
-        if len(live) < len(seqs) and live:
-            rows = torch.tensor(live, device=self.device)
-            x_prev, draft_logits, drafts = (t.index_select(0, rows) for t in (x_prev, draft_logits, drafts))
-        if live:
-            self._extend_drafts([seqs[b] for b in live], x_prev, draft_logits, drafts)
+        for s, row in zip(seqs, drafts.tolist()):
+            if not s.finished:
+                s.mtp_valid = s.processed
+                s.drafts, s.draft_probs = row[:s.params.num_draft_tokens], []
 
     def _draft_live(self, seqs: list[_Sequence], hidden_BND: torch.Tensor) -> None:
         """Draft for the unfinished speculative sequences of a forward whose row b of hidden_BND holds the main

@@ -358,18 +358,18 @@ class FastForward:
                                    batch.pos_BN, self.rope.inv_freq, float(self.rope.attention_factor),
                                    batch.write_slots_T, batch.rows_T, batch.read_slots_BL)
 
-    def verify_draft(self, inputs: list[list[int]], starts: list[int], limits: list[int], slot_table_BW: torch.Tensor,
-                     cache):
+    def verify_draft(self, inputs: list[list[int]], starts: list[int], limits: list[int], num_drafts: list[int],
+                     slot_table_BW: torch.Tensor, cache):
         """A greedy speculative step in one C++ call (needs `uses_cpp`): the main model over each sequence's newest
         token and its drafts (inputs[b] at positions starts[b]..), the argmax and its log-probability at every
         position, the accepted drafts (those equal to the argmax before the first that is not), then the first MTP
-        module's catch-up over the emitted tokens' positions and its next draft; the same operations as the
-        engine's _verify and _draft for greedy requests. A sequence emitting limits[b] tokens or more finishes and
-        writes no MTP cache. Returns (routes [num_moe_layers, B, N, K] or None, argmax [B, N], log-probability
-        [B, N], MTP block output [B, D], draft logits [B, V], draft [B])."""
+        module's catch-up over the emitted tokens' positions and the next num_drafts[b] drafts; the same operations
+        as the engine's _verify and _draft for greedy requests. A sequence emitting limits[b] tokens or more
+        finishes and drafts nothing. Returns (routes [num_moe_layers, B, N, K] or None, argmax [B, N],
+        log-probability [B, N], drafts [B, max(num_drafts)])."""
         self._bind_cache(cache)
         routes, *rest = self._cpp.verify_draft(self._cpp_blocks, len(self.weights.model.layers), self._cpp_heads,
-                                               inputs, starts, limits, slot_table_BW, self.rope.inv_freq,
+                                               inputs, starts, limits, num_drafts, slot_table_BW, self.rope.inv_freq,
                                                float(self.rope.attention_factor))
         return (torch.stack(routes) if routes else None), *rest
 

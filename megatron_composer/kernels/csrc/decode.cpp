@@ -884,21 +884,24 @@ std::tuple<Tensor, Tensor, Tensor> mtp_draft(const std::vector<Block*>& blocks, 
                                   read_slots_BL));
 }
 
-// A greedy speculative step, as the engine's _verify followed by _draft's first forward for greedy requests: the
-// main model over each sequence's newest token and its drafts (inputs[b] at positions starts[b].., cache slots from
-// table_BW, the sequences' slot table), the head's argmax and log-probability at every position, acceptance (drafts
-// equal to the argmax), then the MTP module over the emitted tokens' positions and its draft at the last one. A
+// A greedy speculative step, as the engine's _verify followed by _draft for greedy requests: the main model over
+// each sequence's newest token and its drafts (inputs[b] at positions starts[b].., cache slots from table_BW, the
+// sequences' slot table), the head's argmax and log-probability at every position, acceptance (drafts equal to the
+// argmax), then the MTP module over the emitted tokens' positions and its first draft at the last one, and the
+// further drafts (num_drafts[b] in all) recurrently, the MTP output standing in for the main hidden state. A
 // sequence that reaches its length limit (limits[b] tokens) finishes now and drafts no more: its MTP rows go to the
-// scratch slot 0, so the cache holds what the engine's two-call path leaves. Returns (routes [B, N, K] per MoE
-// block, argmax [B, N], log-probability [B, N], MTP block output [B, D], draft logits [B, V], draft [B]).
-std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_draft(
+// scratch slot 0, so the cache holds what the engine's Python path leaves. Returns (routes [B, N, K] per MoE block,
+// argmax [B, N], log-probability [B, N], drafts [B, max num_drafts]).
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor> verify_draft(
     const std::vector<Block*>& blocks, int64_t num_layers, const Heads& m,
     const std::vector<std::vector<int64_t>>& inputs, const std::vector<int64_t>& starts,
-    const std::vector<int64_t>& limits, const Tensor& table_BW, const Tensor& inv_freq, double attention_factor) {
+    const std::vector<int64_t>& limits, const std::vector<int64_t>& num_drafts, const Tensor& table_BW,
+    const Tensor& inv_freq, double attention_factor) {
   c10::InferenceMode inference;
   const int64_t B = static_cast<int64_t>(inputs.size());
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(limits.size()) == B,
-              "verify_draft: one start and one limit per sequence");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(limits.size()) == B &&
+                  static_cast<int64_t>(num_drafts.size()) == B,
+              "verify_draft: one start, limit and draft count per sequence");
   Tensor table = table_BW.to(at::kLong).contiguous();
   const Layout main = make_layout(inputs, starts, table, {});
   const int64_t N = main.N;
@@ -930,9 +933,36 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> verify_d
   s2.read_slots = mtp.read;
   s2.L = mtp.read.size(1);
   s2.dtype = dtype;
-  auto [x_last, draft_logits, drafts] =
-      mtp_draft_step(blocks, num_layers, m, mtp.ids, hn.narrow(1, 0, N2), mtp.last, s2);
-  return {routes, best.view({B, N}), logp.view({B, N}), x_last, draft_logits, drafts};
+  auto [x_prev, first_logits, first] = mtp_draft_step(blocks, num_layers, m, mtp.ids, hn.narrow(1, 0, N2), mtp.last, s2);
+  const int64_t max_drafts = *std::max_element(num_drafts.begin(), num_drafts.end());
+  Tensor drafts = at::zeros({B, max_drafts}, best.options());
+  int64_t* pd = drafts.data_ptr<int64_t>();
+  const int64_t* pf = first.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) pd[b * max_drafts] = pf[b];
+  for (int64_t j = 1; j < max_drafts; ++j) {
+    std::vector<int64_t> active;
+    for (int64_t b = 0; b < B; ++b)
+      if (!finished[b] && num_drafts[b] > j) active.push_back(b);
+    if (active.empty()) break;
+    const int64_t A = static_cast<int64_t>(active.size());
+    std::vector<std::vector<int64_t>> tokens(A);
+    std::vector<int64_t> at_pos(A);
+    for (int64_t a = 0; a < A; ++a) {
+      const int64_t b = active[a];
+      tokens[a] = {pd[b * max_drafts + j - 1]};
+      at_pos[a] = starts[b] + static_cast<int64_t>(emitted[b].size()) - 1 + j;  // the previous draft's position
+    }
+    const bool every = A == B;
+    Tensor idx = every ? Tensor() : at::tensor(active, table.options());
+    const Layout l = make_layout(tokens, at_pos, every ? table : table.index_select(0, idx).contiguous(), {});
+    const Step sj = make_step(l.pos, inv_freq, attention_factor, dtype, l.write, l.rows, l.read);
+    Tensor h_prev = (every ? x_prev : x_prev.index_select(0, idx)).unsqueeze(1);
+    auto [x_new, logits_j, drafts_j] = mtp_draft_step(blocks, num_layers, m, l.ids, h_prev, l.last, sj);
+    x_prev = every ? x_new : x_prev.index_copy(0, idx, x_new);
+    const int64_t* pj = drafts_j.data_ptr<int64_t>();
+    for (int64_t a = 0; a < A; ++a) pd[active[a] * max_drafts + j] = pj[a];
+  }
+  return {routes, best.view({B, N}), logp.view({B, N}), drafts};
 }
 
 }  // namespace
