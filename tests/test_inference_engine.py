@@ -200,6 +200,34 @@ def test_speculative_greedy_equals_plain():
         assert 0 < sum(r.num_accepted_tokens for r in spec) < sum(r.num_draft_tokens for r in spec)
 
 
+def _run(engine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_result(i) for i in ids]
+
+
+def test_speculative_greedy_mixed_requests_equal_plain():
+    # greedy requests drafting 1, 2 and 4 tokens in one batch, one of them stopping on a token, next to a sampled
+    # request that finishes early: the batch verifies on the general path first, then (all greedy) on the fast
+    # path's one-call step where the C++ kernels build
+    model = _model("tiny-deepseek-v3", vocab_size=7, init_std=0.2)
+    prompts = _prompts(7, [3, 10, 6, 4])
+    stop = Engine(model).generate(prompts[1:2], max_new_tokens=24)[0].token_ids[12]
+    greedy = [dict(max_new_tokens=24), dict(max_new_tokens=24, stop_token_ids=[stop]), dict(max_new_tokens=17)]
+    for invariant in (True, False):
+        plain = _run(Engine(model, batch_invariant=invariant), prompts[:3], [SamplingParams(**g) for g in greedy])
+        engine = Engine(model, batch_invariant=invariant)
+        spec = _run(engine, prompts, [SamplingParams(**g, speculative=True, num_draft_tokens=d)
+                                      for g, d in zip(greedy, (1, 2, 4))]
+                    + [SamplingParams(max_new_tokens=3, temperature=1.0, speculative=True, seed=0)])
+        for a, b in zip(plain, spec):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-5, rtol=0)
+        assert spec[1].finish_reason == "stop" and len(spec[3].token_ids) == 3
+        assert 0 < engine.stats["accepted_tokens"] < engine.stats["draft_tokens"]
+
+
 def _chi2_sf(stat, dof):
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))

@@ -35,7 +35,11 @@ hidden state stands in for the main model's at the next position, as vLLM reuses
 model scores the last token and the D drafts in one forward; `sampling.accept_drafts` applies the standard
 rejection rule, so outputs are distributed exactly as the main model's. The MTP module keeps its own KV
 cache: entries at positions whose next token is known are exact; draft-time entries beyond are provisional
-and overwritten on the next step.
+and overwritten on the next step. The MTP catch-up over the positions a step emitted runs in the same forward
+as the next draft, on the verify pass's hidden states. When every request is greedy and the fast path runs
+in C++, a whole step (verification, acceptance, catch-up and all drafts) is one compiled call
+(FastForward.verify_draft): at decode sizes a step's cost is mostly per-call and per-operation overhead, which
+is what speculative decoding must undercut to win.
 
 Weight updates (`update_weights`) take effect between steps. By default the KV cache of tokens computed
 under the old weights is kept: in-flight requests continue at once, attending to old-version keys/values,

@@ -33,7 +33,10 @@ float rounding): at decode sizes (T K <= 16 E) the routed and shared experts run
 the chosen (token, expert) pairs (a third of the every-expert form's arithmetic at top-2 of 8), and MLA with at
 most 4 new positions per request reads its scores and values straight from the paged cache rows instead of
 gathering them into a copy first; matmuls of at most 4 rows (the projections, router and head when decoding one
-or two requests) are AVX2 dot products, about twice as fast as a BLAS call there.
+or two requests) are AVX2 dot products, about twice as fast as a BLAS call there. Speculative decoding has two more
+compiled calls: `mtp_draft` (the MTP module's input, block, norm, head and argmax) and, for greedy requests,
+`verify_draft`, a whole step of the engine's _verify and _draft (its token layouts built in C++ from the slot
+table, the MTP forward reusing the main forward's rotations).
 
 Tensor parallelism: every weight here is this rank's shard (heads, FFN columns, vocabulary rows), read from
 the parallel layers parallelize_model installed. Row-parallel outputs (attention, MLP, shared experts) are
