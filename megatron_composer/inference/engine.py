@@ -39,7 +39,11 @@ and overwritten on the next step. The MTP catch-up over the positions a step emi
 as the next draft, on the verify pass's hidden states. When every request is greedy and the fast path runs
 in C++, a whole step (verification, acceptance, catch-up and all drafts) is one compiled call
 (FastForward.verify_draft): at decode sizes a step's cost is mostly per-call and per-operation overhead, which
-is what speculative decoding must undercut to win.
+is what speculative decoding must undercut to win. Greedy speculative output equals plain decoding token for
+token in batch-invariant mode, in any dtype. On the fast path a verify forward scores several positions per
+sequence where plain decoding scores one, so its rounding differs: in float32 the outputs agree on every tested
+model, while in bfloat16 an argmax whose top two logits lie within rounding of each other can go either way (as
+it can between plain decoding and a full recomputation).
 
 Weight updates (`update_weights`) take effect between steps. By default the KV cache of tokens computed
 under the old weights is kept: in-flight requests continue at once, attending to old-version keys/values,
