@@ -979,7 +979,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mtp_draft", &mtp_draft, "one drafting forward of the first MTP module: block output, logits and argmax at the last pairs",
         py::call_guard<py::gil_scoped_release>());
-  m.def("verify_draft", &verify_draft, "a greedy speculative step: verification, acceptance and the first draft",
+  m.def("verify_draft", &verify_draft, "a greedy speculative step: verification, acceptance, MTP catch-up and all drafts",
         py::call_guard<py::gil_scoped_release>());
   py::class_<Heads>(m, "Heads")
       .def(py::init<>())
