@@ -5,10 +5,10 @@ listed in _FLAGS) and returns the module. The build is cached by torch.utils.cpp
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) in a directory named after a hash of the source,
 the flags and the torch version, so checkouts and versions never rebuild or load each other's module, and a
 file lock makes concurrent ranks build it once (a lock left by a process killed mid-build is removed once it
-is older than any build takes, _STALE_LOCK_S, instead of making every later run wait on it forever). Where it cannot be built (no C++ compiler or ninja,
-MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming the reason (`failure(name)` keeps it), and
-the caller runs its Python reference instead: every C++ kernel here has a Python implementation of the same
-function next to its caller, and the tests compare the two.
+is older than any build takes, _STALE_LOCK_S, instead of making every later run wait on it forever). Where it
+cannot be built (no C++ compiler or ninja, MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming
+the reason (`failure(name)` keeps it), and the caller runs its Python reference instead: every C++ kernel here
+has a Python implementation of the same function next to its caller, and the tests compare the two.
 """
 
 from __future__ import annotations

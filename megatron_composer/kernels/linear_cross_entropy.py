@@ -62,6 +62,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         dw_VD = (torch.empty if N else torch.zeros)(V, w_VD.shape[1], dtype=torch.float32, device=device) \
             if need_dw else None
         rows_kernel = _rows_kernel(device)
+        grad = need_dh or need_dw
         for a in range(0, N, rows):
             b = min(N, a + rows)
             x_RV = buf_RV[: b - a]
@@ -69,7 +70,6 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 torch.mm(hc_ND[a:b], wc_VD.t(), out=x_RV)
             else:
                 x_RV.copy_(hc_ND[a:b] @ wc_VD.t())
-            grad = need_dh or need_dw
             # d loss / d logits = token_weight * (softmax - onehot(target)), in place of the logits
             if rows_kernel is not None:
                 logp_N1[a:b, 0] = rows_kernel.log_softmax_grad_rows(x_RV, target_N1[a:b, 0], tw_N[a:b], grad)

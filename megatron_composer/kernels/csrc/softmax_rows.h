@@ -1,5 +1,5 @@
-// Vectorised float32 softmax pieces shared by the CPU kernels (attention, cross-entropy): a branch-free exp,
-// 16-lane loads/stores, a row maximum and an exp-and-sum pass. Callers compile their row loops for several
+// Vectorised float32 softmax pieces shared by the CPU kernels (attention, cross-entropy, SwiGLU): a branch-free
+// exp, 16-lane loads/stores, a row maximum and an exp-and-sum pass. Callers compile their row loops for several
 // instruction sets with MC_MULTI_ISA and inline these into them.
 #pragma once
 
