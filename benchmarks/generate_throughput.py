@@ -41,7 +41,8 @@ def load_pretrain_run(run_dir: str):
     from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
     from megatron_composer.config import load_config
     from megatron_composer.data.tokenizer import load_tokenizer
-    from pretrain.trainer import PretrainConfig, model_config
+    from megatron_composer.training.config import model_config
+    from pretrain.trainer import PretrainConfig
 
     cfg = load_config(PretrainConfig, Path(run_dir) / "config.yaml")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
