@@ -87,7 +87,7 @@ def test_no_micro_batches_and_a_loss_fn_with_its_own_backward():
     def own_backward(ids):  # as the RL loss does: backward inside, metrics already reduced
         loss = _loss(core.model, ids)
         loss.backward()
-        return None, {"loss": float(loss), "mismatch_max": 0.5}
+        return None, {"loss": loss.item(), "mismatch_max": 0.5}
 
     metrics = core.step(own_backward, [_micro(2)], lr=1e-2, reduce=False)
     assert metrics["mismatch_max"] == 0.5 and metrics["skipped"] == 0
