@@ -39,11 +39,14 @@ GEMM_TOL = 2e-3
 LINEAR_TOL = 2e-2  # bf16 outputs of two FP8 GEMM implementations
 FAILURES: list[str] = []
 RESULTS: list[tuple[str, bool, str]] = []  # every correctness verdict: (name, passed, detail)
+LISTENERS: list = []  # callables(name, passed, detail) told of each verdict as it is made
 
 
 def report(name: str, ok: bool, detail: str = "") -> None:
     print(f"  {'PASS' if ok else 'FAIL'}  {name}{'  ' + detail if detail else ''}", flush=True)
     RESULTS.append((name, ok, detail))
+    for listener in LISTENERS:
+        listener(name, ok, detail)
     if not ok:
         FAILURES.append(name)
 
