@@ -82,8 +82,11 @@ def _sync() -> None:
 
 
 def experts_implementations(ref) -> tuple[list[str], dict[str, str]]:
-    """transformers' expert implementations this build has (name list) and, for those it lacks, why."""
+    """transformers' expert implementations this build has (name list) and, for those it lacks, why; ["default"]
+    where the build has no switch (set_experts_implementation)."""
     impls, missing = [], {}
+    if not hasattr(ref, "set_experts_implementation"):
+        return ["default"], {"eager/grouped_mm/batched_mm": f"transformers {transformers_version()} has no set_experts_implementation"}
     for impl in ("eager", "grouped_mm", "batched_mm"):
         try:
             ref.set_experts_implementation(impl)
@@ -93,6 +96,12 @@ def experts_implementations(ref) -> tuple[list[str], dict[str, str]]:
     return impls, missing
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def compare_decode(engine, ref, impls: list[str], prompts_all: list[list[int]], batches, new_tokens: int,
                    rounds: int) -> list[dict]:
     """Greedy decode tokens/s of the engine and of transformers' generate (each implementation) per batch size.
@@ -100,7 +109,8 @@ def compare_decode(engine, ref, impls: list[str], prompts_all: list[list[int]], 
     device = next(ref.parameters()).device
 
     def hf_generate(ids, impl):
-        ref.set_experts_implementation(impl)
+        if impl != "default":
+            ref.set_experts_implementation(impl)
         with torch.no_grad():
             return ref.generate(ids, max_new_tokens=new_tokens, do_sample=False)
 

@@ -39,6 +39,7 @@ from megatron_composer.model import ModelConfig, Transformer, count_parameters, 
 FP32_TOL = (1e-4, 1e-3)
 BF16_TOL = (3e-2, 0.25)
 FP8_LOSS_TOL = 2e-2  # relative difference of an FP8 recipe's training loss from bf16's on the same batch
+FP8_KEEP_TINY = "tok_embeddings,output,router,*norm*,wkv_a"
 NOT_CUDA = "no CUDA device: computed on the CPU against the CPU only to exercise this code"
 OPTIONAL_PACKAGES = {"megatron-core": "megatron", "torchao": "torchao", "zstandard": "zstandard", "s3fs": "s3fs",
                      "transformer-engine": "transformer_engine", "triton": "triton", "transformers": "transformers"}
@@ -130,6 +131,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------- environment
 
 def part_env(p: Part) -> None:
+    import importlib.metadata
     import importlib.util
 
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -138,7 +140,7 @@ def part_env(p: Part) -> None:
         env[f"has_{label}"] = importlib.util.find_spec(mod) is not None
     for mod in ("triton", "transformers"):
         if env[f"has_{mod}"]:
-            env[f"{mod}_version"] = __import__(mod).__version__
+            env[f"{mod}_version"] = importlib.metadata.version(mod)
     if p.cuda:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
@@ -408,7 +410,9 @@ def _train_steps(p: Part, work: Path) -> None:
         p.skip("training steps with fp8.recipe=mxfp8", "reduced mode runs the bf16 path only (the emulated FP8 "
                "training path is tested in tests/test_fp8_linear.py)")
     elif p.time_left() > 30:
-        _train_run(p, work, "fp8.recipe=mxfp8", ["fp8.recipe=mxfp8"], 4, p.time_left() - 5)
+        # MLA's compressed kv + rope key (48 rows in the tiny preset) does not split into 32-blocks: kept in bf16
+        _train_run(p, work, "fp8.recipe=mxfp8", ["fp8.recipe=mxfp8", f"fp8.keep_high_precision={FP8_KEEP_TINY}"], 4,
+                   p.time_left() - 5)
     else:
         p.skip("training steps with fp8.recipe=mxfp8", "part budget spent")
 
@@ -530,7 +534,10 @@ def part_train_speed_hf(p: Part) -> None:
     # batched_mm gathers a weight copy per (token, expert) pair: too large at the full size
     batched_bytes = B * S * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
     rows = {}
-    for impl in ("grouped_mm", "eager", "batched_mm"):
+    switch = hasattr(ref, "set_experts_implementation")
+    if not switch:
+        p.note("this transformers build has no set_experts_implementation: its default experts code is timed")
+    for impl in ("grouped_mm", "eager", "batched_mm") if switch else ("default",):
         if impl == "batched_mm" and batched_bytes > 8 << 30:
             p.skip(f"transformers[{impl}]", f"would gather {batched_bytes / 2**30:.0f} GiB of expert weights per layer")
             continue
@@ -539,7 +546,8 @@ def part_train_speed_hf(p: Part) -> None:
             continue
 
         def one(impl=impl):
-            ref.set_experts_implementation(impl)
+            if impl != "default":
+                ref.set_experts_implementation(impl)
             run = step_fn(ref, ids, hf=True)
             loss = run()
             rows[impl] = _speed_figures(p, f"transformers[{impl}] bf16", time_rounds({impl: run}, rounds)[impl],
@@ -594,7 +602,10 @@ def part_decode(p: Part) -> None:
         p.figure("decode", rows)
     for B in sorted({r["batch"] for r in rows}):
         rates = {r["contender"]: r["tokens_per_s"] for r in rows if r["batch"] == B}
-        best = max((k for k in rates if k.startswith("transformers")), key=rates.get)
+        theirs = [k for k in rates if k.startswith("transformers")]
+        if not theirs:
+            continue
+        best = max(theirs, key=rates.get)
         p.figure(f"decode_ratio_batch{B}", {"vs": best, "ratio": rates["ours (Engine)"] / rates[best]})
     p.check("decode timed against transformers generate", bool(rows), f"{len(rows)} rows; implementations {impls}")
     spec = []
