@@ -85,6 +85,10 @@ def run_part(name: str, budget: float, reduced: bool, parts_dir: Path, log) -> d
         rc = proc.returncode
     seconds = time.time() - t0
     try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything the part left running (it would hold the GPU)
+    except ProcessLookupError:
+        pass
+    try:
         data = json.loads(part_json.read_text())
     except (OSError, ValueError):
         data = None
@@ -192,8 +196,6 @@ def main(argv=None) -> int:
     report = {"schema": SCHEMA, "mode": "reduced" if reduced else "full", "device": "cuda" if cuda else "cpu",
               "limit_s": args.limit, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "sections": {s: [p[0] for p in PARTS if p[1] == s] for s in SECTIONS}, "parts": {}}
-    if cuda:
-        report["device_name"] = torch.cuda.get_device_name(0)
     t_start = time.time()
     selected = [p for p in PARTS if p[0] in wanted]
     # Each part's own JSON lives outside OUT_DIR (merged into report.json): the folder a lent GPU machine sends
@@ -212,6 +214,9 @@ def main(argv=None) -> int:
                 data = run_part(name, budget, reduced, parts_dir, log)
             data.update(section=section, title=title)
             report["parts"][name] = data
+            gpu = data.get("figures", {}).get("environment", {}).get("gpu")
+            if gpu:  # read by the env part: this process never initialises CUDA (it would hold a context)
+                report["device_name"] = gpu
             print(f"[{time.time() - t_start:5.0f} s] {name}: {data['status']}"
                   + (f" ({data['reason'][:200]})" if data.get("reason") else ""), flush=True)
             _write(report, t_start, args.out_dir)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -171,7 +172,7 @@ def part_env(p: Part) -> None:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         p.figure("copy_tb_per_s", 2 * x.numel() * 2 / statistics.median(times) / 1e12)  # bytes read + written
-    p.check("environment recorded", True, f"bf16 matmul {p.data['figures']['bf16_matmul_tflops']:.1f} TFLOP/s (n={n})")
+    print(f"  bf16 matmul {p.data['figures']['bf16_matmul_tflops']:.1f} TFLOP/s (n={n})", flush=True)
 
 
 # ---------------------------------------------------------------- correctness: the model on the device
@@ -245,8 +246,9 @@ def _parity_one(p: Part, preset: str, B: int, S: int) -> None:
     router_grads = [m.weight.grad for n, m in model.named_modules() if n.endswith("feed_forward.router")]
     g = sum(float(x.norm()) for x in router_grads if x is not None) if router_grads else 0.0
     model.zero_grad(set_to_none=True)
-    p.check(f"{preset} router replay on {p.device.type}: same logits, router has gradient", e < 1e-6 and g > 0,
-            f"replayed vs recorded logits {e:.1e} (< 1e-6); router gradient norm {g:.2e}")
+    # not bit-equal on CUDA: index_add's atomics sum the experts' outputs in no fixed order
+    p.check(f"{preset} router replay on {p.device.type}: same logits, router has gradient", e < 1e-5 and g > 0,
+            f"replayed vs recorded logits {e:.1e} (< 1e-5); router gradient norm {g:.2e}")
     del model
 
     # bfloat16 on the device vs the float32 CPU reference
@@ -257,6 +259,8 @@ def _parity_one(p: Part, preset: str, B: int, S: int) -> None:
 
 
 def part_model_parity(p: Part) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the default, stated: float32 is compared as float32
+    torch.backends.cudnn.allow_tf32 = False
     B, S = (2, 32) if p.reduced else (2, 128)
     for preset in ("tiny-deepseek-v3", "tiny-kimi-k2.5", "tiny-qwen3-moe"):
         if p.time_left() < 5:
@@ -351,12 +355,18 @@ def _train_run(p: Part, work: Path, label: str, overrides: list[str], steps: int
            str(ROOT / "pretrain_composer.py"), "--config", str(work / "train.yaml"), f"run.dir={run_dir}",
            f"train.steps={steps}", *overrides]
     t0 = time.time()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # its own process group: on a timeout torchrun's worker goes too, instead of holding the GPU for later parts
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         p.check(f"training steps ({label})", False, f"pretrain_composer.py did not finish within {timeout:.0f} s")
         return
+    r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     print(r.stdout[-3000:] + r.stderr[-3000:], flush=True)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -557,7 +567,6 @@ def part_train_speed_hf(p: Part) -> None:
     if rows:
         best = max(rows, key=lambda k: rows[k]["tokens_per_s"])
         p.figure("fastest", best)
-        p.check("transformers DeepseekV3 fwd+bwd timed", True, f"fastest experts implementation: {best}")
 
 
 # ---------------------------------------------------------------- decode
@@ -590,7 +599,7 @@ def part_decode(p: Part) -> None:
     model = model.to(p.device, torch.bfloat16)
     ref = hf_copy(model, torch.bfloat16, p.device)
     impls, missing = experts_implementations(ref)
-    impls = [i for i in impls if i != "batched_mm" or p.reduced]  # batched_mm: a weight copy per (token, expert)
+    impls = [i for i in impls if i != "batched_mm"]  # a weight copy per (token, expert): never the fastest here
     engine = Engine(model, max_batch_size=max(batches), cache_memory_bytes=(2 << 30) if p.cuda else (64 << 20))
     rows = []
     for B in batches:
