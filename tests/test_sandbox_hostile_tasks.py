@@ -327,3 +327,36 @@ def test_attacks_that_held_still_hold(tmp_path, attack, monkeypatch, sandbox_roo
         unix.close()
     assert accepted == []  # nothing reached the host's listeners
     assert canary.read_text() == "host data\n"
+
+
+# The code under test, run by the verifier, attacks the verdict ----------------------------------------------------
+WRITE_ONE = "open('/logs/verifier/reward.txt', 'w').write('1\\n')\n"
+CODE_UNDER_TEST = {
+    # sitecustomize in the work tree: the bundled verifiers do not put /app on PYTHONPATH at start-up
+    "sitecustomize-in-app": ("sitecustomize.py", "import atexit, os\natexit.register(lambda: os._exit(0))\n"),
+    # write the reward, then kill the verifier's shell before it writes the honest one
+    "write-then-kill-verifier": ("lru.py", "import os, signal\n" + WRITE_ONE + "os.kill(os.getppid(), signal.SIGKILL)\n"
+                                 "os.kill(os.getpgid(0), signal.SIGKILL)\n"),
+    # write the reward, then lock it so the verifier's `echo 0` fails
+    "write-then-lock-reward": ("lru.py", "import os\n" + WRITE_ONE + "os.chmod('/logs/verifier/reward.txt', 0o444)\n"
+                               "os.chmod('/logs/verifier', 0o555)\n"),
+    # rewrite the verifier's own script while bash is still reading it
+    "rewrite-test-sh": ("lru.py", "try:\n    open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n')\n"
+                        "except OSError:\n    pass\n"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(CODE_UNDER_TEST))
+def test_code_under_test_cannot_lock_in_a_reward(attack, sandbox_root):
+    """On a bundled task: the agent plants code that the verifier itself runs."""
+    task = load_harbor_task(REPO / "examples" / "tasks" / "python-lru-cache-bug")
+    backend = RecordingBackend(limits=LIMITS, root_parent=sandbox_root)
+    name, code = CODE_UNDER_TEST[attack]
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file(f"/app/{name}", ((sbx.read_text(f"/app/{name}") or "") + "\n" + code).encode())
+            result = task.verifier.verify(sbx, task)
+    finally:
+        snapshot.discard()
+    assert result.reward == 0.0, (result.details, result.output[-1000:])

@@ -205,6 +205,13 @@ def read_reward_json(raw: str) -> tuple[float, dict]:
     return sum(rewards.values()) / len(rewards), rewards
 
 
+# After the verifier ran: the reward folder and files are still the verifier's to write, not links elsewhere (the
+# code under test runs as the verifier's user and could lock in a reward it wrote itself).
+_REWARD_INTACT = ("cd /logs/verifier 2>/dev/null && [ -w . ] && [ ! -L . ] || { ls -ld /logs/verifier; exit 1; }; "
+                  "for f in reward.txt reward.json; do if [ -e $f ] || [ -L $f ]; then "
+                  "[ -f $f ] && [ ! -L $f ] && [ -w $f ] || { ls -l $f; exit 1; }; fi; done")
+
+
 @dataclass
 class ScriptVerifier:
     """Harbor's verifier: tests/ copied to /tests after the agent finished, `bash /tests/test.sh` writes
@@ -231,6 +238,13 @@ class ScriptVerifier:
         if res.timed_out:
             # A verifier that hangs has not decided; whatever it wrote before hanging does not count.
             return broken(f"the verifier timed out after {task.limits.verifier_timeout_s:g} s")
+        if res.exit_code > 128:
+            # Killed (by the code it tested, say, after that code wrote a reward): the verifier did not decide.
+            return broken(f"the verifier was killed before it finished ({res.describe()}); its reward does not count")
+        tampered = sandbox.exec(_REWARD_INTACT, cwd="/", timeout=60)
+        if tampered.exit_code != 0:
+            return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
+                          f"(by the code under test?); its reward does not count: {tampered.output.strip()[:200]}")
         text = sandbox.read_text("/logs/verifier/reward.txt")
         if text is not None:
             try:

@@ -209,8 +209,9 @@ class ApptainerSandbox(LocalSandbox):
         super().__init__(tree, **kwargs)
 
     def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
-        binds = [f"{self.root / d}:/{d}" for d in ("app", "tmp", "logs")]
-        binds += [f"{host}:{dest}" for host, dest in self._mounts]
+        binds = [f"{self._dirs[d]}:/{d}" for d in ("app", "tmp", "logs")]
+        ro = ":ro" if self._verifier_root is not None else ""  # the verifier's own files are read-only to it
+        binds += [f"{host}:{dest}{ro}" for host, dest in self._mounts]
         argv = [self._apptainer, "exec", "--containall", "--cleanenv", "--no-home", "--net", "--network", "none",
                 "--pwd", cwd, "--bind", ",".join(binds)]
         for k, v in env.items():

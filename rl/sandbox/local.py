@@ -340,8 +340,10 @@ class LocalSandbox(Sandbox):
                  "--tmpfs", "/dev/shm", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self._dirs[d]), f"/{d}"]
+        # In the verifier phase its own files (/tests) are read-only: the code it tests cannot rewrite them.
+        bind = "--ro-bind" if self._verifier_root is not None else "--bind"
         for host, dest in self._mounts:
-            argv += ["--bind", str(host), dest]
+            argv += [bind, str(host), dest]
         # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
         argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         for k, v in env.items():
