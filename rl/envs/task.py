@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from rl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits
 
 
 class TaskError(ValueError):
@@ -241,7 +241,7 @@ class ScriptVerifier:
         if res.exit_code > 128:
             # Killed (by the code it tested, say, after that code wrote a reward): the verifier did not decide.
             return broken(f"the verifier was killed before it finished ({res.describe()}); its reward does not count")
-        tampered = sandbox.exec(_REWARD_INTACT, cwd="/", timeout=60)
+        tampered = sandbox.exec(_REWARD_INTACT, cwd="/", env={"PATH": BASE_ENV["PATH"]}, timeout=60)
         if tampered.exit_code != 0:
             return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
                           f"(by the code under test?); its reward does not count: {tampered.output.strip()[:200]}")
