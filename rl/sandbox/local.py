@@ -236,7 +236,12 @@ class LocalSandbox(Sandbox):
         self._verifier_root: Path | None = None
         try:
             if self._tmpfs:
-                mount_tmpfs(self.root, self.limits.disk_mb, self.limits.max_files)
+                try:
+                    mount_tmpfs(self.root, self.limits.disk_mb, self.limits.max_files)
+                except OSError as e:
+                    if tmpfs:
+                        raise SandboxError(f"LocalSandbox(tmpfs=True): {e}") from None
+                    self._tmpfs = False  # the monitor measures disk use instead
             os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
             self._dirs = self._make_dirs(self.root)
             if tree is not None:
@@ -252,8 +257,13 @@ class LocalSandbox(Sandbox):
                 self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
                 self._chown(self.root)
             if _choose("cgroups", cgroups, None if unisolated else _cgroup_problem):
-                self._cgroup = SandboxCgroup(find_cgroup_parents(), self.root.name, self.limits.memory_mb,
-                                             self.limits.max_processes)
+                try:
+                    self._cgroup = SandboxCgroup(find_cgroup_parents(), self.root.name, self.limits.memory_mb,
+                                                 self.limits.max_processes)
+                except OSError as e:
+                    if cgroups:
+                        raise SandboxError(f"LocalSandbox(cgroups=True): cannot make the sandbox's cgroup: {e}") \
+                            from None  # otherwise the monitor limits memory instead
         except BaseException:
             self._release()
             raise
