@@ -97,7 +97,9 @@ def host_state(backend: LocalBackend, watched: list[Path]) -> dict:
     procs = []
     for pid in os.listdir("/proc"):
         try:
-            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid in uids:
+            # Zombies are dead already (bwrap's exited helpers wait there for the host's init to reap them).
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid in uids and \
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 procs.append(pid)
         except OSError:
             pass
