@@ -117,7 +117,7 @@ def log_summary(root: Path) -> Path:
         "solution/solve.sh": """\
             #!/bin/bash
             awk '{print $9}' /app/access.log | sort | uniq -c | \\
-              python3 -c 'import json, sys; print(json.dumps({s: int(n) for n, s in (l.split() for l in sys.stdin)}))' \\
+              python3 -c 'import json, sys; print(json.dumps({s: int(n) for n, s in map(str.split, sys.stdin)}))' \\
               > /app/summary.json
             """,
         "tests/test.sh": """\

@@ -343,7 +343,8 @@ CODE_UNDER_TEST = {
     "write-then-lock-reward": ("lru.py", "import os\n" + WRITE_ONE + "os.chmod('/logs/verifier/reward.txt', 0o444)\n"
                                "os.chmod('/logs/verifier', 0o555)\n"),
     # rewrite the verifier's own script while bash is still reading it
-    "rewrite-test-sh": ("lru.py", "try:\n    open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n')\n"
+    "rewrite-test-sh": ("lru.py", "try:\n"
+                        "    open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n')\n"
                         "except OSError:\n    pass\n"),
 }
 

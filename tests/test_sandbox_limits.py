@@ -18,8 +18,8 @@ EIGHT_PROCESSES = ("for i in 1 2 3 4 5 6 7 8; do python3 -c 'import time; x = b\
 UNLINKED = ("python3 -c '\nimport os, time\nheld = []\nfor i in range(12):\n    f = open(f\"/tmp/b{i}\", \"wb\")\n"
             "    f.write(b\"x\" * (10 << 20)); f.flush(); os.unlink(f\"/tmp/b{i}\"); held.append(f); time.sleep(0.3)\n"
             "print(\"held all\")'")
-INODES = "mkdir /tmp/f && cd /tmp/f && python3 -c '\nimport time\nfor i in range(20000):\n    open(str(i), \"w\").close()\n" \
-         "    if i % 1000 == 0: time.sleep(0.3)\nprint(\"made all\")'"
+INODES = ("mkdir /tmp/f && cd /tmp/f && python3 -c '\nimport time\nfor i in range(20000):\n"
+          "    open(str(i), \"w\").close()\n    if i % 1000 == 0: time.sleep(0.3)\nprint(\"made all\")'")
 
 
 def _kernel_problem():

@@ -288,7 +288,8 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     return ExecResult(exit_code=exit_code, output=kept.decode("utf-8", errors="replace"), output_bytes=total,
                       duration_s=duration, timed_out=timed_out, output_truncated=total > len(kept),
                       disk_exceeded=stopped is not None and stopped[0] == "disk",
-                      memory_exceeded=stopped is not None and stopped[0] == "memory", leftover_processes=leftover, events=events)
+                      memory_exceeded=stopped is not None and stopped[0] == "memory", leftover_processes=leftover,
+                      events=events)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

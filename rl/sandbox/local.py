@@ -40,6 +40,7 @@ from rl.sandbox.base import (
 )
 from rl.sandbox.limits import (
     SandboxCgroup,
+    cgroup_problem,
     deleted_open_files,
     find_cgroup_parents,
     fs_full,
@@ -85,8 +86,9 @@ class LocalSnapshot:
 
 
 def force_rmtree(path: Path) -> None:
-    if os.path.ismount(path):
+    if os.path.ismount(path):  # a sandbox's own tmpfs: detach it, then remove the empty mount point
         unmount(path)
+
     def onerror(func, p, _exc):
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -150,12 +152,6 @@ def bwrap_problem() -> str | None:
 def setpriv_argv(uid: int) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
             "--bounding-set=-all", "--"]
-
-
-def _cgroup_problem() -> str | None:
-    from rl.sandbox.limits import cgroup_problem
-
-    return cgroup_problem()
 
 
 def _choose(what: str, wanted: bool | None, problem) -> bool:
@@ -256,7 +252,7 @@ class LocalSandbox(Sandbox):
                 _check_traversable(self.root)
                 self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
                 self._chown(self.root)
-            if _choose("cgroups", cgroups, None if unisolated else _cgroup_problem):
+            if _choose("cgroups", cgroups, None if unisolated else cgroup_problem):
                 try:
                     self._cgroup = SandboxCgroup(find_cgroup_parents(), self.root.name, self.limits.memory_mb,
                                                  self.limits.max_processes)
