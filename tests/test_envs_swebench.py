@@ -100,3 +100,67 @@ def test_parse_test_log_formats():
            "test_x (pkg.tests.T.test_x) ... ok\ntest_y (pkg.tests.T) ... FAIL\n")
     assert parse_test_log(log) == {"tests/test_a.py::test_one": "PASSED", "tests/test_a.py::test_two": "FAILED",
                                    "test_x (pkg.tests.T.test_x)": "ok", "test_y (pkg.tests.T)": "FAIL"}
+
+
+def _future(repo):
+    """History the task must not see: the upstream fix on a branch and a tag, a reflog, an unreachable blob."""
+    _git(repo, "checkout", "-qb", "upstream-fix")
+    (repo / "calc.py").write_text(CALC.replace("return a - b", "return a + b  # FUTURE-FIX", 1))
+    _git(repo, "commit", "-qam", "the upstream fix")
+    _git(repo, "tag", "v2.0")
+    fix = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    _git(repo, "checkout", "-q", "-")
+    blob = subprocess.run(["git", "-C", str(repo), "hash-object", "-w", "--stdin"], input="UNREACHABLE-FUTURE\n",
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return fix, blob
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+def test_swebench_repo_holds_no_future(instance):
+    jsonl, repos, record = instance
+    fix, blob = _future(repos / "acme__calc")
+    (task,) = load_swebench(jsonl, repos)
+    backend = LocalBackend()
+    snap = prepare_task(task, backend)
+    probes = ("git log --all --format='%H %s'; git show master:calc.py; git show upstream-fix:calc.py; "
+              "git show v2.0:calc.py; git reflog; git branch -a; git tag; git rev-list --all; "
+              "git fsck --unreachable --no-reflogs 2>&1; git cat-file --batch-all-objects --batch-check; "
+              "grep -ra FUTURE .git; ls .git")
+    try:
+        with backend.fork(snap) as sbx:
+            out = sbx.exec(probes).output
+            assert record["base_commit"] in out  # the base commit itself is there
+            for future in (fix, blob, "FUTURE", "upstream fix", "later", "v2.0\n"):
+                assert future not in out, (future, out)
+            for obj in (fix, blob):  # not even by name
+                assert sbx.exec(f"git cat-file -e {obj}").exit_code != 0
+            assert sbx.exec("git rev-parse HEAD").output.strip() == record["base_commit"]
+            assert run_episode(task, sbx, noop_policy()).reward == 0.0
+        with backend.fork(snap) as sbx:
+            assert run_episode(task, sbx, oracle_policy(task)).reward == 1.0
+    finally:
+        snap.discard()
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+def test_check_task_reads_a_swebench_jsonl(instance, tmp_path):
+    import sys
+    from pathlib import Path
+
+    jsonl, repos, record = instance
+    other = dict(record, instance_id="acme__calc-2")
+    jsonl.write_text(json.dumps(record) + "\n" + json.dumps(other) + "\n")
+    repo_root = Path(__file__).resolve().parents[1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(jsonl), "--repos", str(repos), *args],
+                              cwd=repo_root, capture_output=True, text=True, timeout=300)
+
+    for flags, want in ((["--instance", "acme__calc-1"], "0"), (["--instance", "acme__calc-1", "--oracle"], "1")):
+        res = cli(*flags)
+        assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == want, res.stderr + res.stdout
+    res = cli()
+    assert res.returncode == 2 and "holds 2 instances (acme__calc-1, acme__calc-2); choose one with --instance" \
+        in res.stderr
+    res = cli("--instance", "nope")
+    assert res.returncode == 2 and "has no instance 'nope'" in res.stderr

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from rl.envs.task import CopyStep, RunStep, TaskError
+from rl.sandbox.base import BASE_ENV
 
 TREE_ROOT = "/app"
 NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK"}
 _VAR_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+CONTAINER_BACKENDS = "use a container backend (--backend docker, podman or apptainer)"
+
 
 
 class UnsupportedDockerfile(TaskError):
@@ -121,7 +124,8 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
                     k, _, v = p.partition("=")
                     pairs.append((k, v))
             for k, v in pairs:
-                v = _substitute(v, {**variables, **plan.env})
+                # ${PATH} and friends come from the base environment (the host standing in for the image).
+                v = _substitute(v, {**BASE_ENV, **variables, **plan.env})
                 plan.env[k] = v
                 variables[k] = v
         elif keyword == "WORKDIR":
@@ -130,7 +134,7 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             target = os.path.normpath(target)
             if not _in_tree(target):
                 raise UnsupportedDockerfile(f"{where}: WORKDIR {target} is outside the task tree {TREE_ROOT}; the "
-                                            "local backend keeps all task files under /app")
+                                            f"local backend keeps all task files under /app: {CONTAINER_BACKENDS}")
             plan.workdir = target
         elif keyword in ("COPY", "ADD"):
             plan.steps.extend(_copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env}))

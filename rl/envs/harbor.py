@@ -10,12 +10,16 @@
                               /logs/verifier/reward.txt
       solution/solve.sh       reference solution (optional)
 
-The working tree is /app. `[agent].max_turns` is read as an extension (default 50).
+The working tree is /app. `[agent].max_turns` is read as an extension (default 50). Keys this loader does not
+know are named in a TaskFormatWarning (and the task's notes): they have no effect here. A file or folder of the
+task that resolves outside the task folder (a symlink to the host) is refused.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
@@ -63,6 +67,45 @@ def _env(table: dict, where: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in env.items()}
 
 
+# task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
+KNOWN_KEYS = {
+    "": {"version", "metadata", "verifier", "agent", "environment", "solution", "source"},
+    "verifier": {"timeout_sec", "env"},
+    "agent": {"timeout_sec", "max_turns"},
+    "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
+                    "allow_internet", "env", "gpus", "gpu_types"},
+    "solution": {"env"},
+}
+
+
+class TaskFormatWarning(UserWarning):
+    """A task file holds something this loader does not honour; the task still loads."""
+
+
+def unknown_keys(data: dict, toml_path: Path) -> list[str]:
+    out = []
+    for table, known in KNOWN_KEYS.items():
+        values = data if not table else data.get(table, {})
+        if isinstance(values, dict):
+            for key in values:
+                if key not in known:
+                    name = f"[{table}].{key}" if table else key
+                    out.append(f"{toml_path}: unknown key {name} is ignored (known here: {', '.join(sorted(known))})")
+    return out
+
+
+def check_inside(task_dir: Path) -> None:
+    """Refuse any file or folder of the task that resolves outside it (symlinks to the host's files)."""
+    root = os.path.realpath(task_dir)
+    for dirpath, dirnames, filenames in os.walk(task_dir):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path)
+            if real != root and not real.startswith(root + os.sep):
+                raise TaskError(f"{path} resolves outside the task folder (to {real}); a task may only use its "
+                                "own files: replace the symlink with the files themselves")
+
+
 def read_task_toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text())
@@ -84,6 +127,7 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     if not test_sh.is_file():
         raise TaskError(f"{task_dir} has no verifier: expected {test_sh.relative_to(task_dir)} "
                         "(it runs as `bash /tests/test.sh` and writes /logs/verifier/reward.txt)")
+    check_inside(task_dir)
     data = read_task_toml(toml_path)
     verifier_t = _table(data, "verifier", str(toml_path))
     agent_t = _table(data, "agent", str(toml_path))
@@ -109,6 +153,9 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         plan = parse_dockerfile(dockerfile, environment_dir)
         setup, workdir, notes = plan.steps, plan.workdir, plan.notes
         env = {**plan.env, **env}
+    for note in unknown_keys(data, toml_path):
+        warnings.warn(note, TaskFormatWarning, stacklevel=2)
+        notes.append(note)
     if env_t.get("allow_internet"):
         notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
     solution_dir = task_dir / "solution"

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.envs.task import GitTree, PatchSolution, RunStep, Task, TaskError, TaskLimits, VerifyResult
+from rl.envs.task import GitTree, PatchSolution, RunStep, Task, TaskError, TaskLimits, VerifyResult, missing_tool
 from rl.sandbox.base import Sandbox
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -56,14 +56,19 @@ class SWEBenchVerifier:
 
     def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
         # Tests the agent may have edited go back to the base commit before the official test patch applies.
+        # Fresh /tmp and HOME; git ignores the repository's own config hooks (fsmonitor, hooksPath) the agent
+        # could have set to run its code during the reset.
+        sandbox.enter_verifier()
         files = " ".join(shlex.quote(f) for f in _test_files(self.test_patch))
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "test.patch").write_text(self.test_patch)
             sandbox.copy_in(tmp, "/tests")
         base = shlex.quote(self.base_commit)
-        reset = (f'for f in {files}; do git checkout -q {base} -- "$f" 2>/dev/null || rm -f -- "$f"; done; '
+        git = "git -c core.fsmonitor=false -c core.hooksPath=/dev/null"
+        reset = (f'for f in {files}; do {git} checkout -q {base} -- "$f" 2>/dev/null || rm -f -- "$f"; done; '
                  if files else "")
-        apply = sandbox.exec(f"{reset}git apply --whitespace=nowarn /tests/test.patch", cwd=task.workdir, timeout=120)
+        apply = sandbox.exec(f"{reset}{git} apply --whitespace=nowarn /tests/test.patch", cwd=task.workdir,
+                             timeout=120)
         if apply.exit_code != 0:
             return VerifyResult(0.0, apply.output, {"error": f"test patch does not apply: {apply.output[-500:]}"},
                                 apply)
@@ -74,6 +79,9 @@ class SWEBenchVerifier:
         p2p_failed = [t for t in self.pass_to_pass if status.get(t) not in PASSING]
         details = {"FAIL_TO_PASS failing": f2p_failed, "PASS_TO_PASS failing": p2p_failed,
                    "tests": res.describe()}
+        missing = missing_tool(res.output, "the test command") if f2p_failed or p2p_failed else None
+        if missing:  # nothing ran: this zero says nothing about the agent's work
+            details["error"] = missing
         return VerifyResult(float(not f2p_failed and not p2p_failed), res.output, details, res)
 
     def _selectors(self) -> list[str]:
@@ -136,9 +144,9 @@ def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench in
     )
 
 
-def load_swebench(path: str | Path, repos_dir: str | Path) -> list[Task]:
+def load_swebench(path: str | Path, repos_dir: str | Path, only: str | None = None) -> list[Task]:
     """Tasks from a JSONL file; the clone of "owner/name" is repos_dir/owner__name (SWE-bench's naming) or
-    repos_dir/name."""
+    repos_dir/name. With `only`, just the instance of that instance_id."""
     path, repos_dir = Path(path), Path(repos_dir)
     tasks = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -151,6 +159,8 @@ def load_swebench(path: str | Path, repos_dir: str | Path) -> list[Task]:
             raise TaskError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict):
             raise TaskError(f"{where}: each line must be a JSON object")
+        if only is not None and record.get("instance_id") != only:
+            continue
         repo = record.get("repo")
         if not isinstance(repo, str):
             raise TaskError(f"{where}: missing field 'repo' (an instance needs {', '.join(REQUIRED)})")

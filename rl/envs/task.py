@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from rl.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits
 
 
 class TaskError(ValueError):
@@ -65,20 +67,29 @@ class EmptyTree:
 
 @dataclass
 class GitTree:
-    """A local clone of a repository checked out at a commit (the origin remote is removed)."""
+    """A repository checked out at a commit, holding only that commit's history: no branches, tags, remotes or
+    reflog, and no object that commit cannot reach (the repository's future stays outside the sandbox)."""
 
     repo: Path
     commit: str
 
     def materialize(self, dest: Path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        for argv in (["git", "clone", "--quiet", "--no-hardlinks", str(self.repo), str(dest)],
-                     ["git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "--quiet", self.commit],
-                     ["git", "-C", str(dest), "remote", "remove", "origin"]):
+        git = ["git", "-C", str(dest), "-c", "advice.detachedHead=false"]
+        for argv in (["git", "init", "--quiet", str(dest)],
+                     git + ["fetch", "--quiet", "--no-tags", "--no-recurse-submodules", str(Path(self.repo).resolve()),
+                            self.commit],
+                     git + ["checkout", "--quiet", "--detach", "FETCH_HEAD"]):
             res = subprocess.run(argv, capture_output=True, text=True)
             if res.returncode != 0:
-                raise TaskError(f"cannot check out {self.repo} at {self.commit}: {' '.join(argv[:4])}: "
+                raise TaskError(f"cannot check out {self.repo} at {self.commit}: {' '.join(argv[3:6])}: "
                                 f"{res.stderr.strip()}")
+        for leftover in ("FETCH_HEAD", "ORIG_HEAD", "logs"):  # the fetch's record and the reflog
+            path = dest / ".git" / leftover
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
 
 # Setup steps --------------------------------------------------------------------------------------------------
@@ -129,8 +140,10 @@ class RunStep:
         res = sandbox.exec(f"mkdir -p {shlex.quote(self.cwd)} && cd {shlex.quote(self.cwd)} && {self.command}",
                            cwd="/", env=self.env, timeout=timeout)
         if not res.ok:
+            why = (missing_tool(self.command, "this setup command", _INSTALLS)
+                   or missing_tool(res.output, "this setup command"))
             raise TaskError(f"{self.origin}: setup command failed ({res.describe()}): {self.command[:200]}\n"
-                            f"{res.output[-2000:]}")
+                            f"{res.output[-2000:].rstrip()}" + (f"\n{self.origin}: {why}" if why else ""))
 
 
 # Verifiers ----------------------------------------------------------------------------------------------------
@@ -146,42 +159,109 @@ class Verifier(Protocol):
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult: ...
 
 
+# What a log says when the local backend (the read-only host system) lacks what a task needs, and the fix.
+_MISSING_TOOLS = (
+    (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
+     "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
+    (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
+    (re.compile(r"^E: .*(?:/var/lib/apt|/var/lib/dpkg|are you root)|^(?:yum|dnf|apk|microdnf): .*(?:denied|"
+                r"Read-only|root)|error: externally-managed-environment", re.MULTILINE),
+     "to install packages, which the local backend cannot (its system is the read-only host): install them on "
+     "the host"),
+    (re.compile(r"Could not resolve host|Temporary failure in name resolution"),
+     "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
+)
+
+# A command that installs packages (a Dockerfile RUN line), which cannot work on the local backend.
+_INSTALLS = (
+    (re.compile(r"(?:^|[;&|(]\s*|\bsudo\s+)(?:apt-get|apt|aptitude|yum|dnf|microdnf|apk|zypper|pacman|"
+                r"(?:python3?\s+-m\s+)?pip3?|uv\s+pip|conda|mamba|npm|yarn|pnpm)\s+(?:-\S+\s+)*"
+                r"(?:install|add|update|upgrade|ci|-S)\b"),
+     "to install packages, which the local backend cannot (its system is the read-only host, without network): "
+     "install them on the host and drop the line"),
+)
+
+
+def missing_tool(log: str, what: str = "the verifier", patterns=_MISSING_TOOLS) -> str | None:
+    """One line naming what `what` needed that the local backend lacks, and what fixes it; None if none shows."""
+    for pattern, need in patterns:
+        if pattern.search(log):
+            return (f"{what} needs {need}, or run the task on a container backend (--backend docker, podman or "
+                    "apptainer) whose image provides it")
+    return None
+
+
+def read_reward_json(raw: str) -> tuple[float, dict]:
+    """Harbor's reward.json: the "reward" key when present, else the mean of all (numeric) keys."""
+    data = json.loads(raw)
+    if not isinstance(data, dict) or not data:
+        raise ValueError("reward.json must be a non-empty object of numbers")
+    bad = [k for k, v in data.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise ValueError(f"reward.json values must be numbers; not: {', '.join(bad)}")
+    rewards = {k: float(v) for k, v in data.items()}
+    if "reward" in rewards:
+        return rewards["reward"], rewards
+    return sum(rewards.values()) / len(rewards), rewards
+
+
+# After the verifier ran: the reward folder and files are still the verifier's to write, not links elsewhere (the
+# code under test runs as the verifier's user and could lock in a reward it wrote itself).
+_REWARD_INTACT = ("cd /logs/verifier 2>/dev/null && [ -w . ] && [ ! -L . ] || { ls -ld /logs/verifier; exit 1; }; "
+                  "for f in reward.txt reward.json; do if [ -e $f ] || [ -L $f ]; then "
+                  "[ -f $f ] && [ ! -L $f ] && [ -w $f ] || { ls -l $f; exit 1; }; fi; done")
+
+
 @dataclass
 class ScriptVerifier:
     """Harbor's verifier: tests/ copied to /tests after the agent finished, `bash /tests/test.sh` writes
-    the reward to /logs/verifier/reward.txt (or a {"reward": x} object to reward.json)."""
+    the reward to /logs/verifier/reward.txt (a number) or reward.json (an object of numbers: its "reward" key
+    when present, else the mean of its values, which are all kept in details["rewards"])."""
 
     tests_dir: Path
     command: str = "bash /tests/test.sh"
     env: dict[str, str] = field(default_factory=dict)
 
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
-        # A reward the agent wrote itself must not count: the verifier starts from an empty /logs/verifier.
-        sandbox.exec("rm -rf /logs/verifier && mkdir -p /logs/verifier", cwd="/", timeout=60)
+        # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
+        # the host made afresh, out of the agent's reach.
+        sandbox.enter_verifier()
         sandbox.copy_in(self.tests_dir, "/tests")
         res = sandbox.exec(self.command, cwd=task.workdir, env=self.env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
+
+        def broken(why: str) -> VerifyResult:
+            missing = missing_tool(res.output)
+            details["error"] = f"{why}; {missing}" if missing else why
+            return VerifyResult(0.0, res.output, details, res)
+
         if res.timed_out:
             # A verifier that hangs has not decided; whatever it wrote before hanging does not count.
-            details["error"] = f"the verifier timed out after {task.limits.verifier_timeout_s:g} s"
-            return VerifyResult(0.0, res.output, details, res)
+            return broken(f"the verifier timed out after {task.limits.verifier_timeout_s:g} s")
+        if res.exit_code > 128:
+            # Killed (by the code it tested, say, after that code wrote a reward): the verifier did not decide.
+            return broken(f"the verifier was killed before it finished ({res.describe()}); its reward does not count")
+        tampered = sandbox.exec(_REWARD_INTACT, cwd="/", env={"PATH": BASE_ENV["PATH"]}, timeout=60)
+        if tampered.exit_code != 0:
+            return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
+                          f"(by the code under test?); its reward does not count: {tampered.output.strip()[:200]}")
         text = sandbox.read_text("/logs/verifier/reward.txt")
         if text is not None:
             try:
                 reward = float(text.strip().splitlines()[-1]) if text.strip() else 0.0
             except ValueError:
-                details["error"] = f"/logs/verifier/reward.txt must hold a number, got {text[:100]!r}"
-                return VerifyResult(0.0, res.output, details, res)
+                return broken(f"/logs/verifier/reward.txt must hold a number, got {text[:100]!r}")
         else:
             raw = sandbox.read_text("/logs/verifier/reward.json")
             if raw is None:
-                details["error"] = "the verifier wrote no /logs/verifier/reward.txt or reward.json"
-                return VerifyResult(0.0, res.output, details, res)
+                return broken(f"the verifier wrote no /logs/verifier/reward.txt or reward.json ({res.describe()})")
             try:
-                reward = float(json.loads(raw)["reward"])
-            except (ValueError, KeyError, TypeError):
-                details["error"] = f"/logs/verifier/reward.json has no numeric 'reward': {raw[:200]!r}"
-                return VerifyResult(0.0, res.output, details, res)
+                reward, details["rewards"] = read_reward_json(raw)
+            except ValueError as e:
+                return broken(f"/logs/verifier/reward.json: {e}: {raw[:200]!r}")
+        missing = missing_tool(res.output) if reward == 0.0 else None
+        if missing:  # a zero because the verifier could not run says nothing about the agent's work
+            details["error"] = missing
         return VerifyResult(reward, res.output, details, res)
 
 

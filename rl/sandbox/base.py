@@ -26,6 +26,8 @@ BASE_ENV = {
     "TERM": "dumb",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
+# Added for the verifier phase: no user site (HOME is fresh anyway), so no agent-planted start-up hooks.
+VERIFIER_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
 class SandboxError(RuntimeError):
@@ -34,20 +36,23 @@ class SandboxError(RuntimeError):
 
 @dataclass
 class SandboxLimits:
-    """Per-sandbox resource limits. rlimits apply to each process; disk_mb to everything the sandbox wrote."""
+    """Per-sandbox resource limits. memory_mb, max_processes, disk_mb and max_files hold for the whole sandbox
+    (all its processes, everything it wrote; see rl/sandbox/limits.py for how each backend enforces them); the
+    rlimits (RLIMIT_*) bound each process as well."""
 
     command_timeout_s: float = 120.0  # wall clock per command; the whole process tree is killed after it
     cpu_time_s: int = 600  # RLIMIT_CPU
-    memory_mb: int = 2048  # RLIMIT_AS (address space of each process)
-    max_processes: int = 256  # RLIMIT_NPROC (processes and threads of the sandbox user)
+    memory_mb: int = 2048  # memory of all the sandbox's processes together; also RLIMIT_AS of each process
+    max_processes: int = 256  # processes and threads of the sandbox together (pids.max and RLIMIT_NPROC)
     max_file_mb: int = 256  # RLIMIT_FSIZE (largest file a process may write)
     max_open_files: int = 1024  # RLIMIT_NOFILE
-    disk_mb: int = 1024  # total size of the sandbox's writable directories
+    disk_mb: int = 1024  # total size of the sandbox's writable directories, unlinked-but-open files included
+    max_files: int = 100_000  # files and directories in the sandbox's writable directories (inodes)
     max_output_bytes: int = 1 << 20  # output kept per command; the rest is counted and dropped
 
     def validate(self) -> None:
         for name in ("command_timeout_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_mb",
-                     "max_open_files", "disk_mb", "max_output_bytes"):
+                     "max_open_files", "disk_mb", "max_files", "max_output_bytes"):
             if getattr(self, name) <= 0:
                 raise SandboxError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -63,12 +68,13 @@ class ExecResult:
     timed_out: bool = False
     output_truncated: bool = False
     disk_exceeded: bool = False
+    memory_exceeded: bool = False  # the sandbox's processes together passed memory_mb and were killed
     leftover_processes: int = 0  # processes still alive when the command's shell exited (all killed)
     events: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and not self.disk_exceeded
+        return self.exit_code == 0 and not self.timed_out and not self.disk_exceeded and not self.memory_exceeded
 
     def describe(self) -> str:
         head = f"exit code {self.exit_code}" + (f" ({'; '.join(self.events)})" if self.events else "")
@@ -113,13 +119,15 @@ def note_limits(result: "ExecResult", limits: SandboxLimits) -> None:
                 result.events.append(text)
 
 
-def _dir_size(path: str) -> int:
-    total = 0
-    stack = [path]
+def dir_usage(paths: list[str]) -> tuple[int, int]:
+    """(bytes allocated, number of entries) under `paths`, not following symlinks."""
+    total = entries = 0
+    stack = list(paths)
     while stack:
         try:
             with os.scandir(stack.pop()) as it:
                 for entry in it:
+                    entries += 1
                     try:
                         if entry.is_dir(follow_symlinks=False):
                             stack.append(entry.path)
@@ -129,12 +137,7 @@ def _dir_size(path: str) -> int:
                         continue
         except OSError:
             continue
-    return total
-
-
-def dir_size(paths: list[str]) -> int:
-    """Bytes allocated under `paths` (not following symlinks)."""
-    return sum(_dir_size(p) for p in paths)
+    return total, entries
 
 
 # Runs inside the sandbox: the user's command in its own shell, then a count of the processes it left behind,
@@ -159,13 +162,14 @@ def wrapper_argv(command: str) -> list[str]:
 def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: bytes | None = None,
                 cwd: str | None = None, env: dict | None = None, user: int | None = None,
                 group: int | None = None, status_pipe: bool = True,
-                over_disk: Callable[[], bool] | None = None, disk_poll_s: float = 0.25) -> ExecResult:
+                watch: Callable[[int], tuple[str, str] | None] | None = None, poll_s: float = 0.25) -> ExecResult:
     """Run argv in a new session, stream its merged output with a cap, kill its session on timeout.
 
     With status_pipe, the argument STATUS_FD is replaced by the write end of a pipe on which the in-sandbox
     wrapper reports the exit code and the number of leftover processes. Once the launched process exits,
     output still arriving from processes it left behind is read for a short grace period, then its session
-    is killed.
+    is killed. `watch(pid)` is polled every poll_s while the command runs; when it returns (kind, event) with
+    kind "disk" or "memory", the session is killed and the event says why.
     """
     status_r = status_w = -1
     if status_pipe:
@@ -188,7 +192,8 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     kept = bytearray()
     total = 0
     status = b""
-    timed_out = disk_exceeded = False
+    timed_out = False
+    stopped: tuple[str, str] | None = None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     if status_pipe:
@@ -198,7 +203,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
         os.set_blocking(proc.stdin.fileno(), False)
         sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
     deadline = t0 + timeout
-    next_disk = t0 + disk_poll_s
+    next_poll = t0 + poll_s
     open_streams = 2 if status_pipe else 1
     drain_until = None
     try:
@@ -211,14 +216,14 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                 drain_until = now + 0.5
             if drain_until is not None and now >= drain_until:
                 break
-            if over_disk is not None and now >= next_disk:
-                t_disk = time.monotonic()
-                if over_disk():
-                    disk_exceeded = True
+            if watch is not None and now >= next_poll:
+                t_poll = time.monotonic()
+                stopped = watch(proc.pid)
+                if stopped is not None:
                     break
                 # Poll less often when measuring is slow, so measuring never dominates the command.
-                next_disk = time.monotonic() + max(disk_poll_s, 10 * (time.monotonic() - t_disk))
-            wait = min(deadline, next_disk if over_disk else deadline, now + 0.1) - now
+                next_poll = time.monotonic() + max(poll_s, 10 * (time.monotonic() - t_poll))
+            wait = min(deadline, next_poll if watch else deadline, now + 0.1) - now
             for key, _ in sel.select(timeout=max(0.0, wait)):
                 if key.data == "in":
                     try:
@@ -246,7 +251,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                     if room > 0:
                         kept += chunk[:room]
     finally:
-        if open_streams or timed_out or disk_exceeded:
+        if open_streams or timed_out or stopped:
             _kill_session(proc)
         sel.close()
         proc.stdout.close()
@@ -266,23 +271,25 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     if timed_out:
         events.append(f"wall-clock timeout after {timeout:g}s: process tree killed")
         exit_code = 124
-    elif disk_exceeded:
-        events.append("disk limit exceeded: process tree killed")
-        exit_code = 125
+    elif stopped is not None:
+        events.append(stopped[1])
+        exit_code = 125 if stopped[0] == "disk" else 137
     elif status_pipe and len(parts) == 2 and all(p.isdigit() for p in parts):
         exit_code, leftover = int(parts[0]), int(parts[1])
         if leftover:
             events.append(f"{leftover} background process(es) left running were killed when the command ended")
     elif status_pipe:
         events.append("the command's shell was killed before it could report (killed its own parent?)")
-    meaning = describe_exit(exit_code) if not (timed_out or disk_exceeded) else None
+    meaning = describe_exit(exit_code) if not (timed_out or stopped) else None
     if meaning:
         events.append(meaning)
     if total > len(kept):
         events.append(f"output capped: kept {len(kept)} of {total} bytes")
     return ExecResult(exit_code=exit_code, output=kept.decode("utf-8", errors="replace"), output_bytes=total,
                       duration_s=duration, timed_out=timed_out, output_truncated=total > len(kept),
-                      disk_exceeded=disk_exceeded, leftover_processes=leftover, events=events)
+                      disk_exceeded=stopped is not None and stopped[0] == "disk",
+                      memory_exceeded=stopped is not None and stopped[0] == "memory", leftover_processes=leftover,
+                      events=events)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -318,6 +325,12 @@ class Sandbox:
         raise NotImplementedError
 
     def close(self) -> None:
+        raise NotImplementedError
+
+    def enter_verifier(self) -> None:
+        """Start the verifier phase. Later commands see a fresh, empty /tmp (their HOME) and /logs with an empty
+        /logs/verifier, both made by the host; PYTHONNOUSERSITE=1; no process of the agent's is left; of what the
+        agent wrote, only the work tree remains. Each call starts the phase afresh."""
         raise NotImplementedError
 
     def __enter__(self):

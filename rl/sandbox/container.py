@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, note_limits, run_process
+from rl.sandbox.base import (BASE_ENV, VERIFIER_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, note_limits,
+                             run_process)
 from rl.sandbox.local import LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
@@ -119,6 +120,14 @@ class ContainerSandbox(Sandbox):
         else:
             _cli([self.engine, "cp", str(host_path), f"{self.container}:{dest}"], f"copying {host_path}")
 
+    def enter_verifier(self) -> None:
+        """Inside the running container, as its root: kill every process but its init (the agent's background
+        processes survive between commands here), then replace /tmp and /logs with empty ones."""
+        reset = ("kill -KILL -1 2>/dev/null; rm -rf /tmp /logs && mkdir -m 1777 /tmp && "
+                 "mkdir -p /logs/verifier /logs/agent")
+        _cli([self.engine, "exec", "-u", "0", self.container, "sh", "-c", reset], "starting the verifier phase")
+        self.env = {**self.env, **VERIFIER_ENV}
+
     def snapshot(self) -> ContainerSnapshot:
         image = f"mc-snapshot-{secrets.token_hex(6)}"
         _cli([self.engine, "commit", self.container, image], f"{self.engine} commit")
@@ -200,8 +209,9 @@ class ApptainerSandbox(LocalSandbox):
         super().__init__(tree, **kwargs)
 
     def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
-        binds = [f"{self.root / d}:/{d}" for d in ("app", "tmp", "logs")]
-        binds += [f"{host}:{dest}" for host, dest in self._mounts]
+        binds = [f"{self._dirs[d]}:/{d}" for d in ("app", "tmp", "logs")]
+        ro = ":ro" if self._verifier_root is not None else ""  # the verifier's own files are read-only to it
+        binds += [f"{host}:{dest}{ro}" for host, dest in self._mounts]
         argv = [self._apptainer, "exec", "--containall", "--cleanenv", "--no-home", "--net", "--network", "none",
                 "--pwd", cwd, "--bind", ",".join(binds)]
         for k, v in env.items():

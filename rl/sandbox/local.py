@@ -8,6 +8,11 @@ When the host user is root, commands run as a fresh unprivileged uid per sandbox
 host secrets and RLIMIT_NPROC (which root ignores) bounds the process count; where unprivileged user
 namespaces are disabled, bwrap runs as root without one and the command drops to that uid with setpriv.
 When the command's shell exits, its pid namespace dies and every process it left behind is killed.
+
+Whole-sandbox limits (rl/sandbox/limits.py): on a root host the writable directories live on a tmpfs of
+disk_mb/max_files of their own and every command runs in the sandbox's cgroup (memory_mb, max_processes);
+elsewhere a monitor polls memory and disk use while a command runs. The verifier phase (`enter_verifier`) gets
+its own fresh /tmp and /logs, made by the host on a new tmpfs, so nothing the agent left there reaches it.
 """
 
 from __future__ import annotations
@@ -23,14 +28,27 @@ from pathlib import Path
 
 from rl.sandbox.base import (
     BASE_ENV,
+    VERIFIER_ENV,
     ExecResult,
     Sandbox,
     SandboxError,
     SandboxLimits,
-    dir_size,
+    dir_usage,
     note_limits,
     run_process,
     wrapper_argv,
+)
+from rl.sandbox.limits import (
+    SandboxCgroup,
+    cgroup_problem,
+    deleted_open_files,
+    find_cgroup_parents,
+    fs_full,
+    mount_tmpfs,
+    private_memory,
+    process_tree,
+    tmpfs_problem,
+    unmount,
 )
 
 SANDBOX_UID_INSIDE = 1000
@@ -68,6 +86,9 @@ class LocalSnapshot:
 
 
 def force_rmtree(path: Path) -> None:
+    if os.path.ismount(path):  # a sandbox's own tmpfs: detach it, then remove the empty mount point
+        unmount(path)
+
     def onerror(func, p, _exc):
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -133,6 +154,21 @@ def setpriv_argv(uid: int) -> list[str]:
             "--bounding-set=-all", "--"]
 
 
+def _choose(what: str, wanted: bool | None, problem) -> bool:
+    """Use the kernel's mechanism `what` when wanted (True: required) and available; False: the monitor."""
+    if wanted is False or problem is None:
+        return False
+    why = problem()
+    if why is not None and wanted:
+        raise SandboxError(f"LocalSandbox({what}=True): {why}")
+    return why is None
+
+
+def drop_to_uid_argv(uid: int) -> list[str]:
+    """Run the rest as uid with no groups; a root launcher loses every capability with its uid."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
 def _check_traversable(path: Path) -> None:
     """The unprivileged sandbox uid must be able to reach its directories through every parent."""
     for parent in path.resolve().parents:
@@ -158,11 +194,15 @@ class LocalSandbox(Sandbox):
 
     `unisolated=True` runs commands as plain subprocesses of this host user with rlimits only: no namespaces,
     the task tree at its host path rather than /app. Only for machines without bubblewrap and trusted code.
+    `cgroups` and `tmpfs` choose how whole-sandbox limits are enforced (rl/sandbox/limits.py): None uses the
+    kernel's cgroup / a tmpfs of the sandbox's own where the host allows, else the polling monitor; False
+    always uses the monitor; True requires the kernel's mechanism.
     """
 
     def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
                  limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
-                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None):
+                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None,
+                 cgroups: bool | None = None, tmpfs: bool | None = None):
         self.limits = limits or SandboxLimits()
         self.limits.validate()
         if workdir != "/app" and not workdir.startswith("/app/"):
@@ -185,33 +225,67 @@ class LocalSandbox(Sandbox):
             msg = ("LocalSandbox(unisolated=True): COMMANDS RUN WITHOUT ANY ISOLATION as this host user; only "
                    "rlimits and timeouts apply. Never use this for model-generated code.")
             warnings.warn(msg, UnisolatedWarning, stacklevel=2)
+        self._tmpfs = _choose("tmpfs", tmpfs, None if unisolated else tmpfs_problem)
         self.root = Path(tempfile.mkdtemp(prefix="mc-sandbox-", dir=root_parent))
         self.uid: int | None = None
+        self._cgroup: SandboxCgroup | None = None
+        self._verifier_root: Path | None = None
         try:
+            if self._tmpfs:
+                try:
+                    mount_tmpfs(self.root, self.limits.disk_mb, self.limits.max_files)
+                except OSError as e:
+                    if tmpfs:
+                        raise SandboxError(f"LocalSandbox(tmpfs=True): {e}") from None
+                    self._tmpfs = False  # the monitor measures disk use instead
             os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
-            for d in WRITABLE_DIRS + ("mounts",):
-                (self.root / d).mkdir()
-            (self.root / "logs" / "verifier").mkdir()
-            (self.root / "logs" / "agent").mkdir()
+            self._dirs = self._make_dirs(self.root)
             if tree is not None:
-                copy_tree(Path(tree), self.root / "app")
+                try:
+                    copy_tree(Path(tree), self._dirs["app"])
+                except SandboxError as e:
+                    if self._tmpfs and fs_full(self.root):
+                        raise SandboxError(f"the task tree {tree} does not fit the sandbox's disk limit "
+                                           f"({self.limits.disk_mb} MB, {self.limits.max_files} files)") from None
+                    raise e
             if os.geteuid() == 0 and not unisolated:
                 _check_traversable(self.root)
                 self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
                 self._chown(self.root)
+            if _choose("cgroups", cgroups, None if unisolated else cgroup_problem):
+                try:
+                    self._cgroup = SandboxCgroup(find_cgroup_parents(), self.root.name, self.limits.memory_mb,
+                                                 self.limits.max_processes)
+                except OSError as e:
+                    if cgroups:
+                        raise SandboxError(f"LocalSandbox(cgroups=True): cannot make the sandbox's cgroup: {e}") \
+                            from None  # otherwise the monitor limits memory instead
         except BaseException:
-            force_rmtree(self.root)
-            self._closed = True
+            self._release()
             raise
         self.workdir = str(self.host_path(workdir)) if unisolated else workdir
         self.tree_root = str((self.root / "app").resolve()) if unisolated else "/app"
+
+    @staticmethod
+    def _make_dirs(root: Path) -> dict[str, Path]:
+        dirs = {d: root / d for d in WRITABLE_DIRS + ("mounts",)}
+        for d in dirs.values():
+            d.mkdir()
+        (dirs["logs"] / "verifier").mkdir()
+        (dirs["logs"] / "agent").mkdir()
+        return dirs
+
+    @property
+    def whole_sandbox_limits(self) -> dict[str, str]:
+        """How memory and disk are limited for this sandbox: 'cgroup'/'tmpfs' (kernel) or 'monitor'."""
+        return {"memory": "cgroup" if self._cgroup else "monitor", "disk": "tmpfs" if self._tmpfs else "monitor"}
 
     # Paths
     def host_path(self, sandbox_path: str) -> Path:
         """Host location of a path under /app, /tmp or /logs (what the sandbox can write)."""
         parts = Path(sandbox_path).parts
         if len(parts) >= 2 and parts[0] == "/" and parts[1] in WRITABLE_DIRS:
-            return self.root.joinpath(*parts[1:])
+            return self._dirs[parts[1]].joinpath(*parts[2:])
         for host, dest in self._mounts:
             if sandbox_path == dest or sandbox_path.startswith(dest + "/"):
                 return host / os.path.relpath(sandbox_path, dest)
@@ -219,10 +293,10 @@ class LocalSandbox(Sandbox):
 
     @property
     def app_dir(self) -> Path:
-        return self.root / "app"
+        return self._dirs["app"]
 
     def _writable_host_dirs(self) -> list[str]:
-        return [str(self.root / d) for d in WRITABLE_DIRS] + [str(h) for h, _ in self._mounts]
+        return [str(self._dirs[d]) for d in WRITABLE_DIRS] + [str(h) for h, _ in self._mounts]
 
     def _chown(self, path: Path) -> None:
         """Give `path` (recursively, never following symlinks) to the sandbox user."""
@@ -271,9 +345,11 @@ class LocalSandbox(Sandbox):
         argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
                  "--tmpfs", "/dev/shm", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
         for d in WRITABLE_DIRS:
-            argv += ["--bind", str(self.root / d), f"/{d}"]
+            argv += ["--bind", str(self._dirs[d]), f"/{d}"]
+        # In the verifier phase its own files (/tests) are read-only: the code it tests cannot rewrite them.
+        bind = "--ro-bind" if self._verifier_root is not None else "--bind"
         for host, dest in self._mounts:
-            argv += ["--bind", str(host), dest]
+            argv += [bind, str(host), dest]
         # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
         argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         for k, v in env.items():
@@ -281,27 +357,68 @@ class LocalSandbox(Sandbox):
         argv += ["--chdir", cwd, "--"]
         return argv
 
+    def _disk_roots(self) -> list[Path]:
+        return [self.root] + ([self._verifier_root] if self._verifier_root else [])
+
+    def _disk_event(self) -> str | None:
+        """Why the sandbox's disk is over its limit after a command, or None (tmpfs: it is full)."""
+        lim = self.limits
+        if self._tmpfs:
+            for root in self._disk_roots():
+                full = fs_full(root)
+                if full:
+                    what = f"{lim.disk_mb} MB" if full == "space" else f"{lim.max_files} files"
+                    return f"disk limit exceeded: the sandbox's filesystem is full ({what}); writes fail"
+            return None
+        size, files = dir_usage(self._writable_host_dirs())
+        if size > lim.disk_mb << 20:
+            return f"disk limit exceeded: the sandbox holds more than {lim.disk_mb} MB"
+        if files > lim.max_files:
+            return f"disk limit exceeded: the sandbox holds more than {lim.max_files} files"
+        return None
+
+    def _monitor(self):
+        """watch(pid) for run_process: the polling fallback for the limits the kernel does not enforce here."""
+        if self._cgroup is not None and self._tmpfs:
+            return None
+        lim = self.limits
+        dirs = self._writable_host_dirs()
+        devices = {os.stat(d).st_dev for d in dirs}
+        # Only growth past a limit stops a command, so cleanup can run in a sandbox that is already full.
+        size0, files0 = (0, 0) if self._tmpfs else dir_usage(dirs)
+
+        def watch(pid: int):
+            pids = process_tree(pid)
+            if self._cgroup is None:
+                held = private_memory(pids)
+                if held > lim.memory_mb << 20:
+                    return "memory", (f"memory limit exceeded: the sandbox's processes held {held >> 20} MB together "
+                                      f"(limit {lim.memory_mb} MB); process tree killed")
+            if not self._tmpfs:
+                size, files = dir_usage(dirs)
+                size += deleted_open_files(pids, devices)
+                if (size > lim.disk_mb << 20 and size > size0) or (files > lim.max_files and files > files0):
+                    return "disk", (f"disk limit exceeded: the sandbox wrote more than {lim.disk_mb} MB or "
+                                    f"{lim.max_files} files; process tree killed")
+            return None
+
+        return watch
+
     def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         timeout = self.limits.command_timeout_s if timeout is None else timeout
         full_env = {**BASE_ENV, **self.env, **(env or {})}
-        disk_limit = self.limits.disk_mb * 1024 * 1024
-        dirs = self._writable_host_dirs()
-
-        size_at_start = dir_size(dirs)
-
-        def over_disk() -> bool:
-            # Only growth past the limit stops a command, so cleanup can run in a sandbox that is already full.
-            size = dir_size(dirs)
-            return size > disk_limit and size > size_at_start
-
+        if self._verifier_root is not None:
+            full_env.update(VERIFIER_ENV)
+        watch = self._monitor()
+        ooms = self._cgroup.oom_kills() if self._cgroup else 0
         if self.unisolated:
-            full_env["HOME"] = str(self.root / "tmp")
+            full_env["HOME"] = str(self._dirs["tmp"])
             argv = self._rlimit_argv() + ["bash", "--noprofile", "--norc", "-c", command]
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              cwd=cwd or self.workdir, env=full_env, status_pipe=False, over_disk=over_disk)
+                              cwd=cwd or self.workdir, env=full_env, status_pipe=False, watch=watch)
         else:
             inner = (wrapper_argv(command) if self.reports_status
                      else ["bash", "--noprofile", "--norc", "-c", command])
@@ -310,14 +427,49 @@ class LocalSandbox(Sandbox):
             if self._mode == "root":  # bwrap runs as root; the command drops to the sandbox uid first thing
                 argv += setpriv_argv(self.uid)
                 launcher_uid = None
+            if self._cgroup is not None:  # join as root, then become the launcher's user
+                argv = self._cgroup.join_argv() + (drop_to_uid_argv(launcher_uid) if launcher_uid else []) + argv
+                launcher_uid = None
             res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
                               env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
-                              over_disk=over_disk, status_pipe=self.reports_status)
-        if not res.disk_exceeded and dir_size(dirs) > disk_limit:
-            res.disk_exceeded = True
-            res.events.append(f"disk limit exceeded: the sandbox holds more than {self.limits.disk_mb} MB")
+                              watch=watch, status_pipe=self.reports_status)
+        if self._cgroup is not None:
+            killed = self._cgroup.oom_kills() - ooms
+            if killed > 0:
+                res.memory_exceeded = True
+                res.events.append(f"memory limit exceeded: the sandbox's processes passed {self.limits.memory_mb} MB "
+                                  f"together; the kernel killed {killed} of them")
+        if not res.disk_exceeded:
+            event = self._disk_event()
+            if event:
+                res.disk_exceeded = True
+                res.events.append(event)
         note_limits(res, self.limits)
         return res
+
+    def enter_verifier(self) -> None:
+        """Fresh /tmp and /logs (with an empty /logs/verifier) on a new host-made tmpfs where the host allows;
+        mounts the agent phase added (e.g. /solution) are dropped. Agent processes died with their commands."""
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        self._drop_verifier_root()
+        root = Path(tempfile.mkdtemp(prefix="mc-verifier-", dir=self.root.parent))
+        self._verifier_root = root
+        try:
+            if self._tmpfs:
+                mount_tmpfs(root, self.limits.disk_mb, self.limits.max_files)
+            os.chmod(root, 0o711)
+            dirs = self._make_dirs(root)
+            self._chown(root)
+        except OSError as e:
+            raise SandboxError(f"cannot make the verifier's directories under {root}: {e}") from None
+        self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])
+        self._mounts = []
+
+    def _drop_verifier_root(self) -> None:
+        if self._verifier_root is not None:
+            force_rmtree(self._verifier_root)
+            self._verifier_root = None
 
     # Files
     def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
@@ -331,11 +483,12 @@ class LocalSandbox(Sandbox):
         except SandboxError:
             if dest.rstrip("/") in RESERVED_DESTS or dest.split("/")[1] in SYSTEM_DIRS + ("proc", "dev"):
                 raise SandboxError(f"cannot mount over system path {dest}") from None
-            target = self.root / "mounts" / str(len(self._mounts))
+            target = self._dirs["mounts"] / str(len(self._mounts))
             self._mounts.append((target, dest.rstrip("/")))
         # The sandbox may have planted symlinks in its directories: never let a host-side copy follow them.
         real_parent = os.path.realpath(target.parent)
-        if not (real_parent == str(self.root.resolve()) or real_parent.startswith(str(self.root.resolve()) + "/")):
+        if not any(real_parent == str(r.resolve()) or real_parent.startswith(str(r.resolve()) + "/")
+                   for r in self._disk_roots()):
             raise SandboxError(f"copy_in destination {dest} resolves outside the sandbox (symlink); refusing")
         if merge and host_path.is_dir() and target.is_dir() and not target.is_symlink():
             pass
@@ -353,14 +506,21 @@ class LocalSandbox(Sandbox):
 
     def snapshot(self) -> LocalSnapshot:
         snap_root = Path(tempfile.mkdtemp(prefix="mc-snapshot-", dir=self.root.parent))
-        copy_tree(self.root / "app", snap_root / "app")
+        copy_tree(self._dirs["app"], snap_root / "app")
         workdir = self.workdir if not self.unisolated else "/app"
         return LocalSnapshot(path=snap_root / "app", workdir=workdir, env=dict(self.env))
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
-            force_rmtree(self.root)
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        self._drop_verifier_root()
+        force_rmtree(self.root)
+        if self._cgroup is not None:
+            self._cgroup.close()
+            self._cgroup = None
 
     def __del__(self):
         if not getattr(self, "_closed", True) and hasattr(self, "root"):
@@ -378,6 +538,8 @@ class LocalBackend:
     name: str = "local"
 
     bwrap_mode: str | None = None  # probed when not given
+    cgroups: bool | None = None  # whole-sandbox memory/processes: None = a cgroup where possible, else the monitor
+    tmpfs: bool | None = None  # whole-sandbox disk: None = a tmpfs of its own where possible, else the monitor
 
     def __post_init__(self):
         if not self.unisolated:
@@ -400,7 +562,8 @@ class LocalBackend:
                 warnings.simplefilter("ignore", UnisolatedWarning)
             return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
                                 root_parent=self.root_parent, unisolated=self.unisolated,
-                                extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode)
+                                extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode,
+                                cgroups=self.cgroups, tmpfs=self.tmpfs)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,

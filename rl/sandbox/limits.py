@@ -1,0 +1,302 @@
+"""Whole-sandbox limits: memory and processes in one cgroup, disk as a filesystem of its own size.
+
+Memory and processes. Where this process may create cgroups (root, with cgroup v2's `memory` and `pids`
+controllers or cgroup v1's `memory` and `pids` hierarchies), each sandbox gets one cgroup: memory.max and
+pids.max (v1: memory.limit_in_bytes, memory.memsw.limit_in_bytes where swap is accounted, pids.max). Every
+process of every command joins it before anything else runs, so the limit holds for all of them together and
+the kernel's OOM killer ends them when their sum passes memory_mb. Files the sandbox writes to its tmpfs (see
+below) are memory too and count against the same limit.
+Fallback where cgroups are not available (not root, no delegated controllers): while a command runs, a
+monitor sums the private resident memory of all the command's processes every 0.25 s and kills them all when
+the sum passes memory_mb. RLIMIT_AS (per process) and RLIMIT_NPROC stay as bounds between two polls.
+
+Disk. Where this process may mount (root), the sandbox's writable directories are one tmpfs of
+size=disk_mb and nr_inodes=max_files: the kernel counts every block and inode, also of files that are
+unlinked but still open, and writes past the limit fail with "No space left on device".
+Fallback: the writable directories are walked every 0.25 s (allocated blocks and the number of entries), and
+deleted files still held open by the command's processes are added; the command is killed past either limit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+# The in-sandbox launcher joins the cgroup (writing 0 to cgroup.procs moves the writer) before it execs the
+# rest of argv, so no process of the command ever runs outside it.
+_JOIN = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || { echo "sandbox: cannot join cgroup $f" >&2; '
+         'exit 126; }; shift; done; shift; exec "$@"')
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _write(path: Path, value: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class CgroupParents:
+    """Where sandbox cgroups are made: one directory per controller ("memory", "pids"); v2 has one for both."""
+
+    version: int
+    memory: Path
+    pids: Path
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    out = []
+    for line in _read(Path("/proc/self/mounts")).splitlines():
+        parts = line.split()
+        if len(parts) >= 4:
+            out.append((parts[1], parts[2], set(parts[3].split(","))))
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller -> this process's cgroup path ("" is the v2 unified hierarchy)."""
+    out = {}
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else [""]:
+            out[c] = path
+    return out
+
+
+def _probe(parent: Path, files: dict[str, str]) -> bool:
+    probe = parent / f"mc-probe-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return False
+    try:
+        return all(_write(probe / name, value) for name, value in files.items())
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+
+
+@functools.lru_cache(maxsize=1)
+def find_cgroup_parents() -> CgroupParents | None:
+    """Directories in which this process can make sandbox cgroups, or None (then the monitor is used)."""
+    if os.geteuid() != 0:
+        return None
+    own = _own_cgroups()
+    mounts = _mounts()
+    for mountpoint, fstype, _ in mounts:
+        if fstype != "cgroup2":
+            continue
+        for cand in dict.fromkeys([Path(mountpoint + own.get("", "/")), Path(mountpoint)]):
+            if not {"memory", "pids"} <= set(_read(cand / "cgroup.controllers").split()):
+                continue
+            if not {"memory", "pids"} <= set(_read(cand / "cgroup.subtree_control").split()):
+                _write(cand / "cgroup.subtree_control", "+memory +pids")  # fails where cand holds processes
+            if _probe(cand, {"memory.max": str(64 << 20), "pids.max": "64"}):
+                return CgroupParents(2, cand, cand)
+    v1 = {}
+    for controller in ("memory", "pids"):
+        for mountpoint, fstype, options in mounts:
+            if fstype == "cgroup" and controller in options:
+                for cand in dict.fromkeys([Path(mountpoint + own.get(controller, "/")), Path(mountpoint)]):
+                    limit_file = "memory.limit_in_bytes" if controller == "memory" else "pids.max"
+                    if _probe(cand, {limit_file: str(64 << 20) if controller == "memory" else "64"}):
+                        v1[controller] = cand
+                        break
+            if controller in v1:
+                break
+    if len(v1) == 2:
+        return CgroupParents(1, v1["memory"], v1["pids"])
+    return None
+
+
+def cgroup_problem() -> str | None:
+    """Why whole-sandbox memory and process limits fall back to the monitor here, or None."""
+    if find_cgroup_parents() is not None:
+        return None
+    if os.geteuid() != 0:
+        return "not root: cannot create cgroups (whole-sandbox memory is enforced by the polling monitor)"
+    return ("no writable cgroup v2 memory+pids controllers or cgroup v1 memory and pids hierarchies "
+            "(whole-sandbox memory is enforced by the polling monitor)")
+
+
+class SandboxCgroup:
+    """One sandbox's cgroup(s): every command's processes join it; removed when the sandbox closes."""
+
+    def __init__(self, parents: CgroupParents, name: str, memory_mb: int, max_processes: int):
+        self.parents = parents
+        self.memory_dir = parents.memory / name
+        self.pids_dir = parents.pids / name
+        self.dirs = list(dict.fromkeys([self.memory_dir, self.pids_dir]))
+        limit = str(memory_mb << 20)
+        try:
+            for d in self.dirs:
+                d.mkdir()
+            if parents.version == 2:
+                ok = _write(self.memory_dir / "memory.max", limit)
+                if (self.memory_dir / "memory.swap.max").exists():
+                    ok &= _write(self.memory_dir / "memory.swap.max", "0")
+            else:
+                ok = _write(self.memory_dir / "memory.limit_in_bytes", limit)
+                if (self.memory_dir / "memory.memsw.limit_in_bytes").exists():  # memory + swap: no swap at all
+                    ok &= _write(self.memory_dir / "memory.memsw.limit_in_bytes", limit)
+            ok &= _write(self.pids_dir / "pids.max", str(max_processes))
+            if not ok:
+                raise OSError(f"cannot set limits in {self.memory_dir}")
+        except OSError:
+            self.close()
+            raise
+
+    def join_argv(self) -> list[str]:
+        """argv prefix that moves the launcher into this cgroup, then execs the rest."""
+        procs = [str(d / "cgroup.procs") for d in self.dirs]
+        return ["/bin/sh", "-c", _JOIN, "mc-join", *procs, "--"]
+
+    def oom_kills(self) -> int:
+        name = "memory.events" if self.parents.version == 2 else "memory.oom_control"
+        for line in _read(self.memory_dir / name).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    def close(self) -> None:
+        for d in reversed(self.dirs):
+            if not d.exists():
+                continue
+            for _ in range(50):
+                if self.parents.version == 2:
+                    _write(d / "cgroup.kill", "1")
+                else:
+                    for pid in _read(d / "cgroup.procs").split():
+                        try:
+                            os.kill(int(pid), 9)
+                        except OSError:
+                            pass
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+# The monitor (fallback) -----------------------------------------------------------------------------------------
+def process_tree(root_pid: int) -> list[int]:
+    """root_pid and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                tail = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(tail[1]), []).append(int(name))
+    out, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        stack.extend(children.get(pid, ()))
+    return out
+
+
+def private_memory(pids: list[int]) -> int:
+    """Bytes of resident memory the processes do not share with files (statm resident - shared), summed."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                fields = f.read().split()
+            total += max(0, int(fields[1]) - int(fields[2])) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def deleted_open_files(pids: list[int], devices: set[int]) -> int:
+    """Bytes of files on `devices` that the processes hold open after they were unlinked."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode) and st.st_dev in devices:
+                key = (st.st_dev, st.st_ino)
+                if key not in seen:
+                    seen.add(key)
+                    total += st.st_blocks * 512
+    return total
+
+
+# A filesystem of the sandbox's own ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def mount_tmpfs(path: Path, size_mb: int, max_files: int) -> None:
+    """Mount a tmpfs of size_mb MB and max_files inodes at path (needs CAP_SYS_ADMIN); OSError otherwise."""
+    opts = f"size={size_mb}m,nr_inodes={max_files},mode=0711".encode()
+    if _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", 0, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+
+
+def unmount(path: Path) -> None:
+    _libc().umount2(str(path).encode(), 2)  # MNT_DETACH: gone now, freed once nothing uses it
+
+
+@functools.lru_cache(maxsize=1)
+def tmpfs_problem() -> str | None:
+    """Why sandbox directories cannot get a size-limited tmpfs here (then the disk walk is used), or None."""
+    if os.geteuid() != 0:
+        return "not root: cannot mount a tmpfs per sandbox (disk use is measured by walking the directories)"
+    import tempfile
+
+    probe = Path(tempfile.mkdtemp(prefix="mc-tmpfs-probe-"))
+    try:
+        mount_tmpfs(probe, 1, 16)
+        unmount(probe)
+        return None
+    except OSError as e:
+        return f"cannot mount a tmpfs per sandbox ({e}); disk use is measured by walking the directories"
+    finally:
+        probe.rmdir()
+
+
+def fs_full(path: Path) -> str | None:
+    """'space' or 'inodes' when the filesystem at path has (almost) none left, else None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    if st.f_favail == 0:
+        return "inodes"
+    if st.f_bavail * st.f_frsize < min(1 << 20, st.f_blocks * st.f_frsize // 50):
+        return "space"
+    return None
