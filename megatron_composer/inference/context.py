@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from megatron_composer.kernels.paged_attention import causal_bias, expand_bias, grouped_attention, latent_attention
+from megatron_composer.kernels.paged_attention import (absorbed_attention, absorbed_kernel, causal_bias, expand_bias, grouped_attention,
+                                                       latent_attention)
 
 from .batch_invariant import attend_row
 from .kv_cache import PagedKVCache
@@ -94,6 +95,19 @@ class InferenceContext:
                 stop = self.starts[b] + r + 1
                 o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop], v_BHLD[b, :, :stop], scale)
         return o_BHND.transpose(1, 2)
+
+    def attend_absorbed(self, layer: int, q_BNHD: torch.Tensor, kv_new_BNX: torch.Tensor, w_kv_HDC: torch.Tensor,
+                        nope_dim: int, scale: float) -> torch.Tensor:
+        """MLA in its absorbed form (kernels/paged_attention.py absorbed_attention): writes the new latent rows
+        kv_new [B, N, C + R] of layer `layer`, attends q [B, N, H, Dn + R] over the cache; returns [B, N, H * Dv]."""
+        cache = self.cache.layers[layer][0]
+        kernel = absorbed_kernel(q_BNHD, cache)
+        if kernel is not None:
+            return kernel.absorbed_attention(q_BNHD, kv_new_BNX, w_kv_HDC, cache, self.write_slots_T, self.rows_T,
+                                             self.read_slots_BL, self.pos_BN, scale)
+        self.write(layer, kv_new_BNX)
+        return absorbed_attention(q_BNHD, w_kv_HDC, nope_dim,
+                                  lambda q_BMX: self.attend_latent(layer, q_BMX, scale, w_kv_HDC.shape[2]))
 
     def attend_latent(self, layer: int, q_BMX: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
         """MLA in the latent space over layer `layer`'s cache rows: [B, N * H, C + R] query rows -> [B, N * H, C]."""

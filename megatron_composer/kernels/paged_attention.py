@@ -1,7 +1,8 @@
 """Attention of new tokens over a paged KV cache: the leaf kernels the model's attention modules call in
 inference (through the engine's inference context, inference/context.py).
 
-Two forms, each a reference in torch (any device; on CUDA SDPA with the mask) and, on the CPU, a C++ kernel
+`absorbed_attention` wraps the first with MLA's query absorption and value expansion (the whole attention of
+a decode step between the projections, one C++ call on the CPU). Two forms, each a reference in torch (any device; on CUDA SDPA with the mask) and, on the CPU, a C++ kernel
 that reads the cache rows where they lie (kernels/csrc/decode.cpp) where it applies:
 - `latent_attention`: MLA in the latent space (DeepSeek's absorbed decoding form). Query rows [B, M, C + R]
   (latent query q_nope W_uk, then the rotated rope query) score against cache rows [C + R] (normed latent,
@@ -58,6 +59,31 @@ def latent_attention(q_BMX: torch.Tensor, cache_SX: torch.Tensor, slots_BL: torc
     return latent_attention_reference(q_BMX, cache_SX, slots_BL, bias_BML, scale, latent_dim)
 
 
+def absorbed_attention(q_BNHD: torch.Tensor, w_kv_HDC: torch.Tensor, nope_dim: int, attend_latent) -> torch.Tensor:
+    """MLA's absorbed form around a latent attention `attend_latent(q_BMX) -> [B, M, C]`: latent queries
+    q_nope W_uk per head (score rows (position, head): [q_lat | q_rope]), and the latent output expanded by W_uv.
+    q [B, N, H, Dn + R] (rope applied), w_kv [H, Dn + Dv, C] (a view of wkv_b's weight); returns [B, N, H * Dv].
+    The reference of the CPU kernel `absorbed_kernel` returns."""
+    B, N, H, _ = q_BNHD.shape
+    Dn, C = nope_dim, w_kv_HDC.shape[2]
+    q_lat = torch.bmm(q_BNHD[..., :Dn].reshape(B * N, H, Dn).transpose(0, 1), w_kv_HDC[:, :Dn])  # [H, B * N, C]
+    q_BMX = torch.cat([q_lat.transpose(0, 1).view(B, N, H, C), q_BNHD[..., Dn:]], dim=-1).view(B, N * H, -1)
+    o_lat = attend_latent(q_BMX)  # [B, N * H, C]
+    o = torch.bmm(o_lat.view(B * N, H, C).transpose(0, 1), w_kv_HDC[:, Dn:].transpose(1, 2))  # [H, B * N, Dv]
+    return o.transpose(0, 1).reshape(B, N, -1)
+
+
+def absorbed_kernel(q_BNHD: torch.Tensor, cache_SX: torch.Tensor):
+    """The C++ module whose `absorbed_attention(q, kv_new, w_kv, cache, write_slots, rows, slots_BL, pos_BN, scale)`
+    writes the new rows, then computes absorbed_attention over latent_attention in one call: float32 CPU tensors,
+    AVX2, a few new positions per sequence (decoding, verification), no torch function mode; else None."""
+    if (q_BNHD.device.type != "cpu" or q_BNHD.dtype != torch.float32 or cache_SX.dtype != torch.float32
+            or q_BNHD.shape[1] > 4 or torch._C._is_torch_function_mode_enabled()):
+        return None
+    kernel = cpp.load("decode")
+    return kernel if kernel is not None and kernel.has_avx2() else None
+
+
 def expand_bias(bias_BNL: torch.Tensor, heads: int) -> torch.Tensor:
     """The mask for score rows ordered (position, head): [B, N * heads, L] ([B, 1, L] broadcasts when N = 1)."""
     B, N, L = bias_BNL.shape
@@ -83,4 +109,4 @@ def grouped_attention(q_BNHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.
     return o.view(B, KV, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(B, N, H, -1)
 
 
-__all__ = ["causal_bias", "expand_bias", "grouped_attention", "latent_attention", "latent_attention_reference"]
+__all__ = ["absorbed_attention", "absorbed_kernel", "causal_bias", "expand_bias", "grouped_attention", "latent_attention", "latent_attention_reference"]

@@ -128,19 +128,15 @@ class MLAttention(nn.Module):
         Dn, C = self.qk_nope_head_dim, self.kv_lora_rank
         q = self.project_q(x_BND, cos, sin)  # [B, N, H, Dn + R]
         c_kv, k_rope = self.compress_kv(x_BND, cos, sin)
-        ctx.write(self.layer_id, torch.cat([c_kv, k_rope], dim=-1))
+        kv_new = torch.cat([c_kv, k_rope], dim=-1)
         if not ctx.absorbed:  # keys and values expanded from the cached latent, as the training forward makes them
+            ctx.write(self.layer_id, kv_new)
             kv_BLX = ctx.gather(self.layer_id, x_BND.dtype)[0]
             k, v = self.expand_kv(*kv_BLX.split([C, self.qk_rope_head_dim], dim=-1))
             return self.wo(ctx.attend(q, k, v, self.scale).reshape(B, N, -1))
-        H = q.shape[2]  # this rank's heads
-        w_kv = self.wkv_b.weight.view(H, Dn + self.v_head_dim, C)
-        # latent queries q_nope W_uk per head, then the rope part: score rows (position, head) [B, N * H, C + R]
-        q_lat = torch.bmm(q[..., :Dn].reshape(B * N, H, Dn).transpose(0, 1), w_kv[:, :Dn])  # [H, B * N, C]
-        q_MX = torch.cat([q_lat.transpose(0, 1).view(B, N, H, C), q[..., Dn:]], dim=-1).view(B, N * H, -1)
-        o_lat = ctx.attend_latent(self.layer_id, q_MX, self.scale, C)  # [B, N * H, C]
-        o = torch.bmm(o_lat.view(B * N, H, C).transpose(0, 1), w_kv[:, Dn:].transpose(1, 2))  # [H, B * N, Dv]
-        return self.wo(o.transpose(0, 1).reshape(B, N, -1))
+        # attention in the latent space: W_uk and W_uv are views of wkv_b (this rank's heads)
+        w_kv = self.wkv_b.weight.view(q.shape[2], Dn + self.v_head_dim, C)
+        return self.wo(ctx.attend_absorbed(self.layer_id, q, kv_new, w_kv, Dn, self.scale))
 
 
 class GQAttention(nn.Module):

@@ -403,7 +403,29 @@ Tensor paged_latent_attention(const Tensor& q, const Tensor& cache, const Tensor
                 pos.data_ptr<int64_t>(), B, N, H, L, out.data_ptr<float>());
   return out;
 }
+
+// The absorbed MLA attention of new positions over the paged cache, with the cache write (reference:
+// kernels/paged_attention.py absorbed_attention over latent_attention): stores the new rows' [latent | rope key]
+// at their slots, forms the latent queries q_nope W_uk per head, attends in the latent space
+// (paged_latent_attention) and expands the result by W_uv. q [B, N, H, Dn + R] (rope applied), kv_new [B, N, C + R],
+// w_kv [H, Dn + Dv, C] (a view of wkv_b's weight). Returns [B, N, H * Dv]. For a few new positions (N <= 4).
+Tensor absorbed_attention(const Tensor& q, const Tensor& kv_new, const Tensor& w_kv, Tensor& cache,
+                          const Tensor& write_slots, const OptTensor& rows, const Tensor& slots_BL,
+                          const Tensor& pos_BN, double scale) {
+  c10::InferenceMode inference;
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), X = kv_new.size(-1), C = w_kv.size(2);
+  const int64_t Dn = q.size(3) - (X - C), Dv = w_kv.size(1) - Dn;
+  Tensor vals = kv_new.reshape({B * N, X});
+  if (rows.has_value()) vals = vals.index_select(0, *rows);
+  cache.index_copy_(0, write_slots, vals);
+  Tensor q_lat = at::bmm(q.narrow(-1, 0, Dn).reshape({B * N, H, Dn}).transpose(0, 1), w_kv.narrow(1, 0, Dn));
+  Tensor q_MX = at::cat({q_lat.transpose(0, 1).view({B, N, H, C}), q.narrow(-1, Dn, X - C)}, -1).view({B, N * H, X});
+  Tensor o_lat = paged_latent_attention(q_MX, cache, slots_BL, pos_BN, scale, C);
+  Tensor o = at::bmm(o_lat.view({B * N, H, C}).transpose(0, 1), w_kv.narrow(1, Dn, Dv).transpose(1, 2));
+  return o.transpose(0, 1).reshape({B, N, H * Dv});
+}
 #endif
+
 bool has_avx2() {
 #ifdef MC_PAIR_KERNEL
   return cpu_has_avx2_fma();
@@ -526,6 +548,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef MC_PAIR_KERNEL
   m.def("swiglu_rows", &swiglu_rows, "SwiGLU experts over a few rows sorted by expert (AVX2 dot products)");
   m.def("pair_swiglu", &pair_swiglu, "the gated SwiGLU experts of each token's chosen (token, expert) pairs");
+  m.def("absorbed_attention", &absorbed_attention, "MLA's absorbed attention of new positions over a paged cache, writing it");
   m.def("paged_latent_attention", &paged_latent_attention, "MLA latent attention of new positions over a paged cache");
 #endif
 }
