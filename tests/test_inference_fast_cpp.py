@@ -1,5 +1,7 @@
-"""The engine's fast path in C++ (kernels/csrc/decode.cpp) against its Python reference (inference/fast_path.py):
-the same generations, log-probs, routing and cache contents, for every block form the fast path has."""
+"""The engine with the C++ CPU leaf kernels (kernels/csrc/decode.cpp: paged latent attention, experts over a few
+rows, the head's row kernels; and the training kernels the model's modules use) against their references
+(MEGATRON_COMPOSER_CPP=0): the same generations, log-probs, routing and cache contents, for every attention and
+feed-forward form."""
 
 import pytest
 import torch
@@ -25,15 +27,33 @@ def _model(preset, seed=0, dtype=torch.float32, **changes):
     return model.to(dtype).eval()
 
 
+class _WithoutCpp:
+    """An engine whose every call runs with the C++ kernels off (their references instead)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.engine, self.monkeypatch = engine, monkeypatch
+
+    def __getattr__(self, name):
+        value = getattr(self.engine, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            with self.monkeypatch.context() as m:
+                m.setenv("MEGATRON_COMPOSER_CPP", "0")
+                return value(*args, **kwargs)
+        return call
+
+
 def _engines(model, monkeypatch):
     if cpp.load("decode") is None:
-        pytest.skip("no C++ compiler: the engine runs the Python fast path only")
+        pytest.skip("no C++ compiler: the engine runs the Python references only")
     fast = Engine(model, cache_memory_bytes=1 << 24)
     monkeypatch.setenv("MEGATRON_COMPOSER_CPP", "0")
     reference = Engine(model, cache_memory_bytes=1 << 24)
     monkeypatch.delenv("MEGATRON_COMPOSER_CPP")
-    assert fast.fast.uses_cpp and not reference.fast.uses_cpp
-    return fast, reference
+    assert fast.row_kernels is not None and reference.row_kernels is None
+    return fast, _WithoutCpp(reference, monkeypatch)
 
 
 def _prompts(vocab, lengths, seed=0):
@@ -110,10 +130,9 @@ def test_cpp_fast_path_follows_weight_updates(monkeypatch):
 
 
 def test_cpp_fast_path_off_the_cpu():
-    """Models on another device keep the Python fast path (the C++ loops read host memory)."""
+    """Models on another device keep the references (the C++ loops read host memory)."""
     model = Transformer(get_preset("tiny-deepseek-v3").replace(num_layers=2)).to("meta")
-    from megatron_composer.inference.fast_path import FastForward
-    assert not FastForward(model).uses_cpp
+    assert Engine(model, cache_memory_bytes=1 << 20).row_kernels is None
 
 
 def test_cpp_greedy_rows_equals_argmax_and_log_softmax():

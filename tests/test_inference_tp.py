@@ -2,7 +2,7 @@
 on every rank, what the one-rank engine generates -- greedy (fast and batch-invariant paths), seeded
 sampling, MTP speculative decoding, and live weight updates (full state dict, then an XOR delta with
 cache recomputation) -- with log-probs within 1e-5 and identical routing and weight versions. Also expert
-parallelism (ep = 2, same requests on both ranks) and driving the engine from rank 0 alone (Lockstep), and
+parallelism (ep = 2, same requests on both ranks; tp = 2 x ep = 2 on 4 ranks) and driving the engine from rank 0 alone (Lockstep), and
 the tensor-parallel server."""
 
 import importlib.util
@@ -44,6 +44,26 @@ def test_tensor_parallel_engine_equals_one_rank(results, case):
         assert res["drafted"] > 0
     if case.endswith("weight_update"):
         assert res["versions_seen"] == [0, 3, 4] and res["delta_restored"]
+
+
+@pytest.fixture(scope="module")
+def ep_results(tmp_path_factory):
+    return torchrun.run_worker("inference_ep_worker.py", 4, [], tmp_path_factory.mktemp("inference_ep"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["mla_tp2_ep2_greedy", "gqa_tp2_ep2_greedy", "mla_tp2_ep2_speculative"])
+def test_tensor_and_expert_parallel_engine_equals_one_rank(ep_results, case):
+    """tp = 2 x ep = 2 on 4 ranks: greedy tokens, log-probs within 1e-5 and routing capture equal the one-rank
+    engine's (speculative: the one-rank speculative engine's)."""
+    res = ep_results[case]
+    assert res["ok"], res.get("error")
+    assert res["ranks_agree"] and res["engine_tp"] == 2 and res["local_experts"] == 4
+    assert res["num_tokens"] == 3 * 40
+    assert res["tokens_equal"] and res["routes_equal"] and res["versions_equal"]
+    assert res["max_logprob_diff"] <= 1e-5
+    if case.endswith("speculative"):
+        assert res["drafted"] > 0
 
 
 @pytest.mark.dist

@@ -1,23 +1,23 @@
 """Inference engine on the shared model: paged KV cache, continuous batching, exact log-probs, routing capture,
 MTP speculative decoding and live weight updates.
 
-The engine computes the model's function (embedding, RoPE, blocks x + attention(attention_norm(x)), then
-x + feed_forward(ffn_norm(x)), final norm, head, MTP modules) with attention reading keys and values from
-the cache, on one of two paths. The fast path (default, fast_path.py) uses fused copies of the weights:
-MLA attended straight from the latent cache with the up-projections absorbed (DeepSeek's decoding form),
-GQA without repeating k/v, fewer and larger operations per layer. The batch-invariant path
-(`batch_invariant=True`, see batch_invariant.py) calls the model's modules, expands the latent with
-`expand_kv` and attends one row at a time, exactly as the training forward does in that mode, so engine
-and trainer log-probabilities agree bit for bit.
+The engine runs the model's own modules: each forward pass is `model(ids, positions, inference_context=ctx)`
+(and the first MTP module with the same context), where the context (context.py) carries the paged cache,
+the new tokens' positions and slots, and the mode; attention writes and reads the cache, MLA attending in the
+latent space (DeepSeek's absorbed form) with the model's own weights, so the engine holds no second copy of
+any weight and serves whatever the model's parameters hold. On the CPU the hot leaves run as C++ kernels
+(kernels/csrc/decode.cpp: paged latent attention, experts over a few rows, the router's selection, the head's
+row kernels) with their references beside their callers. With `batch_invariant=True` (see
+batch_invariant.py) the same modules run under the batch-invariant mode, MLA expands the cached latent with
+`expand_kv` and attention runs one row at a time, exactly as the training forward does in that mode, so
+engine and trainer log-probabilities agree bit for bit.
 
-Tensor parallelism: on a model sharded by `parallel.parallelize_model` (tp > 1, without sequence or
-context parallelism) both paths run this rank's heads / FFN columns / vocabulary rows with the model's
-collectives; GQA caches this rank's kv heads, MLA the whole latent row (every head reads it); logits are
-gathered over the vocabulary, so every rank samples the same tokens from identically seeded generators.
-Every rank must make the same calls (generate, add_request, step, update_weights with the full tensors).
-
-Change the model's weights through `update_weights` once an engine holds it: the fast path's fused
-copies are rebuilt there (a model changed behind the engine's back would be served stale).
+Parallelism: on a model sharded by `parallel.parallelize_model` (without sequence or context parallelism) the
+modules run this rank's heads / FFN columns / vocabulary rows / experts with the model's own collectives and
+MoE dispatch hook (tensor parallel: row-parallel all-reduces; expert parallel: the all-to-all dispatcher).
+GQA caches this rank's kv heads, MLA the whole latent row (every head reads it); logits are gathered over the
+vocabulary, so every rank samples the same tokens from identically seeded generators. Every rank must make
+the same calls (generate, add_request, step, update_weights with the full tensors).
 
 Scheduling (`step`): waiting requests are admitted in arrival order while the batch has room and the cache
 can reserve their whole budget; admitted prompts are prefilled together (padded batch) and sample their
@@ -36,11 +36,8 @@ model scores the last token and the D drafts in one forward; `sampling.accept_dr
 rejection rule, so outputs are distributed exactly as the main model's. The MTP module keeps its own KV
 cache: entries at positions whose next token is known are exact; draft-time entries beyond are provisional
 and overwritten on the next step. The MTP catch-up over the positions a step emitted runs in the same forward
-as the next draft, on the verify pass's hidden states. When every request is greedy and the fast path runs
-in C++, a whole step (verification, acceptance, catch-up and all drafts) is one compiled call
-(FastForward.verify_draft): at decode sizes a step's cost is mostly per-call and per-operation overhead, which
-is what speculative decoding must undercut to win. Greedy speculative output equals plain decoding token for
-token in batch-invariant mode, in any dtype. On the fast path a verify forward scores several positions per
+as the next draft, on the verify pass's hidden states. Greedy speculative output equals plain decoding token
+for token in batch-invariant mode, in any dtype. Otherwise a verify forward scores several positions per
 sequence where plain decoding scores one, so its rounding differs: in float32 the outputs agree on every tested
 model, while in bfloat16 an argmax whose top two logits lie within rounding of each other can go either way (as
 it can between plain decoding and a full recomputation).
@@ -61,12 +58,13 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_composer.kernels import cpp
 from megatron_composer.model import Transformer
 from megatron_composer.parallel import collectives as C
 from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
 
-from .batch_invariant import attend_row, batch_invariant as batch_invariant_mode
-from .fast_path import FastForward
+from .batch_invariant import batch_invariant as batch_invariant_mode
+from .context import InferenceContext
 from .kv_cache import CacheError, PagedKVCache
 from .sampling import SamplingParams, accept_drafts, draw_rows, sample_rows, sampling_probs, sampling_probs_rows
 
@@ -120,57 +118,6 @@ class _Sequence:
         return self.result.finish_reason is not None
 
 
-@dataclass
-class _Batch:
-    """Token ids, positions and cache slots of a padded batch of new tokens ([B, N])."""
-    ids_BN: torch.Tensor                 # 0 in padding rows
-    pos_BN: torch.Tensor
-    read_slots_BL: torch.Tensor
-    lengths: list[int]
-    starts: list[int]
-    write_slots_T: torch.Tensor          # slots of the valid rows only
-    rows_T: Optional[torch.Tensor]       # flat indices of the valid rows (None: every row is valid)
-    last_T: Optional[torch.Tensor]       # flat index of each sequence's last valid row (None: the last column)
-    _bias: Optional[torch.Tensor] = None
-    _rotation: Optional[torch.Tensor] = None
-    _read_flat: Optional[torch.Tensor] = None
-
-    def last_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
-        """Each sequence's last valid row [B, ...]."""
-        if self.last_T is None:
-            return x_BN_[:, -1]
-        return x_BN_.reshape(-1, *x_BN_.shape[2:]).index_select(0, self.last_T)
-
-    def valid_rows(self, x_BN_: torch.Tensor) -> torch.Tensor:
-        flat = x_BN_.reshape(-1, *x_BN_.shape[2:])
-        return flat if self.rows_T is None else flat.index_select(0, self.rows_T)
-
-    def bias_BNL(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as an additive bias (0 or -inf), made once per forward and shared by its layers."""
-        if self._bias is None or self._bias.dtype != dtype:
-            L = self.read_slots_BL.shape[1]
-            mask = torch.arange(L, device=self.pos_BN.device) <= self.pos_BN[:, :, None]  # causal over the cache
-            self._bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return self._bias
-
-    def rotation(self, cos_BNd: torch.Tensor, sin_BNd: torch.Tensor) -> torch.Tensor:
-        """RoPE as unit complex numbers [B, N, 1, d] (times YaRN's factor), made once per forward."""
-        if self._rotation is None:
-            self._rotation = torch.complex(cos_BNd.float(), sin_BNd.float())[:, :, None]
-        return self._rotation
-
-    def read_slots_flat(self) -> torch.Tensor:
-        if self._read_flat is None:
-            self._read_flat = self.read_slots_BL.reshape(-1)
-        return self._read_flat
-
-    def bias_rows(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bias for score rows ordered (position, head): [B, N * heads, L], or [B, 1, L] to broadcast if N = 1."""
-        bias = self.bias_BNL(dtype)
-        B, N, L = bias.shape
-        return bias if N == 1 else bias[:, :, None].expand(B, N, heads, L).reshape(B, N * heads, L)
-
-
 def _tensor_parallel_group(model: Transformer):
     """The tensor-parallel group of a model sharded by parallel.parallelize_model (None when unsharded).
     Inference shards heads, FFN columns and the vocabulary over it; sequence and context parallelism split
@@ -207,7 +154,8 @@ class Engine:
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
                                   cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
                                   tp=self.tp)
-        self.fast = None if batch_invariant else FastForward(model, self.tp_group)
+        # row kernels for the head and greedy selection (kernels/csrc/decode.cpp), on the CPU outside batch-invariant mode
+        self.row_kernels = None if batch_invariant or self.device.type != "cpu" else cpp.load("decode")
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
@@ -383,7 +331,7 @@ class Engine:
             table = self._slot_tables[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         return table
 
-    def _batch(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]]) -> _Batch:
+    def _context(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]]) -> InferenceContext:
         """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b]."""
         table_BW = self._slot_table(seqs)
         lengths = [len(t) for t in token_lists]
@@ -399,101 +347,49 @@ class Engine:
         host = torch.tensor(ids + pos + write + rows + last, device=self.device)
         BN, T = B * N, len(write)
         # rows past a sequence's length are padding: their slots are never written, their outputs unused
-        return _Batch(host[:BN].view(B, N), host[BN:2 * BN].view(B, N), table_BW[:, :L], lengths, starts,
-                      host[2 * BN:2 * BN + T], host[2 * BN + T:2 * BN + 2 * T] if ragged else None,
-                      host[2 * BN + 2 * T:] if ragged else None)
-
-    def _attention(self, cache_layer: int, attn, x_BND, cos, sin, batch: _Batch) -> torch.Tensor:
-        """Batch-invariant attention over the cache: the model's projections, keys and values expanded as the
-        training forward expands them, and one query row at a time over exactly its keys."""
-        B, N, _ = x_BND.shape
-        if self.cfg.attention == "mla":
-            q = attn.project_q(x_BND, cos, sin)
-            c_kv, k_rope = attn.compress_kv(x_BND, cos, sin)
-            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(torch.cat([c_kv, k_rope], dim=-1)))
-            kv_BLX = self.cache.read(cache_layer, batch.read_slots_BL)[0].to(x_BND.dtype)
-            k, v = attn.expand_kv(*kv_BLX.split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1))
-        else:
-            q, k_new, v_new = attn.project_qkv(x_BND, cos, sin)
-            self.cache.write(cache_layer, batch.write_slots_T, batch.valid_rows(k_new), batch.valid_rows(v_new))
-            k, v = (t.to(x_BND.dtype) for t in self.cache.read(cache_layer, batch.read_slots_BL))
-            if k.shape[2] != q.shape[2]:
-                rep = q.shape[2] // k.shape[2]
-                k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        q_BHND, k_BHLD, v_BHLD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        o_BHND = q_BHND.new_zeros(B, q_BHND.shape[1], N, v_BHLD.shape[-1])
-        for b in range(B):
-            for r in range(batch.lengths[b]):
-                stop = batch.starts[b] + r + 1
-                o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop],
-                                                   v_BHLD[b, :, :stop], attn.scale)
-        return attn.wo(o_BHND.transpose(1, 2).reshape(B, N, -1))
-
-    def _block(self, layer, cache_layer: int, h_BND, cos, sin, batch: _Batch):
-        """TransformerBlock.forward with cached attention (the batch-invariant path); returns (h, chosen
-        experts [B, N, K] or None). The fast path (fast_path.py) computes the same function with fused weights."""
-        h_BND = h_BND + self._attention(cache_layer, layer.attention, layer.attention_norm(h_BND), cos, sin, batch)
-        f = layer.ffn_norm(h_BND)
-        if layer.is_moe:
-            out, indices, _ = layer.feed_forward(f)
-            return h_BND + out, indices
-        return h_BND + layer.feed_forward(f), None
+        return InferenceContext(self.cache, host[:BN].view(B, N), host[BN:2 * BN].view(B, N), table_BW[:, :L], lengths,
+                                starts, host[2 * BN:2 * BN + T], host[2 * BN + T:2 * BN + 2 * T] if ragged else None,
+                                host[2 * BN + 2 * T:] if ragged else None, self.batch_invariant)
 
     def _argmax(self, logits_RV: torch.Tensor) -> torch.Tensor:
-        return logits_RV.argmax(-1) if self.fast is None else self.fast.argmax_rows(logits_RV)
+        return logits_RV.argmax(-1) if self.row_kernels is None else self.row_kernels.argmax_rows(logits_RV)
 
     def _greedy(self, logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the argmax and its temperature-1 log-probability (float32). The batch-invariant path takes
-        torch's log_softmax, bit for bit what the trainer computes; the fast path skips writing it out."""
-        if self.fast is not None:
-            return self.fast.greedy_rows(logits_RV)
+        """Per row: the argmax and its temperature-1 log-probability (float32). Batch-invariant mode takes torch's
+        log_softmax, bit for bit what the trainer computes; the row kernel skips writing it out."""
+        if self.row_kernels is not None:
+            return self.row_kernels.greedy_rows(logits_RV)
         token_R = logits_RV.argmax(-1)
         return token_R, torch.log_softmax(logits_RV.float(), dim=-1).gather(1, token_R[:, None])[:, 0]
 
-    def _norm(self, norm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x) if self.fast is None else self.fast.rms_norm(norm, x)
-
     def _logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (the head's vocabulary shards gathered under TP)."""
-        if self.fast is not None and self.tp_group is None:
-            return self.fast.linear(self.model.output, h_ND)
-        return C.all_gather(self.model.output(h_ND), h_ND.dim() - 1, self.tp_group)
+        head = self.model.output
+        if self.tp_group is None:
+            if self.row_kernels is not None:  # AVX2 dot products for a few rows, at::linear beyond
+                return self.row_kernels.small_linear(h_ND, head.weight, head.bias)
+            return head(h_ND)
+        return C.all_gather(head(h_ND), h_ND.dim() - 1, self.tp_group)
 
     def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
-        """Main model over new tokens at positions start.. of each sequence, writing the cache.
-        Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, batch)."""
-        batch = self._batch(seqs, starts, token_lists)
-        h = self.model.tok_embeddings(batch.ids_BN)
-        if self.fast is not None:
-            h, routes = self.fast.forward_blocks(0, self.cfg.num_layers, h, batch, self.cache)
-        else:
-            cos, sin = self.model.rope(batch.pos_BN, h.dtype)
-            routes = []
-            for i, layer in enumerate(self.model.layers):
-                h, indices = self._block(layer, i, h, cos, sin, batch)
-                if indices is not None:
-                    routes.append(indices)
-        return self._norm(self.model.norm, h), (torch.stack(routes) if routes else None), batch
+        """The model over new tokens at positions start.. of each sequence, writing the cache.
+        Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, context)."""
+        ctx = self._context(seqs, starts, token_lists)
+        out = self.model(ctx.ids_BN, ctx.pos_BN, inference_context=ctx, logits=False, return_routing=True)
+        return out.hidden_states, out.routed_experts, ctx
 
     def _mtp_draft(self, seqs: list[_Sequence], h_prev_BND: torch.Tensor, token_lists: list[list[int]],
                    starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """First MTP module over (previous hidden [B, N, D], rows past a sequence's tokens padding, next token)
         pairs at positions starts..; returns its block output at each sequence's last pair [B, D], the draft
         logits there [B, V] and their argmax [B]."""
-        batch = self._batch(seqs, starts, token_lists)
-        if self.fast is not None and self.tp_group is None:
-            return self.fast.mtp_draft(batch.ids_BN, h_prev_BND, batch, self.cache)
+        ctx = self._context(seqs, starts, token_lists)
         module = self.model.mtp[0]
-        emb = self.model.tok_embeddings(batch.ids_BN)
-        if self.fast is not None:
-            x = self.fast.mtp_input(module, emb, h_prev_BND)
-            x = self.fast.forward_blocks(self.cfg.num_layers, self.cfg.num_layers + 1, x, batch, self.cache)[0]
-        else:
-            cos, sin = self.model.rope(batch.pos_BN, emb.dtype)
-            x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h_prev_BND)], dim=-1))
-            x, _ = self._block(module.block, self.cfg.num_layers, x, cos, sin, batch)
-        x_last = batch.last_rows(x)
-        logits = self._logits(self._norm(module.norm, x_last))
+        emb = self.model.tok_embeddings(ctx.ids_BN)
+        cos, sin = self.model.rope(ctx.pos_BN, emb.dtype)
+        x, _ = module(h_prev_BND, emb, cos, sin, None, inference_context=ctx)
+        x_last = ctx.last_rows(x)
+        logits = self._logits(module.norm(x_last))
         return x_last, logits, self._argmax(logits)
 
     # ---- prefill / decode / verify -----------------------------------------------------------------
@@ -520,21 +416,12 @@ class Engine:
     def _verify(self, seqs: list[_Sequence]) -> None:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
         starts = [s.processed for s in seqs]
-        fused = self.fast is not None and self.fast.uses_cpp and all(s.params.greedy for s in seqs)
-        if fused:  # greedy requests on the C++ path: verification, acceptance and the next drafts in one call
-            limits = [min(s.params.max_new_tokens - len(s.result.token_ids), self.max_seq_len - len(s.tokens))
-                      for s in seqs]
-            routes, best_BN, best_logp_BN, drafts = self.fast.verify_draft(
-                inputs, starts, limits, [s.params.num_draft_tokens for s in seqs], self._slot_table(seqs), self.cache)
-            logits = logp = None
-        else:
-            hidden, routes, _ = self._main_forward(seqs, inputs, starts)
-            logits = self._logits(hidden)
-            # sampled rows need the whole distribution; greedy rows only the argmax and its log-prob at every
-            # position
-            logp = torch.log_softmax(logits.float(), dim=-1) if any(not s.params.greedy for s in seqs) else None
-            best_T, best_logp_T = self._greedy(logits.flatten(0, 1))
-            best_BN, best_logp_BN = best_T.view(logits.shape[:2]), best_logp_T.view(logits.shape[:2])
+        hidden, routes, _ = self._main_forward(seqs, inputs, starts)
+        logits = self._logits(hidden)
+        # sampled rows need the whole distribution; greedy rows only the argmax and its log-prob at every position
+        logp = torch.log_softmax(logits.float(), dim=-1) if any(not s.params.greedy for s in seqs) else None
+        best_T, best_logp_T = self._greedy(logits.flatten(0, 1))
+        best_BN, best_logp_BN = best_T.view(logits.shape[:2]), best_logp_T.view(logits.shape[:2])
         best, best_logp = best_BN.tolist(), best_logp_BN.tolist()  # [B][N]
         route_rows = None if routes is None else routes.permute(1, 2, 0, 3).flatten(2).tolist()  # [B][N][layers*K]
         for b, s in enumerate(seqs):
@@ -561,13 +448,7 @@ class Engine:
                 if s.finished:
                     break
             s.processed += len(emitted)
-        if not fused:
-            self._draft_live(seqs, hidden)
-            return
-        for s, row in zip(seqs, drafts.tolist()):
-            if not s.finished:
-                s.mtp_valid = s.processed
-                s.drafts, s.draft_probs = row[:s.params.num_draft_tokens], []
+        self._draft_live(seqs, hidden)
 
     def _draft_live(self, seqs: list[_Sequence], hidden_BND: torch.Tensor) -> None:
         """Draft for the unfinished speculative sequences of a forward whose row b of hidden_BND holds the main
@@ -655,8 +536,6 @@ class Engine:
                     bits.bitwise_xor_(piece.to(bits.device))
                 else:
                     cur.data.copy_(piece)
-            if self.fast is not None:
-                self.fast.refresh()
             self.weight_version = version
             if recompute_cache:
                 self._recompute_cache()

@@ -2,7 +2,7 @@
 
 For MLA the cache holds what DeepSeek caches: the normed compressed latent c_kv [kv_lora_rank] and the
 rotated rope key [qk_rope_head_dim] per token, side by side in one row [kv_lora_rank + qk_rope_head_dim]
-(the fast path attends to both with one matmul), instead of 2 x heads x head_dim.
+(the latent attention scores both with one matmul), instead of 2 x heads x head_dim.
 For GQA it holds k and v [num_kv_heads, head_dim].
 
 Tensor parallelism: GQA caches this rank's kv heads (num_kv_heads / tp). MLA's latent and rope key belong

@@ -52,6 +52,23 @@ def autograd_kernel(*tensors: torch.Tensor):
     return cpp.load("grouped_mm")
 
 
+def inference_kernel(*tensors: torch.Tensor):
+    """The CPU inference leaf kernels (kernels/csrc/decode.cpp) where they apply: no gradient, float32 CPU
+    tensors, AVX2, no torch function mode (batch-invariant numerics must see every op)."""
+    if (torch.is_grad_enabled() or torch._C._is_torch_function_mode_enabled()
+            or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)):
+        return None
+    kernel = cpp.load("decode")
+    return kernel if kernel is not None and kernel.has_avx2() else None
+
+
+def few_rows_kernel(x_SD: torch.Tensor, w1_EFD: torch.Tensor, rows: int):
+    """inference_kernel where the experts see few rows (at most 16 per expert on average: decoding, not prefill):
+    its `swiglu_rows` (rows sorted by expert; reference GroupedExperts.reference_forward) and `pair_swiglu`
+    (chosen (token, expert) pairs; reference model/moe.py local_dispatch)."""
+    return inference_kernel(x_SD, w1_EFD) if rows <= 16 * w1_EFD.shape[0] else None
+
+
 def reference_mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Per-group matmul over the non-empty groups only."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()

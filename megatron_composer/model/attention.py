@@ -7,6 +7,13 @@ so context parallelism and batch-invariant inference can swap it.
 
 Packed sequences: `doc_ids_BS` (see `document_ids`) labels the document of each token; attention is causal
 and never crosses documents.
+
+Inference: given an `inference_context` (inference/context.py: the paged KV cache, slots and positions of new
+tokens) the same modules cache what they attend to and attend over the cache. MLA caches the normed latent
+and the rotated rope key per token and, outside batch-invariant mode, attends in the latent space (DeepSeek's
+absorbed decoding form: scores q_nope W_uk . c_kv + q_rope . k_rope, output (p . c_kv) W_uv, with W_uk and
+W_uv read as views of wkv_b: no second copy of any weight). `layer_id` (set by the block) names the module's
+cache layer.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ class MLAttention(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.core = sdpa_attention
+        self.layer_id = 0
 
     def project_q(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries [B, S, H, qk_nope + qk_rope] with rope applied."""
@@ -105,12 +113,30 @@ class MLAttention(nn.Module):
         return torch.cat([k_nope, k_rope], dim=-1), v
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+                doc_ids_BS: Optional[torch.Tensor], inference_context=None) -> torch.Tensor:
+        if inference_context is not None:
+            return self.forward_cached(x_BSD, cos, sin, inference_context)
         B, S, _ = x_BSD.shape
         q = self.project_q(x_BSD, cos, sin)
         k, v = self.expand_kv(*self.compress_kv(x_BSD, cos, sin))
         o_BHSD = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, doc_ids_BS)
         return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+    def forward_cached(self, x_BND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """New tokens [B, N] over the cache: their latent rows are written, then attended with the cached ones."""
+        B, N, _ = x_BND.shape
+        Dn, C = self.qk_nope_head_dim, self.kv_lora_rank
+        q = self.project_q(x_BND, cos, sin)  # [B, N, H, Dn + R]
+        c_kv, k_rope = self.compress_kv(x_BND, cos, sin)
+        kv_new = torch.cat([c_kv, k_rope], dim=-1)
+        if not ctx.absorbed:  # keys and values expanded from the cached latent, as the training forward makes them
+            ctx.write(self.layer_id, kv_new)
+            kv_BLX = ctx.gather(self.layer_id, x_BND.dtype)[0]
+            k, v = self.expand_kv(*kv_BLX.split([C, self.qk_rope_head_dim], dim=-1))
+            return self.wo(ctx.attend(q, k, v, self.scale).reshape(B, N, -1))
+        # attention in the latent space: W_uk and W_uv are views of wkv_b (this rank's heads)
+        w_kv = self.wkv_b.weight.view(q.shape[2], Dn + self.v_head_dim, C)
+        return self.wo(ctx.attend_absorbed(self.layer_id, q, kv_new, w_kv, Dn, self.scale))
 
 
 class GQAttention(nn.Module):
@@ -129,6 +155,7 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
         self.core = sdpa_attention
+        self.layer_id = 0
 
     def project_qkv(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [B,S,H,Dh], k and v [B,S,KV,Dh], rope applied to q and k."""
@@ -140,11 +167,22 @@ class GQAttention(nn.Module):
                 v)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+                doc_ids_BS: Optional[torch.Tensor], inference_context=None) -> torch.Tensor:
+        if inference_context is not None:
+            return self.forward_cached(x_BSD, cos, sin, inference_context)
         B, S, _ = x_BSD.shape
         q, k, v = self.project_qkv(x_BSD, cos, sin)
         o_BHSD = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale, doc_ids_BS)
         return self.wo(o_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+    def forward_cached(self, x_BND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        """New tokens [B, N] over the cache: this rank's kv heads are written, then attended with the cached ones."""
+        B, N, _ = x_BND.shape
+        q, k, v = self.project_qkv(x_BND, cos, sin)
+        ctx.write(self.layer_id, k, v)
+        k_BLKD, v_BLKD = ctx.gather(self.layer_id, x_BND.dtype)
+        return self.wo(ctx.attend(q, k_BLKD, v_BLKD, self.scale).reshape(B, N, -1))
 
 
 def build_attention(cfg: ModelConfig) -> nn.Module:

@@ -37,13 +37,19 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = build_attention(cfg)
+        self.attention.layer_id = layer_id  # its KV-cache layer in inference
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.feed_forward = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x_BSD, cos, sin, doc_ids_BS, replay_indices_BSK=None):
-        """Returns (x, chosen experts or None, balance loss or None)."""
-        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc_ids_BS)
+    def forward(self, x_BSD, cos, sin, doc_ids_BS, replay_indices_BSK=None, inference_context=None):
+        """Returns (x, chosen experts or None, balance loss or None). With an inference_context attention reads
+        and extends the KV cache (see attention.py)."""
+        attn_in = self.attention_norm(x_BSD)
+        if inference_context is None:
+            x_BSD = x_BSD + self.attention(attn_in, cos, sin, doc_ids_BS)
+        else:
+            x_BSD = x_BSD + self.attention(attn_in, cos, sin, doc_ids_BS, inference_context)
         h = self.ffn_norm(x_BSD)
         if self.is_moe:
             out, indices, aux = self.feed_forward(h, replay_indices_BSK)
@@ -62,9 +68,9 @@ class MTPModule(nn.Module):
         self.block = TransformerBlock(cfg, layer_id)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h_prev_BSD, emb_BSD, cos, sin, doc_ids_BS):
+    def forward(self, h_prev_BSD, emb_BSD, cos, sin, doc_ids_BS, inference_context=None):
         x = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_prev_BSD)], dim=-1))
-        x, _, aux = self.block(x, cos, sin, doc_ids_BS)
+        x, _, aux = self.block(x, cos, sin, doc_ids_BS, inference_context=inference_context)
         return x, aux
 
 
@@ -114,8 +120,11 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, *,
                 routed_experts: Optional[torch.Tensor] = None, return_routing: bool = False,
-                mtp: bool = False, return_hidden: bool = False, logits: bool = True):
+                mtp: bool = False, return_hidden: bool = False, logits: bool = True, inference_context=None):
         """Logits [B, S, V]; or a ModelOutput when routing, MTP logits or hidden states are requested.
+
+        inference_context (inference/context.py): new tokens over a KV cache at positions position_ids (the
+        inference engine's forward; attention writes and reads the cache, packed documents do not apply).
 
         logits=False leaves out the main head (ModelOutput.logits is None, hidden_states holds the final
         normed states) for a loss that fuses the head, as pretrain.losses does.
@@ -129,7 +138,7 @@ class Transformer(nn.Module):
         if routed_experts is not None and routed_experts.shape[0] != len(self.moe_layers):
             raise ValueError(f"routed_experts has {routed_experts.shape[0]} layers; the model has "
                              f"{len(self.moe_layers)} MoE layers")
-        doc_ids = document_ids(position_ids)
+        doc_ids = document_ids(position_ids) if inference_context is None else None
         h = self.tok_embeddings(input_ids)
         cos, sin = self.rope(position_ids, h.dtype)
         chosen, aux_total, moe_i = [], h.new_zeros((), dtype=torch.float32), 0
@@ -137,10 +146,11 @@ class Transformer(nn.Module):
             replay = None
             if layer.is_moe and routed_experts is not None:
                 replay = routed_experts[moe_i]
-            h, indices, aux = layer(h, cos, sin, doc_ids, replay)
+            h, indices, aux = layer(h, cos, sin, doc_ids, replay, inference_context)
             if indices is not None:
                 chosen.append(indices)
-                aux_total = aux_total + aux
+                if aux is not None:
+                    aux_total = aux_total + aux
                 moe_i += 1
         h = self.norm(h)
         main_logits = self.output(h) if logits else None

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, mm_outer, mm_rows,
-                                  reference_combine)
+from ..kernels.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, few_rows_kernel,
+                                  inference_kernel, mm_outer, mm_rows, reference_combine)
 from .args import ModelConfig
 
 
@@ -80,6 +80,8 @@ class GroupedExperts(nn.Module):
         """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
         # The C++ pass (kernels/grouped_mm.py GroupedSwiGLU) where it can run: the default grouped_mm (a
         # quantised replacement takes the reference), CPU, no torch function mode.
+        if self.grouped_mm is grouped_mm and (few := few_rows_kernel(x_TD, self.w1, x_TD.shape[0])) is not None:
+            return few.swiglu_rows(x_TD, self.w1, self.w3, self.w2, offs)  # inference at decode sizes
         kernel = autograd_kernel(x_TD, self.w1) if self.grouped_mm is grouped_mm else None
         if kernel is not None and x_TD.dtype == self.w1.dtype == self.w2.dtype == self.w3.dtype:
             return GroupedSwiGLU.apply(kernel, x_TD, self.w1, self.w3, self.w2, offs)
@@ -99,8 +101,8 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """Scores tokens against experts in float32 and picks the top-k. (The inference engine's C++ decode path,
-    kernels/csrc/decode.cpp Block::route, repeats forward()'s operations: change both together.)"""
+    """Scores tokens against experts in float32 and picks the top-k. (In CPU inference the C++ row kernel
+    kernels/csrc/decode.cpp route repeats forward()'s operations: change both together.)"""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -126,6 +128,11 @@ class Router(nn.Module):
         return choice.topk(self.top_k, dim=-1, sorted=False).indices
 
     def forward(self, x_TD: torch.Tensor, replay_indices_TK: Optional[torch.Tensor] = None) -> RouterOutput:
+        if replay_indices_TK is None and (kernel := inference_kernel(x_TD, self.weight)) is not None:
+            # inference on the CPU: the same scores and choices in one call (kernels/csrc/decode.cpp route)
+            return RouterOutput(*kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.score_func == "sigmoid",
+                                              self.norm_topk_prob, self.top_k, self.n_group, self.topk_group,
+                                              float(self.routed_scaling_factor)))
         logits = F.linear(x_TD.float(), self.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         if replay_indices_TK is None:
@@ -164,7 +171,7 @@ class MoE(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, replay_indices_BSK: Optional[torch.Tensor] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (output, chosen experts [B, S, K], balance loss)."""
+        """Returns (output, chosen experts [B, S, K], balance loss, or None outside training)."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
         replay = None if replay_indices_BSK is None else replay_indices_BSK.reshape(B * S, -1)
@@ -176,7 +183,7 @@ class MoE(nn.Module):
             aux = self.aux_loss_coef * sequence_balance_loss(
                 r.scores_TE.view(B, S, -1), r.indices_TK.view(B, S, -1), self.num_experts)
         else:
-            aux = x_TD.new_zeros((), dtype=torch.float32)
+            aux = None
         return out_TD.view(B, S, D), r.indices_TK.view(B, S, -1), aux
 
 
@@ -192,6 +199,9 @@ def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torc
                    weights_TK: torch.Tensor) -> torch.Tensor:
     """Permute tokens by expert, run the grouped experts, weight and sum back per token."""
     T, K = indices_TK.shape
+    if experts.grouped_mm is grouped_mm and (few := few_rows_kernel(x_TD, experts.w1, T * K)) is not None:
+        # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
+        return few.pair_swiglu(x_TD, indices_TK, weights_TK, experts.w1, experts.w3, experts.w2)
     order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
     token_of_slot = order // K
     offs = counts.cumsum(0).to(torch.int32)

@@ -102,6 +102,8 @@ def apply_rope_tail(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.
         cos_BSd, sin_BSd = cos_BSd.expand(*lead, -1), sin_BSd.expand(*lead, -1)
     kernel = kernel_for(x_BSHD, cos_BSd, sin_BSd)
     if kernel is not None:
+        if not torch.is_grad_enabled():  # inference: the kernel alone, no autograd node
+            return kernel.rotate(x_BSHD, cos_BSd, sin_BSd, rope_dim, interleaved, False)
         return RopeTail.apply(kernel, x_BSHD, cos_BSd, sin_BSd, rope_dim, interleaved)
     if rope_dim == x_BSHD.shape[-1]:
         return apply_rope(x_BSHD, cos_BSd, sin_BSd, interleaved)
