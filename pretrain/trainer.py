@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
+from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint, saved_architecture
 from megatron_composer.config import ConfigError, save_config, to_dict
 from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_datasets, collate
 from megatron_composer.data.sft import build_sft_datasets
@@ -98,10 +98,13 @@ class PretrainConfig:
 
 
 # Fields that do not change parameter shapes: a stage may change them and still load the previous weights.
-_NON_ARCH_FIELDS = {"rope_scaling", "max_position_embeddings", "init_std", "aux_loss_coef", "rope_theta", "routed_scaling_factor"}
+# rope_scaling is architecture: what the weights learned (checked on load, inherited by later stages).
+_NON_ARCH_FIELDS = {"max_position_embeddings", "init_std", "aux_loss_coef", "rope_theta", "routed_scaling_factor"}
 
 
-def model_config(cfg: PretrainConfig, tokenizer):
+def model_config(cfg: PretrainConfig, tokenizer, weights=None):
+    """The stage's ModelConfig; ``weights`` (a checkpoint directory the stage resumes or starts from) gives
+    the rope scaling it inherits (megatron_composer.model.args.stage_rope_scaling)."""
     from megatron_composer.model import ModelConfig, RopeScaling, get_preset
 
     mc = get_preset(cfg.model.preset)
@@ -121,6 +124,12 @@ def model_config(cfg: PretrainConfig, tokenizer):
             rope_scaling=dataclasses.replace(base, factor=cfg.data.seq_length / old, original_max_position_embeddings=old),
             max_position_embeddings=max(mc.max_position_embeddings, cfg.data.seq_length),
         )
+    saved = saved_architecture(weights) if weights is not None else None
+    if saved is not None and "rope_scaling" in saved:
+        from megatron_composer.model.args import stage_rope_scaling
+
+        rope = RopeScaling(**saved["rope_scaling"]) if saved["rope_scaling"] else None
+        mc = dataclasses.replace(mc, rope_scaling=stage_rope_scaling(mc.rope_scaling, cfg.data.seq_length, rope))
     tokenizer.check_fits_model(mc.vocab_size)
     return mc.validate()
 
@@ -159,7 +168,7 @@ def load_hf_weights(model, path: str) -> None:
 
     hf = load_hf_checkpoint(path)
     mine, theirs = architecture(model.config), architecture(hf.config)
-    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k != "num_mtp_layers" and mine.get(k) != theirs.get(k)]
+    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
     if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
         diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
@@ -248,23 +257,21 @@ def run_stage(cfg: PretrainConfig, init_from: str | None = None) -> Path:
         torch.cuda.set_device(device)
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    mc = model_config(cfg, tokenizer)
-    layout.validate(mc, cfg.data.seq_length)
-    meta = {"model": architecture(mc), "tokenizer": tokenizer.describe()}
     latest = find_latest(run_dir)
-    if latest is not None:
-        from megatron_composer.checkpoint.dcp import check_meta
-
-        check_meta(latest, meta)  # before anything in run.dir is touched
     init_path = hf_init = None
     if latest is None and init_from:
         if (Path(init_from) / "config.json").is_file():
             hf_init = init_from  # a Hugging Face base model (config.json + safetensors)
         else:
-            from megatron_composer.checkpoint.dcp import check_meta
-
             init_path = resolve_checkpoint(init_from)
-            check_meta(init_path, meta)
+    mc = model_config(cfg, tokenizer, weights=latest or init_path)  # the rope of the weights it starts from
+    layout.validate(mc, cfg.data.seq_length)
+    meta = {"model": architecture(mc), "tokenizer": tokenizer.describe()}
+    from megatron_composer.checkpoint.dcp import check_meta
+
+    for ckpt in (latest, init_path):
+        if ckpt is not None:
+            check_meta(ckpt, meta)  # before anything in run.dir is touched
 
     batches, valid = build_data(cfg, tokenizer, layout)
     if is_main:

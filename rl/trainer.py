@@ -15,8 +15,9 @@ Trainer step v (the trainer holds weight version v, the number of optimizer step
    ``rollout.max_staleness`` versions old) and broadcasts them to the other trainer ranks;
 2. group advantages over episode rewards, samples per segment (rl.algorithm.episodes_to_samples); each
    data-parallel rank takes its share;
-3. forward with router replay of the inference engine's experts, token log-probs, `PolicyGradientLoss`
-   (importance ratio against the engine's log-probs, mismatch masking, KL to the initial policy);
+3. (when needed) an old-policy pass over the step's samples, then forward with router replay (the engine's
+   experts, or under R2 the old pass's), token log-probs at the rollout temperature, `PolicyGradientLoss`
+   (importance ratio against the engine's log-probs, the step's mismatch threshold, KL to the initial policy);
 4. optimizer step, then the full weights are gathered to trainer rank 0, which publishes version v + 1 to the
    weight-sync store (XOR delta against v);
 5. log metrics, and checkpoint (model, optimizer, orchestrator state) every ``checkpoint.interval`` steps.
@@ -53,8 +54,9 @@ from rl.weight_sync import ObjectStore, ObjectStoreError, WeightSyncConfig
 class RLDataConfig:
     tasks: str = field(default="examples/tiny/rl_tasks", metadata={"help": "task directory: tasks.jsonl and/or Harbor task folders"})
     tokenizer: str = field(default="data/tiny/tokenizer", metadata={"help": "tokenizer file or directory"})
-    seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from (YaRN factor = this / "
-                                                        "model.yarn_original_length, as in that stage); 0 = rollout.max_seq_len"})
+    seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from; the rope scaling is the "
+                                                        "weights' own (inherited from the checkpoint), else YaRN factor = this / "
+                                                        "model.yarn_original_length; 0 = rollout.max_seq_len"})
 
 
 @dataclass
@@ -179,16 +181,25 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
         model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
-                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since)
+                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl)
 
 
 def group_metrics(results: list[dict]) -> dict:
-    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups."""
+    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups.
+
+    ``reward_mean`` is the training reward the advantages use; ``verifier_reward_mean`` the verifier's part and
+    ``<term>_mean`` each shaping term's signed part (``length_penalty_mean``, ``malformed_tool_calls_mean``, ...),
+    so reward_mean = verifier_reward_mean + the sum of the term means."""
+    episodes = [ep for r in results for ep in r["episodes"]]
     rewards = torch.tensor([[float(ep["reward"]) for ep in r["episodes"]] for r in results])
-    metas = [ep.get("meta", {}) for r in results for ep in r["episodes"]]
+    metas = [ep.get("meta", {}) for ep in episodes]
     q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
+    terms = sorted({t for ep in episodes for t in ep.get("reward_terms", {})})
+    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes) for t in terms}
     return {
         "reward_mean": rewards.mean().item(),
+        "verifier_reward_mean": sum(float(ep.get("verifier_reward", ep["reward"])) for ep in episodes) / len(episodes),
+        **shaping,
         "reward_best_of_k": rewards.max(dim=1).values.mean().item(),
         "reward_p10": q[0], "reward_p50": q[1], "reward_p90": q[2],
         "episodes": float(rewards.numel()),
@@ -232,7 +243,8 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
         init = cfg.checkpoint.init_from
         self.learner = PolicyLearner(cfg, self.tokenizer, self.layout, self.device, init_from=init,
-                                     resuming=self.latest is not None)
+                                     resuming=self.latest is not None,
+                                     agent_tasks=any(t.kind != "single_turn" for t in self.tasks))
         self.model, self.meta = self.learner.model, self.learner.meta
         if self.latest is None and init and self.is_main:
             from megatron_composer.checkpoint.dcp import resolve_checkpoint
