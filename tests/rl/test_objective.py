@@ -229,7 +229,7 @@ def test_stage_rope_scaling_inherits_unless_it_extends():
 
 def _kimi_tokenizer():
     class VocabOnly:  # model_config only checks the tokenizer fits the vocabulary
-        vocab_size = 163840
+        vocab_size = 151936  # fits both families' vocabularies
 
         def check_fits_model(self, vocab_size):
             assert vocab_size >= self.vocab_size
@@ -237,20 +237,20 @@ def _kimi_tokenizer():
     return VocabOnly()
 
 
+@pytest.mark.parametrize("family,rope", [("kimi_k25", (64.0, 4096)), ("qwen3_30b_a3b", (8.0, 32768))])
 @pytest.mark.parametrize("name", ["long_context_256k.yaml", "sft.yaml", "rl.yaml"])
-def test_shipped_kimi_stages_after_the_long_context_stage_run_at_factor_64(name):
-    from pretrain.trainer import PretrainConfig
+def test_shipped_stages_after_the_long_context_stage_keep_its_rope(family, rope, name):
+    """Kimi K2.5: SFT (128k) and RL run at the 256k stage's factor 64, not 131072 / 4096 = 32."""
+    from pretrain.trainer import PretrainConfig, model_config
     from rl.learner import rl_model_config
     from rl.trainer import RLConfig
 
-    path = ROOT / "examples/kimi_k25" / name
+    path = ROOT / "examples" / family / name
     if name == "rl.yaml":
         mc = rl_model_config(load_config(RLConfig, path), _kimi_tokenizer())
     else:
-        from pretrain.trainer import model_config
-
         mc = model_config(load_config(PretrainConfig, path), _kimi_tokenizer())
-    assert (mc.rope_scaling.factor, mc.rope_scaling.original_max_position_embeddings) == (64.0, 4096)
+    assert (mc.rope_scaling.factor, mc.rope_scaling.original_max_position_embeddings) == rope
 
 
 def test_shipped_tiny_stages_share_one_rope():
