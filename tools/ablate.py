@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per arm (train.seed = 1 .. N)")
     ap.add_argument("--out", default="runs/ablation", help="directory of the runs, the table and the plot")
     ap.add_argument("--final-steps", type=int, default=5, help="final reward = mean over this many last steps")
+    ap.add_argument("--report-only", action="store_true", help="tabulate the finished runs under --out; start none")
     ap.add_argument("overrides", nargs="*", help="overrides for every run, e.g. train.steps=20")
     args = ap.parse_args(argv)
     arms = list(ARMS) if args.arms == "all" else [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
         for seed in range(1, args.seeds + 1):
             run_dir = out / arm / f"seed{seed}"
             run_dir.parent.mkdir(parents=True, exist_ok=True)
+            if not (run_dir / "done").is_file() and args.report_only:
+                curves[arm].append([])
+                continue
             if not (run_dir / "done").is_file():
                 rc = run_one(args.config, [*args.overrides, *ARMS[arm], f"train.seed={seed}"], run_dir,
                              out / arm / f"seed{seed}.log")

@@ -331,9 +331,15 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
 def _run(rl_assets, run_dir: Path, **extra) -> list[dict]:
     from rl.trainer import RLConfig, run_rl
 
-    over = {"run.dir": run_dir, "data.tokenizer": rl_assets / "tok", "data.tasks": rl_assets / "tasks",
+    tasks = run_dir.parent / "tasks"  # the prompts four times over: an epoch of 12 steps
+    if not tasks.is_dir():
+        tasks.mkdir()
+        lines = (rl_assets / "tasks/tasks.jsonl").read_text().splitlines()
+        (tasks / "tasks.jsonl").write_text("".join(
+            json.dumps({**json.loads(line), "id": f"r{k}_{i}"}) + "\n" for k in range(4) for i, line in enumerate(lines)))
+    over = {"run.dir": run_dir, "data.tokenizer": rl_assets / "tok", "data.tasks": tasks,
             "model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
-            "train.steps": 8, "train.groups_per_step": 2, "train.micro_batch_size": 16, "train.seed": 7,
+            "train.steps": 12, "train.groups_per_step": 2, "train.micro_batch_size": 16, "train.seed": 7,
             "rollout.group_size": 8, "rollout.max_new_tokens": 24, "rollout.max_inflight_groups": 2,
             "rollout.max_staleness": 1, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
             "rollout.lease_s": 30, "rollout.heartbeat_s": 1, "rollout.group_timeout_s": 300,
