@@ -117,7 +117,8 @@ def write_table(rows: list[dict], out: Path) -> None:
         cells = [f"{r[f'{c}_mean']:.4g} ± {r[f'{c}_std']:.2g}" for c in cols]
         lines.append(f"| {r['arm']} | {r['seeds']} | {r['steps']} | " + " | ".join(cells) + " |")
     (out / "ablation.md").write_text("\n".join(lines) + "\n\nmean ± sample std over seeds; final = mean of the last "
-                                     "steps; mismatch, KL, tokens: run means\n")
+                                     "steps; mismatch, KL, tokens: run means; KL is the arm's own estimator "
+                                     "(k3 for k3_in_loss, k1 otherwise)\n")
 
 
 def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
