@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e demo bench clean
+.PHONY: install test test-e2e demo bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/model_forward_backward.py
+
+# Needs no .venv or network (GPU machines run it with their own python): see README "GPU check".
+GPU_CHECK_OUT ?= gpu_check
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -19,7 +19,8 @@ import sys
 from megatron_composer.checkpoint.dcp import CheckpointError
 from megatron_composer.config import ConfigError, describe_schema, load_config
 from megatron_composer.data.tokenizer import TokenizerError
-from rl.trainer import RLConfig, run_rl
+from rl.config import RLConfig
+from rl.launch import run_rl
 
 
 def _parse(argv):

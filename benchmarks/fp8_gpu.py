@@ -38,12 +38,28 @@ from megatron_composer.fp8.kernels import gemm, quantize as kq  # noqa: E402
 GEMM_TOL = 2e-3
 LINEAR_TOL = 2e-2  # bf16 outputs of two FP8 GEMM implementations
 FAILURES: list[str] = []
+RESULTS: list[tuple[str, bool, str]] = []  # every correctness verdict: (name, passed, detail)
+LISTENERS: list = []  # callables(name, passed, detail) told of each verdict as it is made
 
 
 def report(name: str, ok: bool, detail: str = "") -> None:
     print(f"  {'PASS' if ok else 'FAIL'}  {name}{'  ' + detail if detail else ''}", flush=True)
+    RESULTS.append((name, ok, detail))
+    for listener in LISTENERS:
+        listener(name, ok, detail)
     if not ok:
         FAILURES.append(name)
+
+
+def run_correctness() -> list[tuple[str, bool, str]]:
+    """All correctness checks (quantisation, GEMMs, linear layer) on this CUDA GPU; returns their verdicts.
+    A check that raises is recorded as failed with its exception, and the remaining groups still run."""
+    for group in (check_quantisation, check_gemms, check_linear):
+        try:
+            group()
+        except Exception as e:  # noqa: BLE001 - a crash is a verdict too; the other groups still run
+            report(f"{group.__name__} raised", False, f"{type(e).__name__}: {str(e)[:300]}")
+    return RESULTS
 
 
 def same_codes(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -301,9 +317,7 @@ def main() -> None:
     cap = torch.cuda.get_device_capability()
     print(f"{torch.cuda.get_device_name()} (sm{cap[0]}{cap[1]}), torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
-    check_quantisation()
-    check_gemms()
-    check_linear()
+    run_correctness()
     print(f"correctness: {len(FAILURES)} failure(s) in {time.time() - t0:.0f} s", flush=True)
     if args.quick:
         bench_quantisation(4096, 4096)

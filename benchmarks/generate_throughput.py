@@ -41,7 +41,8 @@ def load_pretrain_run(run_dir: str):
     from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
     from megatron_composer.config import load_config
     from megatron_composer.data.tokenizer import load_tokenizer
-    from pretrain.trainer import PretrainConfig, model_config
+    from megatron_composer.training.config import model_config
+    from pretrain.trainer import PretrainConfig
 
     cfg = load_config(PretrainConfig, Path(run_dir) / "config.yaml")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -62,15 +63,100 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
 
 
 def timed(contenders: dict, rounds: int) -> dict[str, tuple[float, object]]:
-    """name -> (best time over `rounds` interleaved rounds, output); a first call of each warms up."""
+    """name -> (best time over `rounds` interleaved rounds, output); a first call of each warms up. The device
+    is synchronised before each clock read."""
     outs = {name: fn() for name, fn in contenders.items()}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
+            _sync()
             t0 = time.perf_counter()
             fn()
+            _sync()
             times[name].append(time.perf_counter() - t0)
     return {name: (min(times[name]), outs[name]) for name in contenders}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def experts_implementations(ref) -> tuple[list[str], dict[str, str]]:
+    """transformers' expert implementations this build has (name list) and, for those it lacks, why; ["default"]
+    where the build has no switch (set_experts_implementation)."""
+    impls, missing = [], {}
+    if not hasattr(ref, "set_experts_implementation"):
+        return ["default"], {"eager/grouped_mm/batched_mm": f"transformers {transformers_version()} has no set_experts_implementation"}
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        try:
+            ref.set_experts_implementation(impl)
+            impls.append(impl)
+        except Exception as e:  # an implementation this transformers build lacks
+            missing[impl] = f"{type(e).__name__}: {e}"
+    return impls, missing
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def compare_decode(engine, ref, impls: list[str], prompts_all: list[list[int]], batches, new_tokens: int,
+                   rounds: int) -> list[dict]:
+    """Greedy decode tokens/s of the engine and of transformers' generate (each implementation) per batch size.
+    Rows: {batch, contender, tokens_per_s, same_tokens (prompts whose tokens equal the engine's), time_s}."""
+    device = next(ref.parameters()).device
+
+    def hf_generate(ids, impl):
+        if impl != "default":
+            ref.set_experts_implementation(impl)
+        with torch.no_grad():
+            return ref.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+
+    rows = []
+    for B in batches:
+        prompts = prompts_all[:B]
+        ids = torch.tensor(prompts, device=device)
+        contenders = {"ours (Engine)": lambda prompts=prompts: engine.generate(prompts, max_new_tokens=new_tokens)}
+        for impl in impls:
+            contenders[f"transformers[{impl}]"] = lambda ids=ids, impl=impl: hf_generate(ids, impl)
+        timing = timed(contenders, rounds)
+        ours_out = timing["ours (Engine)"][1]
+        prompt_len = ids.shape[1]
+        for name, (t, out) in timing.items():
+            same = B if name == "ours (Engine)" else sum(
+                r.token_ids == out[b, prompt_len:].tolist() for b, r in enumerate(ours_out))
+            rows.append({"batch": B, "contender": name, "tokens_per_s": B * new_tokens / t, "time_s": t,
+                         "same_tokens": same})
+    return rows
+
+
+def compare_speculative(engine, prompts_all: list[list[int]], batches, new_tokens: int, draft_tokens,
+                        rounds: int) -> list[dict]:
+    """Speculative (MTP-drafted) vs plain greedy decoding per batch size and draft length. Rows: {batch,
+    draft_tokens (0 = plain), tokens_per_s, speedup, acceptance, same_tokens (prompts equal to plain)}."""
+    rows = []
+    for B in batches:
+        prompts = prompts_all[:B]
+        contenders = {0: lambda prompts=prompts: engine.generate(prompts, max_new_tokens=new_tokens)}
+        for D in draft_tokens:
+            contenders[D] = lambda prompts=prompts, D=D: engine.generate(
+                prompts, max_new_tokens=new_tokens, speculative=True, num_draft_tokens=D)
+        timing = timed(contenders, rounds)
+        t_plain, plain = timing.pop(0)
+        base = B * new_tokens / t_plain
+        rows.append({"batch": B, "draft_tokens": 0, "tokens_per_s": base, "speedup": 1.0, "acceptance": None,
+                     "same_tokens": B})
+        for D, (t_spec, spec) in timing.items():
+            drafted = sum(r.num_draft_tokens for r in spec)
+            accepted = sum(r.num_accepted_tokens for r in spec)
+            rate = B * new_tokens / t_spec
+            rows.append({"batch": B, "draft_tokens": D, "tokens_per_s": rate, "speedup": rate / base,
+                         "acceptance": accepted / max(drafted, 1),
+                         "same_tokens": sum(a.token_ids == b.token_ids for a, b in zip(spec, plain))})
+    return rows
 
 
 def main() -> None:
@@ -116,33 +202,16 @@ def main() -> None:
     engine = Engine(model, max_batch_size=64, cache_memory_bytes=256 << 20)
 
     print(f"\n{'batch':>5} {'contender':32} {'tokens/s':>10}   ours / this")
-    impls = []
-    for impl in ("eager", "grouped_mm", "batched_mm"):
-        try:
-            ref.set_experts_implementation(impl)
-            impls.append(impl)
-        except Exception as e:  # an implementation this transformers build lacks
-            print(f"      transformers[{impl}] unavailable: {e}")
-
-    def hf_generate(ids, impl):
-        ref.set_experts_implementation(impl)
-        with torch.no_grad():
-            return ref.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
-
-    for B in (int(b) for b in args.batches.split(",")):
-        prompts = prompts_all[:B]
-        ids = torch.tensor(prompts)
-        contenders = {"ours (Engine)": lambda prompts=prompts: engine.generate(prompts, max_new_tokens=args.new_tokens)}
-        for impl in impls:
-            contenders[f"transformers[{impl}]"] = lambda ids=ids, impl=impl: hf_generate(ids, impl)
-        timing = timed(contenders, args.rounds)
-        rates = {name: B * args.new_tokens / t for name, (t, _) in timing.items()}
-        ours_out = timing["ours (Engine)"][1]
-        for name, (_, out) in timing.items():
-            if name.startswith("transformers"):
-                same = sum(r.token_ids == out[b, args.prompt_len:].tolist() for b, r in enumerate(ours_out))
-                if same != B:
-                    print(f"      note: {name} tokens equal ours for {same}/{B} prompts")
+    impls, missing = experts_implementations(ref)
+    for impl, why in missing.items():
+        print(f"      transformers[{impl}] unavailable: {why}")
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = compare_decode(engine, ref, impls, prompts_all, batches, args.new_tokens, args.rounds)
+    for B in batches:
+        rates = {r["contender"]: r["tokens_per_s"] for r in rows if r["batch"] == B}
+        for r in rows:
+            if r["batch"] == B and r["same_tokens"] != B:
+                print(f"      note: {r['contender']} tokens equal ours for {r['same_tokens']}/{B} prompts")
         best_hf = max((k for k in rates if k.startswith("transformers")), key=rates.get)
         for name, rate in rates.items():
             print(f"{B:5d} {name:32} {rate:10.1f}   {rates['ours (Engine)'] / rate:5.2f}x")
@@ -152,27 +221,19 @@ def main() -> None:
         print("\nspeculative decoding skipped: the model has no MTP heads")
         return
     print(f"\n{'batch':>5} {'decoding':32} {'tokens/s':>10} {'accept':>7}   speedup vs plain")
-    for B in (int(b) for b in args.batches.split(",")):
-        prompts = prompts_all[:B]
-        contenders = {0: lambda prompts=prompts: engine.generate(prompts, max_new_tokens=args.new_tokens)}
-        for D in (int(d) for d in args.draft_tokens.split(",")):
-            contenders[D] = lambda prompts=prompts, D=D: engine.generate(
-                prompts, max_new_tokens=args.new_tokens, speculative=True, num_draft_tokens=D)
-        timing = timed(contenders, args.rounds)
-        t_plain, plain = timing.pop(0)
-        base = B * args.new_tokens / t_plain
-        print(f"{B:5d} {'plain':32} {base:10.1f} {'':>7}   1.00x")
-        for D, (t_spec, spec) in timing.items():
-            same = sum(a.token_ids == b.token_ids for a, b in zip(spec, plain))
-            # float32 verification matches plain decoding token for token; bfloat16 rounds differently per shape
-            assert same == B or dtype != torch.float32, "speculative greedy differs from plain"
-            if same != B:
-                print(f"      note: {args.dtype} speculative tokens equal plain for {same}/{B} prompts")
-            drafted = sum(r.num_draft_tokens for r in spec)
-            accepted = sum(r.num_accepted_tokens for r in spec)
-            rate = B * args.new_tokens / t_spec
-            print(f"{B:5d} {f'speculative, {D} draft token(s)':32} {rate:10.1f} {accepted / max(drafted, 1):7.1%}   "
-                  f"{rate / base:.2f}x")
+    rows = compare_speculative(engine, prompts_all, batches, args.new_tokens,
+                               [int(d) for d in args.draft_tokens.split(",")], args.rounds)
+    for r in rows:
+        B = r["batch"]
+        if r["draft_tokens"] == 0:
+            print(f"{B:5d} {'plain':32} {r['tokens_per_s']:10.1f} {'':>7}   1.00x")
+            continue
+        # float32 verification matches plain decoding token for token; bfloat16 rounds differently per shape
+        assert r["same_tokens"] == B or dtype != torch.float32, "speculative greedy differs from plain"
+        if r["same_tokens"] != B:
+            print(f"      note: {args.dtype} speculative tokens equal plain for {r['same_tokens']}/{B} prompts")
+        label = f"speculative, {r['draft_tokens']} draft token(s)"
+        print(f"{B:5d} {label:32} {r['tokens_per_s']:10.1f} {r['acceptance']:7.1%}   {r['speedup']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -47,27 +47,70 @@ def build_reference(args):
     return DeepseekV3ForCausalLM(cfg)
 
 
-def step_fn(model, ids, hf: bool):
+def transformers_model(cfg, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
+    """transformers' DeepseekV3ForCausalLM (or Qwen3MoeForCausalLM) of our ModelConfig's shape, randomly
+    initialised directly on `device` (no checkpoint round trip: for timing, not for comparing outputs)."""
+    import transformers
+
+    from megatron_composer.checkpoint.hf import config_to_hf
+
+    hf = config_to_hf(cfg, dtype)
+    config_cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig"}[hf["model_type"]])
+    model_cls = getattr(transformers, hf["architectures"][0])
+    config = config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "dtype")})
+    config._attn_implementation = attn_implementation
+    with torch.device(device):
+        model = model_cls(config)
+    return model.to(dtype)
+
+
+def step_fn(model, ids, hf: bool, mtp_weight: float = 0.0):
     """One training step's forward+backward through each library's own next-token loss: transformers'
-    `labels=` path (its ForCausalLMLoss) and our pretraining trainer's forward + `pretrain_loss`."""
-    mask = torch.ones(ids.shape, dtype=torch.float32)
+    `labels=` path (its ForCausalLMLoss) and our pretraining trainer's forward + `pretrain_loss` (MTP
+    self-distillation included when mtp_weight > 0; transformers' DeepseekV3 has no MTP head to train).
+    Returns a callable that runs one step and returns the loss (its `.item()` waits for the device)."""
+    mask = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     mask[:, -1] = 0
     batch = {"labels": F.pad(ids[:, 1:], (0, 1)), "loss_mask": mask,
-             "position_ids": torch.arange(ids.shape[1]).expand(ids.shape)}
-    mtp_cfg = MTPLossConfig(weight=0.0)  # transformers' DeepseekV3 has no MTP head to train
+             "position_ids": torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)}
+    mtp_cfg = MTPLossConfig(weight=mtp_weight)
+    depths = model.config.num_mtp_layers if mtp_weight > 0 and not hf else 0
+    counts = token_counts(batch, depths).to(ids.device)
 
     def run():
         if hf:
             loss = model(ids, labels=ids).loss
         else:
             fused = fused_head_applies(model, mtp_cfg)
-            out = model(ids, batch["position_ids"], logits=not fused, return_hidden=True)
-            loss, _ = pretrain_loss(out, batch, mtp_cfg, token_counts(batch, 0),
-                                    head_weight=model.output.weight if fused else None)
+            out = model(ids, batch["position_ids"], logits=not fused, return_hidden=True, mtp=depths > 0)
+            loss, _ = pretrain_loss(out, batch, mtp_cfg, counts, head_weight=model.output.weight if fused else None)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.item()
     return run
+
+
+def time_rounds(runners: dict, steps: int, before=None) -> dict[str, list[float]]:
+    """Seconds per call of each runner over `steps` interleaved rounds after one warm-up round (not timed).
+    `before(name)`, if given, runs untimed before each call (e.g. switching an implementation). The device
+    is synchronised before each clock read, so queued work is counted where it belongs."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for it in range(steps + 1):
+        for name, run in runners.items():
+            if before is not None:
+                before(name)
+            _sync()
+            t0 = time.perf_counter()
+            run()
+            _sync()
+            if it:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -109,25 +152,14 @@ def main() -> None:
         ref.to(dtype)
         peak = measure_matmul_peak(torch.device("cpu"), dtype, seconds=1.0)
         runners = {"ours": step_fn(ours, ids, hf=False)}
-        for impl in impls:
-            runners[f"transformers[{impl}]"] = (impl, step_fn(ref, ids, hf=True))
-        times: dict[str, list[float]] = {k: [] for k in runners}
-        rounds = [(args.steps, list(runners))]
+        impl_of = {f"transformers[{impl}]": impl for impl in impls}
+        for name in impl_of:
+            runners[name] = step_fn(ref, ids, hf=True)
+        set_impl = lambda name: ref.set_experts_implementation(impl_of[name]) if name in impl_of else None  # noqa: E731
+        times = time_rounds(runners, args.steps, set_impl)
         if args.batched_steps > 0:
-            runners["transformers[batched_mm]"] = ("batched_mm", step_fn(ref, ids, hf=True))
-            times["transformers[batched_mm]"] = []
-            rounds.append((args.batched_steps, ["transformers[batched_mm]"]))
-        for steps, names in rounds:
-            for it in range(steps + 1):  # first round is warm-up; rounds interleave the contenders
-                for name in names:
-                    r = runners[name]
-                    if isinstance(r, tuple):
-                        ref.set_experts_implementation(r[0])
-                        r = r[1]
-                    t0 = time.perf_counter()
-                    r()
-                    if it:
-                        times[name].append(time.perf_counter() - t0)
+            impl_of["transformers[batched_mm]"] = "batched_mm"
+            times.update(time_rounds({"transformers[batched_mm]": step_fn(ref, ids, hf=True)}, args.batched_steps, set_impl))
         tps = {k: tokens / statistics.median(v) for k, v in times.items()}
         fastest_hf = max((k for k in tps if k != "ours"), key=tps.get)
         for name, value in tps.items():

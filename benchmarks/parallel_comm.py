@@ -52,10 +52,12 @@ class Counter:
     def __init__(self, dist):
         self.dist, self.bytes, self.active = dist, {}, False
         self.orig = {}
+        from megatron_composer.parallel import collectives as C
+
         for name, op, payload in (
             ("all_reduce", "all_reduce", lambda a, k: _nbytes(a[0])),
-            ("all_gather_into_tensor", "all_gather", lambda a, k: _nbytes(a[0])),
-            ("reduce_scatter_tensor", "reduce_scatter", lambda a, k: _nbytes(a[1])),
+            (C.ALL_GATHER, "all_gather", lambda a, k: _nbytes(a[0])),
+            (C.REDUCE_SCATTER, "reduce_scatter", lambda a, k: _nbytes(a[1])),
             ("all_to_all_single", "all_to_all", self._a2a_bytes),
         ):
             self.orig[name] = getattr(dist, name)

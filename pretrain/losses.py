@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron_composer.config import ConfigError
 from megatron_composer.kernels.cross_entropy import cross_entropy
 from megatron_composer.kernels.linear_cross_entropy import linear_cross_entropy_sum
+from megatron_composer.training.layout import shift_left_local
 
 
 @dataclass
@@ -39,12 +40,6 @@ class MTPLossConfig:
             raise ConfigError("mtp.weight and mtp.ce_weight must be >= 0")
         if self.temperature <= 0:
             raise ConfigError(f"mtp.temperature={self.temperature} must be > 0")
-
-
-def shift_left_local(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
-    """y[:, t] = x[:, t + k] along dim 1, `fill` past the end (the single-shard case of cp_shift_left)."""
-    pad = torch.full_like(x.narrow(1, 0, k), fill)
-    return torch.cat([x.narrow(1, k, x.shape[1] - k), pad], dim=1)
 
 
 def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int, shift_left=shift_left_local) -> torch.Tensor:

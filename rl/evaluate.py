@@ -33,7 +33,7 @@ def _run_config(ckpt: Path, overrides: list[str]):
     import yaml
 
     from megatron_composer.config import ConfigError, from_dict, parse_overrides
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
     path = run_dir / "config.yaml"
@@ -92,7 +92,7 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
     from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.rollout.tasks import load_rl_tasks
-    from rl.trainer import build_model
+    from rl.model import build_model
 
     ckpt = resolve_checkpoint(checkpoint)
     cfg = _run_config(ckpt, list(overrides))

@@ -1,8 +1,9 @@
 """The RL trainer's model side on one or more trainer ranks: policy, reference policy, optimizer, RL loss.
 
-A `PolicyLearner` holds this rank's shard of the policy in the pretraining layouts (pretrain.layout.Layout:
-tp, tp+sp, cp, ep, dp with ZeRO-1 through DistributedAdamW; the FP8 recipe of `fp8:`). Every trainer rank
-gets the same rollout samples for a step and trains on its data-parallel share of them:
+A `PolicyLearner` is the RL loss over the training core (megatron_composer.training.core.TrainingCore: this
+rank's shard of the policy in the pretraining layouts -- tp, tp+sp, cp, ep, dp with ZeRO-1 through
+DistributedAdamW; the FP8 recipe of `fp8:` -- its optimizer, checkpoints and optimizer step). Every trainer
+rank gets the same rollout samples for a step and trains on its data-parallel share of them:
 
 * samples are split over dp ranks in contiguous runs of ceil(N / dp); every dp rank runs the same number of
   micro-batches (expert all-to-alls span dp ranks), a rank with fewer samples runs padding-only sequences
@@ -15,7 +16,7 @@ gets the same rollout samples for a step and trains on its data-parallel share o
   ratios, the mismatch quantile, the KL reward-to-go -- is the single-process code on whole sequences;
 * the loss is normalised by step-level counts (episodes of the step, Dr. GRPO constant = rl.loss_constant or
   the per-episode generation budget, loss-mask tokens of the step), so micro-batching and the layout do not
-  change it; data-parallel gradients are summed (pretrain.layout.Layout.finish_gradients);
+  change it; data-parallel gradients are summed (megatron_composer.training.core.finish_gradients);
 * log-probs are taken under the rollout temperature (the distribution the engine sampled from);
 * an old-policy pass (no grad, the weights the step starts from) runs first when the step needs it whole:
   the mismatch quantile is over every token of the step on every dp rank, R2 replays the routing it
@@ -26,20 +27,15 @@ gets the same rollout samples for a step and trains on its data-parallel share o
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from megatron_composer.checkpoint.dcp import CheckpointError, find_latest, load_checkpoint, resolve_checkpoint, save_checkpoint
-from megatron_composer.config import ConfigError
-from megatron_composer.fp8 import apply_fp8
 from megatron_composer.parallel import collectives as C
 from megatron_composer.parallel.context_parallel import shard_sequence, unshard_sequence
-from megatron_composer.parallel.layers import iter_full_state_dict
 from megatron_composer.parallel.vocab_parallel import vocab_parallel_logprobs
-from pretrain.layout import Layout
-from pretrain.trainer import architecture, model_config
+from megatron_composer.training.core import TrainingCore, build_model, initial_weights
+from megatron_composer.training.layout import Layout
 from rl.algorithm import (
     Episode,
     PolicyGradientLoss,
@@ -53,20 +49,7 @@ from rl.algorithm import (
     routing_mismatch,
 )
 from rl.algorithm.loss import mismatch_statistics, mismatch_threshold
-
-
-def rl_model_config(cfg, tokenizer):
-    """The policy's ModelConfig, with the rope scaling of the weights the run resumes (run.dir) or starts from
-    (checkpoint.init_from) when that checkpoint is readable here."""
-    seq_length = cfg.data.seq_length or cfg.rollout.max_seq_len
-    weights = find_latest(cfg.run.dir)
-    if weights is None and cfg.checkpoint.init_from:
-        try:
-            weights = resolve_checkpoint(cfg.checkpoint.init_from)
-        except CheckpointError:
-            weights = None  # a trainer fails on loading it; a rollout host without it keeps the configured rope
-    return model_config(SimpleNamespace(model=cfg.model, data=SimpleNamespace(seq_length=seq_length)), tokenizer,
-                        weights=weights)
+from rl.model import build_model_meta
 
 
 def episodes_of(result: dict) -> list[Episode]:
@@ -112,14 +95,18 @@ class PolicyLearner:
         # Dr. GRPO's constant: the per-episode generation budget unless set (see rl.algorithm.config)
         self.loss_constant = float(cfg.rl.loss_constant or cfg.rollout.episode_token_budget(agent_tasks))
         self.tokenizer = tokenizer
-        self.mc = rl_model_config(cfg, tokenizer)
+        self.mc, self.meta = build_model_meta(cfg, tokenizer)
         layout.validate(self.mc, None)
-        self.meta = {"model": architecture(self.mc), "tokenizer": tokenizer.describe()}
-        self.model = self._build("" if resuming else init_from)  # a resume loads the run's own checkpoint next
-        self.optimizer = layout.build_optimizer(self.model, cfg.optim)
+        # the initial weights start a fresh run and are the reference policy; a resume loads the run's own
+        # checkpoint next (load)
+        init = initial_weights(init_from, self.meta) if not resuming or cfg.rl.kl_coef > 0 else None
+        self.core = TrainingCore(self.mc, self.meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, seed=cfg.train.seed,
+                                 init=None if resuming else init, max_skipped_steps=cfg.train.max_skipped_steps)
+        self.model, self.optimizer = self.core.model, self.core.optimizer
         self.ref_model = None
         if cfg.rl.kl_coef > 0:  # the reference policy: the initial weights (same seed and init checkpoint)
-            self.ref_model = self._build(init_from).eval().requires_grad_(False)
+            self.ref_model = build_model(self.mc, layout, device, cfg.fp8, seed=cfg.train.seed, init=init,
+                                         meta=self.meta).eval().requires_grad_(False)
         self.loss_fn = PolicyGradientLoss(cfg.rl)
         pad = tokenizer.pad
         self.pad_id = pad if pad is not None and pad >= 0 else 0
@@ -127,39 +114,18 @@ class PolicyLearner:
         self.seq_multiple = (2 * dims.cp if dims.cp > 1 else 1) * (dims.tp if dims.sequence_parallel else 1)
         self.top_k = self.mc.num_experts_per_tok if self.mc.num_experts else None
 
-    def _build(self, init_from: str) -> torch.nn.Module:
-        from megatron_composer.model import Transformer
-
-        torch.manual_seed(self.cfg.train.seed)
-        model = self.layout.parallelize(Transformer(self.mc)).to(self.device)  # shard first, then move the shard
-        try:
-            model = apply_fp8(model, self.cfg.fp8)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if init_from:
-            load_checkpoint(resolve_checkpoint(init_from), model, None, self.meta, restore_rng=False,
-                            groups=self.layout.groups)
-        return model
-
     # -- checkpoints and weights ----------------------------------------------------------------------
     def load(self, ckpt) -> dict:
-        return load_checkpoint(ckpt, self.model, self.optimizer, self.meta, groups=self.layout.groups)
+        return self.core.load(ckpt)
 
     def save(self, run_dir, step: int, state: dict, keep_last: int):
         """Collective. ``state`` (trainer step, orchestrator) is written by trainer rank 0."""
-        return save_checkpoint(run_dir, step, self.model, self.optimizer, state, self.meta, keep_last,
-                               groups=self.layout.groups)
+        return self.core.save(run_dir, step, state, keep_last)
 
     def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Collective: the unsharded weights in ``dtype`` on CPU on trainer rank 0 (None elsewhere), the format
-        rollout workers load. Tensor by tensor: a rank holds at most one gathered tensor at a time."""
-        dt = getattr(torch, dtype)
-        main = self.layout.rank == 0
-        out = {}
-        for name, t in iter_full_state_dict(self.model, self.layout.groups):
-            if main:
-                out[name] = (t.detach().to(dt) if t.is_floating_point() else t.detach()).cpu()
-        return out if main else None
+        rollout workers load."""
+        return self.core.full_state_dict(dtype)
 
     # -- one step ---------------------------------------------------------------------------------------
     def _local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -345,25 +311,19 @@ class PolicyLearner:
 
     def step(self, results: list[dict], lr: float) -> dict[str, float]:
         """One optimizer step on the step's groups (identical on every trainer rank). Returns its metrics."""
-        from megatron_composer.training.optim import set_lr
-
         samples, adv, num_episodes = self.samples(results)
         metrics = dict(adv.metrics)
         a = adv.advantages
         metrics.update(advantage_mean=a.mean().item(), advantage_std=a.std(unbiased=False).item(),
                        advantage_abs_mean=a.abs().mean().item())
-        set_lr(self.optimizer, lr)
-        if samples:
-            metrics.update(self.backward(samples, num_episodes))
-        else:  # every group was filtered (zero variance): nothing to learn from this step
+        if not samples:  # every group was filtered (zero variance): nothing to learn from this step
             metrics.update(loss=0.0, train_tokens=0.0, mismatch_max=0.0)
-        grad_norm = self.layout.finish_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip)
-        finite = math.isfinite(metrics["loss"]) and bool(torch.isfinite(grad_norm))
-        if finite and samples:
-            self.optimizer.step()
-        self.optimizer.zero_grad()  # drops the gradients (and any ZeRO-1 gradient shards)
-        metrics.update(lr=lr, grad_norm=float(grad_norm), skipped=0.0 if finite else 1.0)
+        # the whole step's samples are one call of `backward`: it splits them over the dp ranks and micro-batches
+        # itself and returns metrics already reduced over the trainer ranks
+        metrics.update(self.core.step(lambda share: (None, self.backward(share, num_episodes)),
+                                      [samples] if samples else [], lr, reduce=False))
+        metrics["skipped"] = float(metrics["skipped"])
         return metrics
 
 
-__all__ = ["PolicyLearner", "dp_share", "episodes_of", "rl_model_config"]
+__all__ = ["PolicyLearner", "dp_share", "episodes_of"]

@@ -292,3 +292,46 @@ class Orchestrator:
         for gid, prompt in self.inflight.items():
             if not self.queue.is_known(gid):
                 self.queue.put(WorkItem(gid, prompt, attempt=1))
+
+
+class OrchestratorRole:
+    """The orchestrator as a role of the RL run: the queue in run_dir/rollouts and the epoch's `Orchestrator`,
+    behind what the trainer asks of it -- the next step's groups, the step's queue metrics, its checkpoint
+    state, and stopping the workers. It lives in the process of trainer rank 0, which broadcasts the groups
+    to the other trainer ranks; nothing else of the trainer reaches into it."""
+
+    def __init__(self, run_dir: str | Path, num_prompts: int, rollout, seed: int, state: Optional[dict] = None):
+        """`rollout`: the run's rollout section (group_size, max_inflight_groups, max_staleness, lease_s,
+        group_timeout_s); `state`: the orchestrator state of the checkpoint a trainer resumes from."""
+        self.queue = WorkQueue(Path(run_dir) / "rollouts")
+        self.queue.clear_stop()
+        self.orch = Orchestrator(self.queue, num_prompts, rollout.group_size, seed, rollout.max_inflight_groups,
+                                 rollout.max_staleness, rollout.lease_s)
+        self.timeout_s = rollout.group_timeout_s
+        if state is not None:
+            self.orch.load_state_dict(state)
+
+    def describe(self) -> str:
+        """Where a resumed epoch stands."""
+        return (f"{len(self.orch.inflight)} unconsumed groups re-issued, sampler at prompt "
+                f"{self.orch.sampler.position}/{self.orch.sampler.num_prompts}")
+
+    def next_groups(self, n: int, version: int, alive: Optional[Callable[[], bool]] = None) -> list[dict]:
+        """The step's n finished groups usable at weight version `version` (fewer only at the end of the epoch)."""
+        return self.orch.next_groups(n, version, timeout_s=self.timeout_s, alive=alive)
+
+    def step_metrics(self) -> dict:
+        """Staleness of the tokens consumed since the last call, and the groups re-queued so far."""
+        hist = self.orch.take_staleness()
+        return {"staleness_hist": {str(k): v for k, v in hist.items()},
+                "staleness_mean": (sum(k * v for k, v in hist.items()) / max(sum(hist.values()), 1)),
+                "staleness_max": float(max(hist, default=0)),
+                "requeued_crashed": float(self.orch.stats.requeued_crashed),
+                "requeued_stale": float(self.orch.stats.requeued_stale)}
+
+    def state_dict(self) -> dict:
+        return self.orch.state_dict()
+
+    def stop(self) -> None:
+        """Ask every rollout worker of the run to exit."""
+        self.queue.stop_all()

@@ -142,7 +142,8 @@ def _trained_prompts(run_dir: Path) -> list[int]:
 
 
 def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, tmp_path):
-    from rl.trainer import RLConfig, run_rl
+    from rl.config import RLConfig
+    from rl.launch import run_rl
 
     run_dir = tmp_path / "run"
     cfg = load_config(RLConfig, None, _overrides(assets, run_dir, **{
@@ -244,7 +245,7 @@ def test_help_lists_the_rl_schema():
 @pytest.mark.parametrize("path", sorted(ROOT.glob("examples/*/rl.yaml")), ids=lambda p: p.parent.name)
 def test_shipped_rl_configs_load(path):
     from megatron_composer.config import ConfigError
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     cfg = load_config(RLConfig, path)
     assert cfg.rollout.max_staleness >= 0 and cfg.rl.router_replay == "r3"
@@ -280,7 +281,8 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
     from rl.rollout.tasks import load_rl_tasks
     from rl.rollout.worker import RolloutConfig, RolloutWorker
     from rl.sandbox import LocalBackend, SandboxError
-    from rl.trainer import RLConfig, build_model
+    from rl.config import RLConfig
+    from rl.model import build_model
 
     try:
         backend = LocalBackend()
@@ -311,7 +313,8 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
 
 
 def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch):
-    from rl.trainer import RLConfig, Trainer
+    from rl.config import RLConfig
+    from rl.trainer import Trainer
     from rl.weight_sync import ObjectStoreError, WeightPublisher
 
     cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"train.steps": 2}))

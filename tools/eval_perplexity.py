@@ -30,7 +30,8 @@ from megatron_composer.data.tokenizer import TokenizerError, load_tokenizer  # n
 
 def load_ours(path: str):
     from megatron_composer.model import Transformer
-    from pretrain.trainer import PretrainConfig, architecture, model_config
+    from megatron_composer.training.config import architecture, model_config
+    from pretrain.trainer import PretrainConfig
 
     ckpt = resolve_checkpoint(path)
     cfg = load_config(PretrainConfig, ckpt.parent.parent / "config.yaml")

@@ -52,11 +52,14 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
 
-    import warnings
+    from megatron_composer.optional import MissingDependency, require
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns at import about optional GPU libraries
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    try:
+        indexed = require("megatron.core.datasets.indexed_dataset", "tools/preprocess_data.py", "megatron-core")
+    except MissingDependency as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    DType, IndexedDatasetBuilder = indexed.DType, indexed.IndexedDatasetBuilder
 
     prefix = Path(args.output_prefix)
     outputs = [Path(f"{prefix}{s}") for s in (".bin", ".idx", ".meta.json")]

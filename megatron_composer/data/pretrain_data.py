@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,6 +18,7 @@ from typing import Literal
 import torch
 
 from megatron_composer.config import ConfigError
+from megatron_composer.optional import require
 
 
 @dataclass
@@ -49,9 +49,8 @@ class DataError(ValueError):
 
 def check_indexed_dataset(prefix: str, vocab_size: int, eod: int) -> dict:
     """Check PREFIX.bin/.idx exist, are consistent, and were built with a tokenizer that fits; return meta."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # megatron-core warns at import about optional GPU libraries
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    IndexedDataset = require("megatron.core.datasets.indexed_dataset", "pretraining data (data.kind=pretrain)",
+                             "megatron-core").IndexedDataset
 
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
@@ -90,10 +89,11 @@ def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, 
     """Return (train, valid) GPTDataset-like objects: len() and [i] -> dict of tokens/labels/loss_mask/position_ids."""
     for p in cfg.paths:
         check_indexed_dataset(p, tokenizer.vocab_size, tokenizer.eod)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    feature = "pretraining data (data.kind=pretrain)"
+    BlendedMegatronDatasetBuilder = require("megatron.core.datasets.blended_megatron_dataset_builder", feature,
+                                            "megatron-core").BlendedMegatronDatasetBuilder
+    gpt_dataset = require("megatron.core.datasets.gpt_dataset", feature, "megatron-core")
+    GPTDataset, GPTDatasetConfig = gpt_dataset.GPTDataset, gpt_dataset.GPTDatasetConfig
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     private_group = not torch.distributed.is_initialized()
     if private_group:

@@ -5,6 +5,9 @@ reduce-scatter <-> all-gather, all-to-all <-> all-to-all with the splits swapped
 explicit argument. A group of size 1 makes every function the identity, so unsharded code pays nothing.
 
 Collectives are looked up on `torch.distributed` at call time, so a benchmark can wrap them to count bytes.
+The single-tensor all-gather and reduce-scatter are `all_gather_single` / `reduce_scatter_single` where torch
+has them (2.13 deprecates, with a warning on every call, the `all_gather_into_tensor` / `reduce_scatter_tensor`
+names older releases only have); `ALL_GATHER` / `REDUCE_SCATTER` name the ones in use.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def group_size(group) -> int:
@@ -40,7 +47,7 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x_front = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x_front.shape[0],) + tuple(x_front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x_front, group=group)
+    getattr(dist, ALL_GATHER)(out, x_front, group=group)
     return out.movedim(0, dim)
 
 
@@ -52,7 +59,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} is not divisible by group size {n}")
     x_front = x.movedim(dim, 0).contiguous()
     out = torch.empty((x_front.shape[0] // n,) + tuple(x_front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x_front, group=group)
+    getattr(dist, REDUCE_SCATTER)(out, x_front, group=group)
     return out.movedim(0, dim)
 
 

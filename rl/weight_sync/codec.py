@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import zstandard
+
+from megatron_composer.optional import require
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -69,7 +70,7 @@ def encode_chunk(new_bits: torch.Tensor, base_bits: torch.Tensor | None, level: 
     planes = x.view(np.uint8)
     if width > 1:
         planes = np.ascontiguousarray(planes.reshape(-1, width).T)
-    blob = zstandard.ZstdCompressor(level=level).compress(planes.data)
+    blob = require("zstandard", "weight-sync delta compression").ZstdCompressor(level=level).compress(planes.data)
     return blob, unchanged
 
 
@@ -81,7 +82,7 @@ def decode_chunk(blob, count: int, int_dtype: torch.dtype, base_bits: torch.Tens
     planes = np.empty(nbytes, dtype=np.uint8)
     view = memoryview(planes).cast("B")
     filled = 0
-    with zstandard.ZstdDecompressor().stream_reader(blob) as reader:
+    with require("zstandard", "weight-sync delta decompression").ZstdDecompressor().stream_reader(blob) as reader:
         while filled < nbytes:
             n = reader.readinto(view[filled:])
             if n == 0:

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, TypeVar
 
 import fsspec
 
+from megatron_composer.optional import require
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -63,6 +65,8 @@ class ObjectStore:
         self.url = url
         # A filesystem object of our own (fsspec shares instances by default): its caches and sessions are
         # not disturbed by other users of the same URL.
+        if url.startswith(("s3://", "s3a://")):
+            require("s3fs", f"the object store {url}")  # fsspec's own message would not say which feature
         self.fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
         self.root = root.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)

@@ -21,7 +21,7 @@ from common import init, run_cases  # noqa: E402
 
 from megatron_composer.config import load_config  # noqa: E402
 from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
-from pretrain.layout import Layout  # noqa: E402
+from megatron_composer.training.layout import Layout  # noqa: E402
 from rl.algorithm.loss import mismatch_mask, mismatch_statistics, mismatch_threshold  # noqa: E402
 
 TOK = None
@@ -66,7 +66,7 @@ def algorithm_case(level: str):
 def learner_case(tmp: Path):
     def run():
         from rl.learner import PolicyLearner
-        from rl.trainer import RLConfig
+        from rl.config import RLConfig
         from rl_worker import near_policy, rollout_groups
 
         def config(run_dir: str, mbs: int, **parallel) -> RLConfig:

@@ -22,10 +22,11 @@ from megatron_composer.config import load_config  # noqa: E402
 from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.layers import spec_of  # noqa: E402
-from pretrain.layout import Layout  # noqa: E402
+from megatron_composer.training.core import finish_gradients  # noqa: E402
+from megatron_composer.training.layout import Layout  # noqa: E402
 from rl.algorithm import token_logprobs  # noqa: E402
 from rl.learner import PolicyLearner, dp_share  # noqa: E402
-from rl.trainer import RLConfig  # noqa: E402
+from rl.config import RLConfig  # noqa: E402
 
 TOK = None  # set from --tok
 
@@ -84,7 +85,7 @@ def near_policy(results: list[dict], model, seed: int) -> None:
 
 def grads_to_full_shards(learner: PolicyLearner) -> None:
     opt = learner.optimizer
-    learner.layout.finish_gradients(learner.model, opt, 0.0)
+    finish_gradients(learner.model, opt, 0.0)
     if isinstance(opt, DistributedAdamW):
         opt.gather_grads()
 

@@ -11,9 +11,9 @@ from megatron_composer.config import load_config
 
 def _learner(rl_assets, tmp_path, **over):
     from megatron_composer.data.tokenizer import load_tokenizer
-    from pretrain.layout import Layout
+    from megatron_composer.training.layout import Layout
     from rl.learner import PolicyLearner
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     base = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "data.tokenizer": rl_assets / "tok", "rollout.max_seq_len": 128, "train.seed": 3, "run.dir": tmp_path,

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _learner(rl_assets, tmp_path, **over):
     from megatron_composer.data.tokenizer import load_tokenizer
-    from pretrain.layout import Layout
+    from megatron_composer.training.layout import Layout
     from rl.learner import PolicyLearner
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     base = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "data.tokenizer": rl_assets / "tok", "rollout.max_seq_len": 128, "train.seed": 3, "run.dir": tmp_path,
@@ -241,9 +241,10 @@ def _kimi_tokenizer():
 @pytest.mark.parametrize("name", ["long_context_256k.yaml", "sft.yaml", "rl.yaml"])
 def test_shipped_stages_after_the_long_context_stage_keep_its_rope(family, rope, name):
     """Kimi K2.5: SFT (128k) and RL run at the 256k stage's factor 64, not 131072 / 4096 = 32."""
-    from pretrain.trainer import PretrainConfig, model_config
-    from rl.learner import rl_model_config
-    from rl.trainer import RLConfig
+    from megatron_composer.training.config import model_config
+    from pretrain.trainer import PretrainConfig
+    from rl.model import rl_model_config
+    from rl.config import RLConfig
 
     path = ROOT / "examples" / family / name
     if name == "rl.yaml":
@@ -261,7 +262,7 @@ def test_shipped_tiny_stages_share_one_rope():
     for name in ("long_context.yaml", "sft.yaml"):
         cfg = load_config(PretrainConfig, ROOT / "examples/tiny" / name)
         ropes.add((cfg.data.seq_length / cfg.model.yarn_original_length, cfg.model.yarn_original_length))
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     rl = load_config(RLConfig, ROOT / "examples/tiny/rl.yaml")
     ropes.add((rl.data.seq_length / rl.model.yarn_original_length, rl.model.yarn_original_length))
@@ -274,8 +275,8 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
     stage that forces another rope on those weights is refused naming both."""
     from megatron_composer.checkpoint.dcp import CheckpointError
     from pretrain.trainer import PretrainConfig, run_stage
-    from rl.learner import rl_model_config
-    from rl.trainer import RLConfig
+    from rl.model import rl_model_config
+    from rl.config import RLConfig
     from megatron_composer.data.tokenizer import load_tokenizer
 
     import sys
@@ -318,7 +319,7 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
     assert (mc.rope_scaling.factor, mc.rope_scaling.original_max_position_embeddings) == (2.0, 32)
     # the weights' rope is checked on load: another rope forced on them is an error naming both
     from megatron_composer.checkpoint.dcp import check_meta
-    from pretrain.trainer import architecture
+    from megatron_composer.training.config import architecture
     import dataclasses
 
     forced = dataclasses.replace(mc, rope_scaling=dataclasses.replace(mc.rope_scaling, factor=1.0))
@@ -329,7 +330,8 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
 # ---- a run with a strong length penalty ---------------------------------------------------------------------
 
 def _run(rl_assets, run_dir: Path, **extra) -> list[dict]:
-    from rl.trainer import RLConfig, run_rl
+    from rl.config import RLConfig
+    from rl.launch import run_rl
 
     tasks = run_dir.parent / "tasks"  # the prompts four times over: an epoch of 12 steps
     if not tasks.is_dir():

@@ -39,7 +39,7 @@ def _overrides(rl_assets: Path, tasks: Path, run_dir: Path, **extra) -> list[str
 
 def _tool_calling_model(cfg, tok):
     """The tiny model with its output head leaning to <tool_call> (about even odds at every position)."""
-    from rl.trainer import build_model
+    from rl.model import build_model
 
     torch.manual_seed(0)
     model, meta = build_model(cfg, tok)
@@ -54,7 +54,7 @@ def _tool_calling_model(cfg, tok):
 def setup(rl_assets, tmp_path_factory):
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.sandbox import LocalBackend, SandboxError
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     try:
         LocalBackend()
@@ -72,7 +72,7 @@ def setup(rl_assets, tmp_path_factory):
 
 def test_rollout_summaries_become_trained_segments_of_the_episode(setup):
     from megatron_composer.data.chat_template import IM_END
-    from pretrain.layout import Layout
+    from megatron_composer.training.layout import Layout
     from rl.envs.agent import SUMMARY_REQUEST
     from rl.learner import PolicyLearner
     from rl.orchestrator import WorkItem
@@ -128,7 +128,8 @@ def test_rollout_summaries_become_trained_segments_of_the_episode(setup):
 
 def test_run_logs_segments_and_summaries(setup):
     from megatron_composer.checkpoint.dcp import save_checkpoint
-    from rl.trainer import RLConfig, run_rl
+    from rl.config import RLConfig
+    from rl.launch import run_rl
 
     cfg, _, model, meta, root, rl_assets, tasks = setup
     init = root / "init"

@@ -58,7 +58,7 @@ def _check(res):
 
 
 def _cfg(**over):
-    from rl.trainer import RLConfig
+    from rl.config import RLConfig
 
     return load_config(RLConfig, None, [f"{k}={v}" for k, v in over.items()]).validate()
 

@@ -1,8 +1,9 @@
 """A trainer rank's place in the parallel layout, shared by the pretraining and RL trainers.
 
 `Layout` turns the `parallel:` config section into process groups (megatron_composer.parallel.ParallelDims),
-parallelises a full model, builds the optimizer (DistributedAdamW with ZeRO-1 on several ranks) and does the
-gradient synchronisation and clipping after backward. The layout's world is torch.distributed's default group:
+parallelises a full model, builds the optimizer (DistributedAdamW with ZeRO-1 on several ranks) and shards
+batches and sums metrics over the ranks that hold distinct tokens. The gradient path after backward is
+`megatron_composer.training.core.finish_gradients`. The layout's world is torch.distributed's default group:
 the RL entrypoint initialises that group over the trainer ranks only, so rollout processes never join it.
 """
 
@@ -11,10 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 from megatron_composer.training.optim import OptimizerConfig, build_optimizer
-from pretrain.losses import shift_left_local
+
+
+def shift_left_local(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """y[:, t] = x[:, t + k] along dim 1, `fill` past the end (the single-shard case of cp_shift_left)."""
+    pad = torch.full_like(x.narrow(1, 0, k), fill)
+    return torch.cat([x.narrow(1, k, x.shape[1] - k), pad], dim=1)
 
 
 class Layout:
@@ -25,9 +30,8 @@ class Layout:
     cp. With more than one rank the optimizer is a DistributedAdamW (see `build_optimizer`): it reduces
     gradients per parameter family (dense over dp x cp replicas, routed experts over expert-data-parallel
     replicas) in buckets of parallel.grad_bucket_mb, counts each distinct element once in the grad norm, and
-    with parallel.zero1 shards the AdamW moments over those replicas. `reduce_gradients` / `clip_gradients`
-    do the same reduction and clipping for a plain torch optimizer. Counts and logged sums are reduced over
-    the dp x cp ranks, which hold distinct tokens.
+    with parallel.zero1 shards the AdamW moments over those replicas. One rank has nothing to reduce and uses
+    torch's AdamW. Counts and logged sums are reduced over the dp x cp ranks, which hold distinct tokens.
     """
 
     def __init__(self, pcfg: ParallelConfig, distributed: bool | None = None):
@@ -84,74 +88,8 @@ class Layout:
         group = self.groups.cp_group
         return lambda x, k, fill=0: cp_shift_left(x, k, 1, group, fill)
 
-    def _family(self, p) -> str:
-        from megatron_composer.parallel.layers import spec_of
-
-        return "expert" if spec_of(p).kind == "expert" else "dense"
-
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over replicas (each micro-batch loss is already normalised by the global count)."""
-        if self.world == 1:
-            return
-        params = [p for p in model.parameters() if p.grad is not None]
-        if self.groups is None:
-            _all_reduce_flat([p.grad for p in params], None)
-            return
-        from megatron_composer.parallel.layers import spec_of
-
-        if self.dims.tp > 1:  # sequence-sharded inputs leave partial sums across tp
-            _all_reduce_flat([p.grad for p in params if spec_of(p).kind == "tp_partial"], self.groups.tp_group)
-        for family, kind in (("dense", "dp_cp"), ("expert", "edp")):
-            if self.groups.size(kind) > 1:
-                _all_reduce_flat([p.grad for p in params if self._family(p) == family], self.groups.group(kind))
-
-    def clip_gradients(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the gradient (each distinct element counted once); scales it to max_norm."""
-        max_norm = max_norm if max_norm > 0 else float("inf")
-        if self.groups is None:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        from megatron_composer.parallel.layers import spec_of
-
-        sq = torch.zeros((), dtype=torch.float64)
-        first_replica = {kind: self.groups.ranks(kind).index(self.rank) == 0 for kind in ("dp_cp", "edp")}
-        grads = []
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            kind = spec_of(p).kind
-            distinct = kind in ("tp_sharded", "expert") or self.groups.tp_rank == 0
-            if distinct and first_replica["edp" if kind == "expert" else "dp_cp"]:
-                sq += p.grad.double().square().sum().cpu()
-        dist.all_reduce(sq)
-        norm = sq.sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return norm
-
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks holding distinct tokens (dp x cp)."""
         if self.world > 1:
             dist.all_reduce(t, group=self.groups.group("dp_cp") if self.groups is not None else None)
         return t
-
-    def finish_gradients(self, model: torch.nn.Module, optimizer, max_norm: float) -> torch.Tensor:
-        """After the last backward of a step: reduce gradients over replicas, then clip them to the global
-        norm max_norm (<= 0: no clipping). Returns the norm before clipping."""
-        if isinstance(optimizer, DistributedAdamW):
-            optimizer.finish_grad_sync()
-            return optimizer.clip_grad_norm(max_norm if max_norm > 0 else float("inf"))
-        self.reduce_gradients(model)
-        return self.clip_gradients(model, max_norm)
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()

@@ -1,0 +1,89 @@
+"""Roles to processes: what `rl_composer.py` runs on every process of an RL launch.
+
+Ranks 0 .. trainer_ranks-1 are the Trainer role (rl/trainer.py; rank 0 also runs the orchestrator role and
+publishes the weights) and form torch.distributed's default process group, cut into the pretraining
+layouts; every other rank is a rollout process (rl/rollout/launch.py), which never joins that group. When
+the launch leaves no rollout rank (one process, or trainer_ranks = world size) trainer rank 0 runs
+``rollout.embedded_workers`` worker threads. Separate launches (clusters) run the same entrypoint with
+``role=trainer`` or ``role=rollout``; they meet only through run.dir's rollout queue and the weight store.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_composer.config import ConfigError
+from megatron_composer.parallel.dims import ParallelDims
+from rl.config import RLConfig
+from rl.model import build_model_meta
+from rl.rollout.launch import run_worker_process
+from rl.trainer import Trainer
+
+
+def check_model_layout(cfg: RLConfig) -> None:
+    """The model against the trainer layout (heads, vocabulary, experts divisible), on every rank before any
+    work, so a bad layout stops rollout ranks too."""
+    from megatron_composer.data.tokenizer import load_tokenizer
+
+    trainer = cfg.role != "rollout" and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1
+    rollout = cfg.role != "trainer" and cfg.rollout.tp > 1
+    if not (trainer or rollout):
+        return
+    from megatron_composer.parallel import validate_layout
+
+    mc, _ = build_model_meta(cfg, load_tokenizer(cfg.data.tokenizer))
+    if trainer:
+        validate_layout(ParallelDims.from_config(cfg.parallel, cfg.trainer_ranks), mc)
+    if rollout:
+        if mc.tie_word_embeddings:
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: tensor parallelism does not support tied embeddings "
+                              "(model tie_word_embeddings); set rollout.tp=1")
+        try:
+            validate_layout(ParallelDims(cfg.rollout.tp, tp=cfg.rollout.tp), mc)
+        except ConfigError as e:
+            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: {e}".replace("parallel.tp", "rollout.tp")) from None
+
+
+def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:
+    """Trainer ranks 0..trainer_ranks-1 of a multi-process launch become torch.distributed's default group;
+    rollout ranks never join it (they meet the trainer only through the queue and the weight store).
+    Returns whether it created the group."""
+    n = cfg.trainer_ranks if cfg.role == "auto" else world
+    if n == 1 or dist.is_initialized():
+        return False
+    import datetime
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=datetime.timedelta(seconds=1800))
+    return True
+
+
+def run_rl(cfg: RLConfig) -> Path | None:
+    cfg.validate()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg.check_runnable(world)
+    check_model_layout(cfg)
+    if cfg.role == "auto":
+        role = "trainer" if rank < cfg.trainer_ranks else "rollout"
+    else:
+        role = cfg.role
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
+    if role == "rollout":
+        run_worker_process(cfg, rank, world)
+        return None
+    created = init_trainer_group(cfg, rank, world)
+    try:
+        trainer = Trainer(cfg)
+        if cfg.role == "auto" and cfg.trainer_ranks == world and trainer.is_main:
+            trainer.start_embedded_workers(cfg.rollout.embedded_workers)
+        return trainer.fit()
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -1,0 +1,54 @@
+"""The RL run's model as the trainer, rollout workers and evaluation build it.
+
+The model section is the pretraining one (megatron_composer.training.config.model_config); its context for
+YaRN is data.seq_length, or rollout.max_seq_len when that is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_composer.training.config import checkpoint_meta, model_config
+from megatron_composer.checkpoint.dcp import CheckpointError
+from megatron_composer.training.core import local_device, starting_checkpoint
+from rl.config import RLConfig
+
+
+def rl_model_config(cfg: RLConfig, tokenizer):
+    """The policy's ModelConfig, with the rope scaling of the weights the run resumes (run.dir) or starts from
+    (checkpoint.init_from) when that checkpoint is readable here."""
+    seq_length = cfg.data.seq_length or cfg.rollout.max_seq_len
+    try:
+        weights = starting_checkpoint(cfg.run.dir, cfg.checkpoint.init_from)
+    except CheckpointError:
+        weights = None  # a trainer fails on loading it; a rollout host without it keeps the configured rope
+    return model_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=seq_length)), tokenizer,
+                        weights=weights)
+
+
+def build_model_meta(cfg: RLConfig, tokenizer):
+    """The run's ModelConfig and the checkpoint meta its checkpoints carry."""
+    mc = rl_model_config(cfg, tokenizer)
+    return mc, checkpoint_meta(mc, tokenizer)
+
+
+def build_model(cfg: RLConfig, tokenizer):
+    """The full (unsharded) model of the run, as rollout workers and evaluation hold it, and its meta."""
+    from megatron_composer.model import Transformer
+
+    mc, meta = build_model_meta(cfg, tokenizer)
+    return Transformer(mc), meta
+
+
+def rollout_model(cfg: RLConfig, tokenizer, groups) -> torch.nn.Module:
+    """This rank's shard of a tensor-parallel rollout engine's model (weights arrive from the store)."""
+    from megatron_composer.parallel.parallelize import parallelize_model
+
+    model, _ = build_model(cfg, tokenizer)
+    model = parallelize_model(model.to(getattr(torch, cfg.weight_sync.dtype)), groups)  # shard on the host first
+    return model.to(local_device()).eval()
+
+
+__all__ = ["build_model", "build_model_meta", "rl_model_config", "rollout_model"]

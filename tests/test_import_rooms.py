@@ -1,0 +1,106 @@
+"""The rooms' import rules, read from the source with ast (every import, also those inside functions):
+the library imports neither phase, pretraining and RL do not import each other, and no module imports
+itself through a chain of others."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("megatron_composer", "pretrain", "rl")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The tree's modules that `name` imports: `from a.b import c` names a.b.c when that is a module, else a.b."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_pretraining_and_rl_do_not_import_each_other_and_the_library_imports_neither():
+    bad = []
+    for name, deps in _graph().items():
+        room = name.split(".")[0]
+        for dep in deps:
+            other = dep.split(".")[0]
+            if (room, other) in (("pretrain", "rl"), ("rl", "pretrain"), ("megatron_composer", "pretrain"), ("megatron_composer", "rl")):
+                bad.append(f"{name} -> {dep}")
+    assert not bad, bad
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    # Tarjan's strongly connected components; a component of more than one module is a cycle.
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, cycles
+
+
+def test_the_checker_sees_a_cycle_and_a_crossing(tmp_path, monkeypatch):
+    """The two rules above fail on a tree that breaks them (so they can fail)."""
+    for pkg, body in (("pretrain", "from rl import b\n"), ("rl", "import pretrain.a\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / ("a.py" if pkg == "pretrain" else "b.py")).write_text(body)
+    (tmp_path / "megatron_composer").mkdir()
+    (tmp_path / "megatron_composer" / "__init__.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = _graph()
+    assert graph["pretrain.a"] == {"rl.b"} and graph["rl.b"] == {"pretrain.a"}
+    import pytest
+
+    with pytest.raises(AssertionError):
+        test_no_import_cycle()
+    with pytest.raises(AssertionError):
+        test_pretraining_and_rl_do_not_import_each_other_and_the_library_imports_neither()
