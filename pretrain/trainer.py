@@ -26,7 +26,7 @@ from megatron_composer.model import ModelOutput
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
                                                ParallelConfig, RunConfig, checkpoint_meta, model_config)
-from megatron_composer.training.core import TrainingCore, initial_weights, local_device, resume_point
+from megatron_composer.training.core import TrainingCore, initial_weights, local_device, resume_point, starting_checkpoint
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.layout import Layout
 from megatron_composer.training.metrics import MetricsLogger, memory_gb
@@ -175,7 +175,8 @@ class Stage:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.mc = mc = model_config(cfg, tokenizer)
+        # the rope scaling of the weights the stage resumes or starts from (megatron_composer.model.args.stage_rope_scaling)
+        self.mc = mc = model_config(cfg, tokenizer, weights=starting_checkpoint(self.run_dir, init_from or ""))
         layout.validate(mc, cfg.data.seq_length)
         meta = checkpoint_meta(mc, tokenizer)
         latest = resume_point(self.run_dir, meta)  # before anything in run.dir is touched

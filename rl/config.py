@@ -24,8 +24,9 @@ from rl.weight_sync import ObjectStore, WeightSyncConfig
 class RLDataConfig:
     tasks: str = field(default="examples/tiny/rl_tasks", metadata={"help": "task directory: tasks.jsonl and/or Harbor task folders"})
     tokenizer: str = field(default="data/tiny/tokenizer", metadata={"help": "tokenizer file or directory"})
-    seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from (YaRN factor = this / "
-                                                        "model.yarn_original_length, as in that stage); 0 = rollout.max_seq_len"})
+    seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from; the rope scaling is the "
+                                                        "weights' own (inherited from the checkpoint), else YaRN factor = this / "
+                                                        "model.yarn_original_length; 0 = rollout.max_seq_len"})
 
 
 @dataclass

@@ -15,11 +15,13 @@ rank gets the same rollout samples for a step and trains on its data-parallel sh
   whole sequences (the gradient flows back to each rank's own positions only), so the loss -- importance
   ratios, the mismatch quantile, the KL reward-to-go -- is the single-process code on whole sequences;
 * the loss is normalised by step-level counts (episodes of the step, Dr. GRPO constant = rl.loss_constant or
-  the longest sample of the step, loss-mask tokens of the step), so micro-batching and the layout do not
-  change it; data-parallel gradients are summed (megatron_composer.training.core.finish_gradients).
-
-The mismatch quantile (rl.mismatch_bound null) is taken over the tokens of one micro-batch on one dp rank, as
-on a single rank; give rl.mismatch_bound for a layout-independent threshold.
+  the per-episode generation budget, loss-mask tokens of the step), so micro-batching and the layout do not
+  change it; data-parallel gradients are summed (megatron_composer.training.core.finish_gradients);
+* log-probs are taken under the rollout temperature (the distribution the engine sampled from);
+* an old-policy pass (no grad, the weights the step starts from) runs first when the step needs it whole:
+  the mismatch quantile is over every token of the step on every dp rank, R2 replays the routing it
+  recorded, ppo_clip uses its log-probs as pi_old, and the KL reward-to-go of a summarisation chain adds the
+  KL of the episode's later segments (docs/ARCHITECTURE.md, "The RL objective as trained").
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ from rl.algorithm import (
     TrainingSample,
     collate_samples,
     episodes_to_samples,
+    kl_estimate,
+    mismatch_mask,
     replay_routing,
     routing_mismatch,
 )
+from rl.algorithm.loss import mismatch_statistics, mismatch_threshold
 from rl.model import build_model_meta
 
 
@@ -84,8 +89,11 @@ class PolicyLearner:
     """This trainer rank's policy shard, reference policy, optimizer and RL loss (see the module docstring)."""
 
     def __init__(self, cfg, tokenizer, layout: Layout, device: torch.device, init_from: str = "",
-                 resuming: bool = False):
+                 resuming: bool = False, agent_tasks: bool = False):
         self.cfg, self.layout, self.device = cfg, layout, device
+        self.temperature = float(cfg.rollout.temperature)
+        # Dr. GRPO's constant: the per-episode generation budget unless set (see rl.algorithm.config)
+        self.loss_constant = float(cfg.rl.loss_constant or cfg.rollout.episode_token_budget(agent_tasks))
         self.tokenizer = tokenizer
         self.mc, self.meta = build_model_meta(cfg, tokenizer)
         layout.validate(self.mc, None)
@@ -129,15 +137,18 @@ class PolicyLearner:
             out["position_ids"] = shard_sequence(torch.arange(S).expand(B, S), 1, dims.cp, r).contiguous()
         if "routed_experts" in batch:
             out["routed_experts"] = shard_sequence(batch["routed_experts"], 2, dims.cp, r).contiguous()
-            out["loss_mask"] = shard_sequence(batch["loss_mask"], 1, dims.cp, r).contiguous()
         return {k: (None if v is None else v.to(self.device)) for k, v in out.items()}
 
     def _token_logprobs(self, model, local: dict, replay):
-        """Token-aligned log-probs of the whole (unsharded) sequences: logp[b, t] = log pi(x_t | x_<t), logp[:, 0]
-        = 0; and the forward's output. Context-parallel pieces are gathered; each rank's gradient stays local."""
+        """Token-aligned log-probs of the whole (unsharded) sequences under the sampling temperature T
+        (rollout.temperature): logp[b, t] = log softmax(logits_t / T)[x_t], logp[:, 0] = 0; and the forward's
+        output. Context-parallel pieces are gathered; each rank's gradient stays local."""
         out = model(local["input_ids"], position_ids=local["position_ids"], routed_experts=replay, return_routing=True)
         target = self.layout.shift_left(local["input_ids"], 1)
-        logp_next = vocab_parallel_logprobs(out.logits, target, self.layout.vocab_group)
+        logits = out.logits
+        if self.temperature != 1.0:  # the distribution the engine sampled from: softmax(logits / T)
+            logits = logits / self.temperature
+        logp_next = vocab_parallel_logprobs(logits, target, self.layout.vocab_group)
         if self.layout.cp > 1:
             gathered = C.gather_from_parallel(logp_next, 1, self.layout.groups.cp_group, grad_is_partial=False)
             logp_next = unshard_sequence(gathered, 1, self.layout.cp)
@@ -156,58 +167,137 @@ class PolicyLearner:
         samples, adv = episodes_to_samples(groups, self.cfg.rl)
         return samples, adv, sum(len(g) for g in groups)
 
-    def backward(self, samples: list[TrainingSample], num_episodes: int) -> dict[str, float]:
-        """Forward and backward of this rank's share of the step's samples (gradients accumulate on the
-        parameters, not yet reduced over replicas). Returns step-level metrics (reduced over ranks)."""
-        cfg, layout = self.cfg, self.layout
-        self.model.train()
-        constant = cfg.rl.loss_constant or float(max(len(s.input_ids) for s in samples))
-        num_tokens = sum(sum(s.loss_mask) for s in samples)
-        micro = dp_share(samples, layout.dp_size, layout.dp_rank, cfg.train.micro_batch_size)
-        # sums over the ranks holding distinct tokens; whole-sequence terms count 1/cp on each cp rank
-        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
-        mismatch_max = 0.0
-        for chunk in micro:
+    def needs_old_policy_pass(self, samples: list[TrainingSample]) -> bool:
+        """Whether the step runs the old-policy pass (`_old_policy_pass`): for a quantile mismatch filter (its
+        threshold is over the whole step), R2 (it records the routing), PPO (pi_old) and the KL reward-to-go
+        of summarisation chains (it needs every segment's KL before any update)."""
+        rl = self.cfg.rl
+        return ((rl.mismatch_mask != "off" and rl.mismatch_bound is None) or rl.router_replay == "r2"
+                or rl.pg_loss == "ppo_clip"
+                or (rl.kl_coef > 0 and rl.kl_placement == "in_reward" and any(s.segment > 0 for s in samples)))
+
+    def _micro_batches(self, samples: list[TrainingSample]) -> list[tuple[list, dict, dict, dict]]:
+        """This dp rank's micro-batches as (chunk, padded batch, this rank's local slice, whole sequences)."""
+        layout = self.layout
+        out = []
+        for chunk in dp_share(samples, layout.dp_size, layout.dp_rank, self.cfg.train.micro_batch_size):
             if not chunk:  # a dp rank with fewer samples still takes part in every collective of the step
                 chunk = [self._padding_sample(samples[0])]
             batch = _pad_to(collate_samples(chunk, pad_id=self.pad_id), self.seq_multiple, self.pad_id, self.top_k)
             local = self._local(batch)
+            local["loss_mask"] = shard_sequence(batch["loss_mask"], 1, layout.dims.cp, layout.cp_rank).to(self.device)
             full = {k: batch[k].to(self.device) for k in ("input_ids", "loss_mask", "behaviour_logp", "advantages")}
-            routed = local.get("routed_experts")
-            replay = replay_routing(cfg.rl.router_replay, routed) if cfg.rl.router_replay != "r2" else None
+            out.append((chunk, batch, local, full))
+        return out
+
+    @torch.no_grad()
+    def _old_policy_pass(self, micro: list) -> list[dict]:
+        """Before the update, per micro-batch: the policy's log-probs (the old policy, pi_old), the routing it
+        chose (R2 replays it in the update pass; under R3 it is the engine's), and the reference log-probs
+        under the update pass's routing."""
+        rl = self.cfg.rl
+        old = []
+        for _, _, local, _ in micro:
+            replay = replay_routing(rl.router_replay, local.get("routed_experts")) if rl.router_replay == "r3" else None
             logp, out = self._token_logprobs(self.model, local, replay)
-            ref_logp = None
-            if self.ref_model is not None:
+            routing = out.routed_experts
+            update_replay = routing if rl.router_replay == "r2" else replay
+            ref = self._token_logprobs(self.ref_model, local, update_replay)[0] if self.ref_model is not None else None
+            old.append({"logp": logp, "routing": routing, "ref_logp": ref})
+        return old
+
+    def _chain_kl_tails(self, samples: list[TrainingSample], micro: list, old: list[dict],
+                        threshold: float | None) -> list[torch.Tensor]:
+        """Per micro-batch [B]: the KL penalty's sum over the *later* segments of each sample's episode (kept
+        tokens, old-policy log-probs), so the reward-to-go runs over the whole chain. Collective over dp."""
+        rl = self.cfg.rl
+        index = {id(s): i for i, s in enumerate(samples)}
+        totals = torch.zeros(len(samples), dtype=torch.float64)
+        for (chunk, _, _, full), o in zip(micro, old):
+            keep, _ = mismatch_mask(o["logp"], full["behaviour_logp"], full["loss_mask"], rl.mismatch_mask,
+                                    rl.mismatch_bound, rl.mismatch_quantile, threshold=threshold)
+            kl = torch.where(keep, kl_estimate(o["logp"], o["ref_logp"].float(), rl.kl_estimator), 0.0).sum(-1)
+            for b, s in enumerate(chunk):
+                if id(s) in index:
+                    totals[index[id(s)]] = float(kl[b])
+        if self.layout.groups is not None and self.layout.dp_size > 1:  # each dp rank filled its own samples
+            dist.all_reduce(totals, group=self.layout.groups.group("dp"))
+        tails = []
+        for chunk, *_ in micro:
+            tails.append(torch.tensor([sum(float(totals[j]) for j, t in enumerate(samples)
+                                           if (t.group, t.episode) == (s.group, s.episode) and t.segment > s.segment)
+                                       if id(s) in index else 0.0 for s in chunk], dtype=torch.float32))
+        return tails
+
+    def backward(self, samples: list[TrainingSample], num_episodes: int) -> dict[str, float]:
+        """Forward and backward of this rank's share of the step's samples (gradients accumulate on the
+        parameters, not yet reduced over replicas). Returns step-level metrics (reduced over ranks)."""
+        cfg, layout, rl = self.cfg, self.layout, self.cfg.rl
+        self.model.train()
+        num_tokens = sum(sum(s.loss_mask) for s in samples)
+        micro = self._micro_batches(samples)
+        old = self._old_policy_pass(micro) if self.needs_old_policy_pass(samples) else None
+        threshold = None  # the step's mismatch threshold, over every token of the step on every dp rank
+        if old is not None and rl.mismatch_mask != "off":
+            values = [mismatch_statistics(o["logp"], full["behaviour_logp"], full["loss_mask"], rl.mismatch_mask)[1]
+                      for (_, _, _, full), o in zip(micro, old)]
+            dp_group = layout.groups.group("dp") if layout.groups is not None else None
+            threshold = mismatch_threshold(torch.cat(values), rl.mismatch_quantile, rl.mismatch_bound, dp_group)
+        tails = None
+        if old is not None and rl.kl_coef > 0 and rl.kl_placement == "in_reward" and any(s.segment for s in samples):
+            tails = self._chain_kl_tails(samples, micro, old, threshold)
+        # sums over the ranks holding distinct tokens; whole-sequence terms count 1/cp on each cp rank
+        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0}
+        mismatch_max = 0.0
+
+        def add(key: str, value: float, weight: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            sums[f"{key}#n"] = sums.get(f"{key}#n", 0.0) + weight
+
+        for m_i, (chunk, batch, local, full) in enumerate(micro):
+            routed = local.get("routed_experts")
+            o = old[m_i] if old is not None else None
+            if rl.router_replay == "r2":
+                replay = replay_routing("r2", old_policy_routed_experts=o["routing"])
+            else:
+                replay = replay_routing(rl.router_replay, routed)
+            logp, out = self._token_logprobs(self.model, local, replay)
+            ref_logp = o["ref_logp"] if o is not None else None
+            if self.ref_model is not None and ref_logp is None:
                 with torch.no_grad():
                     ref_logp, _ = self._token_logprobs(self.ref_model, local, replay)
             loss, m = self.loss_fn(logp, full["loss_mask"], full["advantages"], full["behaviour_logp"],
-                                   ref_logp=ref_logp, num_sequences=num_episodes, num_tokens=num_tokens,
-                                   constant=constant)
+                                   old_logp=o["logp"] if o is not None else None, ref_logp=ref_logp,
+                                   num_sequences=num_episodes, num_tokens=num_tokens, constant=self.loss_constant,
+                                   mismatch_threshold=threshold, kl_tail=tails[m_i] if tails is not None else None)
             loss.backward()
             n = float(full["loss_mask"].sum())
             share = 1.0 / layout.cp
             sums["loss"] += m["loss"] * share
             sums["tokens"] += n * share
             mismatch_max = max(mismatch_max, m.get("mismatch_max", 0.0))
-            for k in ("kl", "mismatch_masked_fraction", "ratio_mean", "tis_truncated_fraction"):
+            for k in ("kl", "mismatch_masked_fraction", "ratio_mean", "tis_truncated_fraction", "clip_fraction"):
                 if k in m and math.isfinite(m[k]):
-                    sums[k] = sums.get(k, 0.0) + m[k] * n * share
-                    sums[f"{k}#n"] = sums.get(f"{k}#n", 0.0) + n * share
+                    add(k, m[k], n * share)
+            n_local = float(local["loss_mask"].sum())
+            if o is not None and out.routed_experts is not None:  # R2: 0 by construction; logged for every mode
+                for k, v in routing_mismatch(out.routed_experts, o["routing"], local["loss_mask"] > 0).items():
+                    add(k.replace("routing_mismatch", "update_routing_mismatch"), v, n_local)
             if routed is not None:  # how often the trainer would route differently from the engine
-                if replay is None:
+                if rl.router_replay == "off":
                     free = out.routed_experts
                 else:
                     with torch.no_grad():
                         free = self.model(local["input_ids"], position_ids=local["position_ids"],
                                           return_routing=True).routed_experts
-                n_local = float(local["loss_mask"].sum())
                 for k, v in routing_mismatch(free, routed, local["loss_mask"] > 0).items():
-                    sums[k] = sums.get(k, 0.0) + v * n_local
-                    sums[f"{k}#n"] = sums.get(f"{k}#n", 0.0) + n_local
+                    add(k, v, n_local)
         keys = sorted(sums)
         vec = layout.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         total = dict(zip(keys, vec.tolist()))
-        metrics = {"loss": total["loss"], "train_tokens": total["tokens"]}
+        metrics = {"loss": total["loss"], "train_tokens": total["tokens"], "loss_constant": float(self.loss_constant)}
+        if threshold is not None:
+            metrics["mismatch_threshold"] = threshold
         for k in keys:
             if k.endswith("#n") or k in ("loss", "tokens"):
                 continue

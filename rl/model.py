@@ -11,13 +11,21 @@ import dataclasses
 import torch
 
 from megatron_composer.training.config import checkpoint_meta, model_config
-from megatron_composer.training.core import local_device
+from megatron_composer.checkpoint.dcp import CheckpointError
+from megatron_composer.training.core import local_device, starting_checkpoint
 from rl.config import RLConfig
 
 
 def rl_model_config(cfg: RLConfig, tokenizer):
+    """The policy's ModelConfig, with the rope scaling of the weights the run resumes (run.dir) or starts from
+    (checkpoint.init_from) when that checkpoint is readable here."""
     seq_length = cfg.data.seq_length or cfg.rollout.max_seq_len
-    return model_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=seq_length)), tokenizer)
+    try:
+        weights = starting_checkpoint(cfg.run.dir, cfg.checkpoint.init_from)
+    except CheckpointError:
+        weights = None  # a trainer fails on loading it; a rollout host without it keeps the configured rope
+    return model_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_length=seq_length)), tokenizer,
+                        weights=weights)
 
 
 def build_model_meta(cfg: RLConfig, tokenizer):

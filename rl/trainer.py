@@ -7,9 +7,10 @@ the number of optimizer steps taken):
    trainer ranks;
 2. group advantages over episode rewards, samples per segment (rl.algorithm.episodes_to_samples); each
    data-parallel rank takes its share;
-3. forward with router replay of the inference engine's experts, token log-probs, `PolicyGradientLoss`
-   (importance ratio against the engine's log-probs, mismatch masking, KL to the initial policy) -- the
-   loss of rl.learner.PolicyLearner, stepped by the training core;
+3. (when needed) an old-policy pass over the step's samples, then forward with router replay (the engine's
+   experts, or under R2 the old pass's), token log-probs at the rollout temperature, `PolicyGradientLoss`
+   (importance ratio against the engine's log-probs, the step's mismatch threshold, KL to the initial
+   policy) -- the loss of rl.learner.PolicyLearner, stepped by the training core;
 4. the full weights are gathered to trainer rank 0, which publishes version v + 1 to the weight-sync store
    (XOR delta against v);
 5. log metrics (held-out pass@K every ``eval.interval`` steps), and checkpoint (model, optimizer,
@@ -42,12 +43,21 @@ from rl.weight_sync import ObjectStoreError
 
 
 def group_metrics(results: list[dict]) -> dict:
-    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups."""
+    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups.
+
+    ``reward_mean`` is the training reward the advantages use; ``verifier_reward_mean`` the verifier's part and
+    ``<term>_mean`` each shaping term's signed part (``length_penalty_mean``, ``malformed_tool_calls_mean``, ...),
+    so reward_mean = verifier_reward_mean + the sum of the term means."""
+    episodes = [ep for r in results for ep in r["episodes"]]
     rewards = torch.tensor([[float(ep["reward"]) for ep in r["episodes"]] for r in results])
-    metas = [ep.get("meta", {}) for r in results for ep in r["episodes"]]
+    metas = [ep.get("meta", {}) for ep in episodes]
     q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
+    terms = sorted({t for ep in episodes for t in ep.get("reward_terms", {})})
+    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes) for t in terms}
     return {
         "reward_mean": rewards.mean().item(),
+        "verifier_reward_mean": sum(float(ep.get("verifier_reward", ep["reward"])) for ep in episodes) / len(episodes),
+        **shaping,
         "reward_best_of_k": rewards.max(dim=1).values.mean().item(),
         "reward_p10": q[0], "reward_p50": q[1], "reward_p90": q[2],
         "episodes": float(rewards.numel()),
@@ -85,7 +95,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         self.learner = PolicyLearner(cfg, self.tokenizer, self.layout, self.device, init_from=cfg.checkpoint.init_from,
-                                     resuming=self.latest is not None)
+                                     resuming=self.latest is not None,
+                                     agent_tasks=any(t.kind != "single_turn" for t in self.tasks))
         self.model, self.meta = self.learner.model, self.learner.meta
         self.step = 0
         self.version = 0

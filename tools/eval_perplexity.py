@@ -36,7 +36,7 @@ def load_ours(path: str):
     ckpt = resolve_checkpoint(path)
     cfg = load_config(PretrainConfig, ckpt.parent.parent / "config.yaml")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    mc = model_config(cfg, tokenizer)
+    mc = model_config(cfg, tokenizer, weights=ckpt)  # the rope the checkpoint was trained with
     model = Transformer(mc)
     load_checkpoint(ckpt, model, None, {"model": architecture(mc)}, restore_rng=False)
     return model, tokenizer, str(ckpt)

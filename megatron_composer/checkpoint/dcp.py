@@ -197,14 +197,33 @@ def save_checkpoint(
     return final
 
 
+def saved_architecture(ckpt: str | Path) -> dict | None:
+    """The model architecture recorded in a checkpoint's meta.json (None when there is none)."""
+    meta_path = Path(ckpt) / "meta.json"
+    return json.loads(meta_path.read_text()).get("model", {}) if meta_path.is_file() else None
+
+
+def _rope_text(rope: dict | None) -> str:
+    if not rope:
+        return "no rope scaling"
+    return f"YaRN factor {rope.get('factor')} over {rope.get('original_max_position_embeddings')} original positions"
+
+
 def check_meta(ckpt: Path, expected: dict) -> None:
-    """Raise if the checkpoint was written for a different architecture than `expected['model']`."""
+    """Raise if the checkpoint was written for a different architecture than `expected['model']`, rope
+    scaling included (a checkpoint written before rope scaling was recorded is not checked for it)."""
     meta_path = ckpt / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint '{ckpt}' has no meta.json; it was not written by this trainer")
     saved = json.loads(meta_path.read_text()).get("model", {})
     want = expected.get("model", {})
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+    if "rope_scaling" in saved and "rope_scaling" in want and saved["rope_scaling"] != want["rope_scaling"]:
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' was trained with {_rope_text(saved['rope_scaling'])} but this stage runs "
+            f"{_rope_text(want['rope_scaling'])}; keep the weights' rope (model.yarn_original_length and "
+            "data.seq_length of their stage) or extend it deliberately beyond their context")
+    keys = (set(saved) | set(want)) - ({"rope_scaling"} if "rope_scaling" not in saved else set())
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(keys) if saved.get(k) != want.get(k)]
     if diffs:
         raise CheckpointError(
             f"checkpoint '{ckpt}' was saved for a different model architecture ({'; '.join(diffs[:3])}); "

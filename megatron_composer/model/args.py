@@ -145,3 +145,18 @@ class ModelConfig:
         if self.rope_scaling is not None:
             need(self.rope_scaling.factor >= 1.0, f"model.rope_scaling.factor must be >= 1, got {self.rope_scaling.factor}")
         return self
+
+
+def stage_rope_scaling(configured: Optional[RopeScaling], seq_length: int,
+                       weights: Optional[RopeScaling]) -> Optional[RopeScaling]:
+    """The rope scaling a training stage runs with, given the one its weights were trained with.
+
+    The rope is part of what the weights learned: a stage keeps the YaRN factor and original length of the
+    checkpoint it starts from (or resumes) whatever its own sequence length, unless it deliberately extends
+    the context, i.e. its configured scaling reaches further than the weights' (seq_length beyond their
+    factor x original length) or the weights had none. A later, shorter stage (SFT at 128k after the 256k
+    stage, RL) therefore stays at the long stage's factor instead of recomputing a smaller one."""
+    if weights is None or configured is None:
+        return configured if weights is None else weights
+    weights_context = weights.factor * weights.original_max_position_embeddings
+    return configured if seq_length > weights_context else weights

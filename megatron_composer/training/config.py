@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_composer.checkpoint.dcp import saved_architecture
 from megatron_composer.config import ConfigError, to_dict
 from megatron_composer.fp8.config import FP8Config
 from megatron_composer.parallel.dims import ParallelConfig
@@ -40,12 +41,14 @@ class CheckpointConfig:
 
 
 # Fields that do not change parameter shapes: a stage may change them and still load the previous weights.
-_NON_ARCH_FIELDS = {"rope_scaling", "max_position_embeddings", "init_std", "aux_loss_coef", "rope_theta", "routed_scaling_factor"}
+# rope_scaling is architecture: what the weights learned (checked on load, inherited by later stages).
+_NON_ARCH_FIELDS = {"max_position_embeddings", "init_std", "aux_loss_coef", "rope_theta", "routed_scaling_factor"}
 
 
-def model_config(cfg, tokenizer):
+def model_config(cfg, tokenizer, weights=None):
     """The ModelConfig of a run config `cfg` (its `model` section; `data.seq_length` is the context YaRN
-    stretches to), with the vocabulary sized for `tokenizer`."""
+    stretches to), with the vocabulary sized for `tokenizer`. ``weights`` (a checkpoint directory the run
+    resumes or starts from) gives the rope scaling it inherits (megatron_composer.model.args.stage_rope_scaling)."""
     from megatron_composer.model import ModelConfig, RopeScaling, get_preset
 
     mc = get_preset(cfg.model.preset)
@@ -65,6 +68,12 @@ def model_config(cfg, tokenizer):
             rope_scaling=dataclasses.replace(base, factor=cfg.data.seq_length / old, original_max_position_embeddings=old),
             max_position_embeddings=max(mc.max_position_embeddings, cfg.data.seq_length),
         )
+    saved = saved_architecture(weights) if weights is not None else None
+    if saved is not None and "rope_scaling" in saved:
+        from megatron_composer.model.args import stage_rope_scaling
+
+        rope = RopeScaling(**saved["rope_scaling"]) if saved["rope_scaling"] else None
+        mc = dataclasses.replace(mc, rope_scaling=stage_rope_scaling(mc.rope_scaling, cfg.data.seq_length, rope))
     tokenizer.check_fits_model(mc.vocab_size)
     return mc.validate()
 

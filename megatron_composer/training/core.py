@@ -56,6 +56,18 @@ def resume_point(run_dir: str | Path, meta: dict) -> Path | None:
     return latest
 
 
+def starting_checkpoint(run_dir: str | Path, init_from: str) -> Path | None:
+    """The training checkpoint a run's weights come from -- run_dir's latest, else `checkpoint.init_from` when it
+    is a training checkpoint -- read before the model config is known, for what the weights carry (their rope
+    scaling); None for a fresh run or a Hugging Face start."""
+    latest = find_latest(run_dir)
+    if latest is not None:
+        return latest
+    if init_from and not (Path(init_from) / "config.json").is_file():
+        return resolve_checkpoint(init_from)
+    return None
+
+
 def initial_weights(init_from: str, meta: dict) -> InitialWeights | None:
     """`checkpoint.init_from` resolved (a run dir or checkpoint, checked against `meta`; or a Hugging Face
     directory, checked tensor by tensor when it loads); None when empty."""
@@ -76,7 +88,7 @@ def load_hf_weights(model, path: str) -> None:
 
     hf = load_hf_checkpoint(path)
     mine, theirs = architecture(model.config), architecture(hf.config)
-    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k != "num_mtp_layers" and mine.get(k) != theirs.get(k)]
+    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
     if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
         diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
@@ -198,4 +210,4 @@ class TrainingCore:
 
 
 __all__ = ["InitialWeights", "TrainingCore", "build_model", "finish_gradients", "initial_weights",
-           "load_hf_weights", "local_device", "resume_point"]
+           "load_hf_weights", "local_device", "resume_point", "starting_checkpoint"]

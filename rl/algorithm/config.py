@@ -35,9 +35,10 @@ class RLObjectiveConfig:
     loss_aggregation: Literal["token_sum_constant", "seq_mean_token_mean", "token_mean"] = _f(
         "token_sum_constant", "how token losses become the batch loss")
     loss_constant: Optional[float] = _f(
-        None, "token_sum_constant: tokens per sequence in sum/(num_sequences*constant); null = the longest "
-              "sample of the step in the RL trainer (the padded length in a bare loss call). Set to the rollout's "
-              "max_new_tokens for a batch-independent scale")
+        None, "token_sum_constant: C in sum/(num_sequences*C); null = the per-episode generation budget "
+              "(rollout.max_new_tokens, or agent_max_turns*agent_max_new_tokens with agent tasks) in the RL "
+              "trainer, the padded length in a bare loss call. Constant across steps, so the step size does not "
+              "move with the batch's longest sample")
 
     # Policy gradient
     pg_loss: Literal["is", "ppo_clip"] = _f(
@@ -51,8 +52,10 @@ class RLObjectiveConfig:
     # Train/inference mismatch masking
     mismatch_mask: Literal["off", "token", "sequence"] = _f(
         "token", "drop tokens (or whole sequences, by their worst token) with extreme |logp_train - logp_infer|")
-    mismatch_bound: Optional[float] = _f(None, "fixed bound on |logp_train - logp_infer|; null = batch quantile")
-    mismatch_quantile: float = _f(0.99, "quantile of the batch's mismatch above which tokens are dropped")
+    mismatch_bound: Optional[float] = _f(
+        None, "fixed bound on |logp_old - logp_infer|; null = the quantile over the whole step's tokens (all "
+              "micro-batches and data-parallel ranks)")
+    mismatch_quantile: float = _f(0.99, "quantile of the step's mismatch above which tokens are dropped")
 
     # KL to the reference policy
     kl_coef: float = _f(0.001, "beta; 0 disables the KL term and the reference forward pass")

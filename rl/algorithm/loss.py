@@ -12,8 +12,9 @@ Per-token policy-gradient losses, with A_t the (possibly KL-shaped) advantage an
   when C (``tis_cap``) is None, truncated importance sampling otherwise.
 * ``ppo_clip``:      l_t = -v_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t) with
   rho_t = pi_theta / sg(pi_old); pi_old is the old-policy pass's log-probs when given, else mu. With an
-  old-policy pass and a TIS cap, v_t = sg(min(pi_old / mu, C)) corrects for the train/inference mismatch
-  (Yao et al., 2025); otherwise v_t = 1.
+  old-policy pass, v_t = sg(min(pi_old / mu, C)) (C = ``tis_cap``, untruncated when None) corrects for the
+  train/inference mismatch and staleness (Yao et al., 2025); without one, v_t = 1 (the clip is against mu
+  itself). The RL learner always runs the old-policy pass for ``ppo_clip``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,53 @@ def quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     return v_lo + (pos - lo) * (v_hi - v_lo)
 
 
+def mismatch_statistics(
+    logp_train_BT: torch.Tensor,
+    logp_infer_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    level: Literal["off", "token", "sequence"] = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d [B, T], values): d_t = |logp_train_t - logp_infer_t| on valid tokens (0 elsewhere), and the values the
+    threshold is a quantile of: d of every valid token (``token``) or each non-empty sequence's max_t d_t
+    (``sequence``); empty for ``off``."""
+    valid_BT = mask_BT.bool()
+    d_BT = torch.where(valid_BT, (logp_train_BT.detach() - logp_infer_BT.detach()).abs().float(),
+                       torch.zeros((), device=valid_BT.device))
+    if level == "off":
+        return d_BT, d_BT.new_zeros(0)
+    if level == "token":
+        return d_BT, d_BT[valid_BT]
+    if level == "sequence":
+        return d_BT, d_BT.amax(-1)[valid_BT.any(-1)]
+    raise ValueError(f"mismatch level is {level!r}; choose off, token or sequence")
+
+
+def mismatch_threshold(values: torch.Tensor, q: float = 0.99, bound: Optional[float] = None,
+                       group=None) -> float:
+    """tau of the mismatch filter for one optimizer step: ``bound`` when given, else the q-quantile of the
+    statistic over *all* of the step's values -- this rank's ``values`` (every micro-batch of it) gathered with
+    those of the other ranks of ``group`` (the data-parallel group: ranks holding distinct samples). The same
+    tau on every rank whatever the micro-batching, so the dropped fraction is the step's, not a per-batch
+    artefact (a quantile of 2 tokens always drops one). NaN when the step has no values."""
+    if bound is not None:
+        return float(bound)
+    values = values.detach().float().flatten()
+    if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        import torch.distributed as dist
+
+        n = torch.tensor([values.numel()], dtype=torch.long, device=values.device)
+        counts = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, n, group=group)
+        longest = max(int(c) for c in counts)
+        padded = torch.nn.functional.pad(values, (0, longest - values.numel()))
+        pieces = [torch.zeros_like(padded) for _ in counts]
+        dist.all_gather(pieces, padded, group=group)
+        values = torch.cat([p[: int(c)] for p, c in zip(pieces, counts)])
+    if values.numel() == 0:
+        return float("nan")
+    return float(quantile(values, q))
+
+
 def mismatch_mask(
     logp_train_BT: torch.Tensor,
     logp_infer_BT: torch.Tensor,
@@ -102,36 +150,31 @@ def mismatch_mask(
     level: Literal["off", "token", "sequence"] = "token",
     bound: Optional[float] = None,
     q: float = 0.99,
+    threshold: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Keep-mask [B, T] that drops tokens with extreme train/inference disagreement, and its statistics.
 
-    d_t = |logp_train_t - logp_infer_t| on valid tokens. The threshold tau is ``bound`` or the q-quantile
-    of the batch's statistic. ``token``: drop tokens with d_t > tau. ``sequence``: a sequence's statistic is
-    max_t d_t; drop whole sequences whose statistic exceeds tau (the quantile is over sequences). Returns
-    (mask & keep, {"mismatch_masked_fraction": dropped valid tokens / valid tokens, "mismatch_threshold": tau,
+    d_t = |logp_train_t - logp_infer_t| on valid tokens. The threshold tau is ``threshold`` (the step's, from
+    `mismatch_threshold`), else ``bound``, else the q-quantile of this batch's statistic. ``token``: drop
+    tokens with d_t > tau. ``sequence``: a sequence's statistic is max_t d_t; drop whole sequences whose
+    statistic exceeds tau (the quantile is over sequences). Returns (mask & keep,
+    {"mismatch_masked_fraction": dropped valid tokens / valid tokens, "mismatch_threshold": tau,
     "mismatch_max": max d}).
     """
     valid_BT = mask_BT.bool()
-    d_BT = torch.where(valid_BT, (logp_train_BT.detach() - logp_infer_BT.detach()).abs().float(),
-                       torch.zeros((), device=valid_BT.device))
+    d_BT, stat_values = mismatch_statistics(logp_train_BT, logp_infer_BT, mask_BT, level)
     n_valid = int(valid_BT.sum())
     stats = {"mismatch_masked_fraction": 0.0, "mismatch_threshold": float("nan"),
              "mismatch_max": d_BT.max().item() if n_valid else 0.0}
     if level == "off" or n_valid == 0:
         return valid_BT, stats
-    if level == "token":
-        stat_values = d_BT[valid_BT]
-    elif level == "sequence":
-        has_tokens_B = valid_BT.any(-1)
-        seq_stat_B = d_BT.amax(-1)
-        stat_values = seq_stat_B[has_tokens_B]
-    else:
-        raise ValueError(f"mismatch level is {level!r}; choose off, token or sequence")
-    tau = torch.tensor(float(bound)) if bound is not None else quantile(stat_values, q)
+    if threshold is None:
+        threshold = bound if bound is not None else float(quantile(stat_values, q))
+    tau = torch.tensor(float(threshold), device=d_BT.device)
     if level == "token":
         keep_BT = valid_BT & (d_BT <= tau)
     else:
-        keep_BT = valid_BT & (seq_stat_B <= tau)[:, None]
+        keep_BT = valid_BT & (d_BT.amax(-1) <= tau)[:, None]
     stats["mismatch_threshold"] = float(tau)
     stats["mismatch_masked_fraction"] = 1.0 - keep_BT.sum().item() / n_valid
     return keep_BT, stats
@@ -181,6 +224,8 @@ class PolicyGradientLoss(torch.nn.Module):
         behaviour_logp: Optional[torch.Tensor] = None,
         old_logp: Optional[torch.Tensor] = None,
         ref_logp: Optional[torch.Tensor] = None,
+        mismatch_threshold: Optional[float] = None,
+        kl_tail: Optional[torch.Tensor] = None,
     ) -> TokenLosses:
         cfg = self.cfg
         if logp.dim() != 2 or loss_mask.shape != logp.shape:
@@ -201,7 +246,8 @@ class PolicyGradientLoss(torch.nn.Module):
 
         train_side_BT = old_logp if old_logp is not None else logp.detach()
         mask_BT, metrics = mismatch_mask(train_side_BT, behaviour_logp, loss_mask, level=cfg.mismatch_mask,
-                                         bound=cfg.mismatch_bound, q=cfg.mismatch_quantile)
+                                         bound=cfg.mismatch_bound, q=cfg.mismatch_quantile,
+                                         threshold=mismatch_threshold)
         m_BT = mask_BT.float()
         n_tok = m_BT.sum().clamp(min=1)
 
@@ -214,7 +260,10 @@ class PolicyGradientLoss(torch.nn.Module):
             if cfg.kl_placement == "in_reward":
                 kl_BT = kl_estimate(logp.detach(), ref_logp.detach().float(), cfg.kl_estimator)
                 kl_BT = torch.where(mask_BT, kl_BT, torch.zeros_like(kl_BT))
-                adv_BT = adv_BT - cfg.kl_coef * reward_to_go(kl_BT, mask_BT)
+                to_go_BT = reward_to_go(kl_BT, mask_BT)
+                if kl_tail is not None:  # the KL of the chain's later segments (samples of the same episode)
+                    to_go_BT = to_go_BT + kl_tail.detach().float().to(to_go_BT.device)[:, None]
+                adv_BT = adv_BT - cfg.kl_coef * to_go_BT
             else:
                 ref_BT = ref_logp.detach().float()
                 # Masked-out tokens get log r = 0 so an extreme value there cannot turn the gradient into nan.
@@ -238,11 +287,11 @@ class PolicyGradientLoss(torch.nn.Module):
             rho_BT = torch.exp(log_rho_BT)
             clipped_BT = rho_BT.clamp(1.0 - cfg.ppo_clip_low, 1.0 + cfg.ppo_clip_high)
             pg_BT = -torch.minimum(rho_BT * adv_BT, clipped_BT * adv_BT)
-            if old_logp is not None and cfg.tis_cap is not None:
-                log_v_BT = torch.where(mask_BT, old_logp.float() - behaviour_logp, torch.zeros_like(logp))
-                v_BT = torch.exp(log_v_BT.clamp(max=math.log(cfg.tis_cap))).detach()
-                pg_BT = v_BT * pg_BT
-                metrics["tis_truncated_fraction"] = masked_mean((log_v_BT > math.log(cfg.tis_cap)).float())
+            if old_logp is not None:  # decoupled PPO: the clip is against pi_old, pi_old/mu corrects the rest
+                log_v_BT = torch.where(mask_BT, old_logp.float() - behaviour_logp, torch.zeros_like(logp)).detach()
+                cap = math.inf if cfg.tis_cap is None else math.log(cfg.tis_cap)
+                pg_BT = torch.exp(log_v_BT.clamp(max=cap)) * pg_BT
+                metrics["tis_truncated_fraction"] = masked_mean((log_v_BT > cap).float())
             else:
                 metrics["tis_truncated_fraction"] = 0.0
             rho_d = rho_BT.detach()
@@ -269,10 +318,16 @@ class PolicyGradientLoss(torch.nn.Module):
         num_sequences: Optional[int] = None,
         num_tokens: Optional[int] = None,
         constant: Optional[float] = None,
+        mismatch_threshold: Optional[float] = None,
+        kl_tail: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """``num_sequences`` / ``num_tokens`` / ``constant``: the step's counts (see `aggregate_loss`); ``constant``
-        defaults to rl.loss_constant."""
-        out = self.token_losses(logp, loss_mask, advantages, behaviour_logp, old_logp, ref_logp)
+        defaults to rl.loss_constant. ``mismatch_threshold``: the step's tau (`mismatch_threshold`) instead of
+        this batch's own quantile. ``kl_tail`` [B]: with the KL in the reward, the summed per-token KL of the
+        later segments of each sample's episode, added to its reward-to-go so that the penalty runs over the
+        whole chain."""
+        out = self.token_losses(logp, loss_mask, advantages, behaviour_logp, old_logp, ref_logp,
+                                mismatch_threshold, kl_tail)
         loss = aggregate_loss(out.loss_BT, out.mask_BT, self.cfg.loss_aggregation,
                               self.cfg.loss_constant if constant is None else constant,
                               num_sequences=num_sequences, num_tokens=num_tokens)

@@ -231,3 +231,26 @@ def shaped_reward_from_config(task_reward: float, transcript: Transcript, cfg,
     return shaped_reward(task_reward, transcript, cfg.behaviour_rewards, cfg.length_penalty_weight,
                          cfg.length_penalty_k, cfg.length_penalty_q, cfg.length_measure, cfg.length_budget,
                          num_output_tokens)
+
+
+def reward_term_name(path: str) -> str:
+    """The metric name of a behaviour function path: its function name (``pkg.mod:malformed_tool_calls`` ->
+    ``malformed_tool_calls``)."""
+    return path.rpartition(":")[2].rpartition(".")[2] if ":" in path else path.rpartition(".")[2]
+
+
+def episode_reward(verifier_reward: float, transcript: Transcript, cfg,
+                   num_output_tokens: Optional[int] = None) -> tuple[float, dict[str, float]]:
+    """The training reward of one episode under an `RLObjectiveConfig`, and its signed parts.
+
+    R = verifier_reward + sum_i w_i f_i(transcript) - length_penalty_weight * C(x / length_budget; k, q), the
+    sum `shaped_reward` forms, computed once per episode (a summarisation chain is one episode: its transcript is
+    every segment's messages and x counts the whole chain). Returns (R, terms) with terms = {name: signed
+    contribution to R}: one entry per behaviour function (named by `reward_term_name`) and ``length_penalty``
+    (<= 0) when the penalty is on, so R = verifier_reward + sum(terms.values()).
+    """
+    total, components = shaped_reward_from_config(verifier_reward, transcript, cfg, num_output_tokens)
+    terms = {reward_term_name(path): cfg.behaviour_rewards[path] * components[path] for path in cfg.behaviour_rewards}
+    if "length_cost" in components:
+        terms["length_penalty"] = -cfg.length_penalty_weight * components["length_cost"]
+    return total, terms

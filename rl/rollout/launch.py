@@ -29,7 +29,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
         model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
-                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since)
+                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl)
 
 
 def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:

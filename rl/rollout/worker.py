@@ -47,8 +47,8 @@ from rl.rollout.tasks import RLTask
 class RolloutConfig:
     group_size: int = field(default=8, metadata={"help": "episodes per prompt (G); advantages are relative to the group"})
     max_new_tokens: int = field(default=16, metadata={"help": "single-turn: tokens per response"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts"})
-    top_p: float = 1.0
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of rollouts; the trainer's log-probs use the same"})
+    top_p: float = field(default=1.0, metadata={"help": "must be 1: a truncated sampling distribution is not what the trainer's log-probs measure"})
     max_inflight_groups: int = field(default=4, metadata={"help": "bounded queue: groups issued to workers and not yet trained"})
     max_staleness: int = field(default=2, metadata={"help": "a group whose oldest token is more versions behind the trainer is redone"})
     lease_s: float = field(default=60.0, metadata={"help": "a claimed group whose worker stops heartbeating this long is re-queued"})
@@ -70,6 +70,12 @@ class RolloutConfig:
     episode_retries: int = field(default=2, metadata={"help": "a crashed sandbox episode is rerun this often before the group is re-queued"})
     group_timeout_s: float = field(default=1800.0, metadata={"help": "the trainer's wait for the next finished group before it gives up"})
 
+    def episode_token_budget(self, agent_tasks: bool) -> int:
+        """The most tokens an episode may generate: max_new_tokens (single-turn), or agent_max_turns x
+        agent_max_new_tokens when the task set has agent tasks (run_episode's generation budget)."""
+        single = self.max_new_tokens
+        return max(single, self.agent_max_turns * self.agent_max_new_tokens) if agent_tasks else single
+
     def validate(self) -> "RolloutConfig":
         from megatron_composer.config import ConfigError
 
@@ -81,6 +87,10 @@ class RolloutConfig:
             raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if self.top_p != 1.0:
+            raise ConfigError(f"rollout.top_p={self.top_p}: the trainer's log-probs (softmax(logits / temperature), "
+                              "untruncated) cannot reproduce a top-p truncated sampling distribution, so importance "
+                              "ratios would be biased; set rollout.top_p=1 and control sampling with rollout.temperature")
         if self.max_inflight_groups < 1 or self.max_staleness < 0:
             raise ConfigError("rollout.max_inflight_groups must be >= 1 and rollout.max_staleness >= 0")
         if self.summary_trigger_tokens < 0 or self.summary_max_new_tokens < 0:
@@ -91,6 +101,22 @@ class RolloutConfig:
         if self.heartbeat_s >= self.lease_s:
             raise ConfigError(f"rollout.heartbeat_s ({self.heartbeat_s}) must be shorter than rollout.lease_s ({self.lease_s})")
         return self
+
+
+def episode_record(verifier_reward: float, transcript: list[dict], segments: list[dict], meta: dict,
+                   objective=None) -> dict:
+    """One episode as the queue stores it: ``reward`` is the training reward (the verifier reward plus the
+    shaping terms of ``objective``, an RLObjectiveConfig, once per episode; see rl.algorithm.episode_reward),
+    ``verifier_reward`` and ``reward_terms`` its parts. ``transcript`` is every segment's messages and
+    ``meta["tokens"]`` the sampled tokens of all segments (the length penalty's default x). Without an
+    objective (evaluation) the reward is the verifier's."""
+    reward, terms = float(verifier_reward), {}
+    if objective is not None:
+        from rl.algorithm import episode_reward
+
+        reward, terms = episode_reward(verifier_reward, transcript, objective, num_output_tokens=meta["tokens"])
+    return {"reward": reward, "verifier_reward": float(verifier_reward), "reward_terms": terms,
+            "segments": segments, "meta": meta}
 
 
 class EpisodeCrash(RuntimeError):
@@ -132,7 +158,9 @@ class TokenLedger:
         start = len(self.ids)
         self.response_ids += result.token_ids
         self.mask += [1] * len(result.token_ids)
-        self.logprobs += list(result.logprobs)
+        # the behaviour policy is the distribution the token was drawn from (temperature applied); the trainer
+        # applies the same temperature (rollout.top_p < 1 is refused: its truncation is not in the objective)
+        self.logprobs += list(result.sampling_logprobs)
         self.versions += list(result.weight_versions)
         routing = result.routing_for_training()  # [L, start + T - 1, K]
         if routing is not None:
@@ -152,8 +180,9 @@ class TokenLedger:
 class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
                  queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
-                 stops_since: Optional[float] = None):
+                 stops_since: Optional[float] = None, objective=None):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
+        self.objective = objective  # RLObjectiveConfig: the training reward's shaping terms (None: verifier reward)
         self.stops_since = stops_since  # ignore stop markers older than this (see WorkQueue.stop_requested)
         self.subscriber = subscriber
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
@@ -229,10 +258,14 @@ class RolloutWorker:
             ledger.add_generation(result)
             text = self._text(result.token_ids)
             reward, reason = task.score(text, self._sandbox_factory)
-            episodes.append({"reward": reward, "segments": [ledger.segment()],
-                             "meta": {"turns": 1, "tokens": len(result.token_ids), "stop_reason": result.finish_reason,
-                                      "verdict": reason, "transcript": text}})
+            transcript = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": text}]
+            episodes.append(self.episode(reward, transcript, [ledger.segment()], {
+                "turns": 1, "tokens": len(result.token_ids), "stop_reason": result.finish_reason, "verdict": reason,
+                "transcript": text}))
         return episodes
+
+    def episode(self, verifier_reward: float, transcript: list[dict], segments: list[dict], meta: dict) -> dict:
+        return episode_record(verifier_reward, transcript, segments, meta, self.objective)
 
     def _sandbox_factory(self):
         return self._get_backend().create(None)
@@ -271,14 +304,15 @@ class RolloutWorker:
         if not segments:  # the episode ended before the model was asked anything
             raise EpisodeCrash("episode ended before the first model turn")
         verify = ep.verify
-        return {"reward": float(ep.reward), "segments": segments,
-                "meta": {"turns": ep.turns, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
-                         "segments": len(segments), "summaries": len(ep.summaries), "stop_reason": ep.stop_reason,
-                         "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
-                         "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
-                         "context_overflow": policy.overflowed,
-                         "verdict": (verify.output[-500:] if verify is not None else ""),
-                         "transcript": ep.messages}}
+        transcript = [m for seg in ep.segments for m in seg]  # the whole chain
+        return self.episode(ep.reward, transcript, segments, {
+            "turns": ep.turns, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
+            "segments": len(segments), "summaries": len(ep.summaries), "stop_reason": ep.stop_reason,
+            "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
+            "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
+            "context_overflow": policy.overflowed,
+            "verdict": (verify.output[-500:] if verify is not None else ""),
+            "transcript": ep.messages})
 
     def run_agent(self, task: RLTask, item: WorkItem, group_size: int) -> tuple[list[dict], int]:
         pool = self._get_pool()
