@@ -1,6 +1,10 @@
 """Every C++ kernel builds wherever a compiler and ninja are present: the kernels' own tests skip when a kernel
 is unavailable (their Python references still run), so a broken .cpp must fail here instead of skipping."""
 
+import fcntl
+import os
+from pathlib import Path
+
 import pytest
 
 from megatron_composer.kernels import cpp
@@ -21,22 +25,30 @@ def test_kernel_list_matches_sources():
     assert sorted(p.stem for p in cpp._CSRC.glob("*.cpp")) == sorted(KERNELS)
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    import os
-    import time
+def test_a_build_lock_left_by_a_killed_process_blocks_nobody(tmp_path, monkeypatch):
+    """A process SIGKILLed while it holds the build directory (here: right after taking it, as a rollout worker
+    killed during its first forward's kernel load) leaves torch's lock file behind; the next load removes it
+    instead of waiting on it forever, and a live holder still excludes others."""
+    import signal
+    import subprocess
+    import sys
 
     from torch.utils.cpp_extension import _get_build_directory
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    stale = tmp_path / "stale_ext" / "lock"
-    fresh = tmp_path / "fresh_ext" / "lock"
-    for lock in (stale, fresh):
-        lock.parent.mkdir()
-        lock.touch()
-    assert _get_build_directory("stale_ext", False) == str(stale.parent)
-    old = time.time() - cpp._STALE_LOCK_S - 60
-    os.utime(stale, (old, old))
+    build_dir = Path(_get_build_directory("killed_ext", False))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib; from megatron_composer.kernels import cpp\n"
+        "with cpp._build_dir_lock('killed_ext'):\n"
+        f"    pathlib.Path({str(build_dir / 'lock')!r}).touch(); print('held', flush=True); time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))
+    assert holder.stdout.readline().strip() == "held"
+    with open(build_dir / "flock") as f:  # a live holder excludes others
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert (build_dir / "lock").exists()
     with pytest.warns(UserWarning, match="did not finish"):
-        cpp._remove_stale_lock("stale_ext")
-    cpp._remove_stale_lock("fresh_ext")  # a build in progress elsewhere keeps its lock
-    assert not stale.exists() and fresh.exists()
+        with cpp._build_dir_lock("killed_ext"):
+            assert not (build_dir / "lock").exists()

@@ -3,9 +3,12 @@
 `load(name)` builds `csrc/<name>.cpp` (ATen + pybind11 only, ~20 s once per source version, with the flags
 listed in _FLAGS) and returns the module. The build is cached by torch.utils.cpp_extension under
 $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) in a directory named after a hash of the source,
-the flags and the torch version, so checkouts and versions never rebuild or load each other's module, and a
-file lock makes concurrent ranks build it once (a lock left by a process killed mid-build is removed once it
-is older than any build takes, _STALE_LOCK_S, instead of making every later run wait on it forever). Where it
+the flags and the torch version, so checkouts and versions never rebuild or load each other's module.
+Concurrent processes build it once: each holds an flock on the build directory while torch builds or checks
+the module (`_build_dir_lock`). The kernel drops an flock when its holder dies, whereas torch's own lock file
+stays behind when a process is SIGKILLed holding it (mid-build, or in the up-to-date check every first load in
+a process runs) and would make every later process wait on it forever; with the flock held, such a file is
+known to be stale and is removed. Where it
 cannot be built (no C++ compiler or ninja, MEGATRON_COMPOSER_CPP=0) it returns None after one warning naming
 the reason (`failure(name)` keeps it), and the caller runs its Python reference instead: every C++ kernel here
 has a Python implementation of the same function next to its caller, and the tests compare the two.
@@ -13,6 +16,8 @@ has a Python implementation of the same function next to its caller, and the tes
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -28,8 +33,6 @@ import torch
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # extension code that calls at::parallel_for needs OpenMP, or its loops silently run on one thread
 _FLAGS = {name: ("-fopenmp",) for name in ("causal_attention", "cross_entropy", "grouped_mm", "rms_norm", "rope")}
-# a build takes ~20-60 s; a lock older than this belongs to a build that died
-_STALE_LOCK_S = 900.0
 _modules: dict[str, Optional[ModuleType]] = {}
 _failures: dict[str, str] = {}
 
@@ -57,17 +60,21 @@ def toolchain_present() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None and shutil.which("ninja") is not None
 
 
-def _remove_stale_lock(extension: str) -> None:
+@contextlib.contextmanager
+def _build_dir_lock(extension: str):
+    """Hold the extension's build directory exclusively (an flock: released by the kernel if this process dies)
+    and remove a torch lock file left there by a process killed while holding it."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(extension, False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > _STALE_LOCK_S:
-        warnings.warn(f"removing the build lock {lock} left {age:.0f} s ago by a build that did not finish")
-        lock.unlink(missing_ok=True)
+    build_dir = Path(_get_build_directory(extension, False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        left = build_dir / "lock"
+        if left.exists():  # no process of ours holds it: its holder died
+            warnings.warn(f"removing the build lock {left} left by a process that did not finish")
+            left.unlink(missing_ok=True)
+        yield
 
 
 def failure(name: str) -> Optional[str]:
@@ -90,8 +97,9 @@ def load(name: str) -> Optional[ModuleType]:
     try:
         from torch.utils.cpp_extension import load as build
 
-        _remove_stale_lock(f"megatron_composer_{name}_{key[:12]}")
-        module = build(f"megatron_composer_{name}_{key[:12]}", [str(source)], extra_cflags=flags, verbose=False)
+        extension = f"megatron_composer_{name}_{key[:12]}"
+        with _build_dir_lock(extension):
+            module = build(extension, [str(source)], extra_cflags=flags, verbose=False)
     except Exception as e:  # no compiler, ninja or headers: the Python path computes the same function
         _failures[name] = f"{type(e).__name__}: {str(e)[-600:]}"
         warnings.warn(f"C++ kernel '{name}' could not be built ({_failures[name]}); using the Python "
