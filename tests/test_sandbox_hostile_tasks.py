@@ -261,10 +261,10 @@ HELD = {
                         "2>/dev/null && touch /app/pwned\n",
     "host-processes": "kill -9 {host_pid} 2>/dev/null && touch /app/pwned\n"
                       "[ -e /proc/{host_pid}/cmdline ] && grep -q sleep /proc/{host_pid}/cmdline && touch /app/pwned\n",
-    "background-late-reward": "(while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+    # both start after the command has returned: anything they write means they survived it
+    "background-late-reward": "(sleep 1; while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
                               "touch /app/pwned 2>/dev/null; sleep 0.05; done) >/dev/null 2>&1 &\n"
-                              "setsid nohup bash -c 'sleep 1; touch /app/pwned' >/dev/null 2>&1 &\n"
-                              "rm -f /app/pwned\n",
+                              "setsid nohup bash -c 'sleep 1; touch /app/pwned' >/dev/null 2>&1 &\n",
     "fork-bomb": "bomb() {{ bomb | bomb & }}; bomb; sleep 1\n",
     "dev-and-sys": "echo x > /dev/sda 2>/dev/null && touch /app/pwned\n"
                    "echo 1 > /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null && touch /app/pwned\n"
