@@ -222,12 +222,17 @@ class PolicyLearner:
                     totals[index[id(s)]] = float(kl[b])
         if self.layout.groups is not None and self.layout.dp_size > 1:  # each dp rank filled its own samples
             dist.all_reduce(totals, group=self.layout.groups.group("dp"))
-        tails = []
-        for chunk, *_ in micro:
-            tails.append(torch.tensor([sum(float(totals[j]) for j, t in enumerate(samples)
-                                           if (t.group, t.episode) == (s.group, s.episode) and t.segment > s.segment)
-                                       if id(s) in index else 0.0 for s in chunk], dtype=torch.float32))
-        return tails
+        by_segment: dict[tuple[int, int], dict[int, float]] = {}  # episode -> segment -> its KL sum
+        for j, t in enumerate(samples):
+            by_segment.setdefault((t.group, t.episode), {})[t.segment] = float(totals[j])
+        later: dict[tuple[int, int, int], float] = {}  # (group, episode, segment) -> KL of the later segments
+        for (g, e), segs in by_segment.items():
+            acc = 0.0
+            for seg in sorted(segs, reverse=True):
+                later[(g, e, seg)] = acc
+                acc += segs[seg]
+        return [torch.tensor([later[(s.group, s.episode, s.segment)] if id(s) in index else 0.0 for s in chunk],
+                             dtype=torch.float32) for chunk, *_ in micro]
 
     def backward(self, samples: list[TrainingSample], num_episodes: int) -> dict[str, float]:
         """Forward and backward of this rank's share of the step's samples (gradients accumulate on the
