@@ -4,7 +4,7 @@ every parameter's gradient piece (max |diff| <= 1e-5 x max |ref|) and the clippe
 backward; and the loss sequence of 5 optimizer steps through TrainingCore.step (2 micro-batches each).
 
 Layouts: fsdp (dp4); fsdp x ep2 with 2 experts (expert shards outnumber local experts: dim 1 sharded);
-fsdp x tp2 with sequence parallelism; fsdp x cp2 with selective recompute; fsdp x tp2 x ep2; HSDP
+fsdp x ep2 with the pretraining loss's fused head (the root's weight read after forward); fsdp x tp2 with sequence parallelism; fsdp x cp2 with selective recompute; fsdp x tp2 x ep2; HSDP
 (dp_replicate=2) x ep2 with full recompute. One torchrun launch runs them all."""
 
 import importlib.util
@@ -17,7 +17,7 @@ torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
-LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_tp2_sp", "fsdp_cp2_selective_ac", "fsdp_tp2_ep2",
+LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fsdp_tp2_sp", "fsdp_cp2_selective_ac", "fsdp_tp2_ep2",
            "hsdp_ep2_full_ac"]
 
 

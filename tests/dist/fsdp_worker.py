@@ -29,6 +29,7 @@ from megatron_composer.parallel.slices import full_shape, local_pieces, local_te
 from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from megatron_composer.training.optim import OptimizerConfig  # noqa: E402
+from pretrain.losses import lm_loss_sum_fused_head  # noqa: E402
 
 LR, CLIP, SEED, MICRO = 3e-3, 1.0, 7, 2
 
@@ -37,13 +38,18 @@ def _optim():
     return OptimizerConfig(lr=LR, weight_decay=0.1, grad_clip=CLIP, warmup_steps=0, schedule="constant")
 
 
-def _loss_fn(model, groups, n_main, n_mtp, use_mtp, step_batches):
+def _loss_fn(model, groups, n_main, n_mtp, use_mtp, step_batches, fused_head=False):
     tp_group = groups.tp_group if groups is not None and groups.dims.tp > 1 else None
 
     def loss_fn(k):
         ids, pos, labels, mtp_labels, _ = step_batches[k]
         if groups is not None:
             ids, pos, labels, mtp_labels = shard_batch(groups, ids, pos, labels, mtp_labels)
+        if fused_head:  # the pretraining loss's head: the root's weight read outside the model's forward
+            out = model(ids, position_ids=pos, logits=False)
+            loss = lm_loss_sum_fused_head(out.hidden_states, model.output.weight, labels.clamp(min=0),
+                                          (labels != -100).float()) / n_main
+            return loss, {"loss": loss.detach()}
         out = model(ids, position_ids=pos, mtp=use_mtp)
         logits, mtp_logits = (out.logits, out.mtp_logits) if use_mtp else (out, [])
         loss = loss_terms(logits, mtp_logits, labels, mtp_labels, tp_group, n_main, n_mtp)
@@ -58,7 +64,7 @@ def _step_batches(step, cfg):
     return bs, n_main, n_mtp
 
 
-def make_case(preset: str, overrides=None, steps=5, **parallel):
+def make_case(preset: str, overrides=None, steps=5, fused_head=False, **parallel):
     def run():
         cfg = tiny_config(preset).replace(**(overrides or {}))
         use_mtp = cfg.num_mtp_layers > 0
@@ -82,7 +88,7 @@ def make_case(preset: str, overrides=None, steps=5, **parallel):
         bs, n_main, n_mtp = _step_batches(0, cfg)
         total = torch.zeros(())
         for model, g in ((ref.model, None), (core.model, groups)):
-            fn = _loss_fn(model, g, n_main, n_mtp, use_mtp, bs)
+            fn = _loss_fn(model, g, n_main, n_mtp, use_mtp, bs, fused_head)
             loss = sum(fn(k)[0] for k in range(MICRO))
             loss.backward()
             if g is None:
@@ -109,8 +115,10 @@ def make_case(preset: str, overrides=None, steps=5, **parallel):
         losses, ref_losses = [], []
         for step in range(steps):
             bs, n_main, n_mtp = _step_batches(1 + step, cfg)
-            ref_losses.append(ref.step(_loss_fn(ref.model, None, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
-            losses.append(core.step(_loss_fn(core.model, groups, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
+            ref_fn = _loss_fn(ref.model, None, n_main, n_mtp, use_mtp, bs, fused_head)
+            ref_losses.append(ref.step(ref_fn, range(MICRO), LR)["loss"])
+            losses.append(core.step(_loss_fn(core.model, groups, n_main, n_mtp, use_mtp, bs, fused_head),
+                                   range(MICRO), LR)["loss"])
         for step in range(steps):
             errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
         errs = reduce_max(errs)
@@ -127,6 +135,7 @@ CASES_4 = {
     # FSDP layouts
     "fsdp": make_case(DS, fsdp=True),
     "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False}, fsdp=True, ep=2),
+    "fsdp_ep2_fused_head": make_case(QW, steps=3, fused_head=True, fsdp=True, ep=2),
     "fsdp_tp2_sp": make_case(QW, fsdp=True, tp=2, sequence_parallel=True),
     "fsdp_cp2_selective_ac": make_case(DS, fsdp=True, cp=2, activation_checkpointing="selective"),
     "fsdp_tp2_ep2": make_case(DS, fsdp=True, tp=2, ep=2),
