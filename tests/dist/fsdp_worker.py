@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import init, max_rel_err, reduce_max, run_cases  # noqa: E402
 from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
-from megatron_composer.fp8 import FP8Config  # noqa: E402
+from megatron_composer.fp8 import FP8Config, FP8LinearFunction  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
 from megatron_composer.parallel.parallelize import shard_batch  # noqa: E402
@@ -64,16 +64,20 @@ def _step_batches(step, cfg):
     return bs, n_main, n_mtp
 
 
-def make_case(preset: str, overrides=None, steps=5, fused_head=False, **parallel):
+def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, **parallel):
     def run():
         cfg = tiny_config(preset).replace(**(overrides or {}))
         use_mtp = cfg.num_mtp_layers > 0
+        fp8_cfg = FP8Config(**(fp8 or {}))
         core = TrainingCore(cfg, {}, Layout(ParallelConfig(**parallel)), torch.device("cpu"), optim=_optim(),
-                            fp8=FP8Config(), seed=SEED)
+                            fp8=fp8_cfg, seed=SEED)
         ref = TrainingCore(cfg, {}, Layout(ParallelConfig(), distributed=False), torch.device("cpu"),
-                           optim=_optim(), fp8=FP8Config(), seed=SEED)
+                           optim=_optim(), fp8=fp8_cfg, seed=SEED)
         groups = core.layout.groups
         errs = {"is_fsdp": float(is_fsdp(core.model) != bool(parallel.get("fsdp")))}
+        if fp8:  # the FP8 GEMMs are in place
+            errs["fp8_applied"] = float(not any(isinstance(getattr(m, "linear_fn", None), FP8LinearFunction)
+                                                for m in core.model.modules()))
         # init: each piece equals the reference's box; the pieces of all ranks cover every element
         ref_t = dict(named_tensors(ref.model))
         for name, t in named_tensors(core.model):
@@ -136,6 +140,9 @@ CASES_4 = {
     "fsdp": make_case(DS, fsdp=True),
     "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False}, fsdp=True, ep=2),
     "fsdp_ep2_fused_head": make_case(QW, steps=3, fused_head=True, fsdp=True, ep=2),
+    # MXFP8 dense and grouped GEMMs quantise the gathered weights (weight gradients in high precision, so
+    # the token split across ranks does not change their rounding)
+    "fsdp_tp2_mxfp8": make_case(QW, steps=2, fp8={"recipe": "mxfp8", "wgrad_bf16": True}, fsdp=True, tp=2),
     "fsdp_tp2_sp": make_case(QW, fsdp=True, tp=2, sequence_parallel=True),
     "fsdp_cp2_selective_ac": make_case(DS, fsdp=True, cp=2, activation_checkpointing="selective"),
     "fsdp_tp2_ep2": make_case(DS, fsdp=True, tp=2, ep=2),
