@@ -184,25 +184,9 @@ def iter_full_state_dict(model: nn.Module, groups):
 
 def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
     """The unsharded state dict (every rank gets it). Feeds single-file checkpoints, conversion to Hugging Face
-    format and loading under another layout."""
+    format and loading under another layout (slices.load_full_state_dict)."""
     return dict(iter_full_state_dict(model, groups))
 
 
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of an unsharded state dict into a parallelised model (any layout, FSDP included;
-    parallel/slices.py says which pieces)."""
-    from megatron_composer.parallel.slices import fill_local, full_shape, named_tensors
-
-    own = dict(named_tensors(model))
-    missing = sorted(set(model.state_dict()) - set(full))
-    if missing:
-        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}; was it saved from this model?")
-    for name, t in own.items():
-        if tuple(full[name].shape) != tuple(full_shape(t)):
-            raise ValueError(f"{name}: checkpoint tensor {tuple(full[name].shape)} does not match the model's "
-                             f"{tuple(full_shape(t))}")
-    fill_local(model, lambda name, box: full[name][box])
-
-
 __all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict", "load_full_state_dict"]
+           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict"]

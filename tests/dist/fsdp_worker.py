@@ -6,7 +6,9 @@ allocated shard by shard and filled by the layout-independent initialisation):
            of all ranks cover every full tensor;
   grads -- loss and every parameter's gradient after one backward (each piece of the local gradient shard
            against the box of the reference gradient) and the clipped global norm (finish_gradients);
-  steps -- 5 optimizer steps through TrainingCore.step (2 micro-batches each) give the same loss sequence.
+  steps -- 5 optimizer steps through TrainingCore.step (2 micro-batches each) give the same loss sequence;
+  state -- the trained shards gather (full_state_dict) to full tensors holding every rank's pieces, and load
+           back piece by piece (load_full_state_dict).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 from megatron_composer.fp8 import FP8Config, FP8LinearFunction  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
+from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
+from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import shard_batch  # noqa: E402
 from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors  # noqa: E402
 from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
@@ -125,6 +129,18 @@ def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, 
                                    range(MICRO), LR)["loss"])
         for step in range(steps):
             errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
+        # the trained shards gather to full tensors holding every rank's pieces, and load back piece by piece
+        full, ref_sd = full_state_dict(core.model, groups), ref.model.state_dict()
+        errs["state_dict_keys"] = float(set(full) != set(ref_sd)
+                                        or any(full[k].shape != ref_sd[k].shape for k in ref_sd))
+        errs["state_dict_gather"] = float(any(not torch.equal(local_tensor(t)[pc.local], full[name][pc.full])
+                                              for name, t in named_tensors(core.model) for pc in local_pieces(t)))
+        with torch.no_grad():
+            for _, t in named_tensors(core.model):
+                local_tensor(t).zero_()
+        load_full_state_dict(core.model, full)
+        errs["state_dict_reload"] = float(any(not torch.equal(local_tensor(t)[pc.local], full[name][pc.full])
+                                              for name, t in named_tensors(core.model) for pc in local_pieces(t)))
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
                 "n_params": n_params, "activation_analytic_over_measured": None}
