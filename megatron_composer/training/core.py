@@ -81,24 +81,25 @@ def initial_weights(init_from: str, meta: dict) -> InitialWeights | None:
 
 
 def load_hf_weights(model, path: str) -> None:
-    """Copy a Hugging Face checkpoint's weights into the full (not yet parallelised) model. MTP depths the
-    checkpoint lacks (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are learned by
-    self-distillation; every other weight must be present with the same shape."""
-    from megatron_composer.checkpoint.hf import load_hf_checkpoint
+    """Fill this rank's shards of the model (any layout) from a Hugging Face checkpoint, reading only the
+    slices it holds. The checkpoint's architecture must be the configured one; MTP depths the checkpoint lacks
+    (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are learned by self-distillation; every
+    other weight must be present with the same shape (checked before any weight is read)."""
+    from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError, HFReader, load_hf_shards
 
-    hf = load_hf_checkpoint(path)
-    mine, theirs = architecture(model.config), architecture(hf.config)
+    try:
+        reader = HFReader(path)
+    except HFCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    mine, theirs = architecture(model.config), architecture(reader.config)
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
-    if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
-        diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
+    if diffs or reader.config.num_mtp_layers > model.config.num_mtp_layers:
+        diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
-    result = model.load_state_dict(hf.state_dict(), strict=False)
-    hf_mtp_layers = hf.config.num_mtp_layers
-    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf_mtp_layers  # noqa: E731
-    missing = [k for k in result.missing_keys if not fresh_mtp(k)]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {result.unexpected_keys[:3]}")
-    del hf
+    try:
+        load_hf_shards(model, reader, progress=False)
+    except HFCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
