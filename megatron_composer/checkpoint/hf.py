@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -473,24 +473,25 @@ class HFReader:
         return self._read_key(src.keys[0], ranges)
 
 
-def load_hf_shards(model: torch.nn.Module, path: str | Path | HFReader, progress: bool = True) -> HFReader:
+def load_hf_shards(model: torch.nn.Module, path: str | Path | HFReader, progress: bool = True,
+                   init: Optional[Callable[[str, tuple[slice, ...]], torch.Tensor]] = None) -> HFReader:
     """Fill this rank's shards of `model` -- any layout: tensor/expert-parallel pieces, FSDP DTensors, or the
     whole model -- from a Hugging Face checkpoint, reading only the slices this rank holds. Names and full
-    shapes are checked before any weight is read; tensors the checkpoint lacks that may keep their values
-    (`HFReader.fresh`: MTP depths it does not hold, a missing routing bias, rotary caches) are left as they
-    are. Host memory: the shards plus one slice at a time. Returns the reader (`config`: the checkpoint's
-    model)."""
+    shapes are checked before any weight is read. Tensors the checkpoint may lack (`HFReader.fresh`: MTP
+    depths it does not hold, a missing routing bias) get `init(name, box)` when given, else keep their values.
+    Host memory: the shards plus one slice at a time. Returns the reader (`config`: the checkpoint's model)."""
     from ..parallel import slices
 
     reader = path.bind(model.config) if isinstance(path, HFReader) else HFReader(path, model.config)
     named = dict(slices.named_tensors(model))
     reader.check({name: tuple(slices.full_shape(t)) for name, t in named.items()})
-    held = [name for name in named if name in reader.sources]  # the rest is `fresh`: check() said so
+    filled = named if init is not None else [name for name in named if name in reader.sources]
     with torch.no_grad():
-        for name in tqdm(held, desc="loading HF checkpoint", unit="tensor", disable=not progress):
+        for name in tqdm(filled, desc="loading HF checkpoint", unit="tensor", disable=not progress):
             local = slices.local_tensor(named[name])
+            read = reader.read if name in reader.sources else init  # else: `fresh`, check() said so
             for piece in slices.local_pieces(named[name]):
-                dst, src = local[piece.local], reader.read(name, piece.full)
+                dst, src = local[piece.local], read(name, piece.full)
                 if dst.shape != src.shape:
                     raise CheckpointError(f"{name}: read {list(src.shape)} for box {piece.full}, the local piece "
                                           f"is {list(dst.shape)}")
