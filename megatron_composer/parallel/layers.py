@@ -54,6 +54,17 @@ def set_spec(p: torch.Tensor, spec: ShardSpec) -> None:
     p._mc_spec = spec
 
 
+def to_empty(model: nn.Module, device) -> nn.Module:
+    """model.to_empty(device=device) keeping every parameter's ShardSpec: to_empty replaces meta parameters by
+    new Parameter objects, which do not carry the attribute over."""
+    specs = {name: p._mc_spec for name, p in model.named_parameters() if hasattr(p, "_mc_spec")}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if name in specs:
+            set_spec(p, specs[name])
+    return model
+
+
 def _sharded_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     p = nn.Parameter(spec.take(full.detach()).clone().contiguous())
     set_spec(p, spec)
@@ -210,5 +221,5 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> Non
         t.copy_(piece)
 
 
-__all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["ShardSpec", "spec_of", "set_spec", "to_empty", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "full_tensor", "iter_full_state_dict", "full_state_dict", "load_full_state_dict"]
