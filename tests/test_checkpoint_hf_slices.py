@@ -262,3 +262,35 @@ def test_export_writes_each_file_once_within_the_shard_size(tmp_path, monkeypatc
     back = load_hf_checkpoint(tmp_path / "hf", progress=False)
     for name, t in model.state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
+
+
+def test_convert_tool_streams_hf_to_hf(tmp_path, monkeypatch):
+    """tools/convert_hf.py HF_DIR --out: an FP8 checkpoint rewritten tensor by tensor (no model allocated)
+    holds the dequantised weights, over several shard files; an existing output is a one-line error."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model = _model()
+    stands_for = _fp8_export(model, tmp_path / "fp8")
+    built = []
+    monkeypatch.setattr(hf_mod.Transformer, "__init__", _recording_init(hf_mod.Transformer.__init__, built))
+    assert tool.main([str(tmp_path / "fp8"), "--out", str(tmp_path / "bf16"), "--dtype", "float32",
+                      "--shard-gb", "0.0003"]) == 0
+    assert built == ["meta"]  # only the meta model the shapes are checked against
+    monkeypatch.undo()
+    got = load_hf_checkpoint(tmp_path / "bf16", progress=False)
+    want = _expected(model, stands_for)
+    for name, t in got.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 2
+    assert tool.main([str(tmp_path / "fp8"), "--out", str(tmp_path / "bf16")]) == 2  # exists: one-line error
+
+
+def _recording_init(init, built):
+    def record(self, cfg):
+        built.append(torch.empty(0).device.type)
+        init(self, cfg)
+    return record

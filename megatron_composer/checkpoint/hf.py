@@ -611,36 +611,23 @@ def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[Hu
     return out
 
 
-def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
-                       dtype: Optional[torch.dtype] = None, progress: bool = True, overwrite: bool = False,
-                       groups=None) -> None:
-    """Write a checkpoint directory that `transformers` loads (config.json, safetensors shards, index) from
-    `model` in any layout. Collective over the model's ranks when `groups` (its ParallelGroups) is given or
-    its parameters are FSDP DTensors: each tensor is gathered whole on its own (`parallel.layers.full_tensor`)
-    and rank 0 writes each shard file as soon as it is full, so memory holds one shard plus one tensor."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from ..parallel import slices
-    from ..parallel.layers import full_tensor
-
+def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                        tensor: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int = 4 << 30,
+                        progress: bool = True, overwrite: bool = False, main: bool = True) -> None:
+    """Write a checkpoint directory that `transformers` loads (config.json, safetensors shards, index) for a
+    model of config `cfg` with these full tensors (our name -> shape). `tensor(name)` gives our full tensor
+    `name`; it is called for one tensor at a time, in the same order on every rank (it may be a collective
+    gather). The files are planned from the shapes alone, so each is written (by the `main` process) the moment
+    its last tensor arrives: memory holds one shard file's tensors plus one of our tensors."""
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
-    cfg = model.config
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers())
-    first = next(iter(model.parameters()))
-    dtype = dtype or slices.local_tensor(first).dtype
-    collective = groups is not None or any(isinstance(t, DTensor) for t in named.values())
-    main = not collective or dist.get_rank() == 0
-    entries = hub_entries(cfg, {name: tuple(slices.full_shape(t)) for name, t in named.items()})
+    entries = hub_entries(cfg, shapes)
     router_keys = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
     def dtype_of(entry: HubEntry) -> torch.dtype:
         return torch.float32 if cfg.attention == "mla" and entry.hub.endswith(router_keys) else dtype
 
-    # Files planned from the shapes alone, so each can be written the moment its last tensor arrives.
     file_of, sizes = [], [0]
     for entry in entries:
         nbytes = math.prod(entry.shape) * dtype_of(entry).itemsize
@@ -654,17 +641,16 @@ def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes
     if main:
         tmp.mkdir(parents=True, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
-    gathered_name, gathered = None, None
+    current_name, current = None, None
     bar = tqdm(total=len(entries), desc="writing HF checkpoint", unit="tensor", disable=not (progress and main))
     for i, entry in enumerate(entries):
         if entry.ours is None:
             t = torch.zeros(entry.shape)
         else:
-            if entry.ours != gathered_name:  # collective: every rank gathers the same tensors in the same order
-                gathered_name, gathered = None, None
-                gathered = full_tensor(named[entry.ours], groups)
-                gathered_name = entry.ours
-            t = gathered if entry.expert is None else gathered[entry.expert]
+            if entry.ours != current_name:
+                current_name, current = None, None  # drop the last tensor before fetching the next
+                current, current_name = tensor(entry.ours), entry.ours
+            t = current if entry.expert is None else current[entry.expert]
         if main:
             shard[entry.hub] = t.detach().to("cpu", dtype_of(entry)).contiguous().clone()
             if i + 1 == len(entries) or file_of[i + 1] != file_of[i]:
@@ -672,20 +658,69 @@ def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes
                 shard = {}
         bar.update(1)
     bar.close()
-    gathered = None
-    if main:
-        if n > 1:
-            weight_map = {e.hub: names[f] for e, f in zip(entries, file_of)}
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
-        if path.exists():
-            for old in path.iterdir():
-                old.unlink()
-            path.rmdir()
-        tmp.rename(path)
+    if not main:
+        return
+    if n > 1:
+        weight_map = {e.hub: names[f] for e, f in zip(entries, file_of)}
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+    if path.exists():
+        for old in path.iterdir():
+            old.unlink()
+        path.rmdir()
+    tmp.rename(path)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
+                       dtype: Optional[torch.dtype] = None, progress: bool = True, overwrite: bool = False,
+                       groups=None) -> None:
+    """Write `model` (any layout) as a Hugging Face checkpoint directory (`write_hf_checkpoint`). Collective
+    over the model's ranks when `groups` (its ParallelGroups) is given or its parameters are FSDP DTensors:
+    each tensor is gathered whole on its own (`parallel.layers.full_tensor`) and rank 0 writes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel import slices
+    from ..parallel.layers import full_tensor
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    dtype = dtype or slices.local_tensor(next(iter(model.parameters()))).dtype
+    collective = groups is not None or any(isinstance(t, DTensor) for t in named.values())
+    main = not collective or dist.get_rank() == 0
+    if main and Path(path).exists() and any(Path(path).iterdir()) and not overwrite:
+        raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
+    write_hf_checkpoint(path, model.config, {name: tuple(slices.full_shape(t)) for name, t in named.items()},
+                        lambda name: full_tensor(named[name], groups), dtype, max_shard_bytes, progress,
+                        overwrite=True, main=main)
     if collective:
         dist.barrier()
+
+
+def convert_hf_checkpoint(src: str | Path, out: str | Path, dtype: Optional[torch.dtype] = None,
+                          max_shard_bytes: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> ModelConfig:
+    """Rewrite a Hugging Face checkpoint in our export's layout (e.g. FP8 to bf16, fused experts to per-expert
+    tensors) one tensor at a time, without building the model: memory holds one output shard plus one
+    tensor. Returns the model config."""
+    reader = HFReader(src)
+    cfg = reader.config
+    dtype = dtype or _checkpoint_dtype(reader.path, reader.hf_config)
+    with torch.device("meta"):  # the shapes the config implies, to check the checkpoint against
+        model = Transformer(cfg)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    shapes = {name: tuple(t.shape) for name, t in named.items() if name != "rope.inv_freq"}
+    reader.check({name: shapes[name] for name in dict(model.named_parameters()) | dict(model.named_buffers())
+                  if name in shapes})
+    tied = {"output.weight": "tok_embeddings.weight"} if cfg.tie_word_embeddings else {}
+
+    def tensor(name: str) -> torch.Tensor:
+        name = tied.get(name, name)
+        return reader.read(name) if name in reader.sources else torch.zeros(shapes[name])  # a missing routing bias
+
+    write_hf_checkpoint(out, cfg, shapes, tensor, dtype, max_shard_bytes, progress, overwrite)
+    return cfg
 
 
 def quantize_fp8_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
