@@ -22,33 +22,45 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megatron_composer.checkpoint.dcp import CheckpointError, load_checkpoint, resolve_checkpoint  # noqa: E402
+from megatron_composer.checkpoint.dcp import CheckpointError, resolve_checkpoint  # noqa: E402
+from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError  # noqa: E402
 from megatron_composer.config import ConfigError, load_config  # noqa: E402
 from megatron_composer.data.corpus import CorpusError, iter_documents, list_inputs  # noqa: E402
 from megatron_composer.data.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 
+def _one_process_model(mc, init):
+    """The model as the training core builds it (meta device, then filled from `init`), in one process."""
+    from megatron_composer.fp8 import FP8Config
+    from megatron_composer.parallel.dims import ParallelConfig
+    from megatron_composer.training.config import architecture
+    from megatron_composer.training.core import build_model
+    from megatron_composer.training.layout import Layout
+
+    return build_model(mc, Layout(ParallelConfig(), distributed=False), torch.device("cpu"), FP8Config(), seed=0,
+                       init=init, meta={"model": architecture(mc)})
+
+
 def load_ours(path: str):
-    from megatron_composer.model import Transformer
-    from megatron_composer.training.config import architecture, model_config
+    from megatron_composer.training.config import model_config
+    from megatron_composer.training.core import InitialWeights
     from pretrain.trainer import PretrainConfig
 
     ckpt = resolve_checkpoint(path)
     cfg = load_config(PretrainConfig, ckpt.parent.parent / "config.yaml")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     mc = model_config(cfg, tokenizer, weights=ckpt)  # the rope the checkpoint was trained with
-    model = Transformer(mc)
-    load_checkpoint(ckpt, model, None, {"model": architecture(mc)}, restore_rng=False)
-    return model, tokenizer, str(ckpt)
+    return _one_process_model(mc, InitialWeights(checkpoint=ckpt)), tokenizer, str(ckpt)
 
 
 def load_hf(path: str):
-    from megatron_composer.checkpoint.hf import load_hf_checkpoint
+    from megatron_composer.checkpoint.hf import HFReader
+    from megatron_composer.training.core import InitialWeights
 
-    model = load_hf_checkpoint(path)
     tokenizer = load_tokenizer(path)
-    tokenizer.check_fits_model(model.config.vocab_size)
-    return model, tokenizer, path
+    mc = HFReader(path).config  # headers only; the weights are read into the built model slice by slice
+    tokenizer.check_fits_model(mc.vocab_size)
+    return _one_process_model(mc, InitialWeights(hf=path)), tokenizer, path
 
 
 @torch.no_grad()
@@ -90,7 +102,7 @@ def main(argv=None) -> int:
         model, tokenizer, name = load_ours(args.checkpoint) if args.checkpoint else load_hf(args.hf)
         docs = iter_documents(list_inputs(args.input, tuple(args.extensions.split(",")), ["site-packages"]))
         result = score(model, tokenizer, docs, args.seq_length, args.max_tokens)
-    except (CheckpointError, ConfigError, TokenizerError, CorpusError) as e:
+    except (CheckpointError, HFCheckpointError, ConfigError, TokenizerError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{name}: {result['tokens']} tokens, loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.2f}, "

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -276,114 +276,232 @@ def _shard_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def _header_shapes(files: dict[str, Path]) -> dict[str, list[int]]:
-    """Every tensor's shape from the shard headers, opening each shard once."""
-    shapes: dict[str, list[int]] = {}
-    for shard in sorted(set(files.values())):
-        with safe_open(str(shard), "pt") as f:
-            for k in f.keys():
-                shapes[k] = list(f.get_slice(k).get_shape())
-    return shapes
+_FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_MTP_KEY = re.compile(r"^(?:model\.language_model\.|language_model\.)?model\.layers\.(\d+)\.eh_proj\.")
+_FIX = "set model.preset / model.overrides to match the checkpoint's config.json"
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """DeepSeek FP8 checkpoints: w_fp8 * scale_inv broadcast over 128x128 blocks (edge blocks partial)."""
-    rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return w.float() * s
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, rows: range, cols: range) -> torch.Tensor:
+    """DeepSeek FP8 checkpoints: each element times the `weight_scale_inv` of its 128x128 block. `w` is the box
+    rows x cols of the weight, `scale_inv` the blocks covering it (from block rows.start // 128, cols.start //
+    128); edge blocks may be partial, boxes need not align with blocks."""
+    r = torch.arange(rows.start, rows.stop) // FP8_BLOCK - rows.start // FP8_BLOCK
+    c = torch.arange(cols.start, cols.stop) // FP8_BLOCK - cols.start // FP8_BLOCK
+    return w.float() * scale_inv.float()[r][:, c]
+
+
+def _ranges(box: tuple[slice, ...], shape) -> tuple[range, ...]:
+    """A box (slices of step 1, None ends allowed, trailing dims may be left out) as ranges within shape."""
+    box = tuple(box) + (slice(None),) * (len(shape) - len(box))
+    if len(box) != len(shape):
+        raise ValueError(f"box {box} has more dims than the tensor's shape {list(shape)}")
+    out = []
+    for s, n in zip(box, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"box slice {s} has a step; boxes are contiguous")
+        out.append(range(start, max(start, stop)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one of our full tensors lives in the hub checkpoint: one hub tensor (`keys[0]`; `half` 0/1 for the
+    gate/up halves along dim 1 of a fused [E, 2F, D] gate_up tensor), or one 2-D tensor per expert (`stacked`:
+    our dim 0 indexes `keys`, "" for an expert the checkpoint lacks)."""
+
+    keys: tuple[str, ...]
+    stacked: bool = False
+    half: Optional[int] = None
+
+
+class HFReader:
+    """Boxes of our full tensors, read from a Hugging Face checkpoint directory one slice at a time.
+
+    Opening reads only config.json and the shard headers. `check(expected)` validates every name and shape
+    against a model before any weight is read. `read(name, box)` returns exactly that box (a tuple of slices
+    over our full tensor's dims) of our tensor `name`, reading only its bytes with `safe_open(...).get_slice`:
+    a box over stacked routed experts reads only those experts' hub tensors; FP8 weights are dequantised on
+    the box with the scales of the 128x128 blocks it touches. A shard file is opened per read, so nothing
+    stays mapped (and resident) between reads. `cfg` is the model the names map to (default: the
+    checkpoint's own, `config`, with the MTP depths it holds)."""
+
+    def __init__(self, path: str | Path, cfg: Optional[ModelConfig] = None):
+        self.path = Path(path)
+        self.hf_config, hub_cfg = read_hf_config(self.path)
+        self.files = _shard_files(self.path)
+        self.shapes: dict[str, list[int]] = {}
+        self.dtypes: dict[str, str] = {}
+        for shard in sorted(set(self.files.values())):
+            with safe_open(str(shard), "pt") as f:
+                for k in f.keys():
+                    sl = f.get_slice(k)
+                    self.shapes[k], self.dtypes[k] = list(sl.get_shape()), sl.get_dtype()
+        absent = sorted(k for k in self.files if k not in self.shapes)
+        if absent:
+            raise CheckpointError(f"{self.path}: the index names '{absent[0]}' but its shard does not hold it")
+        # transformers drops MTP layers on save while keeping num_nextn_predict_layers: count the depths present
+        self.mtp_depths = len({int(m.group(1)) for k in self.files
+                               if (m := _MTP_KEY.match(k)) and int(m.group(1)) >= hub_cfg.num_layers})
+        if self.mtp_depths < hub_cfg.num_mtp_layers:
+            logger.warning("config.json declares %d MTP layers but the checkpoint holds %d; using %d",
+                           hub_cfg.num_mtp_layers, self.mtp_depths, self.mtp_depths)
+            hub_cfg = hub_cfg.replace(num_mtp_layers=self.mtp_depths)
+        self.config = hub_cfg
+        self.bind(cfg or hub_cfg)
+
+    def bind(self, cfg: ModelConfig) -> "HFReader":
+        """Map the checkpoint's names to a model of config `cfg` (headers only; raises for a hub tensor that
+        has no place in it)."""
+        self.cfg = cfg
+        self.sources: dict[str, _Source] = {}
+        self._plan: list[tuple[str, Target]] = []
+        experts: dict[str, dict[int, str]] = {}
+        for key in sorted(self.files):
+            if key.endswith(".weight_scale_inv") or _is_ignorable(key):
+                continue
+            target = hf_to_ours(key, self.cfg)
+            if target is None:
+                raise CheckpointError(
+                    f"{self._where(key)} has no place in a model with num_layers={self.cfg.num_layers}, "
+                    f"num_mtp_layers={self.cfg.num_mtp_layers}; the checkpoint does not match the model config "
+                    f"({_FIX})")
+            self._plan.append((key, target))
+            if target.shared_copy:
+                continue
+            if target.name.endswith("w1+w3"):
+                base = target.name[:-len("w1+w3")]
+                self.sources[base + "w1"] = _Source((key,), half=0)
+                self.sources[base + "w3"] = _Source((key,), half=1)
+            elif target.expert is not None:
+                experts.setdefault(target.name, {})[target.expert] = key
+            else:
+                self.sources[target.name] = _Source((key,))
+        for name, by_index in experts.items():
+            keys = tuple(by_index.get(e, "") for e in range(max(by_index) + 1))
+            self.sources[name] = _Source(keys, stacked=True)
+        return self
+
+    def _where(self, key: str) -> str:
+        return f"{self.files[key].name}: tensor '{key}'"
+
+    # -- validation -------------------------------------------------------------------------------------
+    def fresh(self, name: str) -> bool:
+        """Our tensors a checkpoint may lack, which then keep their initialisation: MTP depths it does not
+        hold (learned by self-distillation), the aux-loss-free routing bias (zero), rotary caches, a tied
+        head."""
+        m = re.match(r"mtp\.(\d+)\.", name)
+        return bool(m and int(m.group(1)) >= self.mtp_depths) or name.endswith("e_score_correction_bias") \
+            or name == "rope.inv_freq" or (name == "output.weight" and self.cfg.tie_word_embeddings)
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every hub tensor has a place among `expected` (our name -> full shape) with that shape, and every
+        expected tensor is in the checkpoint unless `fresh`; reads no weight. Raises a one-line CheckpointError
+        naming the tensor and the fix."""
+        for key, target in self._plan:
+            name = target.name[:-len("w1+w3")] + "w1" if target.name.endswith("w1+w3") else target.name
+            if name not in expected:
+                raise CheckpointError(f"{self._where(key)} maps to '{name}', which this model does not have; {_FIX}")
+            want = list(expected[name])
+            if target.name.endswith("w1+w3"):
+                want = [want[0], 2 * want[1], *want[2:]]
+            elif target.expert is not None:
+                if target.expert >= want[0]:
+                    raise CheckpointError(f"{self._where(key)} is expert {target.expert} but the model has "
+                                          f"{want[0]} experts (num_experts); {_FIX}")
+                want = want[1:]
+            shape = self.shapes[key]
+            if shape != want:
+                raise CheckpointError(f"{self._where(key)} has shape {shape}, the model expects {want} for "
+                                      f"'{target.name}'; {_FIX}")
+            if self.dtypes[key] in _FP8_DTYPES:
+                scale = key[:-len("weight")] + "weight_scale_inv"
+                if len(shape) != 2 or scale not in self.shapes:
+                    raise CheckpointError(f"{self._where(key)} is FP8 ({self.dtypes[key]}) but not a 2-D weight with "
+                                          f"'{scale}' block scales; dequantise the checkpoint first")
+                blocks = [math.ceil(n / FP8_BLOCK) for n in shape]
+                if self.shapes[scale] != blocks:
+                    raise CheckpointError(f"{self._where(scale)} has shape {self.shapes[scale]}, expected {blocks} "
+                                          f"({FP8_BLOCK}x{FP8_BLOCK} blocks of {shape})")
+        for name, shape in expected.items():
+            if self.fresh(name) and name not in self.sources:
+                continue
+            src = self.sources.get(name)
+            if src is None:
+                raise CheckpointError(f"checkpoint {self.path} has no tensor for '{name}'; it is incomplete or of "
+                                      f"another architecture ({_FIX})")
+            if src.stacked and (len(src.keys) != shape[0] or "" in src.keys):
+                lacking = [e for e in range(shape[0]) if e >= len(src.keys) or not src.keys[e]][:5]
+                raise CheckpointError(f"checkpoint {self.path} lacks experts {lacking} of '{name}'")
+
+    # -- reading ----------------------------------------------------------------------------------------
+    def full_shape(self, name: str) -> list[int]:
+        """The shape of our full tensor `name` as the checkpoint holds it."""
+        src = self.sources[name]
+        if src.stacked:
+            return [len(src.keys), *self.shapes[src.keys[0]]]
+        shape = list(self.shapes[src.keys[0]])
+        if src.half is not None:
+            shape[1] //= 2
+        return shape
+
+    def _read_key(self, key: str, box: tuple[range, ...]) -> torch.Tensor:
+        with safe_open(str(self.files[key]), "pt") as f:
+            t = f.get_slice(key)[tuple(slice(r.start, r.stop) for r in box)]
+        if self.dtypes[key] in _FP8_DTYPES:
+            rows, cols = box
+            scale = key[:-len("weight")] + "weight_scale_inv"
+            blocks = (slice(rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK)),
+                      slice(cols.start // FP8_BLOCK, -(-cols.stop // FP8_BLOCK)))
+            with safe_open(str(self.files[scale]), "pt") as f:
+                t = _dequant_fp8(t, f.get_slice(scale)[blocks], rows, cols)
+        return t
+
+    def read(self, name: str, box: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The box `box` of our full tensor `name` (() for all of it), in the checkpoint's dtype (float32 for
+        dequantised FP8)."""
+        src = self.sources.get(name)
+        if src is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor for '{name}'")
+        ranges = _ranges(box, self.full_shape(name))
+        if src.stacked:
+            parts = [self._read_key(src.keys[e], ranges[1:]) for e in ranges[0]]
+            return torch.stack(parts) if parts else torch.empty([0, *map(len, ranges[1:])])
+        if src.half is not None:
+            offset = src.half * self.full_shape(name)[1]
+            ranges = (ranges[0], range(ranges[1].start + offset, ranges[1].stop + offset), *ranges[2:])
+        return self._read_key(src.keys[0], ranges)
+
+
+def load_hf_shards(model: torch.nn.Module, path: str | Path | HFReader, progress: bool = True,
+                   init: Optional[Callable[[str, tuple[slice, ...]], torch.Tensor]] = None) -> HFReader:
+    """Fill this rank's shards of `model` -- any layout: tensor/expert-parallel pieces, FSDP DTensors, or the
+    whole model -- from a Hugging Face checkpoint, reading only the slices this rank holds. Names and full
+    shapes are checked before any weight is read. Tensors the checkpoint may lack (`HFReader.fresh`: MTP
+    depths it does not hold, a missing routing bias) get `init(name, box)` when given, else keep their values.
+    Host memory: the shards plus one slice at a time. Returns the reader (`config`: the checkpoint's model)."""
+    from ..parallel import slices
+
+    reader = path.bind(model.config) if isinstance(path, HFReader) else HFReader(path, model.config)
+    named = dict(slices.named_tensors(model))
+    reader.check({name: tuple(slices.full_shape(t)) for name, t in named.items()})
+    filled = named if init is not None else [name for name in named if name in reader.sources]
+    with torch.no_grad():
+        for name in tqdm(filled, desc="loading HF checkpoint", unit="tensor", disable=not progress):
+            local = slices.local_tensor(named[name])
+            read = reader.read if name in reader.sources else init  # else: `fresh`, check() said so
+            for piece in slices.local_pieces(named[name]):
+                dst, src = local[piece.local], read(name, piece.full)
+                if dst.shape != src.shape:
+                    raise CheckpointError(f"{name}: read {list(src.shape)} for box {piece.full}, the local piece "
+                                          f"is {list(dst.shape)}")
+                dst.copy_(src)
+    return reader
 
 
 def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True) -> None:
-    """Stream an HF checkpoint's tensors into `model` (already built with the matching config)."""
-    path = Path(path)
-    cfg = model.config
-    files = _shard_files(path)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-
-    # Plan and validate everything from the headers before reading any tensor data.
-    plan: list[tuple[str, Target]] = []
-    filled: dict[str, set] = {}
-    scales = {k for k in files if k.endswith(".weight_scale_inv")}
-    shapes = _header_shapes(files)
-    for key in sorted(files):
-        if key in scales or _is_ignorable(key):
-            continue
-        target = hf_to_ours(key, cfg)
-        if target is None:
-            raise CheckpointError(
-                f"{files[key].name}: tensor '{key}' has no place in a model with num_layers={cfg.num_layers}, "
-                f"num_mtp_layers={cfg.num_mtp_layers}; the checkpoint does not match config.json")
-        shape = shapes[key]
-        if target.name.endswith("w1+w3"):
-            base = target.name[:-len("w1+w3")]
-            want = list(params[base + "w1"].shape)
-            want = [want[0], 2 * want[1], want[2]]
-        else:
-            if target.name not in params:
-                raise CheckpointError(f"{files[key].name}: tensor '{key}' maps to '{target.name}', which this "
-                                      f"model does not have; check config.json against the weights")
-            want = list(params[target.name].shape)
-            if target.expert is not None:
-                if target.expert >= want[0]:
-                    raise CheckpointError(f"{files[key].name}: '{key}' is expert {target.expert} but the config has "
-                                          f"{want[0]} experts (n_routed_experts / num_experts)")
-                want = want[1:]
-        if shape != want:
-            raise CheckpointError(f"{files[key].name}: tensor '{key}' has shape {shape}, the model expects {want} "
-                                  f"for '{target.name}'; config.json does not match the weights")
-        plan.append((key, target))
-        if not target.shared_copy:
-            names = [target.name[:-len("w1+w3")] + "w1", target.name[:-len("w1+w3")] + "w3"] \
-                if target.name.endswith("w1+w3") else [target.name]
-            for n in names:
-                filled.setdefault(n, set()).add(target.expert)
-    tied = {"output.weight"} if cfg.tie_word_embeddings else set()
-    optional = {n for n in params if n.endswith("e_score_correction_bias") or n == "rope.inv_freq"}
-    for name, p in params.items():
-        if name in tied or name in optional:
-            continue
-        got = filled.get(name)
-        if got is None:
-            raise CheckpointError(f"checkpoint {path} has no tensor for '{name}'; it is incomplete or of another "
-                                  f"architecture")
-        if None not in got and len(got) != p.shape[0]:
-            lacking = sorted(set(range(p.shape[0])) - got)[:5]
-            raise CheckpointError(f"checkpoint {path} lacks experts {lacking} of '{name}'")
-
-    # Stream: one tensor at a time, shard by shard.
-    by_file: dict[Path, list[tuple[str, Target]]] = {}
-    for key, target in plan:
-        by_file.setdefault(files[key], []).append((key, target))
-    bar = tqdm(total=len(plan), desc="loading HF checkpoint", unit="tensor", disable=not progress)
-    with torch.no_grad():
-        for file, items in by_file.items():
-            with safe_open(str(file), "pt") as f:
-                for key, target in items:
-                    t = f.get_tensor(key)
-                    scale_key = key[:-len("weight")] + "weight_scale_inv" if key.endswith(".weight") else None
-                    if scale_key in scales:
-                        with safe_open(str(files[scale_key]), "pt") as fs:
-                            t = _dequant_fp8(t, fs.get_tensor(scale_key))
-                    elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                        raise CheckpointError(f"{file.name}: FP8 tensor '{key}' has no '{scale_key}'")
-                    _copy_into(params, target, t)
-                    bar.update(1)
-    bar.close()
-
-
-def _copy_into(params: dict, target: Target, t: torch.Tensor) -> None:
-    if target.shared_copy:
-        return
-    if target.name.endswith("w1+w3"):
-        base = target.name[:-len("w1+w3")]
-        F = params[base + "w1"].shape[1]
-        params[base + "w1"].copy_(t[:, :F])
-        params[base + "w3"].copy_(t[:, F:])
-    elif target.expert is not None:
-        params[target.name][target.expert].copy_(t)
-    else:
-        params[target.name].copy_(t)
+    """Stream an HF checkpoint's tensors into `model` (built with the matching config, any layout)."""
+    load_hf_shards(model, path, progress=progress)
 
 
 def _checkpoint_dtype(path: Path, hf: dict) -> torch.dtype:
@@ -408,126 +526,201 @@ def read_hf_config(path: str | Path) -> tuple[dict, ModelConfig]:
 
 def load_hf_checkpoint(path: str | Path, dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu",
                        progress: bool = True) -> Transformer:
-    """Build our model from a Hugging Face checkpoint directory (config.json + safetensors, sharded or not)."""
-    path = Path(path)
-    hf, cfg = read_hf_config(path)
-    dtype = dtype or _checkpoint_dtype(path, hf)
-    files = _shard_files(path)
-    # transformers drops MTP layers on save while keeping num_nextn_predict_layers: build the depths present.
-    present = {int(m.group(1)) for k in files
-               if (m := re.match(r"^(?:model\.language_model\.|language_model\.)?model\.layers\.(\d+)\.eh_proj\.", k))
-               and int(m.group(1)) >= cfg.num_layers}
-    if len(present) < cfg.num_mtp_layers:
-        logger.warning("config.json declares %d MTP layers but the checkpoint holds %d; building %d",
-                       cfg.num_mtp_layers, len(present), len(present))
-        cfg = cfg.replace(num_mtp_layers=len(present))
+    """Our whole model (one process) from a Hugging Face checkpoint directory (config.json + safetensors,
+    sharded or not), built on the meta device and allocated once, then filled tensor by tensor."""
+    reader = HFReader(path)
+    dtype = dtype or _checkpoint_dtype(reader.path, reader.hf_config)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(reader.config)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, Router):
             module.float()  # routing decisions stay in float32, as the reference keeps them
-    model.rope.inv_freq.copy_(type(model.rope)(cfg).inv_freq)
-    for name, buf in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buf.zero_()
-    load_hf_weights(model, path, progress=progress)
+    model.reset_parameters()  # what the checkpoint may lack: the routing bias (zero), the rotary cache
+    load_hf_shards(model, reader, progress=progress)
     return model
 
 
 # ---- writing ------------------------------------------------------------------------------------------
-def hf_state_items(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our parameters under hub names, one tensor at a time (experts split per expert)."""
-    cfg = model.config
-    params = dict(model.named_parameters(remove_duplicate=False))
-    params.update(dict(model.named_buffers()))
-    yield "model.embed_tokens.weight", params["tok_embeddings.weight"]
-    yield "model.norm.weight", params["norm.weight"]
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", params["output.weight"]
+@dataclass(frozen=True)
+class HubEntry:
+    """One tensor of the hub layout: its name, our tensor it comes from (None: zeros of `shape`) and, for
+    stacked experts, which expert."""
 
-    def block(ours: str, hf: str) -> Iterator[tuple[str, torch.Tensor]]:
-        attn_inv = _ATTN_INV[cfg.attention]
-        for name, t in params.items():
+    hub: str
+    ours: Optional[str]
+    shape: tuple[int, ...]
+    expert: Optional[int] = None
+
+
+def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[HubEntry]:
+    """The hub layout of a model with these (full) tensors, in file order: experts split per expert, MTP as
+    extra decoder layers with copies of the embedding and head, a zero routing bias where DeepSeek-V3 needs
+    one and we have none."""
+    out: list[HubEntry] = []
+
+    def put(hub: str, ours: str) -> None:
+        out.append(HubEntry(hub, ours, tuple(shapes[ours])))
+
+    put("model.embed_tokens.weight", "tok_embeddings.weight")
+    put("model.norm.weight", "norm.weight")
+    if not cfg.tie_word_embeddings:
+        put("lm_head.weight", "output.weight")
+    attn_inv = _ATTN_INV[cfg.attention]
+
+    def block(ours: str, hf: str) -> None:
+        for name, shape in shapes.items():
             if not name.startswith(ours + "."):
                 continue
             rest = name[len(ours) + 1:]
             if rest == "attention_norm.weight":
-                yield f"{hf}.input_layernorm.weight", t
+                put(f"{hf}.input_layernorm.weight", name)
             elif rest == "ffn_norm.weight":
-                yield f"{hf}.post_attention_layernorm.weight", t
+                put(f"{hf}.post_attention_layernorm.weight", name)
             elif rest.startswith("attention."):
                 mod, kind = rest[len("attention."):].rsplit(".", 1)
-                yield f"{hf}.self_attn.{attn_inv[mod]}.{kind}", t
+                put(f"{hf}.self_attn.{attn_inv[mod]}.{kind}", name)
             elif rest.startswith("feed_forward.experts."):
                 w = rest.rsplit(".", 1)[1]
-                for e in range(t.shape[0]):
-                    yield f"{hf}.mlp.experts.{e}.{_FFN_INV[w]}.weight", t[e]
+                for e in range(shape[0]):
+                    out.append(HubEntry(f"{hf}.mlp.experts.{e}.{_FFN_INV[w]}.weight", name, tuple(shape[1:]), e))
             elif rest.startswith("feed_forward.shared_experts."):
-                yield f"{hf}.mlp.shared_experts.{_FFN_INV[rest.split('.')[2]]}.weight", t
+                put(f"{hf}.mlp.shared_experts.{_FFN_INV[rest.split('.')[2]]}.weight", name)
             elif rest == "feed_forward.router.weight":
-                yield f"{hf}.mlp.gate.weight", t
+                put(f"{hf}.mlp.gate.weight", name)
             elif rest == "feed_forward.router.e_score_correction_bias":
-                yield f"{hf}.mlp.gate.e_score_correction_bias", t
+                put(f"{hf}.mlp.gate.e_score_correction_bias", name)
             elif rest.startswith("feed_forward."):
-                yield f"{hf}.mlp.{_FFN_INV[rest.split('.')[1]]}.weight", t
+                put(f"{hf}.mlp.{_FFN_INV[rest.split('.')[1]]}.weight", name)
             else:
                 raise CheckpointError(f"no hub name for parameter '{name}'")
+        bias = f"{ours}.feed_forward.router.e_score_correction_bias"
+        if cfg.attention == "mla" and f"{ours}.feed_forward.router.weight" in shapes and bias not in shapes:
+            out.append(HubEntry(f"{hf}.mlp.gate.e_score_correction_bias", None, (cfg.num_experts,)))
 
     for i in range(cfg.num_layers):
-        yield from block(f"layers.{i}", f"model.layers.{i}")
-        if cfg.attention == "mla" and cfg.is_moe_layer(i) and model.layers[i].feed_forward.router.e_score_correction_bias is None:
-            yield f"model.layers.{i}.mlp.gate.e_score_correction_bias", torch.zeros(cfg.num_experts)
+        block(f"layers.{i}", f"model.layers.{i}")
     for k in range(cfg.num_mtp_layers):
         hf = f"model.layers.{cfg.num_layers + k}"
         for part in ("enorm", "hnorm", "eh_proj"):
-            yield f"{hf}.{part}.weight", params[f"mtp.{k}.{part}.weight"]
-        yield f"{hf}.shared_head.norm.weight", params[f"mtp.{k}.norm.weight"]
-        yield f"{hf}.shared_head.head.weight", params["output.weight"]
-        yield f"{hf}.embed_tokens.weight", params["tok_embeddings.weight"]
-        yield from block(f"mtp.{k}.block", hf)
+            put(f"{hf}.{part}.weight", f"mtp.{k}.{part}.weight")
+        put(f"{hf}.shared_head.norm.weight", f"mtp.{k}.norm.weight")
+        put(f"{hf}.shared_head.head.weight", "output.weight")
+        put(f"{hf}.embed_tokens.weight", "tok_embeddings.weight")
+        block(f"mtp.{k}.block", hf)
+    return out
 
 
-def save_hf_checkpoint(model: Transformer, path: str | Path, max_shard_bytes: int = 4 << 30,
-                       dtype: Optional[torch.dtype] = None, progress: bool = True, overwrite: bool = False) -> None:
-    """Write a checkpoint directory that `transformers` loads (config.json, safetensors shards, index)."""
+def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                        tensor: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int = 4 << 30,
+                        progress: bool = True, overwrite: bool = False, main: bool = True) -> None:
+    """Write a checkpoint directory that `transformers` loads (config.json, safetensors shards, index) for a
+    model of config `cfg` with these full tensors (our name -> shape). `tensor(name)` gives our full tensor
+    `name`; it is called for one tensor at a time, in the same order on every rank (it may be a collective
+    gather). The files are planned from the shapes alone, so each is written (by the `main` process) the moment
+    its last tensor arrives: memory holds one shard file's tensors plus one of our tensors."""
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
-    cfg = model.config
-    dtype = dtype or next(model.parameters()).dtype
-    hf_cfg = config_to_hf(cfg, dtype)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    total = 0
+    entries = hub_entries(cfg, shapes)
     router_keys = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    for name, t in hf_state_items(model):
-        keep_fp32 = cfg.attention == "mla" and name.endswith(router_keys)
-        t = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype).contiguous().clone()
-        nbytes = t.numel() * t.element_size()
+
+    def dtype_of(entry: HubEntry) -> torch.dtype:
+        return torch.float32 if cfg.attention == "mla" and entry.hub.endswith(router_keys) else dtype
+
+    file_of, sizes = [], [0]
+    for entry in entries:
+        nbytes = math.prod(entry.shape) * dtype_of(entry).itemsize
         if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
-            shards.append({})
             sizes.append(0)
-        shards[-1][name] = t
+        file_of.append(len(sizes) - 1)
         sizes[-1] += nbytes
-        total += nbytes
-    weight_map = {}
-    n = len(shards)
-    for i, shard in enumerate(tqdm(shards, desc="writing HF shards", disable=not progress)):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
+    n = len(sizes)
+    names = ["model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmp = path.with_name(path.name + ".tmp")
+    if main:
+        tmp.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    current_name, current = None, None
+    bar = tqdm(total=len(entries), desc="writing HF checkpoint", unit="tensor", disable=not (progress and main))
+    for i, entry in enumerate(entries):
+        if entry.ours is None:
+            t = torch.zeros(entry.shape)
+        else:
+            if entry.ours != current_name:
+                current_name, current = None, None  # drop the last tensor before fetching the next
+                current, current_name = tensor(entry.ours), entry.ours
+            t = current if entry.expert is None else current[entry.expert]
+        if main:
+            shard[entry.hub] = t.detach().to("cpu", dtype_of(entry)).contiguous().clone()
+            if i + 1 == len(entries) or file_of[i + 1] != file_of[i]:
+                save_file(shard, str(tmp / names[file_of[i]]), metadata={"format": "pt"})
+                shard = {}
+        bar.update(1)
+    bar.close()
+    if not main:
+        return
     if n > 1:
+        weight_map = {e.hub: names[f] for e, f in zip(entries, file_of)}
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+            json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
     if path.exists():
         for old in path.iterdir():
             old.unlink()
         path.rmdir()
     tmp.rename(path)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
+                       dtype: Optional[torch.dtype] = None, progress: bool = True, overwrite: bool = False,
+                       groups=None) -> None:
+    """Write `model` (any layout) as a Hugging Face checkpoint directory (`write_hf_checkpoint`). Collective
+    over the model's ranks when `groups` (its ParallelGroups) is given or its parameters are FSDP DTensors:
+    each tensor is gathered whole on its own (`parallel.layers.full_tensor`) and rank 0 writes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from ..parallel import slices
+    from ..parallel.layers import full_tensor
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    dtype = dtype or slices.local_tensor(next(iter(model.parameters()))).dtype
+    collective = groups is not None or any(isinstance(t, DTensor) for t in named.values())
+    main = not collective or dist.get_rank() == 0
+    if main and Path(path).exists() and any(Path(path).iterdir()) and not overwrite:
+        raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
+    write_hf_checkpoint(path, model.config, {name: tuple(slices.full_shape(t)) for name, t in named.items()},
+                        lambda name: full_tensor(named[name], groups), dtype, max_shard_bytes, progress,
+                        overwrite=True, main=main)
+    if collective:
+        dist.barrier()
+
+
+def convert_hf_checkpoint(src: str | Path, out: str | Path, dtype: Optional[torch.dtype] = None,
+                          max_shard_bytes: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> ModelConfig:
+    """Rewrite a Hugging Face checkpoint in our export's layout (e.g. FP8 to bf16, fused experts to per-expert
+    tensors) one tensor at a time, without building the model: memory holds one output shard plus one
+    tensor. Returns the model config."""
+    reader = HFReader(src)
+    cfg = reader.config
+    dtype = dtype or _checkpoint_dtype(reader.path, reader.hf_config)
+    with torch.device("meta"):  # the shapes the config implies, to check the checkpoint against
+        model = Transformer(cfg)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers())
+    shapes = {name: tuple(t.shape) for name, t in named.items() if name != "rope.inv_freq"}
+    reader.check({name: shapes[name] for name in dict(model.named_parameters()) | dict(model.named_buffers())
+                  if name in shapes})
+    tied = {"output.weight": "tok_embeddings.weight"} if cfg.tie_word_embeddings else {}
+
+    def tensor(name: str) -> torch.Tensor:
+        name = tied.get(name, name)
+        return reader.read(name) if name in reader.sources else torch.zeros(shapes[name])  # a missing routing bias
+
+    write_hf_checkpoint(out, cfg, shapes, tensor, dtype, max_shard_bytes, progress, overwrite)
+    return cfg
 
 
 def quantize_fp8_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

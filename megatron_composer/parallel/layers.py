@@ -54,6 +54,17 @@ def set_spec(p: torch.Tensor, spec: ShardSpec) -> None:
     p._mc_spec = spec
 
 
+def to_empty(model: nn.Module, device) -> nn.Module:
+    """model.to_empty(device=device) keeping every parameter's ShardSpec: to_empty replaces meta parameters by
+    new Parameter objects, which do not carry the attribute over."""
+    specs = {name: p._mc_spec for name, p in model.named_parameters() if hasattr(p, "_mc_spec")}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        if name in specs:
+            set_spec(p, specs[name])
+    return model
+
+
 def _sharded_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     p = nn.Parameter(spec.take(full.detach()).clone().contiguous())
     set_spec(p, spec)
@@ -170,16 +181,26 @@ def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     return torch.cat([per_block[r][b] for b in range(spec.blocks) for r in range(spec.size)], dim=spec.dim)
 
 
+def full_tensor(t: torch.Tensor, groups, spec: Optional[ShardSpec] = None) -> torch.Tensor:
+    """Collective: the unsharded tensor of this rank's parameter or buffer `t` (its FSDP shards all-gathered,
+    then its tensor-parallel pieces over tp, experts over ep; `spec` defaults to t's own). Every rank gets it."""
+    from torch.distributed.tensor import DTensor
+
+    spec = spec or spec_of(t)
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if groups is None:
+        return t
+    return _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
+
+
 def iter_full_state_dict(model: nn.Module, groups):
-    """Collective: (name, unsharded tensor) one entry at a time, on every rank: FSDP shards gathered over their
-    mesh, then tensor-parallel pieces over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller keeps them."""
+    """Collective: (name, unsharded tensor) one entry at a time, on every rank: FSDP shards gathered, tensor-
+    parallel pieces over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller
+    keeps them."""
     params = dict(model.named_parameters())
     for name, t in model.state_dict().items():
-        if groups is None:
-            yield name, t
-            continue
-        spec = spec_of(params[name]) if name in params else ShardSpec()
-        yield name, _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
+        yield name, full_tensor(t, groups, spec_of(params[name]) if name in params else ShardSpec())
 
 
 def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
@@ -188,5 +209,5 @@ def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
     return dict(iter_full_state_dict(model, groups))
 
 
-__all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict"]
+__all__ = ["ShardSpec", "spec_of", "set_spec", "to_empty", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "full_tensor", "iter_full_state_dict", "full_state_dict"]

@@ -25,7 +25,7 @@ from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
-from megatron_composer.parallel.layers import iter_full_state_dict, set_spec, spec_of
+from megatron_composer.parallel.layers import iter_full_state_dict, to_empty
 from megatron_composer.parallel.slices import fill_local, full_shape, named_tensors
 from megatron_composer.training.config import architecture
 from megatron_composer.training.layout import Layout
@@ -92,34 +92,26 @@ def init_reader(model) -> Callable[[str, tuple], torch.Tensor]:
 
 
 def load_hf_weights(model, path: str) -> None:
-    """Fill this rank's pieces of a laid-out model (any layout, FSDP included) from a Hugging Face checkpoint.
-    MTP depths the checkpoint lacks (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are
-    learned by self-distillation; every other weight must be present with the same shape (checked for every
-    name and shape before anything is copied)."""
-    from megatron_composer.checkpoint.hf import load_hf_checkpoint
+    """Fill this rank's pieces of a laid-out model (any layout, FSDP included; allocated, not yet filled) from a
+    Hugging Face checkpoint, reading only the slices it holds. The checkpoint's architecture must be the
+    configured one; MTP depths the checkpoint lacks (e.g. Qwen3, Kimi K2 exports) get the fresh seeded
+    initialisation and are learned by self-distillation; every other weight must be present with the same
+    shape (every name and shape checked before any weight is read)."""
+    from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError, HFReader, load_hf_shards
 
-    hf = load_hf_checkpoint(path)
-    mine, theirs = architecture(model.config), architecture(hf.config)
+    try:
+        reader = HFReader(path)
+    except HFCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    mine, theirs = architecture(model.config), architecture(reader.config)
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
-    if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
-        diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
+    if diffs or reader.config.num_mtp_layers > model.config.num_mtp_layers:
+        diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
-    sd, hf_mtp_layers = hf.state_dict(), hf.config.num_mtp_layers
-    del hf
-    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf_mtp_layers  # noqa: E731
-    ours = {name: full_shape(t) for name, t in named_tensors(model)}
-    own_keys = set(model.state_dict())
-    missing = [k for k in sorted(own_keys) if k not in sd and not fresh_mtp(k)]
-    unexpected = [k for k in sorted(sd) if k not in own_keys]
-    if missing or unexpected:
-        raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {unexpected[:3]}")
-    bad = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(s)}" for k, s in ours.items()
-           if k in sd and tuple(sd[k].shape) != tuple(s)]
-    if bad:
-        raise CheckpointError(f"Hugging Face checkpoint '{path}' has other shapes ({'; '.join(bad[:3])}); set "
-                              "model.preset / model.overrides to match it")
-    fresh = init_reader(model)
-    fill_local(model, lambda name, box: sd[name][box] if name in sd else fresh(name, box))
+    try:
+        load_hf_shards(model, reader, progress=False, init=init_reader(model))
+    except HFCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
@@ -143,10 +135,7 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = layout.shard_parameters(model)
-    specs = {name: spec_of(p) for name, p in model.named_parameters()}
-    model.to_empty(device=device)  # may swap in new Parameter objects (meta -> real): carry the ShardSpecs over
-    for name, p in model.named_parameters():
-        set_spec(p, specs[name])
+    to_empty(model, device)  # keeps the ShardSpecs
     if init is not None and init.hf is not None:
         load_hf_weights(model, init.hf)
     else:
