@@ -83,24 +83,74 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _shard_view(t: torch.Tensor, spec, meshes: dict):
-    """`t` as a DTensor chunk of the full tensor when its parameter is tp/ep-sharded, else `t` itself."""
-    if spec is None or spec.kind not in ("tp_sharded", "expert") or spec.size == 1:
-        return t
-    if spec.blocks != 1:
-        raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
-    from torch.distributed.tensor import DTensor, Shard
+class _Views:
+    """DTensor views that make DCP store every parameter (and AdamW moment) as chunks of its FULL tensor.
 
-    return DTensor.from_local(t, meshes[spec.kind], [Shard(spec.dim)], run_check=False)
+    A tensor- or expert-parallel shard (ShardSpec kind tp_sharded / expert) becomes a DTensor over its tp / ep
+    group, Shard(spec.dim). An FSDP-sharded parameter is already a DTensor, over the FSDP mesh, whose "global"
+    shape is only the tp/ep-local shape; its view puts the spec's group in front of the FSDP mesh dims:
+    placements [Shard(spec.dim), *fsdp placements] over a (spec group x FSDP mesh) mesh, i.e. the FSDP chunk
+    of the tp/ep chunk, with torch.chunk's uneven (and empty) chunks, as FSDP shards."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self._flat: dict = {}
+        self._composed: dict = {}
+
+    def flat(self, kind: str, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if kind not in self._flat:
+            group = self.groups.tp_group if kind == "tp_sharded" else self.groups.ep_group
+            self._flat[kind] = DeviceMesh.from_group(group, device_type)
+        return self._flat[kind]
+
+    def composed(self, kind: str, spec, fsdp_mesh):
+        """Collective over the world, once per (kind, FSDP mesh): the (spec group x FSDP mesh) device mesh."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = (kind, tuple(fsdp_mesh.mesh.flatten().tolist()), tuple(fsdp_mesh.mesh.shape))
+        if key not in self._composed:
+            group = self.groups.tp_group if kind == "tp_sharded" else self.groups.ep_group
+            mine = (spec.rank, *fsdp_mesh.get_coordinate())
+            coords = [None] * dist.get_world_size()
+            dist.all_gather_object(coords, mine)
+            ranks = torch.full((spec.size, *fsdp_mesh.mesh.shape), -1, dtype=torch.long)
+            for r, c in enumerate(coords):
+                ranks[c] = r
+            if (ranks < 0).any() or len(set(map(tuple, coords))) != len(coords):
+                raise CheckpointError(f"the {kind} group and the FSDP mesh {tuple(fsdp_mesh.mesh.shape)} do not tile the "
+                                      f"{dist.get_world_size()} ranks; this layout cannot be checkpointed")
+            fsdp_groups = [fsdp_mesh.get_group(i) for i in range(fsdp_mesh.ndim)]
+            names = (kind, *(f"fsdp{i}" for i in range(fsdp_mesh.ndim)))
+            self._composed[key] = DeviceMesh.from_group([group, *fsdp_groups], fsdp_mesh.device_type, mesh=ranks,
+                                                        mesh_dim_names=names)
+        return self._composed[key]
+
+    def view(self, t: torch.Tensor, spec):
+        """`t` (a parameter or an AdamW moment of it) as a chunk of the full tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        sharded = spec is not None and spec.kind in ("tp_sharded", "expert") and spec.size > 1
+        if sharded and spec.blocks != 1:
+            raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
+        if not sharded:
+            return t  # a plain tensor, or an FSDP DTensor whose global shape is the full shape
+        if isinstance(t, DTensor):
+            full = list(t.shape)
+            full[spec.dim] *= spec.size
+            mesh = self.composed(spec.kind, spec, t.device_mesh)
+            return DTensor.from_local(t.to_local(), mesh, [Shard(spec.dim), *t.placements], run_check=False,
+                                      shape=torch.Size(full), stride=_contiguous_strides(full))
+        return DTensor.from_local(t, self.flat(spec.kind, "cuda" if t.is_cuda else "cpu"), [Shard(spec.dim)], run_check=False)
 
 
-def _meshes(groups) -> dict:
-    if groups is None:
-        return {}
-    from torch.distributed.device_mesh import DeviceMesh
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"tp_sharded": DeviceMesh.from_group(groups.tp_group, device), "expert": DeviceMesh.from_group(groups.ep_group, device)}
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
 
 
 def _is_distributed(optimizer) -> bool:
@@ -118,12 +168,12 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
     load_checkpoint hands back to the optimizer), so its checkpoints load into any layout and optimizer."""
     from megatron_composer.parallel.layers import spec_of
 
-    meshes = _meshes(groups)
+    views = _Views(groups)
     params = dict(model.named_parameters())
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(params[name]) if name in params else None
-        model_sd[name] = _shard_view(t.detach(), spec, meshes)
+        model_sd[name] = views.view(t.detach(), spec)
     state = {"model": model_sd}
     if optimizer is not None and _is_distributed(optimizer):
         moments = optimizer.named_param_states(gather=not for_load)
@@ -132,7 +182,7 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
             if not p.requires_grad:
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
-                optim_sd[f"{name}.{key}"] = _shard_view(moments[name][key], spec_of(p), meshes)
+                optim_sd[f"{name}.{key}"] = views.view(moments[name][key], spec_of(p))
             optim_sd[f"{name}.step"] = torch.tensor(float(optimizer.step_count), device=p.device)
         state["optim"] = optim_sd
     elif optimizer is not None:
@@ -146,7 +196,7 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("exp_avg", "exp_avg_sq"):
-                optim_sd[f"{name}.{key}"] = _shard_view(st[key], spec_of(p), meshes)
+                optim_sd[f"{name}.{key}"] = views.view(st[key], spec_of(p))
             optim_sd[f"{name}.step"] = st["step"]
         state["optim"] = optim_sd
     return state
