@@ -31,6 +31,6 @@ def test_every_layout_loads_every_other_layouts_checkpoint(tmp_path):
     _check(one["loads"])
 
 
-def test_fsdp_expert_parallel_resume_gives_the_uninterrupted_losses(tmp_path):
+def test_fsdp_expert_parallel_resume_from_an_async_save_gives_the_uninterrupted_losses(tmp_path):
     r = run_worker("checkpoint_worker.py", 4, ["--cases", "resume"], tmp_path)
-    assert len(r["straight"]) == 4 and r["resumed"] == r["straight"]
+    assert len(r["straight"]) == 4 and r["resumed"] == r["straight"] and r["invisible_until_finished"]

@@ -202,36 +202,25 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
     return state
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    trainer_state: dict,
-    meta: dict,
-    keep_last: int = 0,
-    groups=None,
-) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    run_dir = Path(run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"step_{step}"
-    tmp = ckpt_root / f".step_{step}.tmp"
-    if _rank() == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
-            shutil.rmtree(final)
-        tmp.mkdir()
-    _barrier()
-    dcp.save(training_state(model, optimizer, groups), checkpoint_id=str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    if _rank() == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    _barrier()
+class PendingCheckpoint:
+    """An asynchronous save in flight: its shards are being written into checkpoints/.step_<N>.tmp by DCP's
+    background thread. `finish()` (collective) waits for every rank's writes, then renames the directory into
+    place and moves `latest` to it; until then the checkpoint is invisible, so a process killed meanwhile
+    resumes from the previous one."""
+
+    def __init__(self, future, tmp: Path, final: Path, run_dir: Path, keep_last: int):
+        self.future, self.tmp, self.final, self.run_dir, self.keep_last = future, tmp, final, run_dir, keep_last
+
+    def finish(self) -> Path:
+        self.future.result()  # re-raises a failed write
+        _barrier()
+        _publish(self.tmp, self.final, self.run_dir, self.keep_last)
+        return self.final
+
+
+def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int) -> None:
+    """Every rank has written into `tmp`: rename it to `final`, then point `latest` at it (atomically)."""
+    ckpt_root = final.parent
     if _rank() == 0:
         os.replace(tmp, final)
         marker_tmp = run_dir / "latest.tmp"
@@ -244,6 +233,57 @@ def save_checkpoint(
             for old in steps[:-keep_last]:
                 shutil.rmtree(ckpt_root / f"step_{old}", ignore_errors=True)
     _barrier()
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict,
+    meta: dict,
+    keep_last: int = 0,
+    groups=None,
+    async_save: bool = False,
+    async_group=None,
+) -> Path | PendingCheckpoint:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    With `async_save` (on several ranks give `async_group`, a gloo process group of all ranks used only by
+    checkpoint writes, so the writer thread's collectives never interleave with training's), DCP copies the state to host memory and writes it
+    in the background; the call returns a PendingCheckpoint once the copy is taken, and training may change
+    the weights. Call its finish() before the next save and before the process ends."""
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step_{step}"
+    tmp = ckpt_root / f".step_{step}.tmp"
+    if _rank() == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    state = training_state(model, optimizer, groups)
+    future = None
+    if async_save:
+        if dist.is_initialized() and dist.get_world_size() > 1 and async_group is None:
+            raise ValueError("an asynchronous save on several ranks needs async_group (a gloo group of its own)")
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse with a staging stager
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))
+    del state
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    if future is not None:
+        return PendingCheckpoint(future, tmp, final, run_dir, keep_last)
+    _barrier()
+    _publish(tmp, final, run_dir, keep_last)
     return final
 
 
