@@ -1,10 +1,11 @@
 """torchrun worker: DCP checkpoints across parallel layouts, FSDP included.
 
 Modes (--cases):
-  save_load  every layout of LAYOUTS (with this world size) writes a checkpoint whose model and AdamW state
-             are known full tensors (drawn per name from a seeded generator), then every layout loads every
-             checkpoint written so far (and those in --ckpt-in) and checks each of its local pieces exactly
-             against the same slice of the known full tensor. The local pieces are cut here independently of
+  save_load  every layout of PAIRS that saves and runs on this world size writes a checkpoint whose model and
+             AdamW state are known full tensors (drawn per name from a seeded generator), then every layout of
+             PAIRS that loads on this world size loads its sources (written here or, with --ckpt-dir, by the
+             other world size) and checks each of its local pieces exactly against the same slice of the
+             known full tensor. The local pieces are cut here independently of
              the checkpoint code (ShardSpec.take, then torch.chunk by the FSDP placements, as FSDP shards).
   resume     fsdp x ep2: 2 steps, an asynchronous save, 2 more steps; a fresh model loads the checkpoint and
              its 2 steps give the same losses.
@@ -26,10 +27,12 @@ from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
 from megatron_composer.checkpoint.dcp import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_composer.model import Transformer  # noqa: E402
+from megatron_composer.training.core import finish_gradients  # noqa: E402
 from megatron_composer.parallel import collectives as C  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
-from megatron_composer.parallel.layers import set_spec, spec_of  # noqa: E402
+from megatron_composer.parallel.fsdp import apply_fsdp  # noqa: E402
+from megatron_composer.parallel.layers import spec_of  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
 
 PRESET = "tiny-deepseek-v3"
@@ -38,7 +41,7 @@ PRESET = "tiny-deepseek-v3"
 def config():
     """The tiny model with sizes FSDP cannot split evenly: vocab 514 (257 rows per tp rank), the MLA ranks 62
     and 26 (+16 rope dims): uneven and padded chunks on every layout here."""
-    return tiny_config(PRESET).replace(vocab_size=514, q_lora_rank=62, kv_lora_rank=26)
+    return tiny_config(PRESET).replace(vocab_size=514, q_lora_rank=62, kv_lora_rank=26, num_layers=2)
 META = {"model": {"preset": PRESET}}
 # name -> layout; "world" is the number of ranks it runs on
 LAYOUTS = {
@@ -50,30 +53,13 @@ LAYOUTS = {
     "tp2_ep2": dict(world=4, tp=2, ep=2, zero1=True),
     "one_rank": dict(world=1),
 }
-
-
-def apply_fsdp(model, groups, dp_replicate: int = 1):
-    """fully_shard per transformer block (MTP blocks included) and the root: dense parameters over the dp x cp
-    ranks (HSDP: replicate x shard), routed experts over the expert-data-parallel ranks; ShardSpecs kept."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    specs = {n: spec_of(p) for n, p in model.named_parameters()}
-    if dp_replicate > 1:
-        assert groups.dims.tp == 1 and groups.dims.cp == 1, "HSDP here spans the whole world"
-        dense = init_device_mesh("cpu", (dp_replicate, dist.get_world_size() // dp_replicate),
-                                 mesh_dim_names=("replicate", "shard"))
-    else:
-        dense = DeviceMesh.from_group(groups.group("dp_cp"), "cpu")
-    experts = DeviceMesh.from_group(groups.group("edp"), "cpu")
-    for blk in list(model.layers) + [m.block for m in model.mtp]:
-        if hasattr(blk.feed_forward, "experts"):
-            fully_shard(blk.feed_forward.experts, mesh=experts)
-        fully_shard(blk, mesh=dense)
-    fully_shard(model, mesh=dense)
-    for n, p in model.named_parameters():
-        set_spec(p, specs[n])
-    return model
+# (saved under, loaded under): FSDP <-> FSDP off in other layouts, HSDP, FSDP composed with tp and ep
+PAIRS = [
+    ("fsdp_ep2", "fsdp_ep2"), ("fsdp_ep2", "tp2_zero1"), ("fsdp_ep2", "ep4"), ("fsdp_ep2", "hsdp_ep2"),
+    ("fsdp_ep2", "fsdp_tp2_ep2"), ("fsdp_tp2_ep2", "ep4"), ("hsdp_ep2", "tp2_ep2"),
+    ("tp2_ep2", "fsdp_ep2"), ("tp2_ep2", "fsdp_tp2_ep2"), ("ep4", "hsdp_ep2"),
+    ("fsdp_ep2", "one_rank"), ("fsdp_tp2_ep2", "one_rank"), ("hsdp_ep2", "one_rank"), ("one_rank", "fsdp_ep2"),
+]
 
 
 def build(layout: dict, seed: int = 0):
@@ -86,7 +72,7 @@ def build(layout: dict, seed: int = 0):
     if groups is not None:
         model = parallelize_model(model, groups)
     if layout.get("fsdp"):
-        model = apply_fsdp(model, groups, layout.get("dp_replicate", 1))
+        model = apply_fsdp(model, groups, dp_replicate=layout.get("dp_replicate", 1))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     elif groups is not None:
         opt = DistributedAdamW(model.named_parameters(), groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
@@ -164,27 +150,25 @@ def state_mismatch(model, opt) -> dict:
 
 def save_load(args) -> dict:
     world = dist.get_world_size()
-    root = Path(args.out) / "ckpts"
+    here = Path(args.out) / "ckpts"
+    roots = [here] + ([Path(args.ckpt_dir)] if args.ckpt_dir else [])
     results, saved = {}, []
-    for name, layout in LAYOUTS.items():
-        if layout["world"] != world:
+    for name in dict.fromkeys(src for src, _ in PAIRS):
+        if LAYOUTS[name]["world"] != world:
             continue
-        groups, model, opt = build(layout, seed=1)
+        groups, model, opt = build(LAYOUTS[name], seed=1)
         set_known_state(model, opt)
-        save_checkpoint(root / name, 1, model, opt, {"step": 1}, META, groups=groups)
+        save_checkpoint(here / name, 1, model, opt, {"step": 1}, META, groups=groups)
         saved.append(name)
-    sources = saved + [s for s in args.ckpt_in.split(",") if s]
-    for name, layout in LAYOUTS.items():
-        if layout["world"] != world:
+    for src, dst in PAIRS:
+        ckpt = next((r / src / "checkpoints" / "step_1" for r in roots if (r / src / "latest").exists()), None)
+        if LAYOUTS[dst]["world"] != world or ckpt is None:
             continue
-        for src in sources:
-            groups, model, opt = build(layout, seed=2)
-            ckpt_root = root if src in saved else Path(args.ckpt_dir)
-            state = load_checkpoint(ckpt_root / src / "checkpoints" / "step_1", model, opt, META, groups=groups)
-            bad = state_mismatch(model, opt)
-            bad = reduce_max(bad) if world > 1 else bad
-            results[f"{src}->{name}"] = {"wrong": sorted(k for k, v in bad.items() if v), "n": len(bad),
-                                         "step": state["step"]}
+        groups, model, opt = build(LAYOUTS[dst], seed=2)
+        state = load_checkpoint(ckpt, model, opt, META, groups=groups)
+        bad = state_mismatch(model, opt)
+        bad = reduce_max(bad) if world > 1 else bad
+        results[f"{src}->{dst}"] = {"wrong": sorted(k for k, v in bad.items() if v), "n": len(bad), "step": state["step"]}
     return {"saved": saved, "loads": results}
 
 
@@ -201,6 +185,7 @@ def resume(args) -> dict:
             o = model(ids_l, position_ids=pos_l, mtp=True)
             loss = loss_terms(o.logits, o.mtp_logits, labels_l, mtp_l, groups.tp_group, n_main, n_mtp)
             loss.backward()
+            finish_gradients(model, opt, 1.0)
             opt.step()
             opt.zero_grad()
             losses.append(C.all_reduce(loss.detach().clone(), groups.group("dp_cp")).item())
@@ -226,10 +211,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     args0, rest = ap.parse_known_args()
     sys.argv = [sys.argv[0]] + [a for a in rest if not a.startswith("--ckpt")]
-    ckpt_in = next((a.split("=", 1)[1] for a in rest if a.startswith("--ckpt-in=")), "")
     ckpt_dir = next((a.split("=", 1)[1] for a in rest if a.startswith("--ckpt-dir=")), "")
     args = init()
-    args.ckpt_in, args.ckpt_dir = ckpt_in, ckpt_dir
+    args.ckpt_dir = ckpt_dir
     result = {"save_load": save_load, "resume": resume}[args.cases](args)
     if dist.get_rank() == 0:
         (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
