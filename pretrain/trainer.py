@@ -186,7 +186,8 @@ class Stage:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
         self.core = TrainingCore(mc, meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, seed=cfg.train.seed,
-                                 init=init, max_skipped_steps=cfg.train.max_skipped_steps)
+                                 init=init, max_skipped_steps=cfg.train.max_skipped_steps,
+                                 async_save=cfg.checkpoint.async_save)
         self.model = self.core.model
         self.logger = MetricsLogger(self.run_dir, cfg.logging, self.is_main, to_dict(cfg))
         self.start_step = 0
@@ -258,6 +259,7 @@ class Stage:
             if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps:
                 state = {"step": done, "consumed_samples": done * self.batches.global_seqs, "lr": metrics["lr"]}
                 self.core.save(self.run_dir, done, state, cfg.checkpoint.keep_last)
+        self.core.finish_save()
         self.logger.close()
         return self.run_dir
 

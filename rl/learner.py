@@ -101,7 +101,8 @@ class PolicyLearner:
         # checkpoint next (load)
         init = initial_weights(init_from, self.meta) if not resuming or cfg.rl.kl_coef > 0 else None
         self.core = TrainingCore(self.mc, self.meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, seed=cfg.train.seed,
-                                 init=None if resuming else init, max_skipped_steps=cfg.train.max_skipped_steps)
+                                 init=None if resuming else init, max_skipped_steps=cfg.train.max_skipped_steps,
+                                 async_save=cfg.checkpoint.async_save)
         self.model, self.optimizer = self.core.model, self.core.optimizer
         self.ref_model = None
         if cfg.rl.kl_coef > 0:  # the reference policy: the initial weights (same seed and init checkpoint)
@@ -121,6 +122,10 @@ class PolicyLearner:
     def save(self, run_dir, step: int, state: dict, keep_last: int):
         """Collective. ``state`` (trainer step, orchestrator) is written by trainer rank 0."""
         return self.core.save(run_dir, step, state, keep_last)
+
+    def finish_save(self) -> None:
+        """Collective: publish an asynchronous save still in flight (checkpoint.async_save)."""
+        self.core.finish_save()
 
     def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Collective: the unsharded weights in ``dtype`` on CPU on trainer rank 0 (None elsewhere), the format

@@ -222,6 +222,7 @@ class Trainer:
                 del published  # the full weights live only until the held-out evaluation has used them
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
                     self.save()
+            self.learner.finish_save()
         finally:
             if self.is_main:
                 self.orchestrator.stop()

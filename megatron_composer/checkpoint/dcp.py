@@ -83,24 +83,74 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def _shard_view(t: torch.Tensor, spec, meshes: dict):
-    """`t` as a DTensor chunk of the full tensor when its parameter is tp/ep-sharded, else `t` itself."""
-    if spec is None or spec.kind not in ("tp_sharded", "expert") or spec.size == 1:
-        return t
-    if spec.blocks != 1:
-        raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
-    from torch.distributed.tensor import DTensor, Shard
+class _Views:
+    """DTensor views that make DCP store every parameter (and AdamW moment) as chunks of its FULL tensor.
 
-    return DTensor.from_local(t, meshes[spec.kind], [Shard(spec.dim)], run_check=False)
+    A tensor- or expert-parallel shard (ShardSpec kind tp_sharded / expert) becomes a DTensor over its tp / ep
+    group, Shard(spec.dim). An FSDP-sharded parameter is already a DTensor, over the FSDP mesh, whose "global"
+    shape is only the tp/ep-local shape; its view puts the spec's group in front of the FSDP mesh dims:
+    placements [Shard(spec.dim), *fsdp placements] over a (spec group x FSDP mesh) mesh, i.e. the FSDP chunk
+    of the tp/ep chunk, with torch.chunk's uneven (and empty) chunks, as FSDP shards."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self._flat: dict = {}
+        self._composed: dict = {}
+
+    def flat(self, kind: str, device_type: str):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if kind not in self._flat:
+            group = self.groups.tp_group if kind == "tp_sharded" else self.groups.ep_group
+            self._flat[kind] = DeviceMesh.from_group(group, device_type)
+        return self._flat[kind]
+
+    def composed(self, kind: str, spec, fsdp_mesh):
+        """Collective over the world, once per (kind, FSDP mesh): the (spec group x FSDP mesh) device mesh."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        key = (kind, tuple(fsdp_mesh.mesh.flatten().tolist()), tuple(fsdp_mesh.mesh.shape))
+        if key not in self._composed:
+            group = self.groups.tp_group if kind == "tp_sharded" else self.groups.ep_group
+            mine = (spec.rank, *fsdp_mesh.get_coordinate())
+            coords = [None] * dist.get_world_size()
+            dist.all_gather_object(coords, mine)
+            ranks = torch.full((spec.size, *fsdp_mesh.mesh.shape), -1, dtype=torch.long)
+            for r, c in enumerate(coords):
+                ranks[c] = r
+            if (ranks < 0).any() or len(set(map(tuple, coords))) != len(coords):
+                raise CheckpointError(f"the {kind} group and the FSDP mesh {tuple(fsdp_mesh.mesh.shape)} do not tile the "
+                                      f"{dist.get_world_size()} ranks; this layout cannot be checkpointed")
+            fsdp_groups = [fsdp_mesh.get_group(i) for i in range(fsdp_mesh.ndim)]
+            names = (kind, *(f"fsdp{i}" for i in range(fsdp_mesh.ndim)))
+            self._composed[key] = DeviceMesh.from_group([group, *fsdp_groups], fsdp_mesh.device_type, mesh=ranks,
+                                                        mesh_dim_names=names)
+        return self._composed[key]
+
+    def view(self, t: torch.Tensor, spec):
+        """`t` (a parameter or an AdamW moment of it) as a chunk of the full tensor."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        sharded = spec is not None and spec.kind in ("tp_sharded", "expert") and spec.size > 1
+        if sharded and spec.blocks != 1:
+            raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
+        if not sharded:
+            return t  # a plain tensor, or an FSDP DTensor whose global shape is the full shape
+        if isinstance(t, DTensor):
+            full = list(t.shape)
+            full[spec.dim] *= spec.size
+            mesh = self.composed(spec.kind, spec, t.device_mesh)
+            return DTensor.from_local(t.to_local(), mesh, [Shard(spec.dim), *t.placements], run_check=False,
+                                      shape=torch.Size(full), stride=_contiguous_strides(full))
+        return DTensor.from_local(t, self.flat(spec.kind, "cuda" if t.is_cuda else "cpu"), [Shard(spec.dim)], run_check=False)
 
 
-def _meshes(groups) -> dict:
-    if groups is None:
-        return {}
-    from torch.distributed.device_mesh import DeviceMesh
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"tp_sharded": DeviceMesh.from_group(groups.tp_group, device), "expert": DeviceMesh.from_group(groups.ep_group, device)}
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
 
 
 def _is_distributed(optimizer) -> bool:
@@ -118,12 +168,12 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
     load_checkpoint hands back to the optimizer), so its checkpoints load into any layout and optimizer."""
     from megatron_composer.parallel.layers import spec_of
 
-    meshes = _meshes(groups)
+    views = _Views(groups)
     params = dict(model.named_parameters())
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(params[name]) if name in params else None
-        model_sd[name] = _shard_view(t.detach(), spec, meshes)
+        model_sd[name] = views.view(t.detach(), spec)
     state = {"model": model_sd}
     if optimizer is not None and _is_distributed(optimizer):
         moments = optimizer.named_param_states(gather=not for_load)
@@ -132,7 +182,7 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
             if not p.requires_grad:
                 continue
             for key in ("exp_avg", "exp_avg_sq"):
-                optim_sd[f"{name}.{key}"] = _shard_view(moments[name][key], spec_of(p), meshes)
+                optim_sd[f"{name}.{key}"] = views.view(moments[name][key], spec_of(p))
             optim_sd[f"{name}.step"] = torch.tensor(float(optimizer.step_count), device=p.device)
         state["optim"] = optim_sd
     elif optimizer is not None:
@@ -146,42 +196,31 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key in ("exp_avg", "exp_avg_sq"):
-                optim_sd[f"{name}.{key}"] = _shard_view(st[key], spec_of(p), meshes)
+                optim_sd[f"{name}.{key}"] = views.view(st[key], spec_of(p))
             optim_sd[f"{name}.step"] = st["step"]
         state["optim"] = optim_sd
     return state
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    trainer_state: dict,
-    meta: dict,
-    keep_last: int = 0,
-    groups=None,
-) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
-    run_dir = Path(run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"step_{step}"
-    tmp = ckpt_root / f".step_{step}.tmp"
-    if _rank() == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
-            shutil.rmtree(final)
-        tmp.mkdir()
-    _barrier()
-    dcp.save(training_state(model, optimizer, groups), checkpoint_id=str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
-    if _rank() == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    _barrier()
+class PendingCheckpoint:
+    """An asynchronous save in flight: its shards are being written into checkpoints/.step_<N>.tmp by DCP's
+    background thread. `finish()` (collective) waits for every rank's writes, then renames the directory into
+    place and moves `latest` to it; until then the checkpoint is invisible, so a process killed meanwhile
+    resumes from the previous one."""
+
+    def __init__(self, future, tmp: Path, final: Path, run_dir: Path, keep_last: int):
+        self.future, self.tmp, self.final, self.run_dir, self.keep_last = future, tmp, final, run_dir, keep_last
+
+    def finish(self) -> Path:
+        self.future.result()  # re-raises a failed write
+        _barrier()
+        _publish(self.tmp, self.final, self.run_dir, self.keep_last)
+        return self.final
+
+
+def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int) -> None:
+    """Every rank has written into `tmp`: rename it to `final`, then point `latest` at it (atomically)."""
+    ckpt_root = final.parent
     if _rank() == 0:
         os.replace(tmp, final)
         marker_tmp = run_dir / "latest.tmp"
@@ -194,6 +233,57 @@ def save_checkpoint(
             for old in steps[:-keep_last]:
                 shutil.rmtree(ckpt_root / f"step_{old}", ignore_errors=True)
     _barrier()
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict,
+    meta: dict,
+    keep_last: int = 0,
+    groups=None,
+    async_save: bool = False,
+    async_group=None,
+) -> Path | PendingCheckpoint:
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    With `async_save` (on several ranks give `async_group`, a gloo process group of all ranks used only by
+    checkpoint writes, so the writer thread's collectives never interleave with training's), DCP copies the state to host memory and writes it
+    in the background; the call returns a PendingCheckpoint once the copy is taken, and training may change
+    the weights. Call its finish() before the next save and before the process ends."""
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step_{step}"
+    tmp = ckpt_root / f".step_{step}.tmp"
+    if _rank() == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # a re-run of the same step after a crash between rename and `latest`
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    state = training_state(model, optimizer, groups)
+    future = None
+    if async_save:
+        if dist.is_initialized() and dist.get_world_size() > 1 and async_group is None:
+            raise ValueError("an asynchronous save on several ranks needs async_group (a gloo group of its own)")
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group)
+        future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse with a staging stager
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))
+    del state
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+    if _rank() == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    if future is not None:
+        return PendingCheckpoint(future, tmp, final, run_dir, keep_last)
+    _barrier()
+    _publish(tmp, final, run_dir, keep_last)
     return final
 
 

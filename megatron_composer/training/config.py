@@ -38,6 +38,7 @@ class CheckpointConfig:
     interval: int = field(default=100, metadata={"help": "save every N steps (and at the end)"})
     keep_last: int = field(default=3, metadata={"help": "checkpoints kept (0 keeps all)"})
     init_from: str = field(default="", metadata={"help": "fresh runs load model weights from this run dir or checkpoint; 'previous' = the previous stage of a chain"})
+    async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background (DCP async save after a host copy); each becomes `latest` at the next save or at the end of the run"})
 
 
 # Fields that do not change parameter shapes: a stage may change them and still load the previous weights.

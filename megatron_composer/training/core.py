@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from megatron_composer.checkpoint.dcp import (CheckpointError, check_meta, find_latest, load_checkpoint,
                                               resolve_checkpoint, save_checkpoint)
@@ -168,8 +169,10 @@ class TrainingCore:
     """This trainer rank's model shard and optimizer, checkpoints, and the optimizer step (module docstring)."""
 
     def __init__(self, mc, meta: dict, layout: Layout, device: torch.device, *, optim: OptimizerConfig,
-                 fp8: FP8Config, seed: int, init: InitialWeights | None = None, max_skipped_steps: int = 20):
+                 fp8: FP8Config, seed: int, init: InitialWeights | None = None, max_skipped_steps: int = 20,
+                 async_save: bool = False):
         self.mc, self.meta, self.layout, self.device = mc, meta, layout, device
+        self.async_save, self._async_group, self._pending = async_save, None, None
         self.grad_clip, self.max_skipped_steps = optim.grad_clip, max_skipped_steps
         self.model = build_model(mc, layout, device, fp8, seed=seed, init=init, meta=meta)
         self.optimizer = layout.build_optimizer(self.model, optim)
@@ -183,9 +186,23 @@ class TrainingCore:
         return load_checkpoint(ckpt, self.model, self.optimizer, self.meta, groups=self.layout.groups)
 
     def save(self, run_dir: str | Path, step: int, state: dict, keep_last: int) -> Path:
-        """Collective: every rank's model and optimizer shards; ``state`` (step, phase state) from rank 0."""
-        return save_checkpoint(run_dir, step, self.model, self.optimizer, state, self.meta, keep_last,
-                               groups=self.layout.groups)
+        """Collective: every rank's model and optimizer shards; ``state`` (step, phase state) from rank 0.
+        With checkpoint.async_save the shards are written in the background (after a host copy) and the
+        checkpoint becomes `latest` at the next save or at `finish_save()`, which the trainers call at the end."""
+        self.finish_save()
+        if not self.async_save:
+            return save_checkpoint(run_dir, step, self.model, self.optimizer, state, self.meta, keep_last,
+                                   groups=self.layout.groups)
+        if self._async_group is None and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")  # the writer thread's own collectives
+        self._pending = save_checkpoint(run_dir, step, self.model, self.optimizer, state, self.meta, keep_last,
+                                        groups=self.layout.groups, async_save=True, async_group=self._async_group)
+        return self._pending.final
+
+    def finish_save(self) -> Path | None:
+        """Collective: wait for an asynchronous save in flight and publish it (no-op when there is none)."""
+        pending, self._pending = self._pending, None
+        return pending.finish() if pending is not None else None
 
     def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Collective: the unsharded weights in ``dtype`` on CPU on rank 0 (None elsewhere). Tensor by tensor: a
