@@ -33,6 +33,14 @@ class Layout:
     activation_checkpointing: str = "none"
     packed: bool = False  # rows pack several documents (attention needs an explicit mask)
     cp_attention: str = "allgather"  # or "ring"
+    # FSDP (parallel.fsdp): parameters, gradients and optimizer state sharded over the dense replicas (dp x cp)
+    # and, for routed experts, over the expert-data-parallel ranks, each divided by dp_replicate (HSDP keeps
+    # that many replicas of each shard); blocks are gathered in gather_bytes (2: bf16; 1: FP8 recipes that
+    # gather quantised weights) one at a time plus `prefetch` ahead, gradients reduce-scattered in fp32.
+    fsdp: bool = False
+    dp_replicate: int = 1
+    gather_bytes: float = 2
+    prefetch: int = 1
 
     @property
     def local_tokens(self) -> int:
@@ -95,6 +103,13 @@ def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str
         else:
             dense += n
     state_per_elem = 8 + (4 if lay.param_bytes != 4 else 0)
+    if lay.fsdp:
+        dense_shard, expert_shard = fsdp_shards(lay)
+        n = math.ceil(dense / dense_shard) + math.ceil(expert / expert_shard)
+        return {  # fp32 shards of parameters and gradients, AdamW moments over the same shards
+            "params": n * 4, "grads": n * 4, "optimizer": 8 * n,
+            "dense_params_local": dense, "expert_params_local": expert,
+        }
     dense_share = dims.dp * dims.cp if lay.zero1 else 1
     expert_share = dims.edp if lay.zero1 else 1
     return {
@@ -202,7 +217,10 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     if tp > 1:
         vol["all_reduce"] += sum(math.prod(sh) for n, sh in params
                                  if param_kind(n, sp, cfg.attention) == "tp_partial") * g
-    for n_local, replicas in ((dense, d.dp * d.cp), (expert, d.edp)):
+    if lay.fsdp:
+        for op, v in fsdp_comm_per_microbatch(cfg, lay, params).items():
+            vol[op] += v * micro_batches
+    for n_local, replicas in (() if lay.fsdp else ((dense, d.dp * d.cp), (expert, d.edp))):
         if replicas == 1 or n_local == 0:
             continue
         if lay.zero1:
@@ -215,7 +233,65 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     return vol
 
 
-__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step"]
+def fsdp_shards(lay: Layout) -> tuple[int, int]:
+    """How many ranks share one copy of a dense and of an expert parameter under FSDP: the dense replicas
+    (dp x cp) and the expert-data-parallel ranks, each over dp_replicate (HSDP)."""
+    d = lay.dims
+    return d.dp * d.cp // lay.dp_replicate, d.edp // lay.dp_replicate
+
+
+def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
+    """FSDP units (one per transformer block, one per MTP depth, the root: embedding, final norm, head) ->
+    (dense, expert) elements this rank holds of them unsharded (after TP/EP, before FSDP)."""
+    dims = lay.dims
+    params = params if params is not None else model_params(cfg)
+    units: dict[str, list[int]] = {}
+    for name, shape in params:
+        parts = name.split(".")
+        unit = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else "root"
+        kind = param_kind(name, dims.sequence_parallel, cfg.attention)
+        if dims.tp == 1 and kind != "expert":
+            kind = "replicated"
+        n = _local_numel(name, shape, kind, dims)
+        units.setdefault(unit, [0, 0])[1 if kind == "expert" else 0] += n
+    return {k: (v[0], v[1]) for k, v in units.items()}
+
+
+def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+    """Transient bytes of unsharded FSDP units at the backward peak: the root unit (kept gathered from the
+    first forward to the end of backward, as FSDP does for the root), the block being computed and `prefetch`
+    prefetched ones in the gather dtype, and the block's unsharded gradient (compute dtype) with its fp32
+    reduce-scatter input. Zero without FSDP."""
+    if not lay.fsdp:
+        return {"root": 0.0, "blocks": 0.0, "grads": 0.0, "total": 0.0, "block_max": 0.0}
+    units = fsdp_units(cfg, lay, params)
+    root = sum(units.get("root", (0, 0)))
+    block = max((sum(v) for k, v in units.items() if k != "root"), default=0)
+    out = {"root": root * lay.gather_bytes, "blocks": (1 + lay.prefetch) * block * lay.gather_bytes,
+           "grads": block * (2 + 4), "block_max": float(block)}
+    out["total"] = out["root"] + out["blocks"] + out["grads"]
+    return out
+
+
+def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+    """FSDP payload bytes per micro-batch: every unit all-gathered for forward and again for backward (the root
+    once: it stays gathered), its gradient reduce-scattered in fp32; with HSDP the fp32 gradient shards are
+    all-reduced over the replicas."""
+    vol = dict.fromkeys(OPS, 0.0)
+    dense_shard, expert_shard = fsdp_shards(lay)
+    for unit, (dense, expert) in fsdp_units(cfg, lay, params).items():
+        gathers = 1 if unit == "root" else 2
+        for n, shard in ((dense, dense_shard), (expert, expert_shard)):
+            if shard > 1 and n:
+                vol["all_gather"] += gathers * n * lay.gather_bytes
+                vol["reduce_scatter"] += n * 4
+            if lay.dp_replicate > 1 and n:
+                vol["all_reduce"] += math.ceil(n / shard) * 4
+    return vol
+
+
+__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
+           "fsdp_units", "fsdp_working_set", "fsdp_comm_per_microbatch"]
 
 
 def _norm_bytes(n: int, w: int, p: int) -> float:

@@ -112,7 +112,9 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     model = Transformer(mc)
     if init is not None and init.hf is not None:
         load_hf_weights(model, init.hf)
-    model = layout.parallelize(model).to(device)  # shard on the host: a device holds only its shard
+    model = layout.parallelize(model)  # shard on the host: a device holds only its shard
+    if any(t.device != device for t in model.state_dict().values()):
+        model = model.to(device)  # (a model already there, e.g. fake tensors in a dry run, is not swapped)
     try:
         # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped experts
         model = apply_fp8(model, fp8)
@@ -172,6 +174,17 @@ class TrainingCore:
         return out if main else None
 
     # -- one optimizer step ---------------------------------------------------------------------------
+    def accumulate(self, loss_fn: LossFn, micro_batches: list) -> dict:
+        """Forward and backward over the micro-batches (gradients accumulate); returns the summed ``sums``."""
+        totals: dict = {}
+        for micro in micro_batches:
+            loss, sums = loss_fn(micro)
+            if loss is not None:
+                loss.backward()
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0) + (v.float() if torch.is_tensor(v) else v)
+        return totals
+
     def step(self, loss_fn: LossFn, micro_batches: Iterable, lr: float, *, reduce: bool = True) -> dict:
         """One optimizer step at learning rate `lr` over this rank's micro-batches (collective).
 
@@ -183,13 +196,7 @@ class TrainingCore:
         a row stop the run. Returns the sums with lr, grad_norm and skipped (0 | 1)."""
         set_lr(self.optimizer, lr)
         micro_batches = list(micro_batches)
-        totals: dict = {}
-        for micro in micro_batches:
-            loss, sums = loss_fn(micro)
-            if loss is not None:
-                loss.backward()
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0) + (v.float() if torch.is_tensor(v) else v)
+        totals = self.accumulate(loss_fn, micro_batches)
         if reduce and totals:
             keys = sorted(totals)
             vec = self.layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())
