@@ -17,6 +17,7 @@ from torch import nn
 
 from .args import ModelConfig
 from .attention import build_attention, document_ids
+from .init import InitRule, init_box, new_init_seed
 from .moe import MLP, MoE
 from .norms import RMSNorm
 from .rope import RotaryEmbedding
@@ -85,6 +86,8 @@ class Transformer(nn.Module):
         super().__init__()
         cfg.validate()
         self.config = cfg
+        # drawn first, before submodules consume the generator (they do on a real device, not on meta)
+        self.init_seed = new_init_seed()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
@@ -94,23 +97,33 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.mtp = nn.ModuleList(MTPModule(cfg, cfg.num_layers + k) for k in range(cfg.num_mtp_layers))
         self.mtp_shifted_ids = mtp_shifted_ids
-        self.reset_parameters()
+        self.reset_parameters(self.init_seed)
+
+    def init_rule(self, name: str) -> InitRule:
+        """The distribution of the tensor `name` (a state-dict name) at initialisation: RMSNorm gains start at
+        one, biases (and the router's selection bias) at zero, every other weight (embedding, projections,
+        router, experts, output head) is N(0, init_std^2)."""
+        if name.endswith("norm.weight"):
+            return InitRule("ones")
+        if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            return InitRule("zeros")
+        return InitRule("normal", self.config.init_std)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = self.config.init_std
-        for name, p in self.named_parameters():
-            if p.is_meta:
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif p.dim() == 1:
-                p.zero_()
-            else:
-                p.normal_(0.0, std)
-        for buf_name, buf in self.named_buffers():
-            if buf_name.endswith("e_score_correction_bias") and not buf.is_meta:
-                buf.zero_()
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """Initialise every (non-meta) tensor by `init_rule` under base seed `seed` (None: drawn from torch's
+        global generator). The draw of each tensor does not depend on how the model is laid out
+        (model/init.py), so a sharded build filling its pieces with the same seed assembles this model."""
+        self.init_seed = new_init_seed() if seed is None else seed
+        for name, t in list(self.named_parameters()) + [(n, b) for n, b in self.named_buffers()
+                                                        if n.endswith("e_score_correction_bias")]:
+            if not t.is_meta:
+                t.copy_(init_box(self.init_rule(name), t.shape, self.init_seed, name))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the derived, non-persistent buffers (rope inverse frequencies), e.g. after to_empty."""
         if not self.rope.inv_freq.is_meta:
             self.rope.inv_freq.copy_(RotaryEmbedding(self.config).inv_freq)
 

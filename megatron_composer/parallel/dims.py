@@ -28,7 +28,13 @@ class ParallelConfig:
     ep: int = field(default=1, metadata={"help": "expert-parallel size (splits the routed experts)"})
     dp: int = field(default=-1, metadata={"help": "data-parallel size; -1 infers world // (tp*cp)"})
     sequence_parallel: bool = field(default=False, metadata={"help": "shard norms/residual along sequence over tp"})
-    zero1: bool = field(default=True, metadata={"help": "shard AdamW states across data-parallel ranks"})
+    zero1: bool = field(default=True, metadata={"help": "shard AdamW states across data-parallel ranks (fsdp=false)"})
+    fsdp: bool = field(default=False, metadata={
+        "help": "FSDP2: shard parameters, gradients and AdamW states over dp x cp (experts: over world/ep)"})
+    dp_replicate: int = field(default=1, metadata={
+        "help": "HSDP (fsdp=true): replicate over this many groups, shard within each"})
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={
+        "help": "FSDP all-gather and compute dtype (auto: bfloat16 on GPU, float32 on CPU); reduction in float32"})
     grad_bucket_mb: float = field(default=25.0, metadata={"help": "gradient all-reduce bucket size"})
     cp_attention: Literal["allgather", "ring"] = field(
         default="allgather", metadata={"help": "context-parallel K/V exchange: all-gather (MLA: the latent) or ring"})
@@ -45,6 +51,11 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dp is {self.dp}; give a positive size or -1 to infer it")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"parallel.moe_capacity_factor is {self.moe_capacity_factor}; give a value > 0 or null")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate is {self.dp_replicate}; it must be >= 1")
+        if self.dp_replicate > 1 and not self.fsdp:
+            raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} is HSDP and needs parallel.fsdp=true "
+                              "(or set parallel.dp_replicate=1)")
         if self.grad_bucket_mb <= 0:
             raise ConfigError(f"parallel.grad_bucket_mb is {self.grad_bucket_mb}; it must be > 0")
 
@@ -66,6 +77,7 @@ class ParallelDims:
     ep: int = 1
     dp: int = -1
     sequence_parallel: bool = False
+    dp_replicate: int = 1  # HSDP replicas (FSDP only): divides dp*cp and world/ep
 
     def __post_init__(self):
         for name in ("world_size", "tp", "cp", "ep"):
@@ -88,11 +100,17 @@ class ParallelDims:
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by parallel.ep = {self.ep}; change parallel.ep "
                 f"to a divisor of {self.world_size}")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate is {self.dp_replicate}; it must be >= 1")
+        for n, what in ((self.dp * self.cp, "dp*cp"), (self.world_size // self.ep, "world/ep")):
+            if n % self.dp_replicate:
+                raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} does not divide {what} = {n} (HSDP "
+                                  f"replicates over dp_replicate groups of the FSDP ranks); choose a divisor of {n}")
 
     @classmethod
     def from_config(cls, pcfg: ParallelConfig, world_size: int) -> "ParallelDims":
         return cls(world_size=world_size, tp=pcfg.tp, cp=pcfg.cp, ep=pcfg.ep, dp=pcfg.dp,
-                   sequence_parallel=pcfg.sequence_parallel)
+                   sequence_parallel=pcfg.sequence_parallel, dp_replicate=pcfg.dp_replicate if pcfg.fsdp else 1)
 
     @property
     def edp(self) -> int:

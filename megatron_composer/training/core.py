@@ -24,7 +24,9 @@ from megatron_composer.checkpoint.dcp import (CheckpointError, check_meta, find_
 from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.data_parallel import DistributedAdamW
+from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
 from megatron_composer.parallel.layers import iter_full_state_dict
+from megatron_composer.parallel.slices import fill_local, full_shape, named_tensors
 from megatron_composer.training.config import architecture
 from megatron_composer.training.layout import Layout
 from megatron_composer.training.optim import OptimizerConfig, set_lr
@@ -80,10 +82,20 @@ def initial_weights(init_from: str, meta: dict) -> InitialWeights | None:
     return InitialWeights(checkpoint=path)
 
 
+def init_reader(model) -> Callable[[str, tuple], torch.Tensor]:
+    """read(name, box) for fill_local: the box of a tensor as the one-process model initialises it
+    (Transformer.init_rule under the model's init_seed; model/init.py draws only the row blocks it touches)."""
+    from megatron_composer.model.init import init_box
+
+    shapes = {name: full_shape(t) for name, t in named_tensors(model)}
+    return lambda name, box: init_box(model.init_rule(name), shapes[name], model.init_seed, name, box)
+
+
 def load_hf_weights(model, path: str) -> None:
-    """Copy a Hugging Face checkpoint's weights into the full (not yet parallelised) model. MTP depths the
-    checkpoint lacks (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are learned by
-    self-distillation; every other weight must be present with the same shape."""
+    """Fill this rank's pieces of a laid-out model (any layout, FSDP included) from a Hugging Face checkpoint.
+    MTP depths the checkpoint lacks (e.g. Qwen3, Kimi K2 exports) keep their fresh initialisation and are
+    learned by self-distillation; every other weight must be present with the same shape (checked for every
+    name and shape before anything is copied)."""
     from megatron_composer.checkpoint.hf import load_hf_checkpoint
 
     hf = load_hf_checkpoint(path)
@@ -92,34 +104,51 @@ def load_hf_weights(model, path: str) -> None:
     if diffs or hf.config.num_mtp_layers > model.config.num_mtp_layers:
         diffs = diffs or [f"num_mtp_layers: checkpoint {hf.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
-    result = model.load_state_dict(hf.state_dict(), strict=False)
-    hf_mtp_layers = hf.config.num_mtp_layers
-    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf_mtp_layers  # noqa: E731
-    missing = [k for k in result.missing_keys if not fresh_mtp(k)]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {result.unexpected_keys[:3]}")
+    sd, hf_mtp_layers = hf.state_dict(), hf.config.num_mtp_layers
     del hf
+    fresh_mtp = lambda k: k.startswith("mtp.") and int(k.split(".")[1]) >= hf_mtp_layers  # noqa: E731
+    ours = {name: full_shape(t) for name, t in named_tensors(model)}
+    own_keys = set(model.state_dict())
+    missing = [k for k in sorted(own_keys) if k not in sd and not fresh_mtp(k)]
+    unexpected = [k for k in sorted(sd) if k not in own_keys]
+    if missing or unexpected:
+        raise CheckpointError(f"Hugging Face checkpoint '{path}' lacks {missing[:3]} / has unexpected {unexpected[:3]}")
+    bad = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(s)}" for k, s in ours.items()
+           if k in sd and tuple(sd[k].shape) != tuple(s)]
+    if bad:
+        raise CheckpointError(f"Hugging Face checkpoint '{path}' has other shapes ({'; '.join(bad[:3])}); set "
+                              "model.preset / model.overrides to match it")
+    fresh = init_reader(model)
+    fill_local(model, lambda name, box: sd[name][box] if name in sd else fresh(name, box))
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
                 init: InitialWeights | None = None, meta: dict | None = None) -> torch.nn.Module:
-    """This rank's shard of a freshly initialised model (seeded, so every rank and every rebuild of a run
-    draws the same weights), laid out by `layout`, on `device`, with the FP8 recipe of `fp8`, holding the
-    `init` weights when given (`meta` is the checkpoint meta they are checked against)."""
+    """This rank's shard of the model, laid out by `layout`, on `device`, with the FP8 recipe of `fp8`.
+
+    Built on the meta device, laid out there (TP/SP/EP/CP, then FP8, then FSDP when parallel.fsdp), and only
+    then allocated: a rank allocates only its own pieces (parallel/slices.py) and fills them, with the `init`
+    weights when given (`meta` is the checkpoint meta they are checked against), else with the seeded
+    layout-independent initialisation: the assembled model equals torch.manual_seed(seed); Transformer(mc)."""
     from megatron_composer.model import Transformer
 
     torch.manual_seed(seed)
-    model = Transformer(mc)
-    if init is not None and init.hf is not None:
-        load_hf_weights(model, init.hf)
-    model = layout.parallelize(model)  # shard on the host: a device holds only its shard
-    if any(t.device != device for t in model.state_dict().values()):
-        model = model.to(device)  # (a model already there, e.g. fake tensors in a dry run, is not swapped)
+    with torch.device("meta"):
+        model = Transformer(mc)  # draws model.init_seed from the seeded generator, allocates nothing
+    model = layout.parallelize(model)
     try:
-        # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped experts
+        # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped
+        # experts; before FSDP, which quantises nothing itself: the FP8 layers see the gathered weight
         model = apply_fp8(model, fp8)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    model = layout.shard_parameters(model)
+    model.to_empty(device=device)
+    if init is not None and init.hf is not None:
+        load_hf_weights(model, init.hf)
+    else:
+        fill_local(model, init_reader(model))
+    model.reset_buffers()
     if init is not None and init.checkpoint is not None:
         load_checkpoint(init.checkpoint, model, None, meta, restore_rng=False, groups=layout.groups)
     return model
@@ -127,12 +156,16 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
 
 def finish_gradients(model: torch.nn.Module, optimizer, max_norm: float) -> torch.Tensor:
     """After the last backward of a step: reduce gradients over replicas, then clip them to the global norm
-    max_norm (<= 0: no clipping). Returns the norm before clipping. On several ranks the optimizer is a
-    DistributedAdamW, which does both per parameter family; one rank has nothing to reduce."""
+    max_norm (<= 0: no clipping). Returns the norm before clipping. Without FSDP on several ranks the
+    optimizer is a DistributedAdamW, which does both per parameter family; under FSDP the gradients are
+    already reduce-scattered and parallel.fsdp.finish_fsdp_gradients adds the tp reduction of tp_partial
+    shards and the global norm; one rank has nothing to reduce."""
     max_norm = max_norm if max_norm > 0 else float("inf")
     if isinstance(optimizer, DistributedAdamW):
         optimizer.finish_grad_sync()
         return optimizer.clip_grad_norm(max_norm)
+    if is_fsdp(model):
+        return finish_fsdp_gradients(model, model._mc_groups, max_norm)
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
@@ -216,5 +249,5 @@ class TrainingCore:
         return metrics
 
 
-__all__ = ["InitialWeights", "TrainingCore", "build_model", "finish_gradients", "initial_weights",
-           "load_hf_weights", "local_device", "resume_point", "starting_checkpoint"]
+__all__ = ["InitialWeights", "TrainingCore", "build_model", "finish_gradients", "init_reader",
+           "initial_weights", "load_hf_weights", "local_device", "resume_point", "starting_checkpoint"]

@@ -32,6 +32,10 @@ class Layout:
     replicas) in buckets of parallel.grad_bucket_mb, counts each distinct element once in the grad norm, and
     with parallel.zero1 shards the AdamW moments over those replicas. One rank has nothing to reduce and uses
     torch's AdamW. Counts and logged sums are reduced over the dp x cp ranks, which hold distinct tokens.
+
+    With parallel.fsdp (several ranks) the parameters themselves are sharded by FSDP2 (`shard_parameters`,
+    megatron_composer.parallel.fsdp): gradients are reduce-scattered by FSDP and the optimizer is torch's AdamW
+    over the local shards; ZeRO-1 and the bucketed reduction are not used.
     """
 
     def __init__(self, pcfg: ParallelConfig, distributed: bool | None = None):
@@ -46,12 +50,14 @@ class Layout:
         self.dp_size, self.dp_rank, self.cp_rank = self.dims.dp, coords["dp"], coords["cp"]
         self.cp = pcfg.cp
         self.model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1 or pcfg.activation_checkpointing != "none"
+        self.fsdp = pcfg.fsdp and self.world > 1  # one process has nothing to shard
         if self.model_parallel or self.world > 1:
             self.groups = self.dims.build()
 
     def build_optimizer(self, model: torch.nn.Module, cfg: OptimizerConfig):
-        """torch AdamW on one rank; DistributedAdamW (bucketed reduction, ZeRO-1 if parallel.zero1) on several."""
-        groups = self.groups if self.world > 1 else None
+        """torch AdamW on one rank and over FSDP shards; DistributedAdamW (bucketed reduction, ZeRO-1 if
+        parallel.zero1) on several ranks without FSDP."""
+        groups = self.groups if self.world > 1 and not self.fsdp else None
         return build_optimizer(model, cfg, groups, zero1=self.pcfg.zero1, bucket_mb=self.pcfg.grad_bucket_mb)
 
     def validate(self, mc, seq_length: int) -> None:
@@ -66,6 +72,21 @@ class Layout:
 
         return parallelize_model(model, self.groups, activation_checkpointing=self.pcfg.activation_checkpointing,
                                  capacity_factor=self.pcfg.moe_capacity_factor, cp_attention=self.pcfg.cp_attention)
+
+    def shard_parameters(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over the parallelised (and FP8-converted) model when parallel.fsdp; else the model unchanged."""
+        if not self.fsdp:
+            return model
+        from megatron_composer.parallel.fsdp import apply_fsdp
+
+        return apply_fsdp(model, self.groups, param_dtype=self.fsdp_param_dtype, dp_replicate=self.pcfg.dp_replicate)
+
+    @property
+    def fsdp_param_dtype(self) -> torch.dtype:
+        name = self.pcfg.fsdp_param_dtype
+        if name == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return getattr(torch, name)
 
     @property
     def vocab_group(self):

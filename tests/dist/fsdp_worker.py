@@ -1,0 +1,138 @@
+"""torchrun worker: FSDP2 layouts (and the meta-device build) of the tiny models against one process.
+
+Per layout, both models come from training.core's build_model (the parallel one on the meta device, laid out,
+allocated shard by shard and filled by the layout-independent initialisation):
+  init  -- every piece a rank holds (parallel/slices.py) equals the one-process tensor's box, and the pieces
+           of all ranks cover every full tensor;
+  grads -- loss and every parameter's gradient after one backward (each piece of the local gradient shard
+           against the box of the reference gradient) and the clipped global norm (finish_gradients);
+  steps -- 5 optimizer steps through TrainingCore.step (2 micro-batches each) give the same loss sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import init, max_rel_err, reduce_max, run_cases  # noqa: E402
+from model_worker import batch, loss_terms, tiny_config  # noqa: E402
+
+from megatron_composer.fp8 import FP8Config  # noqa: E402
+from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
+from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
+from megatron_composer.parallel.parallelize import shard_batch  # noqa: E402
+from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors  # noqa: E402
+from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
+from megatron_composer.training.layout import Layout  # noqa: E402
+from megatron_composer.training.optim import OptimizerConfig  # noqa: E402
+
+LR, CLIP, SEED, MICRO = 3e-3, 1.0, 7, 2
+
+
+def _optim():
+    return OptimizerConfig(lr=LR, weight_decay=0.1, grad_clip=CLIP, warmup_steps=0, schedule="constant")
+
+
+def _loss_fn(model, groups, n_main, n_mtp, use_mtp, step_batches):
+    tp_group = groups.tp_group if groups is not None and groups.dims.tp > 1 else None
+
+    def loss_fn(k):
+        ids, pos, labels, mtp_labels, _ = step_batches[k]
+        if groups is not None:
+            ids, pos, labels, mtp_labels = shard_batch(groups, ids, pos, labels, mtp_labels)
+        out = model(ids, position_ids=pos, mtp=use_mtp)
+        logits, mtp_logits = (out.logits, out.mtp_logits) if use_mtp else (out, [])
+        loss = loss_terms(logits, mtp_logits, labels, mtp_labels, tp_group, n_main, n_mtp)
+        return loss, {"loss": loss.detach()}
+    return loss_fn
+
+
+def _step_batches(step, cfg):
+    bs = [batch(MICRO * step + k, cfg, False) for k in range(MICRO)]
+    n_main = sum((b[2] != -100).sum() for b in bs)
+    n_mtp = sum((b[3] != -100).sum() for b in bs)
+    return bs, n_main, n_mtp
+
+
+def make_case(preset: str, overrides=None, steps=5, **parallel):
+    def run():
+        cfg = tiny_config(preset).replace(**(overrides or {}))
+        use_mtp = cfg.num_mtp_layers > 0
+        core = TrainingCore(cfg, {}, Layout(ParallelConfig(**parallel)), torch.device("cpu"), optim=_optim(),
+                            fp8=FP8Config(), seed=SEED)
+        ref = TrainingCore(cfg, {}, Layout(ParallelConfig(), distributed=False), torch.device("cpu"),
+                           optim=_optim(), fp8=FP8Config(), seed=SEED)
+        groups = core.layout.groups
+        errs = {"is_fsdp": float(is_fsdp(core.model) != bool(parallel.get("fsdp")))}
+        # init: each piece equals the reference's box; the pieces of all ranks cover every element
+        ref_t = dict(named_tensors(ref.model))
+        for name, t in named_tensors(core.model):
+            cover = torch.zeros(tuple(full_shape(t)))
+            bad = 0.0
+            for pc in local_pieces(t):
+                bad = max(bad, float(not torch.equal(local_tensor(t)[pc.local], ref_t[name][pc.full])))
+                cover[pc.full] += 1
+            dist.all_reduce(cover)
+            errs[f"init:{name}"] = bad + float(not bool((cover > 0).all()))
+        # one backward: loss, every gradient piece, clipped norm
+        bs, n_main, n_mtp = _step_batches(0, cfg)
+        total = torch.zeros(())
+        for model, g in ((ref.model, None), (core.model, groups)):
+            fn = _loss_fn(model, g, n_main, n_mtp, use_mtp, bs)
+            loss = sum(fn(k)[0] for k in range(MICRO))
+            loss.backward()
+            if g is None:
+                ref_loss = loss.item()
+            else:
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=groups.group("dp_cp"))
+        errs["loss"] = abs(total.item() - ref_loss) / abs(ref_loss)
+        ref_norm = finish_gradients(ref.model, ref.optimizer, CLIP)
+        norm = finish_gradients(core.model, core.optimizer, CLIP)
+        errs["grad_norm"] = abs(norm.item() - ref_norm.item()) / ref_norm.item()
+        ref_p = dict(ref.model.named_parameters())
+        n_params = 0
+        for name, p in core.model.named_parameters():
+            n_params += 1
+            rg = ref_p[name].grad
+            e = 0.0
+            for pc in local_pieces(p):
+                e = max(e, max_rel_err(local_tensor(p.grad)[pc.local], rg[pc.full], rg))
+            errs[f"grad:{name}"] = e
+        core.optimizer.zero_grad()
+        ref.optimizer.zero_grad()
+        # 5 optimizer steps through the training core
+        losses, ref_losses = [], []
+        for step in range(steps):
+            bs, n_main, n_mtp = _step_batches(1 + step, cfg)
+            ref_losses.append(ref.step(_loss_fn(ref.model, None, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
+            losses.append(core.step(_loss_fn(core.model, groups, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
+        for step in range(steps):
+            errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
+        errs = reduce_max(errs)
+        return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
+                "n_params": n_params, "activation_analytic_over_measured": None}
+    return run
+
+
+DS, QW = "tiny-deepseek-v3", "tiny-qwen3-moe"
+CASES_4 = {
+    # meta-device build and layout-independent initialisation without FSDP
+    "tp2": make_case(DS, steps=2, tp=2, zero1=False),
+    "ep2": make_case(QW, steps=2, ep=2, zero1=False),
+    # FSDP layouts
+    "fsdp": make_case(DS, fsdp=True),
+    "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1}, fsdp=True, ep=2),
+    "fsdp_tp2_sp": make_case(QW, fsdp=True, tp=2, sequence_parallel=True),
+    "fsdp_cp2_selective_ac": make_case(DS, fsdp=True, cp=2, activation_checkpointing="selective"),
+    "fsdp_tp2_ep2": make_case(DS, fsdp=True, tp=2, ep=2),
+    "hsdp_ep2_full_ac": make_case(DS, fsdp=True, dp_replicate=2, ep=2, activation_checkpointing="full"),
+}
+
+if __name__ == "__main__":
+    args = init()
+    run_cases(args, CASES_4)
