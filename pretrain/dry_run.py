@@ -12,7 +12,8 @@ values cannot decide anything that depends on data:
 
 - routing is balanced (AllToAllDispatcher.balanced_routing: each expert receives an equal share of the rows);
 - host reads of device booleans answer False: rows are single documents (no packing), which is how
-  `document_ids` decides; any other read of a device value stops the run with its name;
+  `document_ids` decides; a lone integer (the initialisation seed) reads 0; any other read of a device value
+  stops the run with its name;
 - the step is taken (loss and gradient norm finite: the core's guard reads them, here nothing is read);
 - the Python paths of the kernels run (MEGATRON_COMPOSER_CPP=0), which are the ones a GPU takes; a CPU-only
   C++ kernel (attention without context parallelism, RMSNorm, RoPE, grouped experts) is not what a GPU runs;
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_composer.config import ConfigError
 
@@ -45,13 +47,17 @@ class DryRunResult:
 
 
 class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Answers host reads of device values, which fake tensors do not have: booleans read False (see the module
-    docstring), anything else is an error naming the read."""
+    """Answers host reads of device values, which fake tensors do not have: booleans read False, a lone integer
+    (a 0-dim tensor of its own, e.g. the initialisation seed) reads 0 (see the module docstring); anything else,
+    an element of a larger tensor included, is an error naming the read."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            if args[0].dtype == torch.bool:
+        if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
+            t = args[0]
+            if t.dtype == torch.bool:
                 return False
+            if not t.is_floating_point() and t.untyped_storage().nbytes() == t.element_size():
+                return 0  # a lone integer (the model's initialisation seed), not an element of a tensor
             raise RuntimeError(f"the dry run cannot read a {args[0].dtype} value from a device tensor (it has no "
                                "values); the code path needs a balanced/assumed value there")
         return func(*args, **(kwargs or {}))
@@ -70,6 +76,18 @@ def _peak_tracker(fsdp: bool):
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        if fsdp:
+            def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+                tracked = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+                def run(*args, **kwargs):
+                    group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                    if group is not None and not all(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
+                        return orig(*args, **kwargs)  # a unit that never ran (an untrained MTP depth): nothing to attribute
+                    return tracked(*args, **kwargs)
+
+                return run
 
     return PeakTracker
 
@@ -110,10 +128,14 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
 
     if dist.is_initialized():
         raise RuntimeError("simulate() runs its own fake process group; call it outside torch.distributed")
+    if not getattr(pcfg, "fsdp", False) and world_size > 1:
+        # build_model materialises plain (non-DTensor) meta parameters with Module.to_empty, whose tensor swap
+        # FakeTensorMode refuses (it holds a weak reference to every tensor it converts)
+        raise ConfigError("the dry run simulates FSDP layouts; set parallel.fsdp=true (planner: --fsdp)")
     t0 = time.perf_counter()
     assumptions = [
         "routing balanced: every expert receives an equal share of the (token, expert) rows",
-        "rows are single documents (no packing): device booleans read back as False",
+        "rows are single documents (no packing): device booleans read back as False; the initialisation seed as 0",
         "the step is taken (loss and gradient norm finite)",
         "kernels: the Python paths a GPU takes (MEGATRON_COMPOSER_CPP=0)",
         "the RL learner's loss is the pretraining LM + MTP loss here (same model, layout and optimizer)",
@@ -149,7 +171,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
 
             short = 2 * pcfg.cp * max(pcfg.tp, 1) * 2  # divides by 2*cp (and by tp for sequence parallelism)
             one_step(_batch(mc, layout, short, micro_batch, device))  # gradients, optimizer state
-            tracker = _peak_tracker(fsdp)(*((core.model,) if fsdp else ()))
+            tracker = _peak_tracker(fsdp)(*((core.model, core.optimizer) if fsdp else ()))
             externals = [core.model]
             if isinstance(core.optimizer, torch.optim.Optimizer):
                 externals.append(core.optimizer)
@@ -177,6 +199,31 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
                         seconds=time.perf_counter() - t0, tracker_kinds=raw)
 
 
+def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **kw) -> DryRunResult:
+    """`simulate` of the model with `layers` and `layers + 1` transformer layers (the dense ones first, as in
+    the model), extrapolated linearly to its own number: with full recompute a rank's peak is affine in the
+    number of identical MoE blocks (their parameters, gradients and optimizer state, and one saved input
+    each), so two depths fix it. For models whose full simulation takes too long here."""
+    if not mc.first_k_dense_replace < layers < mc.num_layers:
+        raise ConfigError(f"--sim-layers {layers} must lie between the {mc.first_k_dense_replace} dense layers and "
+                          f"the model's {mc.num_layers} layers (exclusive)")
+    a = simulate(mc.replace(num_layers=layers), pcfg, world_size, seq_len, **kw)
+    b = simulate(mc.replace(num_layers=layers + 1), pcfg, world_size, seq_len, **kw)
+    n = mc.num_layers - layers
+
+    def ext(x, y):
+        return int(x + n * (y - x))
+
+    kinds = sorted(set(a.by_kind) | set(b.by_kind))
+    return DryRunResult(
+        peak_bytes=ext(a.peak_bytes, b.peak_bytes),
+        by_kind={k: ext(a.by_kind.get(k, 0), b.by_kind.get(k, 0)) for k in kinds},
+        assumptions=a.assumptions + [f"extrapolated linearly from {layers}- and {layers + 1}-layer runs to "
+                                     f"{mc.num_layers} layers"],
+        seconds=a.seconds + b.seconds,
+        tracker_kinds={k: ext(a.tracker_kinds.get(k, 0), b.tracker_kinds.get(k, 0)) for k in a.tracker_kinds})
+
+
 def _distributed_adamw_state(opt) -> list[torch.Tensor]:
     out = []
     for _, b in opt._all_buckets():
@@ -184,4 +231,4 @@ def _distributed_adamw_state(opt) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["DryRunResult", "KINDS", "simulate"]
+__all__ = ["DryRunResult", "KINDS", "simulate", "simulate_scaled"]

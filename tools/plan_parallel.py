@@ -41,19 +41,16 @@ GiB = 2**30
 
 def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zero1, act_bytes, link_gbps, mtp,
          cp_attention="allgather", fsdp=False, dp_replicate=1, gather_bytes=2) -> dict:
-    dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
+    if dp_replicate > 1 and not fsdp:
+        raise ConfigError(f"--dp-replicate {dp_replicate} is HSDP and needs --fsdp")
+    dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp, dp_replicate=dp_replicate)
     validate_layout(dims, cfg, seq_len=seq)
-    if fsdp:
-        for what, n in (("the dense replicas dp*cp", dims.dp * dims.cp), ("the expert-data-parallel ranks", dims.edp)):
-            if n % dp_replicate:
-                raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide {what} = {n}; choose a "
-                                  f"divisor of {n}")
     lay = Layout(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=4,
                  act_bytes=act_bytes, cp_attention=cp_attention, fsdp=fsdp, dp_replicate=dp_replicate,
                  gather_bytes=gather_bytes)
     mem = memory_per_rank(cfg, lay, params)
     work = fsdp_working_set(cfg, lay, params)
-    acts = activation_bytes(cfg, lay, attention_backend="flash")
+    acts = activation_bytes(cfg, lay, attention_backend="flash", loss="trainer")
     comm = comm_per_step(cfg, lay, params=params, micro_batches=micro_batches)
     ring = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "send_recv": 1.0}
     seconds = sum(comm[k] * ring[k] for k in OPS) / (link_gbps * 1e9 / 8)
@@ -123,7 +120,7 @@ def advise(cfg, params, args, common, p) -> str:
 def print_simulation(cfg, args, p) -> bool:
     """Run the dry run (pretrain/dry_run.py) and print it next to the estimate; True if the measured peak fits."""
     from megatron_composer.parallel.dims import ParallelConfig
-    from pretrain.dry_run import simulate
+    from pretrain.dry_run import simulate, simulate_scaled
 
     lay, mem, work, acts = p["lay"], p["mem"], p["work"], p["acts"]
     pcfg = ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=not args.no_sp, zero1=not args.no_zero1,
@@ -132,11 +129,15 @@ def print_simulation(cfg, args, p) -> bool:
         if not hasattr(pcfg, "fsdp"):
             raise SystemExit("error: this build's training core has no parallel.fsdp; --simulate needs it for --fsdp")
         pcfg.fsdp, pcfg.dp_replicate = True, args.dp_replicate
-    sim_cfg = cfg if args.sim_layers is None else cfg.replace(num_layers=args.sim_layers)
-    print(f"dry run: rank 0 of {args.gpus} (fake process group, fake tensors), one step, "
-          f"activation checkpointing {args.recompute}" + (f", {args.sim_layers} of {cfg.num_layers} layers" if args.sim_layers else ""))
-    r = simulate(sim_cfg, pcfg, args.gpus, args.seq, micro_batch=args.micro_batch,
-                 mtp_weight=0.2 if cfg.num_mtp_layers else 0.0, precision=args.dtype)
+        pcfg.fsdp_param_dtype = "bfloat16" if args.dtype == "bf16" else "float32"  # what "auto" picks on a GPU
+    print(f"dry run: rank 0 of {args.gpus} (fake process group, fake tensors), one step, activation checkpointing "
+          f"{args.recompute}" + (f", {args.sim_layers} and {args.sim_layers + 1} of {cfg.num_layers} layers, "
+                                 "extrapolated" if args.sim_layers else f", all {cfg.num_layers} layers"))
+    kw = dict(micro_batch=args.micro_batch, mtp_weight=0.2 if cfg.num_mtp_layers else 0.0, precision=args.dtype)
+    if args.sim_layers:
+        r = simulate_scaled(cfg, pcfg, args.gpus, args.seq, layers=args.sim_layers, **kw)
+    else:
+        r = simulate(cfg, pcfg, args.gpus, args.seq, **kw)
     key = "full" if args.recompute == "full" else "none"
     est = {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
            "unsharded_params": work["root"] + work["blocks"], "unsharded_grads": work["grads"],
@@ -183,7 +184,7 @@ def main(argv=None) -> None:
     ap.add_argument("--simulate", action="store_true", help="dry-run one training step at full size (fake tensors)")
     ap.add_argument("--recompute", choices=["full", "none"], default="full", help="activation checkpointing (--simulate)")
     ap.add_argument("--sim-layers", type=int, default=None,
-                    help="--simulate with fewer layers (the estimate is still the full model's)")
+                    help="--simulate N and N+1 layers and extrapolate to the model's depth (faster)")
     args = ap.parse_args(argv)
 
     try:

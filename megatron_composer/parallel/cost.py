@@ -241,14 +241,21 @@ def fsdp_shards(lay: Layout) -> tuple[int, int]:
 
 
 def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
-    """FSDP units (one per transformer block, one per MTP depth, the root: embedding, final norm, head) ->
-    (dense, expert) elements this rank holds of them unsharded (after TP/EP, before FSDP)."""
+    """FSDP units as parallel/fsdp.py makes them -- one per transformer block (main and MTP; a MoE block's routed
+    experts are a unit of their own on the expert mesh, gathered with it: counted with the block here), and the
+    root (embedding, final norm, head, MTP projections and norms) -> (dense, expert) elements this rank holds
+    of them unsharded (after TP/EP, before FSDP)."""
     dims = lay.dims
     params = params if params is not None else model_params(cfg)
     units: dict[str, list[int]] = {}
     for name, shape in params:
         parts = name.split(".")
-        unit = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else "root"
+        if parts[0] == "layers":
+            unit = ".".join(parts[:2])
+        elif parts[0] == "mtp" and parts[2] == "block":
+            unit = ".".join(parts[:3])
+        else:  # embedding, final norm, head, and the MTP projections and norms
+            unit = "root"
         kind = param_kind(name, dims.sequence_parallel, cfg.attention)
         if dims.tp == 1 and kind != "expert":
             kind = "replicated"
@@ -310,7 +317,7 @@ def _block_prob_bytes(b: int, heads: int, kv_heads: int, s: int) -> float:
     return 4 * elems if elems <= ka._SAVED_PROB_ELEMENTS else 0.0
 
 
-def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[str, float]:
+def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto", loss: str = "reference") -> dict[str, float]:
     """Bytes held for backward by one micro-batch on one rank at the end of the forward pass (logits and
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
@@ -319,6 +326,9 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     q, k, v, output, log-sum-exp, and the boolean mask of packed rows) or "blocks" (the CPU kernel: q, k, v,
     the output the output projection also reads, log-sum-exp, and the probabilities of short sequences);
     "auto" is "blocks", the CPU rule.
+
+    loss: "reference" (F.cross_entropy on every head's logits, as the tests measure) or "trainer" (the
+    pretraining loss the trainer runs: `trainer_loss_bytes`).
     """
     d = lay.dims
     tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
@@ -376,8 +386,11 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
             x += 4 * T * Fs * p + (T * D * p if sp else 0)
         return x
 
+    V = cfg.vocab_size // tp
+
     def head() -> float:  # final norm, head input, logits and the cross-entropy softmax (fp32)
-        V = cfg.vocab_size // tp
+        if loss == "trainer":
+            return _norm_bytes(Tr, D, p) + T * D * p
         return _norm_bytes(Tr, D, p) + T * D * p + T * V * p + T * V * 4
 
     blocks = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
@@ -386,9 +399,32 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     rest = T * 8 + T * cfg.rope_dim * p + head()  # token ids, rope cos/sin (shared by layers), the main head
     for _ in range(depths):  # enorm, hnorm, the concatenation eh_proj saves, norm + head
         rest += T * 8 + 2 * _norm_bytes(Tr, D, p) + Tr * 2 * D * p + head()
+    if loss == "trainer":
+        rest += trainer_loss_bytes(cfg, lay)
     none = sum(block_bytes) + rest
     full = len(block_bytes) * Tr * D * p + rest + max(block_bytes)
     return {"none": none, "full": full, "per_block_max": max(block_bytes)}
+
+
+def trainer_loss_bytes(cfg, lay: Layout) -> float:
+    """Peak bytes of the pretraining loss (pretrain/losses.py) beyond the head's input, at its backward.
+
+    Fused head (one tp rank, no MTP self-distillation: pretrain.losses.fused_head_applies): no [tokens, vocab]
+    tensor; the forward keeps dh [T, D] and the fp32 head-weight gradient dW [V, D], the backward makes
+    dW * grad (fp32) and its cast to the weight dtype (kernels/linear_cross_entropy.py).
+    Otherwise the main logits (saved by the blocked cross-entropy, kernels/cross_entropy.py) and their
+    gradient, and per MTP depth the self-distillation's float32 [T, V] tensors: the student logits (saved by
+    its cross-entropy), log q (saved by log-softmax) and the teacher's p (saved by the KL product) from the
+    forward, and three more in its backward (the product's gradient, the log-softmax backward, the
+    cross-entropy gradient)."""
+    d = lay.dims
+    T, D, p = lay.local_tokens, cfg.hidden_size, lay.act_bytes
+    V = cfg.vocab_size // d.tp
+    depths = cfg.num_mtp_layers if lay.mtp else 0
+    if d.tp == 1 and depths == 0:
+        w = lay.gather_bytes if lay.fsdp else lay.param_bytes
+        return 2 * T * D * p + 2 * V * D * 4 + V * D * w
+    return 2 * T * V * p + depths * 6 * T * V * 4
 
 
 def saved_tensor_bytes(run, exclude=()) -> int:
@@ -408,4 +444,4 @@ def saved_tensor_bytes(run, exclude=()) -> int:
     return sum(seen.values()), out
 
 
-__all__ += ["activation_bytes", "saved_tensor_bytes"]
+__all__ += ["activation_bytes", "saved_tensor_bytes", "trainer_loss_bytes"]

@@ -72,7 +72,15 @@ def _mesh_over(existing, rank_lists: list[list[int]], replicate: int, device_typ
 
 
 def build_meshes(groups: ParallelGroups, dp_replicate: int = 1, device_type: Optional[str] = None) -> FSDPMeshes:
-    """The dense and expert FSDP meshes (collective: every rank must call it)."""
+    """The dense and expert FSDP meshes (collective: every rank must call it). Made of host integers even under
+    FakeTensorMode (the dry run, pretrain/dry_run.py, builds the model there)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _build_meshes(groups, dp_replicate, device_type)
+
+
+def _build_meshes(groups: ParallelGroups, dp_replicate: int, device_type: Optional[str]) -> FSDPMeshes:
     dims = groups.dims
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     dense_n, expert_n = dims.dp * dims.cp, dims.edp
@@ -125,7 +133,9 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.d
                                      reshard_after_forward=reshard_after_forward,
                                      shard_placement_fn=expert_placement))
         units.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
-    units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+    # the root stays gathered from forward to backward: the fused loss applies the head weight outside the
+    # model's forward (pretrain.losses.fused_head_applies), and backward needs it again at once
+    units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False))
     for unit in units:  # sum over replicas (no averaging), with sum-only collectives (gloo has no PREMUL_SUM)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
