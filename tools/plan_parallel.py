@@ -3,11 +3,20 @@
     python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --tp 8 --ep 64 --cp 8 --seq 262144
     python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --seq 262144 --sweep
 
-Memory: parameters, gradients, optimizer state (AdamW moments + fp32 master, ZeRO-1 sharded over data-parallel
-replicas) and activations per micro-batch without recompute and with full-layer recompute, from
-megatron_composer.parallel.cost (the same model the tests check against measured saved-tensor bytes on tiny
-CPU configs). Communication: collective payload bytes per GPU per optimizer step (uniform routing for the
-expert all-to-all), and the time they take at --link-gbps (ring algorithm factors).
+    python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --tp 1 --ep 8 --cp 8 --fsdp --seq 262144 --simulate
+
+Memory: parameters and gradients (fp32: the trainer computes in bf16 under autocast), optimizer state (AdamW
+moments; ZeRO-1 sharded over data-parallel replicas, or with --fsdp parameters, gradients and moments all
+sharded over the dense replicas dp x cp and, for the routed experts, the expert-data-parallel ranks; plus the
+gathered blocks in flight), and activations per micro-batch without recompute and with full-layer recompute,
+from megatron_composer.parallel.cost (the same model the tests check against measured saved-tensor bytes on
+tiny CPU configs). Communication: collective payload bytes per GPU per optimizer step (uniform routing for the
+expert all-to-all; FSDP's all-gathers and reduce-scatters of every block per micro-batch), and the time they
+take at --link-gbps (ring algorithm factors).
+
+--simulate builds the real model in the layout as one rank of the --gpus world on fake tensors and torch's fake
+process group, runs one training step under torch's memory tracker (pretrain/dry_run.py) and prints the
+measured peak by kind next to the estimate.
 """
 
 from __future__ import annotations
@@ -23,48 +32,127 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import get_preset  # noqa: E402
 from megatron_composer.parallel.cost import (OPS, Layout, activation_bytes, comm_per_step,  # noqa: E402
-                                             memory_per_rank, model_params)
+                                             fsdp_working_set, memory_per_rank, model_params)
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import validate_layout  # noqa: E402
 
 GiB = 2**30
 
 
-def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zero1, param_bytes, act_bytes,
-         link_gbps, mtp, cp_attention="allgather") -> dict:
-    dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp)
+def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zero1, act_bytes, link_gbps, mtp,
+         cp_attention="allgather", fsdp=False, dp_replicate=1, gather_bytes=2) -> dict:
+    if dp_replicate > 1 and not fsdp:
+        raise ConfigError(f"--dp-replicate {dp_replicate} is HSDP and needs --fsdp")
+    dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp, dp_replicate=dp_replicate)
     validate_layout(dims, cfg, seq_len=seq)
-    lay = Layout(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=param_bytes,
-                 act_bytes=act_bytes, cp_attention=cp_attention)
+    lay = Layout(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=4,
+                 act_bytes=act_bytes, cp_attention=cp_attention, fsdp=fsdp, dp_replicate=dp_replicate,
+                 gather_bytes=gather_bytes)
     mem = memory_per_rank(cfg, lay, params)
-    acts = activation_bytes(cfg, lay, attention_backend="flash")
+    work = fsdp_working_set(cfg, lay, params)
+    acts = activation_bytes(cfg, lay, attention_backend="flash", loss="trainer")
     comm = comm_per_step(cfg, lay, params=params, micro_batches=micro_batches)
     ring = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "send_recv": 1.0}
     seconds = sum(comm[k] * ring[k] for k in OPS) / (link_gbps * 1e9 / 8)
-    static = mem["params"] + mem["grads"] + mem["optimizer"]
-    return {"dims": dims, "mem": mem, "acts": acts, "comm": comm, "comm_seconds": seconds,
+    static = mem["params"] + mem["grads"] + mem["optimizer"] + work["total"]
+    return {"dims": dims, "lay": lay, "mem": mem, "work": work, "acts": acts, "comm": comm, "comm_seconds": seconds,
             "total_none": static + acts["none"], "total_full": static + acts["full"], "static": static}
 
 
 def print_plan(p: dict, gpu_mem_gib: float, tokens_per_step: int) -> None:
-    d, mem, acts = p["dims"], p["mem"], p["acts"]
+    d, mem, acts, work, lay = p["dims"], p["mem"], p["acts"], p["work"], p["lay"]
+    fsdp = f", FSDP over {d.dp * d.cp // lay.dp_replicate} dense / {d.edp // lay.dp_replicate} expert ranks" + (
+        f" x {lay.dp_replicate} replicas (HSDP)" if lay.dp_replicate > 1 else "") if lay.fsdp else ""
     print(f"layout: tp={d.tp} cp={d.cp} ep={d.ep} dp={d.dp} (expert-data-parallel {d.edp}), "
-          f"sequence parallel {'on' if d.sequence_parallel else 'off'}")
+          f"sequence parallel {'on' if d.sequence_parallel else 'off'}{fsdp}")
     print(f"  parameters          {mem['params'] / GiB:10.2f} GiB   ({mem['dense_params_local'] / 1e9:.2f} B dense + "
-          f"{mem['expert_params_local'] / 1e9:.2f} B expert on this GPU)")
+          f"{mem['expert_params_local'] / 1e9:.2f} B expert on this GPU before FSDP; fp32)")
     print(f"  gradients           {mem['grads'] / GiB:10.2f} GiB")
     print(f"  optimizer state     {mem['optimizer'] / GiB:10.2f} GiB")
+    if lay.fsdp:
+        print(f"  FSDP gathered       {work['total'] / GiB:10.2f} GiB   (root {work['root'] / GiB:.2f}, "
+              f"{1 + lay.prefetch} blocks {work['blocks'] / GiB:.2f} in {lay.gather_bytes:g}-byte weights, one "
+              f"block's gradient + fp32 reduce-scatter input {work['grads'] / GiB:.2f})")
     print(f"  activations         {acts['none'] / GiB:10.2f} GiB without recompute, {acts['full'] / GiB:.2f} GiB "
           f"with full-layer recompute (per micro-batch)")
     for label, key in (("no recompute", "total_none"), ("full recompute", "total_full")):
-        fits = "fits" if p[key] <= gpu_mem_gib * GiB else "does NOT fit"
-        print(f"  total ({label:14s}) {p[key] / GiB:8.2f} GiB of {gpu_mem_gib:g} GiB: {fits}")
+        print(f"  total ({label:14s}) {p[key] / GiB:8.2f} GiB of {gpu_mem_gib:g} GiB: {fit_text(p[key], gpu_mem_gib)}")
     print(f"  communication per step ({tokens_per_step} tokens over all GPUs), payload per GPU:")
     for op in OPS:
         if p["comm"][op]:
             print(f"    {op:15s} {p['comm'][op] / GiB:10.3f} GiB")
     print(f"    ~{p['comm_seconds']:.2f} s at the given link bandwidth (ring factors, no overlap)")
+    if lay.fsdp:
+        print("    FSDP prefetch overlaps each block's all-gather with the previous block's compute and each "
+              "reduce-scatter with the next block's backward; the first gather and last reduce-scatter of a pass "
+              "are exposed")
 
+
+def fit_text(total: float, gpu_mem_gib: float) -> str:
+    over = total - gpu_mem_gib * GiB
+    return "fits" if over <= 0 else f"does NOT fit (over by {over / GiB:.2f} GiB)"
+
+
+def advise(cfg, params, args, common, p) -> str:
+    """Which single change makes a layout that does not fit (with full recompute) fit: --fsdp, or doubling
+    ep, cp or tp, or halving the micro-batch; the smallest resulting total first."""
+    base = dict(tp=args.tp, cp=args.cp, ep=args.ep)
+    tries = []
+    if not common["fsdp"]:
+        tries.append(("--fsdp", base, dict(common, fsdp=True)))
+    for size in ("ep", "cp", "tp"):
+        tries.append((f"--{size} {base[size] * 2}", dict(base, **{size: base[size] * 2}), common))
+    if common["micro_batch"] > 1:
+        tries.append((f"--micro-batch {common['micro_batch'] // 2}", base, dict(common, micro_batch=common["micro_batch"] // 2)))
+    fits = []
+    for label, sizes, kw in tries:
+        try:
+            q = plan(cfg, params, args.gpus, sizes["tp"], sizes["cp"], sizes["ep"], **kw)
+        except ConfigError:
+            continue
+        if q["total_full"] <= args.gpu_mem * GiB:
+            fits.append((q["total_full"], label))
+    if not fits:
+        return "no single change of --fsdp, ep, cp, tp or the micro-batch makes it fit; add GPUs or shorten --seq"
+    return "fits with " + " or ".join(f"{label} ({t / GiB:.1f} GiB)" for t, label in sorted(fits))
+
+
+def print_simulation(cfg, args, p) -> bool:
+    """Run the dry run (pretrain/dry_run.py) and print it next to the estimate; True if the measured peak fits."""
+    from megatron_composer.parallel.dims import ParallelConfig
+    from pretrain.dry_run import simulate, simulate_scaled
+
+    lay, mem, work, acts = p["lay"], p["mem"], p["work"], p["acts"]
+    pcfg = ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=not args.no_sp, zero1=not args.no_zero1,
+                          cp_attention=args.cp_attention, activation_checkpointing=args.recompute)
+    if args.fsdp:
+        if not hasattr(pcfg, "fsdp"):
+            raise SystemExit("error: this build's training core has no parallel.fsdp; --simulate needs it for --fsdp")
+        pcfg.fsdp, pcfg.dp_replicate = True, args.dp_replicate
+        pcfg.fsdp_param_dtype = "bfloat16" if args.dtype == "bf16" else "float32"  # what "auto" picks on a GPU
+    print(f"dry run: rank 0 of {args.gpus} (fake process group, fake tensors), one step, activation checkpointing "
+          f"{args.recompute}" + (f", {args.sim_layers} and {args.sim_layers + 1} of {cfg.num_layers} layers, "
+                                 "extrapolated" if args.sim_layers else f", all {cfg.num_layers} layers"))
+    kw = dict(micro_batch=args.micro_batch, mtp_weight=0.2 if cfg.num_mtp_layers else 0.0, precision=args.dtype)
+    if args.sim_layers:
+        r = simulate_scaled(cfg, pcfg, args.gpus, args.seq, layers=args.sim_layers, **kw)
+    else:
+        r = simulate(cfg, pcfg, args.gpus, args.seq, **kw)
+    key = "full" if args.recompute == "full" else "none"
+    est = {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
+           "unsharded_params": work["root"] + work["blocks"], "unsharded_grads": work["grads"],
+           "activations": acts[key], "temporaries": acts.get("temporaries", 0.0)}
+    print(f"  {'kind':18s} {'estimate GiB':>13s} {'simulated GiB':>14s} {'sim/est':>8s}")
+    for k in est:
+        s = r.by_kind.get(k, 0)
+        ratio = f"{s / est[k]:8.2f}" if est[k] else f"{'-':>8s}"
+        print(f"  {k:18s} {est[k] / GiB:13.2f} {s / GiB:14.2f} {ratio}")
+    total_est = p["total_full"] if key == "full" else p["total_none"]
+    print(f"  {'peak':18s} {total_est / GiB:13.2f} {r.peak_bytes / GiB:14.2f} {r.peak_bytes / total_est:8.2f}")
+    print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: {fit_text(r.peak_bytes, args.gpu_mem)}; "
+          f"{r.seconds:.0f} s")
+    print("  assumptions: " + "; ".join(r.assumptions))
+    return r.peak_bytes <= args.gpu_mem * GiB
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -89,7 +177,14 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter/activation dtype")
     ap.add_argument("--mtp-layers", type=int, default=None, help="override the preset's MTP depth")
     ap.add_argument("--link-gbps", type=float, default=400.0, help="per-GPU network bandwidth, Gbit/s")
+    ap.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer (parallel.fsdp)")
+    ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas of each FSDP shard")
+    ap.add_argument("--fp8-gather", action="store_true", help="FSDP gathers FP8 weights (1 byte + scales)")
     ap.add_argument("--sweep", action="store_true", help="try every tp/cp/ep and list the layouts that fit")
+    ap.add_argument("--simulate", action="store_true", help="dry-run one training step at full size (fake tensors)")
+    ap.add_argument("--recompute", choices=["full", "none"], default="full", help="activation checkpointing (--simulate)")
+    ap.add_argument("--sim-layers", type=int, default=None,
+                    help="--simulate N and N+1 layers and extrapolate to the model's depth (faster)")
     args = ap.parse_args(argv)
 
     try:
@@ -101,8 +196,9 @@ def main(argv=None) -> None:
     nbytes = 2 if args.dtype == "bf16" else 4
     params = model_params(cfg)
     common = dict(seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches, sp=not args.no_sp,
-                  zero1=not args.no_zero1, param_bytes=nbytes, act_bytes=nbytes, link_gbps=args.link_gbps,
-                  mtp=cfg.num_mtp_layers > 0, cp_attention=args.cp_attention)
+                  zero1=not args.no_zero1, act_bytes=nbytes, link_gbps=args.link_gbps,
+                  mtp=cfg.num_mtp_layers > 0, cp_attention=args.cp_attention, fsdp=args.fsdp,
+                  dp_replicate=args.dp_replicate, gather_bytes=1 + 1 / 32 if args.fp8_gather else nbytes)
     print(f"{args.preset}: {sum(math.prod(s) for _, s in params) / 1e9:.1f} B parameters, "
           f"{cfg.num_layers} layers, {cfg.num_experts} experts; seq {args.seq}, "
           f"{args.gpus} GPUs x {args.gpu_mem:g} GiB")
@@ -113,6 +209,16 @@ def main(argv=None) -> None:
             raise SystemExit(f"error: {e}") from None
         dp = p["dims"].dp
         print_plan(p, args.gpu_mem, dp * args.micro_batch * args.micro_batches * args.seq)
+        fits = p["total_full"] <= args.gpu_mem * GiB
+        if not fits:
+            print(f"  with full recompute: {fit_text(p['total_full'], args.gpu_mem)}; {advise(cfg, params, args, common, p)}")
+        if args.simulate:
+            try:
+                sim_fits = print_simulation(cfg, args, p)
+            except ConfigError as e:
+                raise SystemExit(f"error: {e}") from None
+            if not sim_fits:
+                print(f"  the dry run does not fit: {advise(cfg, params, args, common, p)}")
         return
     from tqdm import tqdm
 

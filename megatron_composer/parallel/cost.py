@@ -33,6 +33,14 @@ class Layout:
     activation_checkpointing: str = "none"
     packed: bool = False  # rows pack several documents (attention needs an explicit mask)
     cp_attention: str = "allgather"  # or "ring"
+    # FSDP (parallel.fsdp): parameters, gradients and optimizer state sharded over the dense replicas (dp x cp)
+    # and, for routed experts, over the expert-data-parallel ranks, each divided by dp_replicate (HSDP keeps
+    # that many replicas of each shard); blocks are gathered in gather_bytes (2: bf16; 1: FP8 recipes that
+    # gather quantised weights) one at a time plus `prefetch` ahead, gradients reduce-scattered in fp32.
+    fsdp: bool = False
+    dp_replicate: int = 1
+    gather_bytes: float = 2
+    prefetch: int = 1
 
     @property
     def local_tokens(self) -> int:
@@ -95,6 +103,13 @@ def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str
         else:
             dense += n
     state_per_elem = 8 + (4 if lay.param_bytes != 4 else 0)
+    if lay.fsdp:
+        dense_shard, expert_shard = fsdp_shards(lay)
+        n = math.ceil(dense / dense_shard) + math.ceil(expert / expert_shard)
+        return {  # fp32 shards of parameters and gradients, AdamW moments over the same shards
+            "params": n * 4, "grads": n * 4, "optimizer": 8 * n,
+            "dense_params_local": dense, "expert_params_local": expert,
+        }
     dense_share = dims.dp * dims.cp if lay.zero1 else 1
     expert_share = dims.edp if lay.zero1 else 1
     return {
@@ -202,7 +217,10 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     if tp > 1:
         vol["all_reduce"] += sum(math.prod(sh) for n, sh in params
                                  if param_kind(n, sp, cfg.attention) == "tp_partial") * g
-    for n_local, replicas in ((dense, d.dp * d.cp), (expert, d.edp)):
+    if lay.fsdp:
+        for op, v in fsdp_comm_per_microbatch(cfg, lay, params).items():
+            vol[op] += v * micro_batches
+    for n_local, replicas in (() if lay.fsdp else ((dense, d.dp * d.cp), (expert, d.edp))):
         if replicas == 1 or n_local == 0:
             continue
         if lay.zero1:
@@ -215,7 +233,72 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     return vol
 
 
-__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step"]
+def fsdp_shards(lay: Layout) -> tuple[int, int]:
+    """How many ranks share one copy of a dense and of an expert parameter under FSDP: the dense replicas
+    (dp x cp) and the expert-data-parallel ranks, each over dp_replicate (HSDP)."""
+    d = lay.dims
+    return d.dp * d.cp // lay.dp_replicate, d.edp // lay.dp_replicate
+
+
+def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
+    """FSDP units as parallel/fsdp.py makes them -- one per transformer block (main and MTP; a MoE block's routed
+    experts are a unit of their own on the expert mesh, gathered with it: counted with the block here), and the
+    root (embedding, final norm, head, MTP projections and norms) -> (dense, expert) elements this rank holds
+    of them unsharded (after TP/EP, before FSDP)."""
+    dims = lay.dims
+    params = params if params is not None else model_params(cfg)
+    units: dict[str, list[int]] = {}
+    for name, shape in params:
+        parts = name.split(".")
+        if parts[0] == "layers":
+            unit = ".".join(parts[:2])
+        elif parts[0] == "mtp" and parts[2] == "block":
+            unit = ".".join(parts[:3])
+        else:  # embedding, final norm, head, and the MTP projections and norms
+            unit = "root"
+        kind = param_kind(name, dims.sequence_parallel, cfg.attention)
+        if dims.tp == 1 and kind != "expert":
+            kind = "replicated"
+        n = _local_numel(name, shape, kind, dims)
+        units.setdefault(unit, [0, 0])[1 if kind == "expert" else 0] += n
+    return {k: (v[0], v[1]) for k, v in units.items()}
+
+
+def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+    """Transient bytes of unsharded FSDP units at the backward peak: the root unit (kept gathered from the
+    first forward to the end of backward, as FSDP does for the root), the block being computed and `prefetch`
+    prefetched ones in the gather dtype, and the block's unsharded gradient (compute dtype) with its fp32
+    reduce-scatter input. Zero without FSDP."""
+    if not lay.fsdp:
+        return {"root": 0.0, "blocks": 0.0, "grads": 0.0, "total": 0.0, "block_max": 0.0}
+    units = fsdp_units(cfg, lay, params)
+    root = sum(units.get("root", (0, 0)))
+    block = max((sum(v) for k, v in units.items() if k != "root"), default=0)
+    out = {"root": root * lay.gather_bytes, "blocks": (1 + lay.prefetch) * block * lay.gather_bytes,
+           "grads": block * (2 + 4), "block_max": float(block)}
+    out["total"] = out["root"] + out["blocks"] + out["grads"]
+    return out
+
+
+def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+    """FSDP payload bytes per micro-batch: every unit all-gathered for forward and again for backward (the root
+    once: it stays gathered), its gradient reduce-scattered in fp32; with HSDP the fp32 gradient shards are
+    all-reduced over the replicas."""
+    vol = dict.fromkeys(OPS, 0.0)
+    dense_shard, expert_shard = fsdp_shards(lay)
+    for unit, (dense, expert) in fsdp_units(cfg, lay, params).items():
+        gathers = 1 if unit == "root" else 2
+        for n, shard in ((dense, dense_shard), (expert, expert_shard)):
+            if shard > 1 and n:
+                vol["all_gather"] += gathers * n * lay.gather_bytes
+                vol["reduce_scatter"] += n * 4
+            if lay.dp_replicate > 1 and n:
+                vol["all_reduce"] += math.ceil(n / shard) * 4
+    return vol
+
+
+__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
+           "fsdp_units", "fsdp_working_set", "fsdp_comm_per_microbatch"]
 
 
 def _norm_bytes(n: int, w: int, p: int) -> float:
@@ -234,7 +317,7 @@ def _block_prob_bytes(b: int, heads: int, kv_heads: int, s: int) -> float:
     return 4 * elems if elems <= ka._SAVED_PROB_ELEMENTS else 0.0
 
 
-def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[str, float]:
+def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto", loss: str = "reference") -> dict[str, float]:
     """Bytes held for backward by one micro-batch on one rank at the end of the forward pass (logits and
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
@@ -243,6 +326,9 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     q, k, v, output, log-sum-exp, and the boolean mask of packed rows) or "blocks" (the CPU kernel: q, k, v,
     the output the output projection also reads, log-sum-exp, and the probabilities of short sequences);
     "auto" is "blocks", the CPU rule.
+
+    loss: "reference" (F.cross_entropy on every head's logits, as the tests measure) or "trainer" (the
+    pretraining loss the trainer runs: `trainer_loss_bytes`).
     """
     d = lay.dims
     tp, cp, sp, p = d.tp, d.cp, d.sequence_parallel, lay.act_bytes
@@ -300,8 +386,11 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
             x += 4 * T * Fs * p + (T * D * p if sp else 0)
         return x
 
+    V = cfg.vocab_size // tp
+
     def head() -> float:  # final norm, head input, logits and the cross-entropy softmax (fp32)
-        V = cfg.vocab_size // tp
+        if loss == "trainer":
+            return _norm_bytes(Tr, D, p) + T * D * p
         return _norm_bytes(Tr, D, p) + T * D * p + T * V * p + T * V * 4
 
     blocks = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
@@ -310,9 +399,32 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto") -> dict[
     rest = T * 8 + T * cfg.rope_dim * p + head()  # token ids, rope cos/sin (shared by layers), the main head
     for _ in range(depths):  # enorm, hnorm, the concatenation eh_proj saves, norm + head
         rest += T * 8 + 2 * _norm_bytes(Tr, D, p) + Tr * 2 * D * p + head()
+    if loss == "trainer":
+        rest += trainer_loss_bytes(cfg, lay)
     none = sum(block_bytes) + rest
     full = len(block_bytes) * Tr * D * p + rest + max(block_bytes)
     return {"none": none, "full": full, "per_block_max": max(block_bytes)}
+
+
+def trainer_loss_bytes(cfg, lay: Layout) -> float:
+    """Peak bytes of the pretraining loss (pretrain/losses.py) beyond the head's input, at its backward.
+
+    Fused head (one tp rank, no MTP self-distillation: pretrain.losses.fused_head_applies): no [tokens, vocab]
+    tensor; the forward keeps dh [T, D] and the fp32 head-weight gradient dW [V, D], the backward makes
+    dW * grad (fp32) and its cast to the weight dtype (kernels/linear_cross_entropy.py).
+    Otherwise the main logits (saved by the blocked cross-entropy, kernels/cross_entropy.py) and their
+    gradient, and per MTP depth the self-distillation's float32 [T, V] tensors: the student logits (saved by
+    its cross-entropy), log q (saved by log-softmax) and the teacher's p (saved by the KL product) from the
+    forward, and three more in its backward (the product's gradient, the log-softmax backward, the
+    cross-entropy gradient)."""
+    d = lay.dims
+    T, D, p = lay.local_tokens, cfg.hidden_size, lay.act_bytes
+    V = cfg.vocab_size // d.tp
+    depths = cfg.num_mtp_layers if lay.mtp else 0
+    if d.tp == 1 and depths == 0:
+        w = lay.gather_bytes if lay.fsdp else lay.param_bytes
+        return 2 * T * D * p + 2 * V * D * 4 + V * D * w
+    return 2 * T * V * p + depths * 6 * T * V * 4
 
 
 def saved_tensor_bytes(run, exclude=()) -> int:
@@ -332,4 +444,4 @@ def saved_tensor_bytes(run, exclude=()) -> int:
     return sum(seen.values()), out
 
 
-__all__ += ["activation_bytes", "saved_tensor_bytes"]
+__all__ += ["activation_bytes", "saved_tensor_bytes", "trainer_loss_bytes"]

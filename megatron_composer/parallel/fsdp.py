@@ -73,7 +73,15 @@ def _mesh_over(existing, rank_lists: list[list[int]], replicate: int, device_typ
 
 
 def build_meshes(groups: ParallelGroups, dp_replicate: int = 1, device_type: Optional[str] = None) -> FSDPMeshes:
-    """The dense and expert FSDP meshes (collective: every rank must call it)."""
+    """The dense and expert FSDP meshes (collective: every rank must call it). Made of host integers even under
+    FakeTensorMode (the dry run, pretrain/dry_run.py, builds the model there)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _build_meshes(groups, dp_replicate, device_type)
+
+
+def _build_meshes(groups: ParallelGroups, dp_replicate: int, device_type: Optional[str]) -> FSDPMeshes:
     dims = groups.dims
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     dense_n, expert_n = dims.dp * dims.cp, dims.edp

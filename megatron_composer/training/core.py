@@ -216,6 +216,17 @@ class TrainingCore:
         return out if main else None
 
     # -- one optimizer step ---------------------------------------------------------------------------
+    def accumulate(self, loss_fn: LossFn, micro_batches: list) -> dict:
+        """Forward and backward over the micro-batches (gradients accumulate); returns the summed ``sums``."""
+        totals: dict = {}
+        for micro in micro_batches:
+            loss, sums = loss_fn(micro)
+            if loss is not None:
+                loss.backward()
+            for k, v in sums.items():
+                totals[k] = totals.get(k, 0) + (v.float() if torch.is_tensor(v) else v)
+        return totals
+
     def step(self, loss_fn: LossFn, micro_batches: Iterable, lr: float, *, reduce: bool = True) -> dict:
         """One optimizer step at learning rate `lr` over this rank's micro-batches (collective).
 
@@ -227,13 +238,7 @@ class TrainingCore:
         a row stop the run. Returns the sums with lr, grad_norm and skipped (0 | 1)."""
         set_lr(self.optimizer, lr)
         micro_batches = list(micro_batches)
-        totals: dict = {}
-        for micro in micro_batches:
-            loss, sums = loss_fn(micro)
-            if loss is not None:
-                loss.backward()
-            for k, v in sums.items():
-                totals[k] = totals.get(k, 0) + (v.float() if torch.is_tensor(v) else v)
+        totals = self.accumulate(loss_fn, micro_batches)
         if reduce and totals:
             keys = sorted(totals)
             vec = self.layout.all_reduce_sum(torch.stack([totals[k] for k in keys]).detach())

@@ -1,0 +1,164 @@
+"""The planner's FSDP estimate (hand-computed small cases) and the dry run (pretrain/dry_run.py): one rank of a
+world on fake tensors and the fake process group, measured by torch's memory tracker against the estimate;
+and every shipped Kimi K2.5 example layout dry-run at its world size."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_composer.config import ConfigError, load_config
+from megatron_composer.model import Transformer, get_preset
+from megatron_composer.parallel.cost import (Layout, activation_bytes, comm_per_step, fsdp_comm_per_microbatch,
+                                             fsdp_units, fsdp_working_set, memory_per_rank, model_params)
+from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def _numels(cfg, ep: int) -> tuple[int, int, dict]:
+    """(dense, routed-expert elements on one rank, elements per FSDP unit) counted from the model itself."""
+    model = Transformer(cfg)
+    dense = expert = 0
+    units: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        n = p.numel() // ep if ".experts." in name and "shared" not in name else p.numel()
+        if ".experts." in name and "shared" not in name:
+            expert += n
+        else:
+            dense += n
+        parts = name.split(".")
+        unit = (".".join(parts[:2]) if parts[0] == "layers" else
+                ".".join(parts[:3]) if parts[0] == "mtp" and parts[2] == "block" else "root")
+        units[unit] = units.get(unit, 0) + n
+    return dense, expert, units
+
+
+def test_fsdp_shards_parameters_gradients_and_moments_over_dp_cp_and_expert_data_parallel():
+    cfg = get_preset("tiny-kimi-k2.5")
+    dense, expert, _ = _numels(cfg, ep=2)
+    dims = ParallelDims(16, cp=2, ep=2)  # dense replicas dp*cp = 16, expert-data-parallel 8
+    replicated = memory_per_rank(cfg, Layout(dims, seq_len=64, micro_batch=1))
+    sharded = memory_per_rank(cfg, Layout(dims, seq_len=64, micro_batch=1, fsdp=True))
+    n = math.ceil(dense / 16) + math.ceil(expert / 8)
+    assert sharded["params"] == sharded["grads"] == 4 * n and sharded["optimizer"] == 8 * n
+    assert replicated["params"] == 4 * (dense + expert)
+    # HSDP: two replicas of each shard hold twice as much
+    hsdp = memory_per_rank(cfg, Layout(ParallelDims(16, cp=2, ep=2, dp_replicate=2), 64, 1, fsdp=True,
+                                       dp_replicate=2))
+    assert hsdp["params"] == 4 * (math.ceil(dense / 8) + math.ceil(expert / 4))
+
+
+def test_fsdp_units_working_set_and_collectives_by_hand():
+    cfg = get_preset("tiny-kimi-k2.5")
+    _, _, units = _numels(cfg, ep=2)
+    dims = ParallelDims(8, ep=2)
+    lay = Layout(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2)
+    got = {k: sum(v) for k, v in fsdp_units(cfg, lay).items()}
+    assert got == units
+    block = max(v for k, v in units.items() if k != "root")
+    work = fsdp_working_set(cfg, lay)
+    assert work["root"] == 2 * units["root"] and work["blocks"] == 2 * 2 * block and work["grads"] == 6 * block
+    # per micro-batch: every block gathered twice (forward, backward), the root once, all reduce-scattered in fp32
+    vol = fsdp_comm_per_microbatch(cfg, lay)
+    total = sum(units.values())
+    assert vol["all_gather"] == 2 * (2 * (total - units["root"]) + units["root"])
+    assert vol["reduce_scatter"] == 4 * total and vol["all_reduce"] == 0
+    # in a step, FSDP replaces ZeRO-1's once-per-step gradient reduce-scatter and parameter all-gather
+    two = comm_per_step(cfg, lay, micro_batches=2)
+    assert two["reduce_scatter"] == 2 * vol["reduce_scatter"]
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "plan_parallel.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+def test_planner_says_by_how_much_a_layout_misses_and_what_to_change():
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--tp", "1", "--ep", "8", "--cp", "8",
+              "--seq", "262144")
+    assert r.returncode == 0, r.stderr
+    assert "does NOT fit (over by" in r.stdout and "fits with --fsdp" in r.stdout
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--ep", "8", "--cp", "8", "--fsdp",
+              "--seq", "262144")
+    assert r.returncode == 0, r.stderr
+    assert "total (full recompute)" in r.stdout and "FSDP gathered" in r.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--ep", "8", "--cp", "8", "--fsdp", "--dp-replicate", "3"), "parallel.dp_replicate"),
+    (("--ep", "8", "--dp-replicate", "2"), "needs --fsdp"),
+    (("--ep", "7", "--fsdp"), "parallel.ep"),
+])
+def test_planner_rejects_sizes_that_do_not_divide_in_one_line(args, needle):
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--seq", "262144", *args)
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert "\n" not in err and needle in err, err
+
+
+def _analytic_peak(cfg, dims: ParallelDims, seq: int, fsdp: bool) -> float:
+    lay = Layout(dims, seq_len=seq, micro_batch=1, param_bytes=4, act_bytes=2, fsdp=fsdp,
+                 mtp=cfg.num_mtp_layers > 0)
+    mem = memory_per_rank(cfg, lay)
+    return (mem["params"] + mem["grads"] + mem["optimizer"] + fsdp_working_set(cfg, lay)["total"]
+            + activation_bytes(cfg, lay, "flash", loss="trainer")["full"])
+
+
+@pytest.mark.parametrize("fsdp", [True])
+def test_dry_run_measures_parameters_exactly_and_the_peak_near_the_estimate(fsdp):
+    from pretrain.dry_run import simulate
+
+    cfg = get_preset("tiny-kimi-k2.5")
+    pcfg = ParallelConfig(cp=2, ep=2, activation_checkpointing="full", fsdp=fsdp, fsdp_param_dtype="bfloat16")
+    r = simulate(cfg, pcfg, 8, 256, mtp_weight=0.0)
+    dims = ParallelDims(8, cp=2, ep=2)
+    lay = Layout(dims, seq_len=256, micro_batch=1, fsdp=fsdp, mtp=False)
+    assert r.by_kind["params"] == pytest.approx(memory_per_rank(cfg, lay)["params"], rel=0.01)
+    assert any("balanced" in a for a in r.assumptions)
+    est = _analytic_peak(cfg.replace(num_mtp_layers=0), dims, 256, fsdp)
+    assert 0.7 <= r.peak_bytes / est <= 1.3, (r.by_kind, est)
+
+
+def test_dry_run_rejects_a_layout_that_does_not_divide():
+    from pretrain.dry_run import simulate
+
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        simulate(get_preset("tiny-kimi-k2.5"), ParallelConfig(ep=3, fsdp=True), 6, 64)
+
+
+EXAMPLES = sorted((ROOT / "examples" / "kimi_k25").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_kimi_example_layout_dry_runs_at_512_ranks(path):
+    """The example's parallel section at its 512-rank world, the real layer widths, two layers and a short
+    sequence (the full-size run is test_kimi_long_context_dry_run_fits_e2e)."""
+    from pretrain.dry_run import simulate
+
+    raw = load_config_dict(path)
+    pcfg = ParallelConfig(**{k: v for k, v in raw["parallel"].items()})
+    if pcfg.fsdp:
+        pcfg.fsdp_param_dtype = "bfloat16"
+    cfg = get_preset("kimi-k2.5").replace(num_layers=2, num_mtp_layers=0)
+    seq = 2 * pcfg.cp * 8
+    r = simulate(cfg, pcfg, 512, seq, mtp_weight=0.0)
+    assert r.peak_bytes > 0 and r.by_kind["params"] > 0
+
+
+def load_config_dict(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("seq", [262144, 131072])
+def test_kimi_long_context_dry_run_fits_e2e(seq):
+    r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--tp", "1", "--ep", "8", "--cp", "8",
+              "--fsdp", "--seq", str(seq), "--simulate", "--sim-layers", "2")
+    assert r.returncode == 0, r.stderr
+    assert "measured peak" in r.stdout and "of 288 GiB: fits" in r.stdout
