@@ -61,7 +61,8 @@ import torch
 from megatron_composer.kernels import cpp
 from megatron_composer.model import Transformer
 from megatron_composer.parallel import collectives as C
-from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
+from megatron_composer.parallel.layers import ColumnParallelLinear
+from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor
 
 from .batch_invariant import batch_invariant as batch_invariant_mode
 from .context import InferenceContext
@@ -131,6 +132,19 @@ def _tensor_parallel_group(model: Transformer):
     if any(type(b.attention.core).__name__ == "ContextParallelAttention" for b in model.layers):
         raise EngineError("the model was parallelised with context parallelism; use parallel.cp=1 for inference")
     return head.group if C.group_size(head.group) > 1 else None
+
+
+class _TensorsReader:
+    """Boxes of a mapping of full tensors (what update_weights reads a state dict through)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors, self.names = tensors, list(tensors)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][box]
 
 
 class Engine:
@@ -500,42 +514,47 @@ class Engine:
                 seqs[b].drafts.append(tok)
 
     # ---- weights -----------------------------------------------------------------------------------
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, delta: bool = False,
-                       recompute_cache: bool = False) -> None:
+    def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
         """Load new weights between steps and tag later tokens with `version`.
 
-        weights: parameter/buffer name -> tensor, the whole state dict or any part of it. With delta=True each
-        tensor is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for
-        bfloat16) against the current values, the lossless format of the weight-sync pipeline.
-        Tensors are always the full (unsharded) ones, as trainers publish them: on a tensor-parallel model
-        every rank passes the same dict and takes its own shard (an XOR delta shards like the tensor).
-        Everything is checked before anything is changed. See the module docstring for recompute_cache.
+        weights: parameter/buffer name -> full (unsharded) tensor, the whole state dict or any part of it, as
+        trainers publish them; or a reader of boxes of the full tensors (`names`, `shape(name)`,
+        `read(name, box)`: a weight-sync version's VersionReader), from which each rank reads only the slices it holds (parallel/slices.py's local_pieces). On a
+        sharded model every rank passes the same weights and takes its own pieces. With delta=True each tensor
+        is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for bfloat16)
+        against the current values, the lossless format of the weight-sync pipeline (an XOR delta shards like
+        the tensor). Names and shapes are checked before anything is changed. See the module docstring for
+        recompute_cache.
         """
+        reader = weights if hasattr(weights, "read") else _TensorsReader(weights)
         state = self.model.state_dict(keep_vars=True)
-        unknown = sorted(set(weights) - set(state))
+        names = list(reader.names)
+        unknown = sorted(set(names) - set(state))
         if unknown:
             raise EngineError(f"update_weights got names the model does not have: {unknown[:5]}; "
                               "use the model's state_dict names")
         int_of_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        for name, t in weights.items():
-            cur, spec = state[name], spec_of(state[name])
-            full = list(cur.shape)
-            if spec.kind in ("tp_sharded", "expert") and spec.size > 1:
-                full[spec.dim] *= spec.size
-            if list(t.shape) != full:
-                raise EngineError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the model's is {tuple(full)}")
-            if delta and t.dtype != int_of_size[cur.element_size()]:
+        if delta and not isinstance(reader, _TensorsReader):
+            raise EngineError("update_weights(delta=True) takes a mapping of XOR deltas, not a reader")
+        for name in names:
+            cur, shape = state[name], list(reader.shape(name))
+            if shape != list(full_shape(cur)):
+                raise EngineError(f"update_weights: '{name}' has shape {tuple(shape)}, the model's is "
+                                  f"{tuple(full_shape(cur))}")
+            if delta and weights[name].dtype != int_of_size[cur.element_size()]:
                 raise EngineError(f"update_weights(delta=True): '{name}' must be {int_of_size[cur.element_size()]} "
-                                  f"(XOR of the raw {cur.dtype} bits), got {t.dtype}")
+                                  f"(XOR of the raw {cur.dtype} bits), got {weights[name].dtype}")
         with self._lock, torch.no_grad():
-            for name, t in weights.items():
+            for name in names:
                 cur = state[name]
-                piece = spec_of(cur).take(t)
-                if delta:
-                    bits = cur.data.view(int_of_size[cur.element_size()])
-                    bits.bitwise_xor_(piece.to(bits.device))
-                else:
-                    cur.data.copy_(piece)
+                local = local_tensor(cur)
+                for piece in local_pieces(cur):
+                    src = reader.read(name, piece.full)
+                    if delta:
+                        bits = local[piece.local].view(int_of_size[cur.element_size()])
+                        bits.bitwise_xor_(src.to(bits.device))
+                    else:
+                        local[piece.local].copy_(src)
             self.weight_version = version
             if recompute_cache:
                 self._recompute_cache()
