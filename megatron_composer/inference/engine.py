@@ -42,6 +42,14 @@ sequence where plain decoding scores one, so its rounding differs: in float32 th
 model, while in bfloat16 an argmax whose top two logits lie within rounding of each other can go either way (as
 it can between plain decoding and a full recomputation).
 
+Static decode shapes (`decode_buckets`, on by default on CUDA): a decode step pads its batch to the next size
+in DECODE_BUCKETS (1, 2, 4, ..., capped by max_batch_size) and its cache read width to the next power of two
+(capped by the slot table), so a step's tensors take one of a few fixed shapes per bucket, which is what
+`torch.compile` (no recompiles) and CUDA graphs (one graph per bucket) need. Padding rows decode token 0 at
+position 0, write only the scratch block and read only it (their slot-table rows are zeros); their logits and
+routing are dropped. Real rows' results do not depend on the padding: bit for bit in batch-invariant mode,
+within rounding otherwise.
+
 Weight updates (`update_weights`) take effect between steps. By default the KV cache of tokens computed
 under the old weights is kept: in-flight requests continue at once, attending to old-version keys/values,
 and their later tokens carry the new version (the choice asynchronous RL pipelines make; the importance
@@ -68,6 +76,15 @@ from .batch_invariant import batch_invariant as batch_invariant_mode
 from .context import InferenceContext
 from .kv_cache import CacheError, PagedKVCache
 from .sampling import SamplingParams, accept_drafts, draw_rows, sample_rows, sampling_probs, sampling_probs_rows
+
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def decode_bucket(batch: int, max_batch_size: int) -> int:
+    """The padded batch of a decode step over `batch` sequences: the next DECODE_BUCKETS size, at most
+    max_batch_size (and never below `batch`)."""
+    return max(batch, min(next((b for b in DECODE_BUCKETS if b >= batch), batch), max_batch_size))
 
 
 class EngineError(ValueError):
@@ -152,7 +169,8 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_batch_size: int = 64, max_seq_len: Optional[int] = None,
                  cache_memory_bytes: int = 1 << 30, block_size: int = 16, batch_invariant: bool = False,
-                 detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0):
+                 detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0,
+                 decode_buckets: Optional[bool] = None):
         self.model = model.eval()
         self.cfg = model.config
         self.tp_group = _tensor_parallel_group(model)
@@ -164,6 +182,8 @@ class Engine:
         self.weight_version = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.tok_embeddings.weight.dtype
+        # static decode shapes per batch bucket (module docstring); default on where graphs/compile apply
+        self.decode_buckets = self.device.type == "cuda" if decode_buckets is None else decode_buckets
         self.num_mtp = len(model.mtp)
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
                                   cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
@@ -331,10 +351,11 @@ class Engine:
             self._emit(seq, tokens[b], logps[b], sampling_logp[b], None if routes is None else route_rows[b])
 
     # ---- forward passes ----------------------------------------------------------------------------
-    def _slot_table(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """[B, W] cache slot of every position each sequence reserved (0-padded: the scratch block). Built
-        once per batch composition and reused by every decode step until a request joins or leaves."""
-        key = tuple(s.rid for s in seqs)
+    def _slot_table(self, seqs: list[_Sequence], pad_rows: int = 0) -> torch.Tensor:
+        """[B + pad_rows, W] cache slot of every position each sequence reserved (0-padded: the scratch block;
+        padding rows are all scratch). Built once per batch composition and reused by every decode step until
+        a request joins or leaves."""
+        key = (*(s.rid for s in seqs), -pad_rows)
         table = self._slot_tables.get(key)
         if table is None:
             if len(self._slot_tables) >= 8:
@@ -342,19 +363,28 @@ class Engine:
             bs = self.cache.block_size
             offsets = torch.arange(bs, device=self.device)
             rows = [(torch.tensor(s.blocks, device=self.device)[:, None] * bs + offsets).reshape(-1) for s in seqs]
+            rows += [rows[0].new_zeros(bs)] * pad_rows
             table = self._slot_tables[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         return table
 
-    def _context(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]]) -> InferenceContext:
-        """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b]."""
-        table_BW = self._slot_table(seqs)
-        lengths = [len(t) for t in token_lists]
+    def _context(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]],
+                 pad_rows: int = 0) -> InferenceContext:
+        """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b], then `pad_rows` padding
+        rows (one token 0 at position 0 each, written to and reading only the scratch slot 0) with the read
+        width padded to the next power of two (static decode shapes, see the module docstring)."""
+        table_BW = self._slot_table(seqs, pad_rows)
+        lengths = [len(t) for t in token_lists] + [1] * pad_rows
+        starts = list(starts) + [0] * pad_rows
+        token_lists = list(token_lists) + [[0]] * pad_rows
         N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
-        bs, B = self.cache.block_size, len(seqs)
+        if pad_rows:
+            L = min(1 << (L - 1).bit_length(), table_BW.shape[1])
+        bs, B = self.cache.block_size, len(seqs) + pad_rows
         # ids, positions, write slots (valid rows only) and row indices from host lists in one copy
         ids = [t for tokens in token_lists for t in tokens + [0] * (N - len(tokens))]
         pos = [a + j for a in starts for j in range(N)]
         write = [s.blocks[p // bs] * bs + p % bs for s, a, n in zip(seqs, starts, lengths) for p in range(a, a + n)]
+        write += [0] * pad_rows
         ragged = min(lengths) != N
         rows = [b * N + j for b, n in enumerate(lengths) for j in range(n)] if ragged else []
         last = [b * N + n - 1 for b, n in enumerate(lengths)] if ragged else []
@@ -385,10 +415,10 @@ class Engine:
             return head(h_ND)
         return C.all_gather(head(h_ND), h_ND.dim() - 1, self.tp_group)
 
-    def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
-        """The model over new tokens at positions start.. of each sequence, writing the cache.
-        Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, context)."""
-        ctx = self._context(seqs, starts, token_lists)
+    def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int], pad_rows: int = 0):
+        """The model over new tokens at positions start.. of each sequence (then `pad_rows` padding rows),
+        writing the cache. Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, context)."""
+        ctx = self._context(seqs, starts, token_lists, pad_rows)
         out = self.model(ctx.ids_BN, ctx.pos_BN, inference_context=ctx, logits=False, return_routing=True)
         return out.hidden_states, out.routed_experts, ctx
 
@@ -422,10 +452,14 @@ class Engine:
         self._draft_live(seqs, hidden)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
-        hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs])
+        B = len(seqs)
+        pad = decode_bucket(B, self.max_batch_size) - B if self.decode_buckets else 0
+        hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs], pad)
         for s in seqs:
             s.processed += 1
-        self._sample_rows(seqs, self._logits(hidden[:, 0]), None if routes is None else routes[:, :, 0].transpose(0, 1))
+        logits_BV = self._logits(hidden[:, 0])  # the whole bucket: one shape per bucket; padding rows dropped next
+        self._sample_rows(seqs, logits_BV[:B] if pad else logits_BV,
+                          None if routes is None else routes[:, :B, 0].transpose(0, 1))
 
     def _verify(self, seqs: list[_Sequence]) -> None:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]

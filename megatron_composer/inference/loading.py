@@ -75,11 +75,13 @@ class BoxWeights:
         fill_local(model, self.read)
 
 
-def hf_config(path: str | Path) -> ModelConfig:
-    """The model config of a Hugging Face checkpoint directory (its MTP depths: those it holds)."""
-    from megatron_composer.checkpoint.hf import HFReader
+def hf_config(path: str | Path) -> tuple[ModelConfig, torch.dtype]:
+    """The model config of a Hugging Face checkpoint directory (its MTP depths: those it holds) and the dtype
+    load_hf_checkpoint gives it (the checkpoint's; bfloat16 for FP8 weights)."""
+    from megatron_composer.checkpoint.hf import HFReader, _checkpoint_dtype
 
-    return HFReader(path).config
+    reader = HFReader(path)
+    return reader.config, _checkpoint_dtype(reader.path, reader.hf_config)
 
 
 def engine_model(cfg: ModelConfig, source: Optional[WeightSource], groups=None, *, dtype: torch.dtype = torch.float32,
