@@ -6,7 +6,7 @@ The engine runs the model's own modules: each forward pass is `model(ids, positi
 the new tokens' positions and slots, and the mode; attention writes and reads the cache, MLA attending in the
 latent space (DeepSeek's absorbed form) with the model's own weights, so the engine holds no second copy of
 any weight and serves whatever the model's parameters hold. On the CPU the hot leaves run as C++ kernels
-(kernels/csrc/decode.cpp: paged latent attention, experts over a few rows, the router's selection, the head's
+(kernels/cpu/csrc/decode.cpp: paged latent attention, experts over a few rows, the router's selection, the head's
 row kernels) with their references beside their callers. With `batch_invariant=True` (see
 batch_invariant.py) the same modules run under the batch-invariant mode, MLA expands the cached latent with
 `expand_kv` and attention runs one row at a time, exactly as the training forward does in that mode, so
@@ -66,7 +66,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_composer.kernels import cpp
+from megatron_composer.kernels.cpu import cpp
 from megatron_composer.model import Transformer
 from megatron_composer.parallel import collectives as C
 from megatron_composer.parallel.layers import ColumnParallelLinear
@@ -188,7 +188,7 @@ class Engine:
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
                                   cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
                                   tp=self.tp)
-        # row kernels for the head and greedy selection (kernels/csrc/decode.cpp), on the CPU outside batch-invariant mode
+        # row kernels for the head and greedy selection (kernels/cpu/csrc/decode.cpp), on the CPU outside batch-invariant mode
         self.row_kernels = None if batch_invariant or self.device.type != "cpu" else cpp.load("decode")
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Sequence] = deque()
