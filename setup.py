@@ -6,7 +6,7 @@ setup(
     description="Megatron-style continued pretraining and asynchronous agentic RL for DeepSeek-V3/Kimi-style MoE models",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
-    package_data={"megatron_composer.kernels": ["csrc/*.cpp", "csrc/*.h"]},  # C++ kernels are compiled on first use
+    package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"]},  # C++ kernels are compiled on first use
     install_requires=[
         "torch>=2.6",
         "numpy",
@@ -18,7 +18,7 @@ setup(
         "zstandard",
         "fsspec",
         "s3fs",
-        "ninja",  # builds the C++ CPU kernels on first use (kernels/cpp.py); a C++ compiler is needed too
+        "ninja",  # builds the C++ CPU kernels on first use (kernels/cpu/cpp.py); a C++ compiler is needed too
     ],
     extras_require={
         "dev": [

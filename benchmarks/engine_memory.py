@@ -34,7 +34,7 @@ def child(args) -> dict:
     import torch
 
     from megatron_composer.inference import Engine
-    from megatron_composer.kernels import cpp
+    from megatron_composer.kernels.cpu import cpp
     from megatron_composer.model import Transformer, get_preset
 
     torch.set_num_threads(1)

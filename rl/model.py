@@ -42,13 +42,15 @@ def build_model(cfg: RLConfig, tokenizer):
     return Transformer(mc), meta
 
 
-def rollout_model(cfg: RLConfig, tokenizer, groups) -> torch.nn.Module:
-    """This rank's shard of a tensor-parallel rollout engine's model (weights arrive from the store)."""
-    from megatron_composer.parallel.parallelize import parallelize_model
+def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
+    """This rank's shard of a rollout engine's model (the whole model without `groups`), built on the meta device,
+    laid out and allocated in weight_sync.dtype on this process's device, holding no weights yet: the worker
+    loads the first published version per rank (each rank reads only its slices of it, RolloutWorker.wait_for_weights)."""
+    from megatron_composer.inference.loading import engine_model
 
-    model, _ = build_model(cfg, tokenizer)
-    model = parallelize_model(model.to(getattr(torch, cfg.weight_sync.dtype)), groups)  # shard on the host first
-    return model.to(local_device()).eval()
+    mc, _ = build_model_meta(cfg, tokenizer)
+    return engine_model(mc, None, groups, dtype=getattr(torch, cfg.weight_sync.dtype), device=local_device(),
+                        seed=cfg.train.seed)
 
 
 __all__ = ["build_model", "build_model_meta", "rl_model_config", "rollout_model"]

@@ -104,3 +104,11 @@ def test_the_checker_sees_a_cycle_and_a_crossing(tmp_path, monkeypatch):
         test_no_import_cycle()
     with pytest.raises(AssertionError):
         test_pretraining_and_rl_do_not_import_each_other_and_the_library_imports_neither()
+
+
+def test_the_model_imports_no_cpu_only_kernel_module():
+    """The model calls device-neutral kernel entry points (megatron_composer/kernels/<name>.py); the C++ CPU
+    kernels and their loader (megatron_composer/kernels/cpu) are theirs to pick."""
+    bad = [f"{name} -> {dep}" for name, deps in _graph().items() if name.startswith("megatron_composer.model")
+           for dep in deps if dep.startswith("megatron_composer.kernels.cpu")]
+    assert not bad, bad

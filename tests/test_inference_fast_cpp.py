@@ -1,4 +1,4 @@
-"""The engine with the C++ CPU leaf kernels (kernels/csrc/decode.cpp: paged latent attention, experts over a few
+"""The engine with the C++ CPU leaf kernels (kernels/cpu/csrc/decode.cpp: paged latent attention, experts over a few
 rows, the head's row kernels; and the training kernels the model's modules use) against their references
 (MEGATRON_COMPOSER_CPP=0): the same generations, log-probs, routing and cache contents, for every attention and
 feed-forward form."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_composer.inference import Engine
-from megatron_composer.kernels import cpp
+from megatron_composer.kernels.cpu import cpp
 from megatron_composer.model import Transformer, get_preset
 
 

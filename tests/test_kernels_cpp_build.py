@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_composer.kernels import cpp
+from megatron_composer.kernels.cpu import cpp
 
 KERNELS = ["decode", "causal_attention", "cross_entropy", "grouped_mm", "rms_norm", "rope"]
 
@@ -38,7 +38,7 @@ def test_a_build_lock_left_by_a_killed_process_blocks_nobody(tmp_path, monkeypat
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     build_dir = Path(_get_build_directory("killed_ext", False))
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, pathlib; from megatron_composer.kernels import cpp\n"
+        "import sys, time, pathlib; from megatron_composer.kernels.cpu import cpp\n"
         "with cpp._build_dir_lock('killed_ext'):\n"
         f"    pathlib.Path({str(build_dir / 'lock')!r}).touch(); print('held', flush=True); time.sleep(600)\n")],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))

@@ -1,10 +1,11 @@
-"""The C++ grouped matmuls (kernels/csrc/grouped_mm.cpp) against their Python loops: rows and outer
+"""The C++ grouped matmuls (kernels/cpu/csrc/grouped_mm.cpp) against their Python loops: rows and outer
 products, empty and uneven groups, transposed operands as the experts pass them, 1 and 2 threads."""
 
 import pytest
 import torch
 
-from megatron_composer.kernels import cpp, grouped_mm as gm
+from megatron_composer.kernels import grouped_mm as gm
+from megatron_composer.kernels.cpu import cpp
 
 
 @pytest.fixture

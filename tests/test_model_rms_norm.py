@@ -1,4 +1,4 @@
-"""RMSNorm's C++ pass (kernels/csrc/rms_norm.cpp) against its Python reference (_RMSNormFunction): values and
+"""RMSNorm's C++ pass (kernels/cpu/csrc/rms_norm.cpp) against its Python reference (_RMSNormFunction): values and
 gradients in float32 and bfloat16, 1 and 2 threads, any leading shape, frozen weights, and the reference
 under torch function modes."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_composer.kernels import cpp
-from megatron_composer.kernels.rms_norm import RMSNormCpp, kernel_for
+from megatron_composer.kernels.cpu import cpp
+from megatron_composer.kernels.cpu.rms_norm import RMSNormCpp, kernel_for
 from megatron_composer.model.norms import RMSNorm, _RMSNormFunction
 
 

@@ -1,4 +1,4 @@
-"""Rope on the last dims of each head (kernels/csrc/rope.cpp via model.rope.apply_rope_tail) against its
+"""Rope on the last dims of each head (kernels/cpu/csrc/rope.cpp via model.rope.apply_rope_tail) against its
 reference (torch.cat of the passed-through dims and apply_rope): equal bit for bit, values and gradients,
 float32 and bfloat16, interleaved or halves, 1 and 2 threads; the reference under torch function modes."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_composer.kernels import cpp
-from megatron_composer.kernels.rope import kernel_for
+from megatron_composer.kernels.cpu import cpp
+from megatron_composer.kernels.cpu.rope import kernel_for
 from megatron_composer.model.rope import apply_rope, apply_rope_tail
 
 

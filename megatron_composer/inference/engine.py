@@ -6,7 +6,7 @@ The engine runs the model's own modules: each forward pass is `model(ids, positi
 the new tokens' positions and slots, and the mode; attention writes and reads the cache, MLA attending in the
 latent space (DeepSeek's absorbed form) with the model's own weights, so the engine holds no second copy of
 any weight and serves whatever the model's parameters hold. On the CPU the hot leaves run as C++ kernels
-(kernels/csrc/decode.cpp: paged latent attention, experts over a few rows, the router's selection, the head's
+(kernels/cpu/csrc/decode.cpp: paged latent attention, experts over a few rows, the router's selection, the head's
 row kernels) with their references beside their callers. With `batch_invariant=True` (see
 batch_invariant.py) the same modules run under the batch-invariant mode, MLA expands the cached latent with
 `expand_kv` and attention runs one row at a time, exactly as the training forward does in that mode, so
@@ -42,6 +42,14 @@ sequence where plain decoding scores one, so its rounding differs: in float32 th
 model, while in bfloat16 an argmax whose top two logits lie within rounding of each other can go either way (as
 it can between plain decoding and a full recomputation).
 
+Static decode shapes (`decode_buckets`, on by default on CUDA): a decode step pads its batch to the next size
+in DECODE_BUCKETS (1, 2, 4, ..., capped by max_batch_size) and its cache read width to the next power of two
+(capped by the slot table), so a step's tensors take one of a few fixed shapes per bucket, which is what
+`torch.compile` (no recompiles) and CUDA graphs (one graph per bucket) need. Padding rows decode token 0 at
+position 0, write only the scratch block and read only it (their slot-table rows are zeros); their logits and
+routing are dropped. Real rows' results do not depend on the padding: bit for bit in batch-invariant mode,
+within rounding otherwise.
+
 Weight updates (`update_weights`) take effect between steps. By default the KV cache of tokens computed
 under the old weights is kept: in-flight requests continue at once, attending to old-version keys/values,
 and their later tokens carry the new version (the choice asynchronous RL pipelines make; the importance
@@ -58,15 +66,25 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_composer.kernels import cpp
+from megatron_composer.kernels.cpu import cpp
 from megatron_composer.model import Transformer
 from megatron_composer.parallel import collectives as C
-from megatron_composer.parallel.layers import ColumnParallelLinear, spec_of
+from megatron_composer.parallel.layers import ColumnParallelLinear
+from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor
 
 from .batch_invariant import batch_invariant as batch_invariant_mode
 from .context import InferenceContext
 from .kv_cache import CacheError, PagedKVCache
 from .sampling import SamplingParams, accept_drafts, draw_rows, sample_rows, sampling_probs, sampling_probs_rows
+
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def decode_bucket(batch: int, max_batch_size: int) -> int:
+    """The padded batch of a decode step over `batch` sequences: the next DECODE_BUCKETS size, at most
+    max_batch_size (and never below `batch`)."""
+    return max(batch, min(next((b for b in DECODE_BUCKETS if b >= batch), batch), max_batch_size))
 
 
 class EngineError(ValueError):
@@ -133,12 +151,26 @@ def _tensor_parallel_group(model: Transformer):
     return head.group if C.group_size(head.group) > 1 else None
 
 
+class _TensorsReader:
+    """Boxes of a mapping of full tensors (what update_weights reads a state dict through)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors, self.names = tensors, list(tensors)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][box]
+
+
 class Engine:
     """`Engine(model).generate(prompts, max_new_tokens, temperature=0.0, ...)`; see the module docstring."""
 
     def __init__(self, model: Transformer, *, max_batch_size: int = 64, max_seq_len: Optional[int] = None,
                  cache_memory_bytes: int = 1 << 30, block_size: int = 16, batch_invariant: bool = False,
-                 detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0):
+                 detokenize: Optional[Callable[[list[int]], str]] = None, seed: int = 0,
+                 decode_buckets: Optional[bool] = None):
         self.model = model.eval()
         self.cfg = model.config
         self.tp_group = _tensor_parallel_group(model)
@@ -150,11 +182,13 @@ class Engine:
         self.weight_version = 0
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.tok_embeddings.weight.dtype
+        # static decode shapes per batch bucket (module docstring); default on where graphs/compile apply
+        self.decode_buckets = self.device.type == "cuda" if decode_buckets is None else decode_buckets
         self.num_mtp = len(model.mtp)
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
                                   cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
                                   tp=self.tp)
-        # row kernels for the head and greedy selection (kernels/csrc/decode.cpp), on the CPU outside batch-invariant mode
+        # row kernels for the head and greedy selection (kernels/cpu/csrc/decode.cpp), on the CPU outside batch-invariant mode
         self.row_kernels = None if batch_invariant or self.device.type != "cpu" else cpp.load("decode")
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Sequence] = deque()
@@ -317,10 +351,11 @@ class Engine:
             self._emit(seq, tokens[b], logps[b], sampling_logp[b], None if routes is None else route_rows[b])
 
     # ---- forward passes ----------------------------------------------------------------------------
-    def _slot_table(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """[B, W] cache slot of every position each sequence reserved (0-padded: the scratch block). Built
-        once per batch composition and reused by every decode step until a request joins or leaves."""
-        key = tuple(s.rid for s in seqs)
+    def _slot_table(self, seqs: list[_Sequence], pad_rows: int = 0) -> torch.Tensor:
+        """[B + pad_rows, W] cache slot of every position each sequence reserved (0-padded: the scratch block;
+        padding rows are all scratch). Built once per batch composition and reused by every decode step until
+        a request joins or leaves."""
+        key = (*(s.rid for s in seqs), -pad_rows)
         table = self._slot_tables.get(key)
         if table is None:
             if len(self._slot_tables) >= 8:
@@ -328,19 +363,28 @@ class Engine:
             bs = self.cache.block_size
             offsets = torch.arange(bs, device=self.device)
             rows = [(torch.tensor(s.blocks, device=self.device)[:, None] * bs + offsets).reshape(-1) for s in seqs]
+            rows += [rows[0].new_zeros(bs)] * pad_rows
             table = self._slot_tables[key] = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
         return table
 
-    def _context(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]]) -> InferenceContext:
-        """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b]."""
-        table_BW = self._slot_table(seqs)
-        lengths = [len(t) for t in token_lists]
+    def _context(self, seqs: list[_Sequence], starts: list[int], token_lists: list[list[int]],
+                 pad_rows: int = 0) -> InferenceContext:
+        """The layout of new tokens token_lists[b] at positions starts[b].. of seqs[b], then `pad_rows` padding
+        rows (one token 0 at position 0 each, written to and reading only the scratch slot 0) with the read
+        width padded to the next power of two (static decode shapes, see the module docstring)."""
+        table_BW = self._slot_table(seqs, pad_rows)
+        lengths = [len(t) for t in token_lists] + [1] * pad_rows
+        starts = list(starts) + [0] * pad_rows
+        token_lists = list(token_lists) + [[0]] * pad_rows
         N, L = max(lengths), max(a + n for a, n in zip(starts, lengths))
-        bs, B = self.cache.block_size, len(seqs)
+        if pad_rows:
+            L = min(1 << (L - 1).bit_length(), table_BW.shape[1])
+        bs, B = self.cache.block_size, len(seqs) + pad_rows
         # ids, positions, write slots (valid rows only) and row indices from host lists in one copy
         ids = [t for tokens in token_lists for t in tokens + [0] * (N - len(tokens))]
         pos = [a + j for a in starts for j in range(N)]
         write = [s.blocks[p // bs] * bs + p % bs for s, a, n in zip(seqs, starts, lengths) for p in range(a, a + n)]
+        write += [0] * pad_rows
         ragged = min(lengths) != N
         rows = [b * N + j for b, n in enumerate(lengths) for j in range(n)] if ragged else []
         last = [b * N + n - 1 for b, n in enumerate(lengths)] if ragged else []
@@ -371,10 +415,10 @@ class Engine:
             return head(h_ND)
         return C.all_gather(head(h_ND), h_ND.dim() - 1, self.tp_group)
 
-    def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int]):
-        """The model over new tokens at positions start.. of each sequence, writing the cache.
-        Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, context)."""
-        ctx = self._context(seqs, starts, token_lists)
+    def _main_forward(self, seqs: list[_Sequence], token_lists: list[list[int]], starts: list[int], pad_rows: int = 0):
+        """The model over new tokens at positions start.. of each sequence (then `pad_rows` padding rows),
+        writing the cache. Returns (normed hidden [B, N, D], routing [num_moe_layers, B, N, K] or None, context)."""
+        ctx = self._context(seqs, starts, token_lists, pad_rows)
         out = self.model(ctx.ids_BN, ctx.pos_BN, inference_context=ctx, logits=False, return_routing=True)
         return out.hidden_states, out.routed_experts, ctx
 
@@ -408,10 +452,14 @@ class Engine:
         self._draft_live(seqs, hidden)
 
     def _decode(self, seqs: list[_Sequence]) -> None:
-        hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs])
+        B = len(seqs)
+        pad = decode_bucket(B, self.max_batch_size) - B if self.decode_buckets else 0
+        hidden, routes, _ = self._main_forward(seqs, [[s.tokens[-1]] for s in seqs], [s.processed for s in seqs], pad)
         for s in seqs:
             s.processed += 1
-        self._sample_rows(seqs, self._logits(hidden[:, 0]), None if routes is None else routes[:, :, 0].transpose(0, 1))
+        logits_BV = self._logits(hidden[:, 0])  # the whole bucket: one shape per bucket; padding rows dropped next
+        self._sample_rows(seqs, logits_BV[:B] if pad else logits_BV,
+                          None if routes is None else routes[:, :B, 0].transpose(0, 1))
 
     def _verify(self, seqs: list[_Sequence]) -> None:
         inputs = [[s.tokens[-1]] + s.drafts for s in seqs]
@@ -500,42 +548,47 @@ class Engine:
                 seqs[b].drafts.append(tok)
 
     # ---- weights -----------------------------------------------------------------------------------
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int, *, delta: bool = False,
-                       recompute_cache: bool = False) -> None:
+    def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
         """Load new weights between steps and tag later tokens with `version`.
 
-        weights: parameter/buffer name -> tensor, the whole state dict or any part of it. With delta=True each
-        tensor is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for
-        bfloat16) against the current values, the lossless format of the weight-sync pipeline.
-        Tensors are always the full (unsharded) ones, as trainers publish them: on a tensor-parallel model
-        every rank passes the same dict and takes its own shard (an XOR delta shards like the tensor).
-        Everything is checked before anything is changed. See the module docstring for recompute_cache.
+        weights: parameter/buffer name -> full (unsharded) tensor, the whole state dict or any part of it, as
+        trainers publish them; or a reader of boxes of the full tensors (`names`, `shape(name)`,
+        `read(name, box)`: a weight-sync version's VersionReader), from which each rank reads only the slices it holds (parallel/slices.py's local_pieces). On a
+        sharded model every rank passes the same weights and takes its own pieces. With delta=True each tensor
+        is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for bfloat16)
+        against the current values, the lossless format of the weight-sync pipeline (an XOR delta shards like
+        the tensor). Names and shapes are checked before anything is changed. See the module docstring for
+        recompute_cache.
         """
+        reader = weights if hasattr(weights, "read") else _TensorsReader(weights)
         state = self.model.state_dict(keep_vars=True)
-        unknown = sorted(set(weights) - set(state))
+        names = list(reader.names)
+        unknown = sorted(set(names) - set(state))
         if unknown:
             raise EngineError(f"update_weights got names the model does not have: {unknown[:5]}; "
                               "use the model's state_dict names")
         int_of_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        for name, t in weights.items():
-            cur, spec = state[name], spec_of(state[name])
-            full = list(cur.shape)
-            if spec.kind in ("tp_sharded", "expert") and spec.size > 1:
-                full[spec.dim] *= spec.size
-            if list(t.shape) != full:
-                raise EngineError(f"update_weights: '{name}' has shape {tuple(t.shape)}, the model's is {tuple(full)}")
-            if delta and t.dtype != int_of_size[cur.element_size()]:
+        if delta and not isinstance(reader, _TensorsReader):
+            raise EngineError("update_weights(delta=True) takes a mapping of XOR deltas, not a reader")
+        for name in names:
+            cur, shape = state[name], list(reader.shape(name))
+            if shape != list(full_shape(cur)):
+                raise EngineError(f"update_weights: '{name}' has shape {tuple(shape)}, the model's is "
+                                  f"{tuple(full_shape(cur))}")
+            if delta and weights[name].dtype != int_of_size[cur.element_size()]:
                 raise EngineError(f"update_weights(delta=True): '{name}' must be {int_of_size[cur.element_size()]} "
-                                  f"(XOR of the raw {cur.dtype} bits), got {t.dtype}")
+                                  f"(XOR of the raw {cur.dtype} bits), got {weights[name].dtype}")
         with self._lock, torch.no_grad():
-            for name, t in weights.items():
+            for name in names:
                 cur = state[name]
-                piece = spec_of(cur).take(t)
-                if delta:
-                    bits = cur.data.view(int_of_size[cur.element_size()])
-                    bits.bitwise_xor_(piece.to(bits.device))
-                else:
-                    cur.data.copy_(piece)
+                local = local_tensor(cur)
+                for piece in local_pieces(cur):
+                    src = reader.read(name, piece.full)
+                    if delta:
+                        bits = local[piece.local].view(int_of_size[cur.element_size()])
+                        bits.bitwise_xor_(src.to(bits.device))
+                    else:
+                        local[piece.local].copy_(src)
             self.weight_version = version
             if recompute_cache:
                 self._recompute_cache()

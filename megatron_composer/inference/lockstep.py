@@ -28,9 +28,11 @@ from .sampling import SamplingParams
 class Lockstep:
     """Rank 0's handle on a tensor-parallel engine; thread-safe (calls are serialised)."""
 
-    def __init__(self, engine: Engine, seed: Optional[int] = None):
+    def __init__(self, engine: Engine, seed: Optional[int] = None, group=None):
+        """group: the ranks that make the engine's calls together (default: its tensor-parallel group; an
+        expert-parallel engine passes all of its ranks)."""
         self.engine = engine
-        self.group = engine.tp_group
+        self.group = group if group is not None else engine.tp_group
         self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         self._adds: list[tuple[list[int], SamplingParams]] = []
         self._seeds = random.Random(seed)
@@ -79,12 +81,15 @@ class Lockstep:
             self._send("stop")
 
 
-def follow(engine: Engine, fetch: Optional[Callable[[int], Mapping[str, torch.Tensor]]] = None) -> None:
-    """Tensor-parallel ranks other than 0: replay rank 0's requests, steps and weight updates until it stops."""
-    src = dist.get_global_rank(engine.tp_group, 0)
+def follow(engine: Engine, fetch: Optional[Callable[[int], Mapping[str, torch.Tensor]]] = None, group=None) -> None:
+    """Ranks other than 0: replay rank 0's requests, steps and weight updates until it stops. `fetch(version)`
+    returns the full tensors of a version, or a reader of this rank's slices of it (Engine.update_weights);
+    group: as Lockstep's."""
+    group = group if group is not None else engine.tp_group
+    src = dist.get_global_rank(group, 0)
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=src, group=engine.tp_group)
+        dist.broadcast_object_list(box, src=src, group=group)
         command, adds, payload = box[0]
         for prompt, params in adds:
             engine.add_request(prompt, params)

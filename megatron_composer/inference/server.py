@@ -13,10 +13,11 @@ carry `tool_call_errors`. Extra request fields: `top_k`, `stop_token_ids`, `seed
 
     python -m megatron_composer.inference.server --checkpoint DIR [--tokenizer PATH] [--port 8000]
 
-Tensor-parallel: `torchrun --nproc-per-node 2 -m megatron_composer.inference.server --checkpoint DIR --tp 2`.
-Every rank loads the checkpoint and keeps its shard (parallelize_model); rank 0 serves HTTP, and before
-each engine step it broadcasts the requests added since the last one, so every rank's engine admits the
-same requests and steps together (inference.lockstep: `Lockstep` on rank 0, `follow` on the others).
+Tensor / expert parallel: `torchrun --nproc-per-node 4 -m megatron_composer.inference.server --checkpoint DIR
+--tp 2 --ep 2`. Every rank builds the model on the meta device in its layout and reads only its slices of
+the checkpoint (inference/loading.py); rank 0 serves HTTP, and before each engine step it broadcasts the
+requests added since the last one, so every rank's engine admits the same requests and steps together
+(inference.lockstep: `Lockstep` on rank 0, `follow` on the others, over all the engine's ranks).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class InferenceServer:
     """Runs the engine loop in one thread and an HTTP server in another; `start()`, `url`, `stop()`."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str = "megatron-composer", host: str = "127.0.0.1",
-                 port: int = 0, request_timeout_s: float = 600.0):
+                 port: int = 0, request_timeout_s: float = 600.0, group=None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         if engine.detokenize is None:
             engine.detokenize = tokenizer.decode
@@ -75,7 +76,7 @@ class InferenceServer:
         self._errors: dict[int, str] = {}
         self._stop = threading.Event()
         self._fatal = ""
-        self._lockstep = Lockstep(engine)
+        self._lockstep = Lockstep(engine, group=group)
         self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
@@ -369,41 +370,45 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--cache-memory-gb", type=float, default=4.0)
     p.add_argument("--batch-invariant", action="store_true", help="bitwise batch-invariant numerics (slower)")
-    p.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                   help="tensor-parallel size (default: the torchrun world size)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the torchrun world size / --ep)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (routed experts split over the ranks)")
     args = p.parse_args(argv)
 
     import torch
 
-    from megatron_composer.checkpoint.hf import load_hf_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
+    from megatron_composer.training.core import local_device
+
+    from .loading import HFWeights, engine_model, hf_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp != world:
-        raise SystemExit(f"--tp {args.tp} needs as many processes; launch with torchrun --nproc-per-node {args.tp}")
+    tp = args.tp or max(world // args.ep, 1)
+    if tp * args.ep != world:
+        raise SystemExit(f"--tp {tp} x --ep {args.ep} needs as many processes; launch with torchrun "
+                         f"--nproc-per-node {tp * args.ep}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
-    model = load_hf_checkpoint(args.checkpoint)
-    tokenizer.check_fits_model(model.config.vocab_size)
+    cfg, dtype = hf_config(args.checkpoint)
+    tokenizer.check_fits_model(cfg.vocab_size)
+    groups = None
     if world > 1:
         from megatron_composer.parallel.dims import ParallelDims
-        from megatron_composer.parallel.parallelize import parallelize_model
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        model = parallelize_model(model, ParallelDims(world, tp=args.tp).build())  # shard on the host first
-        if torch.cuda.is_available():
-            model = model.cuda()
+        groups = ParallelDims(world, tp=tp, ep=args.ep).build()
+    model = engine_model(cfg, HFWeights(args.checkpoint), groups, dtype=dtype, device=local_device(), float32_router=True)
     engine = Engine(model, max_batch_size=args.max_batch_size, cache_memory_bytes=int(args.cache_memory_gb * 2**30),
                     batch_invariant=args.batch_invariant, detokenize=tokenizer.decode)
+    group = dist.group.WORLD if world > 1 else None  # every rank of the engine makes the same calls
     if world > 1 and dist.get_rank() != 0:
-        follow(engine)
+        follow(engine, group=group)
         return
     try:
-        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port)
+        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port, group=group)
     except BaseException:
         if world > 1:
-            Lockstep(engine).stop()  # release the ranks already waiting in follow()
+            Lockstep(engine, group=group).stop()  # release the ranks already waiting in follow()
         raise
     print(f"serving {args.model_name} on {server.url}" + (f" (tensor-parallel over {world} ranks)" if world > 1 else ""),
           flush=True)

@@ -11,11 +11,12 @@ saved log-sum-exp, so memory stays O(S) per head beyond one block of scores.
 GQA without repeating K/V: queries are laid out [B*KV, S, H/KV, D], so the H/KV heads sharing a K/V head
 are extra rows of the same matmul.
 
-The same function is compiled from csrc/causal_attention.cpp (kernels/cpp.py) and runs whenever it could be
+The same function is compiled from csrc/causal_attention.cpp (kernels/cpu/cpp.py) and runs whenever it could be
 built: the Python blocks' many small torch ops parallelise poorly past one thread, while the C++ kernel splits
 the work into tasks (batch x kv-head x query block) that threads take largest first. The Python autograd
 function below stays the reference and the fallback (no compiler, MEGATRON_COMPOSER_CPP=0, mixed dtypes).
 
+    sdpa_attention(q, k, v, scale, doc_ids)  # the entry point: causal_attention on CPU, SDPA elsewhere
     causal_attention(q [B,H,S,Dqk], k [B,KV,S,Dqk], v [B,KV,S,Dv], scale, doc_ids [B,S] or None) -> [B,H,S,Dv]
     reference_attention(...)  # same contract through SDPA with an explicit mask, for the tests
 """
@@ -27,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpp
+from .cpu import cpp
 
 # Scores of one query block are kept under this many float32 elements (rows x keys x batch*kv-heads).
 _BLOCK_ELEMENTS = 1 << 22
@@ -174,7 +175,7 @@ _CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _compiled():
-    """The C++ kernel, or None where it cannot be built (kernels/cpp.py builds it with OpenMP: ATen's
+    """The C++ kernel, or None where it cannot be built (kernels/cpu/cpp.py builds it with OpenMP: ATen's
     parallel_for is a header template that only runs on the ATen threads when compiled with OpenMP)."""
     return cpp.load("causal_attention")
 
@@ -194,6 +195,35 @@ def causal_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.T
         keep = _SAVED_PROB_ELEMENTS if needs_grad else 0
         return _CausalAttentionCpp.apply(kernel, q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS, keep)
     return _CausalAttention.apply(q_BHSD, k_BKSD, v_BKSD, scale, doc_ids_BS)
+
+
+def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
+                   doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention (within documents when doc_ids_BS is given). k/v may have fewer heads (GQA).
+
+    The device-neutral entry point (the model's default attention core): on CPU the query-block kernel
+    (causal_attention above: C++ where built) is faster than SDPA's and skips keys of earlier documents; on
+    other devices, and under a torch function mode (batch-invariant numerics, tracing: the mode must see the
+    standard op), torch's SDPA."""
+    if q_BHSD.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled():
+        return causal_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
+    if k_BHSD.shape[1] != q_BHSD.shape[1]:
+        rep = q_BHSD.shape[1] // k_BHSD.shape[1]
+        k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
+        v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
+    if doc_ids_BS is None:
+        dv, dqk = v_BHSD.shape[-1], q_BHSD.shape[-1]
+        if dv < dqk:
+            # Flash kernels want one head dim for q, k and v (MLA has v_head_dim < qk_head_dim): zero-pad v
+            # and drop the padding, which is exact and avoids the materialised-softmax fallback.
+            out = F.scaled_dot_product_attention(q_BHSD, k_BHSD, F.pad(v_BHSD, (0, dqk - dv)), is_causal=True,
+                                                 scale=scale)
+            return out[..., :dv]
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale)
+    S = q_BHSD.shape[2]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q_BHSD.device).tril()
+    mask_B1SS = (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]) & causal
+    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_B1SS[:, None], scale=scale)
 
 
 def reference_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scale: float,

@@ -4,24 +4,29 @@
     mm_outer(a [T, M], b [T, N], offs [G]) -> [G, M, N]:    per group, a[rows]^T b[rows] (weight gradients)
 
 offs are cumulative row counts (group g holds rows offs[g-1]:offs[g]). Where torch has `_grouped_mm` for the
-device it is used; on CPU the C++ kernel (csrc/grouped_mm.cpp) runs the groups as parallel tasks, each
+device it is used; on CPU the C++ kernel (kernels/cpu: csrc/grouped_mm.cpp) runs the groups as parallel tasks, each
 matmul on one thread, instead of one small matmul after another split across threads; the loops below are
 its reference and the fallback when it cannot be built or a torch function mode must see every matmul.
 
-The same C++ module also runs, with their own backward passes (the autograd Functions below):
-    GroupedSwiGLU: a whole SwiGLU expert pass, (silu(x w1^T) * x w3^T) w2^T per group, reading w1 and w3 in
-        place (no concatenated copy of the weights) and doing the elementwise work per group while its rows
-        are in cache; its reference is GroupedExperts.reference_forward (model/moe.py).
-    GatherRows / CombineRows: the permutations around the experts, tokens -> (token, slot) rows sorted by
-        expert and back, weighted; summed per token with no scatter (reference: reference_combine).
+The experts' other entry points, which the model calls whatever the device:
+    swiglu_experts: the C++ SwiGLU pass over rows sorted by expert on the CPU (the few-rows inference kernel at
+        decode sizes, else kernels/cpu's GroupedSwiGLU); None elsewhere, where the model's own grouped matmuls
+        (torch._grouped_mm) run its reference, GroupedExperts.reference_forward.
+    pair_swiglu: the CPU inference kernel over the chosen (token, expert) pairs at decode sizes; None elsewhere.
+    dispatch_sorted: gather the tokens' rows in expert order, run the experts, combine them weighted per token:
+        kernels/cpu's GatherRows / CombineRows on the CPU (no scatter), index_select / reference_combine
+        elsewhere.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import cpp
+from .cpu.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, few_rows_kernel,
+                              matmul_kernel)
 
 
 def _has_grouped_mm() -> bool:
@@ -34,40 +39,6 @@ def _has_grouped_mm() -> bool:
 
 
 _GROUPED_MM = _has_grouped_mm()
-
-
-def _cpu_kernel(*tensors: torch.Tensor):
-    # The loops run instead under a torch function mode (batch-invariant numerics, tracing: the mode must see
-    # each matmul) and when autograd must record them (the kernel is called from model.moe's autograd Function,
-    # whose backward makes the gradient matmuls itself).
-    if (any(t.device.type != "cpu" for t in tensors) or torch._C._is_torch_function_mode_enabled()
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
-        return None
-    return cpp.load("grouped_mm")
-
-
-def autograd_kernel(*tensors: torch.Tensor):
-    """The C++ module for the autograd Functions below (CPU tensors outside torch function modes), or None."""
-    if any(t.device.type != "cpu" for t in tensors) or torch._C._is_torch_function_mode_enabled():
-        return None
-    return cpp.load("grouped_mm")
-
-
-def inference_kernel(*tensors: torch.Tensor):
-    """The CPU inference leaf kernels (kernels/csrc/decode.cpp) where they apply: no gradient, float32 CPU
-    tensors, AVX2, no torch function mode (batch-invariant numerics must see every op)."""
-    if (torch.is_grad_enabled() or torch._C._is_torch_function_mode_enabled()
-            or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)):
-        return None
-    kernel = cpp.load("decode")
-    return kernel if kernel is not None and kernel.has_avx2() else None
-
-
-def few_rows_kernel(x_SD: torch.Tensor, w1_EFD: torch.Tensor, rows: int):
-    """inference_kernel where the experts see few rows (at most 16 per expert on average: decoding, not prefill):
-    its `swiglu_rows` (rows sorted by expert; reference GroupedExperts.reference_forward) and `pair_swiglu`
-    (chosen (token, expert) pairs; reference model/moe.py local_dispatch)."""
-    return inference_kernel(x_SD, w1_EFD) if rows <= 16 * w1_EFD.shape[0] else None
 
 
 def reference_mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -105,62 +76,10 @@ def reference_combine(y_SD: torch.Tensor, weights_TK: torch.Tensor, order_S: tor
     return y_SD.new_zeros(T, y_SD.shape[1]).index_add_(0, order_S // K, y_SD)
 
 
-class GroupedSwiGLU(torch.autograd.Function):
-    """y = (silu(x w1[g]^T) * x w3[g]^T) w2[g]^T for the rows of each group g (offs: cumulative counts)."""
-
-    @staticmethod
-    def forward(ctx, kernel, x_TD, w1_EFD, w3_EFD, w2_EDF, offs):
-        y_TD, gate_up_T2F = kernel.swiglu_forward(x_TD, w1_EFD, w3_EFD, w2_EDF, offs)
-        ctx.kernel = kernel
-        ctx.save_for_backward(x_TD, gate_up_T2F, w1_EFD, w3_EFD, w2_EDF, offs)
-        return y_TD
-
-    @staticmethod
-    def backward(ctx, dy_TD):
-        x_TD, gate_up_T2F, w1_EFD, w3_EFD, w2_EDF, offs = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[1], any(ctx.needs_input_grad[2:5])
-        dx, dw1, dw3, dw2 = ctx.kernel.swiglu_backward(dy_TD.contiguous(), x_TD, gate_up_T2F, w1_EFD, w3_EFD,
-                                                       w2_EDF, offs, need_dx, need_dw)
-        return None, dx, dw1, dw3, dw2, None
-
-
-class GatherRows(torch.autograd.Function):
-    """x_TD rows in (token, slot) order: x[token_of_slot]; the backward sums each token's K rows via pos_TK
-    (row of each (token, slot) pair) instead of scattering."""
-
-    @staticmethod
-    def forward(ctx, kernel, x_TD, token_of_slot_S, pos_TK):
-        ctx.kernel = kernel
-        ctx.save_for_backward(pos_TK)
-        return x_TD.index_select(0, token_of_slot_S)
-
-    @staticmethod
-    def backward(ctx, dx_SD):
-        (pos_TK,) = ctx.saved_tensors
-        return None, ctx.kernel.combine(dx_SD.contiguous(), pos_TK), None, None
-
-
-class CombineRows(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * y[pos[t, k]], summed in float32 (float64 for float64 rows)."""
-
-    @staticmethod
-    def forward(ctx, kernel, y_SD, weights_TK, pos_TK):
-        ctx.kernel = kernel
-        ctx.save_for_backward(y_SD, weights_TK, pos_TK)
-        return kernel.combine(y_SD, pos_TK, weights_TK)
-
-    @staticmethod
-    def backward(ctx, dout_TD):
-        y_SD, weights_TK, pos_TK = ctx.saved_tensors
-        dy, dw = ctx.kernel.combine_backward(dout_TD, y_SD, pos_TK, weights_TK, ctx.needs_input_grad[1],
-                                             ctx.needs_input_grad[2])
-        return None, dy, None if dw is None else dw.to(weights_TK.dtype), None
-
-
 def mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _GROUPED_MM:
         return torch._grouped_mm(a_TK, b_GKN, offs=offs)
-    kernel = _cpu_kernel(a_TK, b_GKN)
+    kernel = matmul_kernel(a_TK, b_GKN)
     if kernel is not None:
         return kernel.mm_rows(a_TK, b_GKN, offs)
     return reference_mm_rows(a_TK, b_GKN, offs)
@@ -169,11 +88,48 @@ def mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torc
 def mm_outer(a_TM: torch.Tensor, b_TN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _GROUPED_MM:
         return torch._grouped_mm(a_TM.t(), b_TN, offs=offs)
-    kernel = _cpu_kernel(a_TM, b_TN)
+    kernel = matmul_kernel(a_TM, b_TN)
     if kernel is not None:
         return kernel.mm_outer(a_TM, b_TN, offs)
     return reference_mm_outer(a_TM, b_TN, offs)
 
 
-__all__ = ["CombineRows", "GatherRows", "GroupedSwiGLU", "autograd_kernel", "mm_outer", "mm_rows",
-           "reference_combine", "reference_mm_outer", "reference_mm_rows"]
+def swiglu_experts(x_TD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+                   offs: torch.Tensor) -> Optional[torch.Tensor]:
+    """The SwiGLU experts over rows sorted by expert with a C++ CPU pass, or None where none applies (not the CPU,
+    a torch function mode, mixed dtypes): the caller then runs its reference on torch's grouped matmuls."""
+    few = few_rows_kernel(x_TD, w1_EFD, x_TD.shape[0])
+    if few is not None:  # inference at decode sizes
+        return few.swiglu_rows(x_TD, w1_EFD, w3_EFD, w2_EDF, offs)
+    kernel = autograd_kernel(x_TD, w1_EFD)
+    if kernel is not None and x_TD.dtype == w1_EFD.dtype == w2_EDF.dtype == w3_EFD.dtype:
+        return GroupedSwiGLU.apply(kernel, x_TD, w1_EFD, w3_EFD, w2_EDF, offs)
+    return None
+
+
+def pair_swiglu(x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor, w1_EFD: torch.Tensor,
+                w3_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weighted sum of each token's chosen experts in one CPU inference call at decode sizes, or None
+    (the caller's reference: model/moe.py local_dispatch's sort, experts and combine)."""
+    few = few_rows_kernel(x_TD, w1_EFD, indices_TK.numel())
+    return None if few is None else few.pair_swiglu(x_TD, indices_TK, weights_TK, w1_EFD, w3_EFD, w2_EDF)
+
+
+def dispatch_sorted(x_TD: torch.Tensor, order_S: torch.Tensor, weights_TK: torch.Tensor,
+                    experts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_k weights[t, k] * experts(rows)[row of (t, k)] where rows are x's token rows in the order `order_S` of
+    the flattened (token, slot) pairs (sorted by expert)."""
+    T, K = weights_TK.shape
+    token_of_slot = order_S // K
+    kernel = autograd_kernel(x_TD) if x_TD.dtype in (torch.float32, torch.bfloat16) else None
+    if kernel is None:
+        y = experts(x_TD.index_select(0, token_of_slot))  # backward: index_add, not index_put
+        return reference_combine(y, weights_TK, order_S)
+    pos_TK = torch.empty_like(order_S).index_put_((order_S,), torch.arange(order_S.numel(), device=order_S.device))
+    pos_TK = pos_TK.view(T, K)  # row of each (token, slot) pair among the sorted rows
+    y = experts(GatherRows.apply(kernel, x_TD, token_of_slot, pos_TK))
+    return CombineRows.apply(kernel, y, weights_TK, pos_TK)
+
+
+__all__ = ["dispatch_sorted", "mm_outer", "mm_rows", "pair_swiglu", "reference_combine", "reference_mm_outer",
+           "reference_mm_rows", "swiglu_experts"]

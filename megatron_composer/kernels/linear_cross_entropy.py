@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_composer.kernels import cpp
+from megatron_composer.kernels.cpu import cpp
 
 # float32 logits of one block of rows: on CPU 16 MiB (under glibc's 32 MiB ceiling for recycling freed
 # blocks; 512 rows of an 8k vocabulary, where the head's matmuls with its short inner dimension run ~10% faster

@@ -3,7 +3,7 @@ inference (through the engine's inference context, inference/context.py).
 
 `absorbed_attention` wraps the first with MLA's query absorption and value expansion (the whole attention of
 a decode step between the projections, one C++ call on the CPU). Two forms, each a reference in torch (any device; on CUDA SDPA with the mask) and, on the CPU, a C++ kernel
-that reads the cache rows where they lie (kernels/csrc/decode.cpp) where it applies:
+that reads the cache rows where they lie (kernels/cpu/csrc/decode.cpp) where it applies:
 - `latent_attention`: MLA in the latent space (DeepSeek's absorbed decoding form). Query rows [B, M, C + R]
   (latent query q_nope W_uk, then the rotated rope query) score against cache rows [C + R] (normed latent,
   rotated rope key); the output is p . latent [B, M, C], to be expanded by W_uv.
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpp
+from .cpu import cpp
 
 
 def causal_bias(pos_BN: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:

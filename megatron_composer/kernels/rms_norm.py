@@ -1,39 +1,47 @@
-"""RMSNorm on CPU in one pass per row each way (csrc/rms_norm.cpp), as an autograd Function.
+"""RMSNorm, device-neutral: `rms_norm(x, weight, eps)` runs the C++ pass (kernels/cpu/rms_norm.py) on the CPU
+where it applies and its reference, `RMSNormFunction`, everywhere else.
 
-Its reference, which it follows operation by operation (float32 statistics, the same roundings to the input
-dtype), is `_RMSNormFunction` in model/norms.py; that runs instead on other devices and dtypes, under a torch
-function mode (which must see each op), or where the C++ module cannot be built.
+y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the statistics in float32 (or wider), as the reference
+checkpoints were trained.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cpp
+from .cpu.rms_norm import RMSNormCpp, kernel_for
 
 
-def kernel_for(x: torch.Tensor, weight: torch.Tensor):
-    """The C++ module when it applies to (x, weight): CPU, both float32 or both bfloat16, no function mode."""
-    if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
-            or x.dtype not in (torch.float32, torch.bfloat16) or torch._C._is_torch_function_mode_enabled()):
-        return None
-    return cpp.load("rms_norm")
+class RMSNormFunction(torch.autograd.Function):
+    """The reference. One saved [.., 1] rstd and a hand-written backward instead of the ~8 elementwise nodes
+    (and their saved float32 copies) autograd records for the same expression."""
 
-
-class RMSNormCpp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kernel, x, weight, eps):
-        y, rstd = kernel.rms_norm(x, weight, eps)
-        ctx.kernel = kernel
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
         ctx.save_for_backward(x, rstd, weight)
-        return y
+        return weight * (x32 * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, rstd, weight = ctx.saved_tensors
-        dx, dweight = ctx.kernel.rms_norm_backward(dy, x, rstd, weight, ctx.needs_input_grad[1],
-                                                   ctx.needs_input_grad[2])
-        return None, dx, dweight, None
+        n32 = x.to(rstd.dtype) * rstd
+        dweight = None
+        if ctx.needs_input_grad[1]:
+            dweight = (dy * n32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=rstd.dtype).to(weight.dtype)
+        dn = (dy * weight).to(rstd.dtype)
+        dx = (dn - n32 * (dn * n32).mean(-1, keepdim=True)).mul_(rstd)
+        return dx.to(x.dtype), dweight, None
 
 
-__all__ = ["RMSNormCpp", "kernel_for"]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernel = kernel_for(x, weight)  # the C++ pass where it applies (CPU, float32/bfloat16, no function mode)
+    if kernel is not None:
+        if not torch.is_grad_enabled():  # inference: the kernel alone, no autograd node
+            return kernel.rms_norm(x, weight, eps)[0]
+        return RMSNormCpp.apply(kernel, x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+__all__ = ["RMSNormFunction", "rms_norm"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.causal_attention import causal_attention
+from ..kernels.causal_attention import sdpa_attention
 from .args import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rope_tail, softmax_scale
@@ -37,34 +37,6 @@ def document_ids(position_ids_BS: torch.Tensor) -> Optional[torch.Tensor]:
     if not bool(restart.any()):
         return None
     return F.pad(restart.long(), (1, 0)).cumsum(-1)
-
-
-def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, scale: float,
-                   doc_ids_BS: Optional[torch.Tensor]) -> torch.Tensor:
-    """Causal attention (within documents when doc_ids_BS is given). k/v may have fewer heads (GQA).
-
-    On CPU the query-block kernel (megatron_composer/kernels/causal_attention.py) is faster than SDPA's and
-    skips keys of earlier documents; under a torch function mode (batch-invariant numerics, tracing) the
-    standard SDPA op is kept so the mode sees it."""
-    if q_BHSD.device.type == "cpu" and not torch._C._is_torch_function_mode_enabled():
-        return causal_attention(q_BHSD, k_BHSD, v_BHSD, scale, doc_ids_BS)
-    if k_BHSD.shape[1] != q_BHSD.shape[1]:
-        rep = q_BHSD.shape[1] // k_BHSD.shape[1]
-        k_BHSD = k_BHSD.repeat_interleave(rep, dim=1)
-        v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
-    if doc_ids_BS is None:
-        dv, dqk = v_BHSD.shape[-1], q_BHSD.shape[-1]
-        if dv < dqk:
-            # Flash kernels want one head dim for q, k and v (MLA has v_head_dim < qk_head_dim): zero-pad v
-            # and drop the padding, which is exact and avoids the materialised-softmax fallback.
-            out = F.scaled_dot_product_attention(q_BHSD, k_BHSD, F.pad(v_BHSD, (0, dqk - dv)), is_causal=True,
-                                                 scale=scale)
-            return out[..., :dv]
-        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale)
-    S = q_BHSD.shape[2]
-    causal = torch.ones(S, S, dtype=torch.bool, device=q_BHSD.device).tril()
-    mask_B1SS = (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]) & causal
-    return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, attn_mask=mask_B1SS[:, None], scale=scale)
 
 
 class MLAttention(nn.Module):

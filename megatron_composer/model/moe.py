@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, few_rows_kernel,
-                                  inference_kernel, mm_outer, mm_rows, reference_combine)
+from ..kernels import router as router_kernel
+from ..kernels.grouped_mm import dispatch_sorted, mm_outer, mm_rows, pair_swiglu, swiglu_experts
 from .args import ModelConfig
 
 
@@ -78,13 +78,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
-        # The C++ pass (kernels/grouped_mm.py GroupedSwiGLU) where it can run: the default grouped_mm (a
+        # The C++ pass (kernels/grouped_mm.py swiglu_experts) where it can run: the default grouped_mm (a
         # quantised replacement takes the reference), CPU, no torch function mode.
-        if self.grouped_mm is grouped_mm and (few := few_rows_kernel(x_TD, self.w1, x_TD.shape[0])) is not None:
-            return few.swiglu_rows(x_TD, self.w1, self.w3, self.w2, offs)  # inference at decode sizes
-        kernel = autograd_kernel(x_TD, self.w1) if self.grouped_mm is grouped_mm else None
-        if kernel is not None and x_TD.dtype == self.w1.dtype == self.w2.dtype == self.w3.dtype:
-            return GroupedSwiGLU.apply(kernel, x_TD, self.w1, self.w3, self.w2, offs)
+        if self.grouped_mm is grouped_mm and (y := swiglu_experts(x_TD, self.w1, self.w3, self.w2, offs)) is not None:
+            return y
         return self.reference_forward(x_TD, offs)
 
     def reference_forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -102,7 +99,7 @@ class RouterOutput:
 
 class Router(nn.Module):
     """Scores tokens against experts in float32 and picks the top-k. (In CPU inference the C++ row kernel
-    kernels/csrc/decode.cpp route repeats forward()'s operations: change both together.)"""
+    kernels/router.py route repeats forward()'s operations: change both together.)"""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -128,11 +125,10 @@ class Router(nn.Module):
         return choice.topk(self.top_k, dim=-1, sorted=False).indices
 
     def forward(self, x_TD: torch.Tensor, replay_indices_TK: Optional[torch.Tensor] = None) -> RouterOutput:
-        if replay_indices_TK is None and (kernel := inference_kernel(x_TD, self.weight)) is not None:
-            # inference on the CPU: the same scores and choices in one call (kernels/csrc/decode.cpp route)
-            return RouterOutput(*kernel.route(x_TD, self.weight, self.e_score_correction_bias, self.score_func == "sigmoid",
-                                              self.norm_topk_prob, self.top_k, self.n_group, self.topk_group,
-                                              float(self.routed_scaling_factor)))
+        if replay_indices_TK is None and (picked := router_kernel.route(
+                x_TD, self.weight, self.e_score_correction_bias, self.score_func == "sigmoid", self.norm_topk_prob,
+                self.top_k, self.n_group, self.topk_group, float(self.routed_scaling_factor))) is not None:
+            return RouterOutput(*picked)  # inference on the CPU: the same scores and choices in one call
         logits = F.linear(x_TD.float(), self.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         if replay_indices_TK is None:
@@ -198,18 +194,9 @@ def sort_by_expert(indices_TK: torch.Tensor, num_experts: int) -> tuple[torch.Te
 def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torch.Tensor,
                    weights_TK: torch.Tensor) -> torch.Tensor:
     """Permute tokens by expert, run the grouped experts, weight and sum back per token."""
-    T, K = indices_TK.shape
-    if experts.grouped_mm is grouped_mm and (few := few_rows_kernel(x_TD, experts.w1, T * K)) is not None:
-        # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
-        return few.pair_swiglu(x_TD, indices_TK, weights_TK, experts.w1, experts.w3, experts.w2)
+    if experts.grouped_mm is grouped_mm and (y := pair_swiglu(x_TD, indices_TK, weights_TK, experts.w1, experts.w3,
+                                                               experts.w2)) is not None:
+        return y  # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
     order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
-    token_of_slot = order // K
     offs = counts.cumsum(0).to(torch.int32)
-    kernel = autograd_kernel(x_TD) if x_TD.dtype in (torch.float32, torch.bfloat16) else None
-    if kernel is None:
-        y = experts(x_TD.index_select(0, token_of_slot), offs)  # backward: index_add, not index_put
-        return reference_combine(y, weights_TK, order)
-    pos_TK = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
-    pos_TK = pos_TK.view(T, K)  # row of each (token, slot) pair among the sorted rows
-    y = experts(GatherRows.apply(kernel, x_TD, token_of_slot, pos_TK), offs)
-    return CombineRows.apply(kernel, y, weights_TK, pos_TK)
+    return dispatch_sorted(x_TD, order, weights_TK, lambda rows: experts(rows, offs))

@@ -1,33 +1,9 @@
-"""RMSNorm computed in float32 and cast back, as the reference checkpoints were trained."""
+"""RMSNorm computed in float32 and cast back, as the reference checkpoints were trained (kernels/rms_norm.py)."""
 
 import torch
 from torch import nn
 
-from ..kernels.rms_norm import RMSNormCpp, kernel_for
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the statistics in float32 (or wider). One saved [.., 1] rstd and
-    a hand-written backward instead of the ~8 elementwise nodes (and their saved float32 copies) autograd
-    records for the same expression."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, rstd, weight)
-        return weight * (x32 * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, rstd, weight = ctx.saved_tensors
-        n32 = x.to(rstd.dtype) * rstd
-        dweight = None
-        if ctx.needs_input_grad[1]:
-            dweight = (dy * n32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0, dtype=rstd.dtype).to(weight.dtype)
-        dn = (dy * weight).to(rstd.dtype)
-        dx = (dn - n32 * (dn * n32).mean(-1, keepdim=True)).mul_(rstd)
-        return dx.to(x.dtype), dweight, None
+from ..kernels.rms_norm import RMSNormFunction as _RMSNormFunction, rms_norm  # noqa: F401  (the reference, for tests)
 
 
 class RMSNorm(nn.Module):
@@ -37,9 +13,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = kernel_for(x, self.weight)  # the C++ pass (kernels/rms_norm.py) where it applies
-        if kernel is not None:
-            if not torch.is_grad_enabled():  # inference: the kernel alone, no autograd node
-                return kernel.rms_norm(x, self.weight, self.eps)[0]
-            return RMSNormCpp.apply(kernel, x, self.weight, self.eps)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)

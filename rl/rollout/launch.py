@@ -14,19 +14,17 @@ import torch.distributed as dist
 
 from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelDims
-from megatron_composer.training.core import local_device
 from rl.config import RLConfig, weight_store
-from rl.model import build_model, rollout_model
+from rl.model import rollout_model
 from rl.orchestrator import WorkQueue
 from rl.rollout.worker import RolloutWorker, run_follower
 
 
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None,
                 model: torch.nn.Module | None = None) -> RolloutWorker:
-    """A rollout worker on `model` (default: a new full model; a tensor-parallel shard from `rollout_model`)."""
+    """A rollout worker on `model` (default: `rollout_model`'s whole model; a tensor-parallel shard from it)."""
     if model is None:
-        model, _ = build_model(cfg, tokenizer)
-        model = model.to(local_device(), getattr(torch, cfg.weight_sync.dtype))
+        model = rollout_model(cfg, tokenizer)
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
                          seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl)

@@ -205,7 +205,8 @@ class RolloutWorker:
             if self.queue.stop_requested(self.name, self.stops_since) or time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.name}: no weights were published within {timeout_s:.0f}s")
             time.sleep(self.poll_seconds)
-        self._apply(v, self.subscriber.fetch(v))
+        # the first version per rank: every rank reads only its slices of it (the followers through `fetch`)
+        self._apply(v, self.subscriber.reader(v))
         self.subscriber.start(self.poll_seconds)
         return v
 
@@ -428,7 +429,8 @@ class _PrefetchedVersions:
             self._applied = max(self._applied, version)
             for v in [v for v in self._states if v < version]:
                 del self._states[v]  # the worker never goes back
-        return state if state is not None else self.subscriber.fetch(version)
+        # not decoded in the background (the first version): read this rank's slices of it from the store
+        return state if state is not None else self.subscriber.reader(version)
 
 
 class _Replica:

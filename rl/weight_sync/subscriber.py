@@ -90,6 +90,25 @@ class WeightSubscriber:
             raise WeightSyncError(f"cannot reconstruct weight version {target} from {self.store.url}: "
                                   f"objects keep disappearing ({last_error})") from last_error
 
+    def reader(self, version: int | None = None) -> "VersionReader":
+        """Boxes of the full tensors of ``version`` (default: the latest), decoded chunk by chunk on demand
+        (see VersionReader); holds nothing of the version in memory beyond the shards it last read."""
+        with self._lock:
+            target = self.latest_version() if version is None else version
+            if target is None:
+                raise WeightSyncError(f"no weight version is published in {self.store.url} yet")
+            try:
+                head = self._read_manifest(target)
+            except FileNotFoundError:
+                raise WeightSyncError(f"weight version {target} is not in {self.store.url} "
+                                      f"(never published, not yet complete, or garbage-collected)") from None
+            if head["id"] == self._id:
+                return VersionReader(self, target, [], held=(self._bits, self._meta))
+            start, deltas = self._plan(head)
+            if start == "held":
+                return VersionReader(self, target, deltas, held=(self._bits, self._meta))
+            return VersionReader(self, target, [start, *deltas])
+
     def _read_manifest(self, version: int) -> dict:
         return mf.loads(self.store.get(mf.manifest_key(version)), version)
 
@@ -248,3 +267,75 @@ class WeightSubscriber:
                 self.last_error = e
                 log.warning("weight sync: background fetch failed (%s: %s)", type(e).__name__, e)
             self._stop.wait(poll_seconds)
+
+
+class VersionReader:
+    """Boxes of the full tensors of one published version, read without reconstructing the version.
+
+    `read(name, box)` decodes only the compressed chunks that hold the box's elements: the chunks of the
+    snapshot the version is planned from (or the subscriber's held bits), then the same element range of each
+    delta on the way, XORed on. The format stores each tensor flattened, in independently compressed chunks
+    of consecutive elements, so a box's cost is the flat span from its first to its last element: a box of
+    leading rows (a routed expert, a column-parallel shard) is read alone; a box of columns spans nearly the
+    whole tensor, which is then decoded one tensor at a time (bounded memory: one tensor's bits). Downloaded
+    shard objects are kept while consecutive reads use them (the last two per part), so a rank downloads each
+    shard once when it reads tensors in the published order. `names` are the version's tensors;
+    `elements_decoded` counts decoded elements (for tests and logs)."""
+
+    def __init__(self, subscriber: WeightSubscriber, version: int, parts: list[dict],
+                 held: tuple[dict, dict] | None = None):
+        self.subscriber, self.version, self.held = subscriber, version, held
+        self.parts: list[tuple[dict, str, dict]] = []  # (manifest, part name, tensor entries by name)
+        for i, m in enumerate(parts):
+            name = "snapshot" if i == 0 and held is None else "delta"
+            self.parts.append((m, name, {t["name"]: t for t in m["parts"][name]["tensors"]}))
+        self.meta = dict(held[1]) if held is not None else {
+            t["name"]: (dtype_from_name(t["dtype"]), list(t["shape"])) for t in self.parts[0][2].values()}
+        self.names = list(self.meta)
+        self.elements_decoded = 0
+        self._shards: dict[tuple[int, int], bytes] = {}
+
+    def _shard(self, manifest: dict, part: str, index: int) -> bytes:
+        key = (manifest["version"], index)
+        if key not in self._shards:
+            if len(self._shards) >= 2 * len(self.parts):
+                self._shards.pop(next(iter(self._shards)))
+            self._shards[key] = self.subscriber._get_verified(manifest["version"], manifest["parts"][part]["shards"][index])
+        return self._shards[key]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.meta[name][1])
+
+    def read(self, name: str, box: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The box `box` (slices over the full tensor's dims; () for all of it) of tensor `name`."""
+        if name not in self.meta:
+            raise WeightSyncError(f"weight version {self.version} has no tensor '{name}'")
+        dtype, shape = self.meta[name]
+        box = tuple(box) + (slice(None),) * (len(shape) - len(box))
+        ranges = [range(*s.indices(n)) for s, n in zip(box, shape)]
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        sizes = [len(r) for r in ranges]
+        int_dtype = int_view_dtype(dtype)
+        if 0 in sizes:
+            return torch.empty(sizes, dtype=dtype)
+        lo = sum(r.start * s for r, s in zip(ranges, strides))
+        hi = sum((r.stop - 1) * s for r, s in zip(ranges, strides)) + 1
+        if self.held is not None:
+            span = self.held[0][name][lo:hi].clone()
+        else:
+            span = torch.zeros(hi - lo, dtype=int_dtype)
+        for manifest, part, tensors in self.parts:
+            for shard, offset, length, s, n in tensors[name]["chunks"]:
+                a, b = max(lo, s), min(hi, s + n)
+                if a >= b:
+                    continue
+                chunk = torch.empty(n, dtype=int_dtype)
+                data = self._shard(manifest, part, shard)
+                decode_chunk(memoryview(data)[offset:offset + length], n, int_dtype, None, chunk)
+                self.elements_decoded += n
+                # a snapshot chunk is the bits themselves (XOR against zeros), a delta chunk the XOR to apply
+                span[a - lo:b - lo].bitwise_xor_(chunk[a - s:b - s])
+        out = span.as_strided(sizes, strides) if len(shape) else span.view(())
+        return from_bits(out.contiguous(), dtype, sizes)
