@@ -1,0 +1,348 @@
+"""A generated family of easy, verifiable sandboxed tasks in the Harbor layout, sized for a tiny model.
+
+Five kinds, each parameterised by file names, folders and words drawn from small vocabularies:
+
+* ``create_file``: create a file with a given one-line content;
+* ``rename_file`` / ``move_file``: rename a file, or move it into a folder;
+* ``replace_word``: replace every occurrence of a word in a file;
+* ``fix_test``: a one-line bug (the wrong operator) makes a unittest fail; fix the function;
+* ``command_output``: run a command and write its output to a file.
+
+Every task is a plain Harbor folder (instruction.md, task.toml, environment/Dockerfile and its files,
+tests/test.sh, solution/solve.sh), so `rl.envs.load_harbor_task`, `check_task` and the RL loader read it like
+any other. Its reference solution exists twice: ``solution/solve.sh`` (what `check_task --oracle` runs) and,
+in task.toml's free-form ``[metadata]``, ``solution_turns``: the same solution as the agent's tool calls, turn
+by turn (a JSON string), which `solution_episode` replays through the real agent protocol (`run_episode`, the
+sandbox, the verifier) to make SFT transcripts in exactly the format rollouts parse.
+
+`generate_splits` draws one deduplicated stream of instances from a seed and cuts it into named splits, so no
+instance is in two splits (SFT, RL train and held-out evaluation differ). ``tools/make_agent_tasks.py`` is the
+command line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_composer.data.chat_template import format_tool_call
+
+KINDS = ("create_file", "rename_file", "move_file", "replace_word", "fix_test", "command_output")
+
+NAMES = ("alpha", "beta", "gamma", "delta", "notes", "data", "report", "todo", "config", "summary", "draft", "index")
+FOLDERS = ("docs", "out", "tmp", "archive", "src", "build", "logs", "backup")
+WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden", "silver", "orange",
+         "window", "yellow", "forest", "button", "candle")
+# fix_test: function name -> the operator it should use; the bug is another operator of the table
+FUNCTIONS = {"add": "+", "subtract": "-", "multiply": "*", "plus": "+", "minus": "-", "times": "*"}
+MODULES = ("calc", "mathops", "arith", "ops", "numbers", "util")
+
+TASK_TOML = """version = "1.0"
+
+[metadata]
+author_name = "megatron-composer"
+difficulty = "easy"
+category = "generated"
+family = "{kind}"
+solution_turns = {turns}
+
+[verifier]
+timeout_sec = 30.0
+
+[agent]
+timeout_sec = 120.0
+max_turns = 8
+
+[environment]
+build_timeout_sec = 60.0
+cpus = 1
+memory_mb = 512
+storage_mb = 64
+"""
+
+TEST_SH = """#!/bin/bash
+# Verifier: 1 when the check passes, 0 otherwise.
+mkdir -p /logs/verifier
+cd /app
+if {check}; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+@dataclass
+class TaskSpec:
+    """One generated task: everything its folder holds."""
+
+    kind: str
+    key: tuple  # identifies the instance (dedup across splits)
+    instruction: str
+    files: dict[str, str]  # starting files of /app (relative path -> content)
+    check: str  # bash condition the verifier evaluates in /app
+    solve: str  # solve.sh body
+    turns: list[list[dict]]  # reference solution: per turn, tool calls {"name", "arguments"} (submit last)
+    test_files: dict[str, str] = field(default_factory=dict)  # extra files of tests/
+
+    @property
+    def name(self) -> str:
+        ops = {"+": "plus", "-": "minus", "*": "times"}
+        return "-".join([self.kind.replace("_", "-"), *(ops.get(str(k), str(k)) for k in self.key)])
+
+
+def _submit() -> list[dict]:
+    return [{"name": "submit", "arguments": {"summary": "done"}}]
+
+
+def _lines(rng: random.Random, must: str, avoid: str, n: int) -> str:
+    words = [w for w in WORDS if w not in (must, avoid)]
+    rows = []
+    for i in range(n):
+        row = rng.sample(words, 3)
+        if i == 0 or rng.random() < 0.5:
+            row.insert(rng.randrange(4), must)
+        rows.append(" ".join(row))
+    return "\n".join(rows) + "\n"
+
+
+def _create_file(rng: random.Random) -> TaskSpec:
+    folder, name = rng.choice(FOLDERS), rng.choice(NAMES)
+    w1, w2 = rng.sample(WORDS, 2)
+    path, text = f"{folder}/{name}.txt", f"{w1} {w2}"
+    return TaskSpec(
+        "create_file", (folder, name, w1, w2),
+        f"Create the file `{path}` containing the single line `{text}`.\n", {},
+        f'[ -f {path} ] && [ "$(cat {path})" = {shlex.quote(text)} ]',
+        f"mkdir -p {folder}\nprintf '%s\\n' {shlex.quote(text)} > {path}\n",
+        [[{"name": "write_file", "arguments": {"path": path, "content": text + "\n"}}], _submit()])
+
+
+def _rename_file(rng: random.Random) -> TaskSpec:
+    a, b = rng.sample(NAMES, 2)
+    word = rng.choice(WORDS)
+    content = f"{word}\n"
+    return TaskSpec(
+        "rename_file", (a, b, word),
+        f"Rename the file `{a}.txt` to `{b}.txt`.\n", {f"{a}.txt": content},
+        f'[ ! -e {a}.txt ] && [ "$(cat {b}.txt)" = {word} ]',
+        f"mv {a}.txt {b}.txt\n",
+        [[{"name": "run", "arguments": {"command": f"mv {a}.txt {b}.txt"}}], _submit()])
+
+
+def _move_file(rng: random.Random) -> TaskSpec:
+    name, folder, word = rng.choice(NAMES), rng.choice(FOLDERS), rng.choice(WORDS)
+    return TaskSpec(
+        "move_file", (name, folder, word),
+        f"Move the file `{name}.txt` into the folder `{folder}` (create the folder).\n", {f"{name}.txt": f"{word}\n"},
+        f'[ ! -e {name}.txt ] && [ "$(cat {folder}/{name}.txt)" = {word} ]',
+        f"mkdir -p {folder} && mv {name}.txt {folder}/\n",
+        [[{"name": "run", "arguments": {"command": f"mkdir -p {folder} && mv {name}.txt {folder}/"}}], _submit()])
+
+
+def _replace_word(rng: random.Random) -> TaskSpec:
+    name = rng.choice(NAMES)
+    old, new = rng.sample(WORDS, 2)
+    content = _lines(rng, old, new, rng.randint(2, 3))
+    expected = content.replace(old, new)
+    return TaskSpec(
+        "replace_word", (name, old, new, len(content)),
+        f"In the file `{name}.txt`, replace every `{old}` with `{new}`.\n", {f"{name}.txt": content},
+        f"cmp -s {name}.txt /tests/expected.txt",
+        f"sed -i 's/{old}/{new}/g' {name}.txt\n",
+        [[{"name": "edit_file", "arguments": {"path": f"{name}.txt", "old_string": old, "new_string": new,
+                                               "replace_all": True}}], _submit()],
+        test_files={"expected.txt": expected})
+
+
+def _fix_test(rng: random.Random) -> TaskSpec:
+    fn = rng.choice(sorted(FUNCTIONS))
+    module = rng.choice(MODULES)
+    op = FUNCTIONS[fn]
+    wrong = rng.choice([o for o in "+-*" if o != op])
+    x, y = rng.randint(2, 9), rng.randint(2, 9)
+    while eval(f"{x} {op} {y}") == eval(f"{x} {wrong} {y}"):
+        x, y = rng.randint(2, 9), rng.randint(2, 9)
+    source = f"def {fn}(a, b):\n    return a {wrong} b\n"
+    test = (f"import unittest\n\nfrom {module} import {fn}\n\n\nclass Test(unittest.TestCase):\n"
+            f"    def test_{fn}(self):\n        self.assertEqual({fn}({x}, {y}), {eval(f'{x} {op} {y}')})\n\n\n"
+            "if __name__ == \"__main__\":\n    unittest.main()\n")
+    return TaskSpec(
+        "fix_test", (module, fn, wrong, x, y),
+        f"The test `test_{module}.py` fails. Fix the bug in the function `{fn}` of `{module}.py` so that "
+        f"`python3 -m unittest test_{module}` passes.\n",
+        {f"{module}.py": source, f"test_{module}.py": test},
+        # the verifier's own copy of the test: editing the agent's copy does not help
+        f"cp /tests/test_{module}.py test_{module}.py && python3 -m unittest test_{module} >/dev/null 2>&1",
+        f"sed -i 's/return a {wrong} b/return a {op} b/' {module}.py\n",
+        [[{"name": "read_file", "arguments": {"path": f"{module}.py"}}],
+         [{"name": "edit_file", "arguments": {"path": f"{module}.py", "old_string": f"a {wrong} b",
+                                               "new_string": f"a {op} b"}}], _submit()],
+        test_files={f"test_{module}.py": test})
+
+
+def _command_output(rng: random.Random) -> TaskSpec:
+    out = rng.choice(NAMES)
+    choice = rng.randrange(3)
+    files: dict[str, str] = {}
+    if choice == 0:
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        command, expected, key = f"expr {a} + {b}", f"{a + b}\n", (a, b)
+    elif choice == 1:
+        words = rng.sample(WORDS, rng.randint(2, 4))
+        command, expected, key = f"echo {' '.join(words)}", " ".join(words) + "\n", tuple(words)
+    else:
+        src = rng.choice([n for n in NAMES if n != out])
+        rows = rng.sample(WORDS, rng.randint(2, 4))
+        files[f"{src}.txt"] = "\n".join(rows) + "\n"
+        command, expected, key = f"sort {src}.txt", "\n".join(sorted(rows)) + "\n", (src, *rows)
+    return TaskSpec(
+        "command_output", (out, choice, *key),
+        f"Run the command `{command}` and write its output to the file `{out}.txt`.\n", files,
+        f"cmp -s {out}.txt /tests/expected.txt",
+        f"{command} > {out}.txt\n",
+        [[{"name": "run", "arguments": {"command": f"{command} > {out}.txt"}}], _submit()],
+        test_files={"expected.txt": expected})
+
+
+MAKERS: dict[str, Callable[[random.Random], TaskSpec]] = {
+    "create_file": _create_file, "rename_file": _rename_file, "move_file": _move_file,
+    "replace_word": _replace_word, "fix_test": _fix_test, "command_output": _command_output,
+}
+
+
+def sample_specs(n: int, seed: int, kinds: tuple[str, ...] = KINDS, exclude: Optional[set] = None) -> list[TaskSpec]:
+    """n distinct instances (kinds in rotation), none of whose (kind, key) is in `exclude`."""
+    unknown = [k for k in kinds if k not in MAKERS]
+    if unknown:
+        raise ValueError(f"unknown task kind(s) {unknown}; choose from {list(KINDS)}")
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    out: list[TaskSpec] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 200 * n + 1000:
+            raise ValueError(f"only {len(out)} distinct tasks of kinds {list(kinds)} could be drawn; ask for fewer")
+        spec = MAKERS[kinds[len(out) % len(kinds)]](rng)
+        if (spec.kind, spec.key) in seen:
+            continue
+        seen.add((spec.kind, spec.key))
+        out.append(spec)
+    return out
+
+
+def write_task(spec: TaskSpec, root: Path) -> Path:
+    d = root / spec.name
+    (d / "environment").mkdir(parents=True, exist_ok=True)
+    (d / "tests").mkdir(exist_ok=True)
+    (d / "solution").mkdir(exist_ok=True)
+    (d / "instruction.md").write_text(spec.instruction)
+    (d / "task.toml").write_text(TASK_TOML.format(kind=spec.kind, turns=json.dumps(json.dumps(spec.turns))))
+    copies = "".join(f"COPY {shlex.quote(p)} /app/{shlex.quote(p)}\n" for p in sorted(spec.files))
+    (d / "environment" / "Dockerfile").write_text(f"FROM python:3.11-slim-bookworm\n\nWORKDIR /app\n{copies}")
+    for rel, content in spec.files.items():
+        (d / "environment" / rel).write_text(content)
+    (d / "tests" / "test.sh").write_text(TEST_SH.format(check=spec.check))
+    for rel, content in spec.test_files.items():
+        (d / "tests" / rel).write_text(content)
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\ncd /app\n" + spec.solve)
+    return d
+
+
+def generate_splits(out: str | Path, splits: dict[str, int], seed: int = 0,
+                    kinds: tuple[str, ...] = KINDS) -> dict[str, list[Path]]:
+    """Write out/<split>/<task>/ for each split; one seeded stream, so no instance is in two splits."""
+    out = Path(out)
+    specs = sample_specs(sum(splits.values()), seed, kinds)
+    written, i = {}, 0
+    for split, n in splits.items():
+        (out / split).mkdir(parents=True, exist_ok=True)
+        written[split] = [write_task(s, out / split) for s in specs[i:i + n]]
+        i += n
+    return written
+
+
+def solution_turns(task) -> list[list[dict]]:
+    """The reference solution of a generated task (an `rl.envs.Task` loaded from its folder) as tool calls."""
+    from rl.envs.harbor import read_task_toml
+
+    meta = read_task_toml(Path(task.source) / "task.toml").get("metadata", {})
+    if "solution_turns" not in meta:
+        raise ValueError(f"{task.source}: task.toml [metadata] has no solution_turns (not a generated task)")
+    return json.loads(meta["solution_turns"])
+
+
+def progress_summary(messages: list[dict]) -> str:
+    """The summary the reference episodes give when asked to summarise: the task's tool calls so far."""
+    from megatron_composer.data.chat_template import parse_assistant
+
+    done = [f"{c['name']} {c['arguments'].get('path') or c['arguments'].get('command', '')}".strip()
+            for m in messages if m["role"] == "assistant" for c in parse_assistant(m["content"]).tool_calls]
+    return "Done: " + "; ".join(done) + ". Remaining: check the result and submit."
+
+
+def solution_episode(task, sandbox, *, count_tokens: Callable[[str], int], summary_trigger_tokens: Optional[int] = None):
+    """Replay the task's reference tool calls through `run_episode` in `sandbox` (the real protocol: parser,
+    tools, observations, verifier). With a summary trigger, a context that reaches it is summarised by
+    `progress_summary` and the episode continues in a new segment, as rollouts do."""
+    from rl.envs.agent import EpisodeConfig, ScriptedPolicy, run_episode
+
+    turns = ["".join(format_tool_call(c["name"], c["arguments"]) for c in calls) for calls in solution_turns(task)]
+    cfg = EpisodeConfig(max_turns=len(turns), summary_trigger_tokens=summary_trigger_tokens)
+    return run_episode(task, sandbox, ScriptedPolicy(turns), cfg, count_tokens=count_tokens,
+                       summarize=progress_summary if summary_trigger_tokens else None)
+
+
+def sft_conversations(episode) -> list[list[dict]]:
+    """The SFT conversations of a solved episode: one per segment; a segment that ended in a summary ends with
+    the summary request and the summary as the assistant's turn (what a rollout samples and trains)."""
+    from rl.envs.agent import SUMMARY_REQUEST
+
+    out = []
+    for i, seg in enumerate(episode.segments):
+        conv = list(seg)
+        if i < len(episode.summaries):
+            conv += [{"role": "user", "content": SUMMARY_REQUEST}, {"role": "assistant", "content": episode.summaries[i]}]
+        out.append(conv)
+    return out
+
+
+def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], int], *,
+                         summary_trigger_tokens: Optional[int] = None, backend=None, workers: int = 2) -> list[list[dict]]:
+    """SFT conversations of the reference solutions of generated tasks, each replayed in its own sandbox by
+    `solution_episode`; a replay the verifier does not reward 1 is an error (the task family is broken)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rl.envs.harbor import load_harbor_task
+    from rl.envs.task import prepare_task
+
+    if backend is None:
+        from rl.sandbox import LocalBackend
+
+        backend = LocalBackend()
+
+    def one(d: Path) -> list[list[dict]]:
+        task = load_harbor_task(d)
+        snapshot = prepare_task(task, backend)
+        try:
+            with backend.fork(snapshot) as sandbox:
+                ep = solution_episode(task, sandbox, count_tokens=count_tokens,
+                                      summary_trigger_tokens=summary_trigger_tokens)
+        finally:
+            snapshot.discard()
+        if ep.reward != 1.0 or ep.stop_reason != "submitted":
+            raise RuntimeError(f"{d}: the reference tool calls scored {ep.reward} ({ep.stop_reason}); "
+                               f"verifier said: {ep.verify.output[-300:] if ep.verify else ''}")
+        return sft_conversations(ep)
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return [conv for convs in pool.map(one, task_dirs) for conv in convs]
+
+
+__all__ = ["solution_transcripts", "KINDS", "TaskSpec", "generate_splits", "progress_summary", "sample_specs", "sft_conversations",
+           "solution_episode", "solution_turns", "write_task"]
