@@ -79,7 +79,7 @@ class Layout:
             return model
         from megatron_composer.parallel.fsdp import apply_fsdp
 
-        return apply_fsdp(model, self.groups, param_dtype=self.fsdp_param_dtype, dp_replicate=self.pcfg.dp_replicate)
+        return apply_fsdp(model, self.groups, param_dtype=self.fsdp_param_dtype)
 
     @property
     def fsdp_param_dtype(self) -> torch.dtype:
