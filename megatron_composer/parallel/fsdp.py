@@ -12,7 +12,8 @@ within a shard group and replicated across the r groups (gradients reduce-scatte
 
 Units: one per transformer block (main and MTP), the routed experts of a MoE block as their own unit on the
 expert mesh (dim 0 sharded, dim 1 when the shards outnumber the local experts), and the root unit
-(embedding, final norm, head, MTP projections and norms). Blocks reshard after forward; each block prefetches
+(embedding, final norm, head, MTP projections and norms). Blocks reshard after forward (the root keeps its
+parameters gathered until its backward); each block prefetches
 the next one (forward) and the previous one (backward), within the main stack and within the MTP stack.
 
 Gradients are summed over the replicas, as DistributedAdamW does (the loss on each rank is its tokens' sum
@@ -125,7 +126,9 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.d
                                      reshard_after_forward=reshard_after_forward,
                                      shard_placement_fn=expert_placement))
         units.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
-    units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+    # the root keeps its parameters gathered from forward to backward: backward needs them at once, and a loss
+    # that applies the head itself (pretrain's fused head) reads model.output.weight after the forward
+    units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False))
     for unit in units:  # sum over replicas (no averaging), with sum-only collectives (gloo has no PREMUL_SUM)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

@@ -54,17 +54,6 @@ def set_spec(p: torch.Tensor, spec: ShardSpec) -> None:
     p._mc_spec = spec
 
 
-def to_empty(model: nn.Module, device) -> nn.Module:
-    """model.to_empty(device=device) keeping every parameter's ShardSpec: to_empty replaces meta parameters by
-    new Parameter objects, which do not carry the attribute over."""
-    specs = {name: p._mc_spec for name, p in model.named_parameters() if hasattr(p, "_mc_spec")}
-    model.to_empty(device=device)
-    for name, p in model.named_parameters():
-        if name in specs:
-            set_spec(p, specs[name])
-    return model
-
-
 def _sharded_param(full: torch.Tensor, spec: ShardSpec) -> nn.Parameter:
     p = nn.Parameter(spec.take(full.detach()).clone().contiguous())
     set_spec(p, spec)
@@ -169,6 +158,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(local, DTensor):  # FSDP shard: first the (tp/ep-local) tensor over the FSDP mesh
+        local = local.full_tensor()
     if spec.kind in ("replicated", "tp_partial") or spec.size == 1:
         return local
     pieces = C.all_gather(local.detach().contiguous(), spec.dim, group).chunk(spec.size, dim=spec.dim)
@@ -178,22 +171,20 @@ def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
 
 def full_tensor(t: torch.Tensor, groups, spec: Optional[ShardSpec] = None) -> torch.Tensor:
-    """Collective: the unsharded tensor of this rank's parameter or buffer `t` (its FSDP shards all-gathered,
-    then its tensor-parallel pieces over tp, experts over ep; `spec` defaults to t's own). Every rank gets it."""
+    """Collective: the unsharded tensor of this rank's parameter or buffer `t` (its FSDP shards gathered over
+    their mesh, then its tensor-parallel pieces over tp, experts over ep; `spec` defaults to t's own). Every
+    rank gets it."""
     from torch.distributed.tensor import DTensor
 
-    spec = spec or spec_of(t)
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
     if groups is None:
-        return t
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    spec = spec or spec_of(t)
     return _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
 
 
 def iter_full_state_dict(model: nn.Module, groups):
-    """Collective: (name, unsharded tensor) one entry at a time, on every rank: FSDP shards gathered, tensor-
-    parallel pieces over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller
-    keeps them."""
+    """Collective: (name, unsharded tensor) one entry at a time, on every rank: FSDP shards gathered over their
+    mesh, then tensor-parallel pieces over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller keeps them."""
     params = dict(model.named_parameters())
     for name, t in model.state_dict().items():
         yield name, full_tensor(t, groups, spec_of(params[name]) if name in params else ShardSpec())
@@ -201,25 +192,9 @@ def iter_full_state_dict(model: nn.Module, groups):
 
 def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
     """The unsharded state dict (every rank gets it). Feeds single-file checkpoints, conversion to Hugging Face
-    format and loading under another layout."""
+    format and loading under another layout (slices.load_full_state_dict)."""
     return dict(iter_full_state_dict(model, groups))
 
 
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of an unsharded state dict into a parallelised model (any layout)."""
-    params = dict(model.named_parameters())
-    own = model.state_dict()
-    missing = sorted(set(own) - set(full))
-    if missing:
-        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}; was it saved from this model?")
-    for name, t in own.items():
-        spec = spec_of(params[name]) if name in params else ShardSpec()
-        piece = spec.take(full[name])
-        if piece.shape != t.shape:
-            raise ValueError(f"{name}: checkpoint piece {tuple(piece.shape)} does not match {tuple(t.shape)}")
-        t.copy_(piece)
-
-
-__all__ = ["ShardSpec", "spec_of", "set_spec", "to_empty", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "full_tensor", "iter_full_state_dict", "full_state_dict", "load_full_state_dict"]
+__all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "full_tensor", "iter_full_state_dict", "full_state_dict"]
