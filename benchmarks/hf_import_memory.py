@@ -116,10 +116,12 @@ def worker(args) -> None:
                         optim=OptimizerConfig(warmup_steps=0), fp8=FP8Config(), seed=0)
     ids = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(dist.get_rank()))
 
-    def loss_of(model):
+    def loss_of(model):  # the main head and the MTP head, so that every parameter has a gradient and moments
         def loss_fn(_):
-            logits = model(ids[:, :-1])
-            return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()), {}
+            out = model(ids[:, :-1], mtp=True)
+            loss = sum(F.cross_entropy(lg.flatten(0, 1).float(), ids[:, 1:].flatten())
+                       for lg in [out.logits, *out.mtp_logits])
+            return loss, {}
         return loss_fn
     core.step(loss_of(core.model), [0], lr=1e-4)
     del core
