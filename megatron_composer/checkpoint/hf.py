@@ -1,14 +1,15 @@
 """Hugging Face checkpoints <-> our model: DeepSeek-V3 / Kimi K2(.5) and Qwen3-MoE.
 
-Import streams tensor by tensor from safetensors shards into a model whose parameters are allocated once,
-so host memory holds the model plus one tensor, never a second copy of the checkpoint. Before any weight is
-read, the config is translated and every tensor name and shape in the shard headers is checked against the
-model; a mismatch raises `CheckpointError` naming the key. DeepSeek-style FP8 weights (float8_e4m3fn with a
-`weight_scale_inv` per 128x128 block) are dequantised on load. MTP layers that HF stores as extra decoder
-layers (`model.layers.{num_layers + k}`) become `model.mtp[k]`.
+Import is by slices. `HFReader` opens a checkpoint directory (config.json and the safetensors headers only)
+and returns any box of any of our full tensors, reading only those bytes (`safe_open(...).get_slice`);
+`load_hf_shards` fills a model in any layout -- each rank only the pieces it holds -- after checking every
+tensor name and shape against the model (a mismatch raises `CheckpointError` naming the tensor before any
+weight is read). DeepSeek-style FP8 weights (float8_e4m3fn with a `weight_scale_inv` per 128x128 block) are
+dequantised on the box. MTP layers that HF stores as extra decoder layers (`model.layers.{num_layers + k}`)
+become `model.mtp[k]`.
 
 Export writes the hub layout (per-expert tensors, MTP as extra layers, sharded with an index) and a
-config.json that `transformers` loads.
+config.json that `transformers` loads, streaming: one gathered tensor at a time, each file written when full.
 """
 
 from __future__ import annotations

@@ -182,15 +182,14 @@ def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
 
 def full_tensor(t: torch.Tensor, groups, spec: Optional[ShardSpec] = None) -> torch.Tensor:
-    """Collective: the unsharded tensor of this rank's parameter or buffer `t` (its FSDP shards all-gathered,
-    then its tensor-parallel pieces over tp, experts over ep; `spec` defaults to t's own). Every rank gets it."""
+    """Collective: the unsharded tensor of this rank's parameter or buffer `t` (its FSDP shards gathered over
+    their mesh, then its tensor-parallel pieces over tp, experts over ep; `spec` defaults to t's own). Every
+    rank gets it."""
     from torch.distributed.tensor import DTensor
 
-    spec = spec or spec_of(t)
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
     if groups is None:
-        return t
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    spec = spec or spec_of(t)
     return _gather_full(t, spec, groups.group("ep") if spec.kind == "expert" else groups.group("tp"))
 
 
