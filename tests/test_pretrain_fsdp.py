@@ -17,7 +17,7 @@ from test_pretrain_resume import ENV, ROOT, _cmd, _losses, _run, setup  # noqa: 
 
 STEPS = 8
 FSDP = ["parallel.fsdp=true", "parallel.ep=2"]
-COMMON = [f"train.steps={STEPS}", "checkpoint.interval=2", "checkpoint.keep_last=0"]
+COMMON = [f"train.steps={STEPS}", "train.micro_batch_size=2", "checkpoint.interval=2", "checkpoint.keep_last=0"]
 
 
 def _close(a, b, tol):
@@ -26,6 +26,7 @@ def _close(a, b, tol):
 
 @pytest.mark.e2e
 @pytest.mark.dist
+@pytest.mark.timeout(3600)  # seven 1- to 4-rank runs
 def test_fsdp_expert_parallel_pretraining_matches_one_process_resumes_exactly_and_changes_layout(setup):
     cfg = setup / "cfg.yaml"
     ref_dir, fsdp_dir, killed_dir = setup / "fsdp_ref", setup / "fsdp_ep2", setup / "fsdp_killed"

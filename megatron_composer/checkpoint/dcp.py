@@ -7,15 +7,20 @@ Layout under a run directory::
 
 A save writes into checkpoints/.step_<N>.tmp, renames it to step_<N> once every rank has finished, and only
 then atomically replaces `latest`; a process killed mid-save leaves the previous `latest` valid, and the
-stale .tmp directory is removed by the next save. DCP stores parameters by fully-qualified name with their
-global shapes, so a checkpoint loads into a different parallel layout or world size (DTensor-sharded and
-replicated parameters are resharded on load).
+stale .tmp directory is removed by the next save. An asynchronous save (`async_save`) copies the state to host
+memory, writes it in a background thread, and is published the same way by `PendingCheckpoint.finish()` (the
+training core calls it at the next save and at the end of the run). DCP stores parameters by fully-qualified
+name with their global shapes, so a checkpoint loads into a different parallel layout or world size.
 
-Parameters sharded by megatron_composer.parallel (tensor- or expert-parallel, labelled with a ShardSpec) are
-saved as DTensors over their tp/ep process group, i.e. as chunks of the full tensor; AdamW moments likewise.
-Loading builds the same view for the current layout, so DCP reads exactly the slice each rank owns.
-ZeRO-1 optimizer state (megatron_composer.parallel.data_parallel.DistributedAdamW) is stored in the same
-per-parameter form: gathered to full moments on save, re-sharded over the new replicas on load.
+Every parameter and AdamW moment is stored as chunks of its FULL tensor, whatever the layout: a tensor- or
+expert-parallel shard (labelled with a ShardSpec) as a DTensor over its tp/ep group; an FSDP2 shard (a DTensor
+over the FSDP mesh whose own "global" shape is only the tp/ep-local shape) as a DTensor over the tp/ep group x
+the FSDP mesh with placements [Shard(spec.dim), *FSDP's placements], i.e. FSDP's torch.chunk piece (uneven or
+empty included) of the tp/ep piece; HSDP's replicated pieces are written once. No rank gathers anything to
+save. Loading builds the same views for the current layout, so DCP reads exactly the boxes each rank owns,
+into the live tensors. ZeRO-1 optimizer state (megatron_composer.parallel.data_parallel.DistributedAdamW) is
+stored in the same per-parameter form: gathered to full (tp/ep-local) moments on save, re-sharded over the new
+replicas on load.
 """
 
 from __future__ import annotations
