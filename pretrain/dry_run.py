@@ -204,9 +204,11 @@ def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **k
     the model), extrapolated linearly to its own number: with full recompute a rank's peak is affine in the
     number of identical MoE blocks (their parameters, gradients and optimizer state, and one saved input
     each), so two depths fix it. For models whose full simulation takes too long here."""
-    if not mc.first_k_dense_replace < layers < mc.num_layers:
-        raise ConfigError(f"--sim-layers {layers} must lie between the {mc.first_k_dense_replace} dense layers and "
-                          f"the model's {mc.num_layers} layers (exclusive)")
+    # both depths need two MoE blocks: the peak (inside the last block's backward, the one before it prefetched)
+    # then has the same shape in both, and their difference is one more block's state and saved input only
+    if not mc.first_k_dense_replace + 2 <= layers < mc.num_layers:
+        raise ConfigError(f"--sim-layers {layers} must be at least the {mc.first_k_dense_replace} dense layers + 2 "
+                          f"and below the model's {mc.num_layers} layers")
     a = simulate(mc.replace(num_layers=layers), pcfg, world_size, seq_len, **kw)
     b = simulate(mc.replace(num_layers=layers + 1), pcfg, world_size, seq_len, **kw)
     n = mc.num_layers - layers

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_composer.config import ConfigError, load_config
+from megatron_composer.config import ConfigError
 from megatron_composer.model import Transformer, get_preset
 from megatron_composer.parallel.cost import (Layout, activation_bytes, comm_per_step, fsdp_comm_per_microbatch,
                                              fsdp_units, fsdp_working_set, memory_per_rank, model_params)
@@ -130,35 +130,40 @@ def test_dry_run_rejects_a_layout_that_does_not_divide():
         simulate(get_preset("tiny-kimi-k2.5"), ParallelConfig(ep=3, fsdp=True), 6, 64)
 
 
-EXAMPLES = sorted((ROOT / "examples" / "kimi_k25").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_every_kimi_example_layout_dry_runs_at_512_ranks(path):
-    """The example's parallel section at its 512-rank world, the real layer widths, two layers and a short
-    sequence (the full-size run is test_kimi_long_context_dry_run_fits_e2e)."""
-    from pretrain.dry_run import simulate
-
-    raw = load_config_dict(path)
-    pcfg = ParallelConfig(**{k: v for k, v in raw["parallel"].items()})
-    if pcfg.fsdp:
-        pcfg.fsdp_param_dtype = "bfloat16"
-    cfg = get_preset("kimi-k2.5").replace(num_layers=2, num_mtp_layers=0)
-    seq = 2 * pcfg.cp * 8
-    r = simulate(cfg, pcfg, 512, seq, mtp_weight=0.0)
-    assert r.peak_bytes > 0 and r.by_kind["params"] > 0
-
-
-def load_config_dict(path: Path) -> dict:
+def _example_layouts() -> dict[tuple, list[str]]:
+    """Each distinct parallel section of the shipped Kimi K2.5 examples -> the examples that use it."""
     import yaml
 
-    return yaml.safe_load(path.read_text())
+    out: dict[tuple, list[str]] = {}
+    for path in sorted((ROOT / "examples" / "kimi_k25").glob("*.yaml")):
+        section = yaml.safe_load(path.read_text())["parallel"]
+        out.setdefault(tuple(sorted(section.items())), []).append(path.stem)
+    return out
+
+
+LAYOUTS = _example_layouts()
+
+
+@pytest.mark.parametrize("section", list(LAYOUTS), ids=["+".join(v) for v in LAYOUTS.values()])
+def test_every_kimi_example_layout_dry_runs_at_512_ranks(section):
+    """Each example's parallel section at its 512-rank world, the real layer widths, two layers (one dense, one
+    MoE) and a short sequence; the full-size run is test_kimi_long_context_dry_run_fits_e2e."""
+    from pretrain.dry_run import simulate
+
+    pcfg = ParallelConfig(**dict(section))
+    pcfg.validate()
+    assert pcfg.fsdp, "the Kimi examples shard with FSDP (the layout the planner checks)"
+    pcfg.fsdp_param_dtype = "bfloat16"  # what "auto" picks on the GPUs the examples are for
+    cfg = get_preset("kimi-k2.5").replace(num_layers=2, num_mtp_layers=0)
+    r = simulate(cfg, pcfg, 512, 2 * pcfg.cp * 8, mtp_weight=0.0)
+    lay = Layout(ParallelDims.from_config(pcfg, 512), seq_len=2 * pcfg.cp * 8, micro_batch=1, fsdp=True)
+    assert r.by_kind["params"] == pytest.approx(memory_per_rank(cfg, lay)["params"], rel=0.01)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("seq", [262144, 131072])
 def test_kimi_long_context_dry_run_fits_e2e(seq):
     r = _plan("--preset", "kimi-k2.5", "--gpus", "512", "--gpu-mem", "288", "--tp", "1", "--ep", "8", "--cp", "8",
-              "--fsdp", "--seq", str(seq), "--simulate", "--sim-layers", "2")
+              "--fsdp", "--seq", str(seq), "--simulate", "--sim-layers", "3")
     assert r.returncode == 0, r.stderr
     assert "measured peak" in r.stdout and "of 288 GiB: fits" in r.stdout
