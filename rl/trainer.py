@@ -13,7 +13,7 @@ the number of optimizer steps taken):
    policy) -- the loss of rl.learner.PolicyLearner, stepped by the training core;
 4. the full weights are gathered to trainer rank 0, which publishes version v + 1 to the weight-sync store
    (XOR delta against v);
-5. log metrics (held-out pass@K every ``eval.interval`` steps), and checkpoint (model, optimizer,
+5. log metrics (held-out pass@K every ``eval.interval`` steps; with ``eval.at_start`` also of the initial weights, as step 0), and checkpoint (model, optimizer,
    orchestrator state) every ``checkpoint.interval`` steps.
 How roles are placed on processes: rl/launch.py.
 """
@@ -205,6 +205,12 @@ class Trainer:
                   f"(tp {self.layout.dims.tp}, cp {self.layout.dims.cp}, ep {self.layout.dims.ep}, "
                   f"dp {self.layout.dims.dp}); weights at {weights_url(cfg)} (v{self.version})", flush=True)
         try:
+            if cfg.eval.interval and cfg.eval.at_start and self.step == 0:
+                # the starting point of the held-out curve: the initial weights, logged as step 0
+                state = self.learner.full_state_dict(cfg.weight_sync.dtype)
+                if self.is_main:
+                    self.logger.log(0, self.held_out_eval(state), console=True)
+                del state
             while self.step < total:
                 t0 = time.perf_counter()
                 results = self._next_groups()

@@ -242,7 +242,7 @@ def test_help_lists_the_rl_schema():
         assert key in res.stdout, key
 
 
-@pytest.mark.parametrize("path", sorted(ROOT.glob("examples/*/rl.yaml")), ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("path", sorted(ROOT.glob("examples/*/rl*.yaml")), ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_shipped_rl_configs_load(path):
     from megatron_composer.config import ConfigError
     from rl.config import RLConfig

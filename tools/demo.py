@@ -3,7 +3,12 @@
 1. Trains a sentencepiece BPE tokenizer on the Python standard library's .py files found on this machine.
 2. Tokenizes them into a megatron-core indexed dataset (data/tiny/stdlib.bin/.idx).
 3. Writes SFT chat transcripts with tool calls built from real stdlib functions (data/tiny/sft.jsonl).
-4. Runs examples/tiny/{pretrain,long_context,sft}.yaml as one chain with torchrun on 2 CPU ranks.
+4. Generates the easy agent task family (rl/envs/task_family.py) in disjoint splits under
+   data/tiny/agent_tasks/ (sft, train: examples/tiny/rl_agent.yaml's RL prompts, heldout: its evaluation), and
+   replays the sft split's reference solutions as tool calls through the agent protocol in sandboxes: those
+   episodes (summarised where their context reaches the RL run's summary trigger) are the tool-use SFT
+   transcripts (data/tiny/agent_sft.jsonl).
+5. Runs examples/tiny/{pretrain,long_context,sft}.yaml as one chain with torchrun on 2 CPU ranks.
 Nothing it writes is committed (data/ and runs/ are git-ignored). Re-running resumes / reuses what exists.
 """
 
@@ -24,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STAGES = ["examples/tiny/pretrain.yaml", "examples/tiny/long_context.yaml", "examples/tiny/sft.yaml"]
+AGENT_SPLITS = {"sft": 480, "train": 320, "heldout": 18}  # instances per split (one seeded stream: disjoint)
+AGENT_SUMMARY_TRIGGER = 600  # = rollout.summary_trigger_tokens of examples/tiny/rl_agent.yaml
 
 
 def _run(cmd: list[str]) -> None:
@@ -55,7 +62,7 @@ def _functions(stdlib: Path, limit: int, seed: int) -> list[tuple[str, str, str,
     return out[:limit]
 
 
-def write_sft(stdlib: Path, path: Path, n: int = 600, seed: int = 0) -> int:
+def write_sft(stdlib: Path, path: Path, n: int = 200, seed: int = 0) -> int:
     """Agentic transcripts: the assistant reads a file with a tool call, then answers with the code."""
     rng = random.Random(seed)
     with open(path, "w") as fh:
@@ -70,6 +77,26 @@ def write_sft(stdlib: Path, path: Path, n: int = 600, seed: int = 0) -> int:
                 messages.append({"role": "assistant", "content": f"{body}\n# {doc}"})
             fh.write(json.dumps({"messages": messages}) + "\n")
     return n
+
+
+def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: int, seed: int = 0) -> int:
+    """Generate the agent task splits and write the sft split's reference episodes as SFT conversations."""
+    import shutil
+
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from rl.envs.task_family import generate_splits, solution_transcripts
+
+    if tasks_root.exists():
+        shutil.rmtree(tasks_root)
+    splits = generate_splits(tasks_root, AGENT_SPLITS, seed=seed)
+    tok = load_tokenizer(str(tokenizer_dir))
+    convs = solution_transcripts(splits["sft"], lambda text: len(tok.encode(text)),
+                                 summary_trigger_tokens=AGENT_SUMMARY_TRIGGER, workers=workers)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as fh:
+        fh.writelines(json.dumps({"messages": messages}) + "\n" for messages in convs)
+    tmp.rename(path)  # only a complete file counts as done on a re-run
+    return len(convs)
 
 
 def main(argv=None) -> int:
@@ -93,6 +120,9 @@ def main(argv=None) -> int:
         _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"), "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
     if not (data / "sft.jsonl").exists():
         print(f"wrote {write_sft(stdlib, data / 'sft.jsonl')} SFT conversations to {data / 'sft.jsonl'}")
+    if not (data / "agent_sft.jsonl").exists():
+        n = write_agent_sft(data / "agent_tasks", data / "agent_sft.jsonl", data / "tokenizer", args.nproc)
+        print(f"wrote {n} tool-use SFT conversations (reference solutions replayed in sandboxes) to {data / 'agent_sft.jsonl'}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # One command runs the chain; each stage continues from the previous one (checkpoint.init_from: previous).
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "pretrain_composer.py",

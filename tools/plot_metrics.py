@@ -1,6 +1,6 @@
 """Plot loss curves (and validation loss / MTP agreement when present) of one or more runs to a PNG.
-For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group and, when the rows carry
-staleness_hist, how many trained tokens were 0, 1, 2, ... weight versions old at each step.
+For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group, the held-out pass@1 where the
+run evaluated one (eval_pass@1), and, when the rows carry staleness_hist, how many trained tokens were 0, 1, 2, ... weight versions old at each step.
 
     python tools/plot_metrics.py runs/tiny/pretrain runs/tiny/long_context --output loss.png
     python tools/plot_metrics.py runs/tiny/rl --output rl.png
@@ -38,8 +38,11 @@ def plot_rl(plt, data: list[tuple[Path, list[dict]]], output: str) -> int:
         line, = ax.plot(*zip(*mean), lw=1, label=f"{run.name} mean")
         if best:
             ax.plot(*zip(*best), "--", lw=1, color=line.get_color(), label=f"{run.name} best-of-K")
+        held_out = [(r["step"], r["eval_pass@1"]) for r in rows if "eval_pass@1" in r]
+        if held_out:
+            ax.plot(*zip(*held_out), ":o", lw=1.5, ms=3, color=line.get_color(), label=f"{run.name} held-out pass@1")
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel("reward / pass@1")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     if has_staleness:
