@@ -414,8 +414,8 @@ def _train_steps(p: Part, work: Path) -> None:
     steps = 3 if p.reduced else 6
     backend = "nccl" if p.cuda else "gloo"  # pretrain_composer.py's choice
     _train_run(p, work, f"default data-parallel path, {backend}, {p.device.type}", [], steps, max(10.0, p.time_left() - 5))
-    p.skip("training steps under FSDP", "the tree has no FSDP path (parallel.* offers tp, sp, ep, cp, zero1 and "
-           "data parallelism)")
+    p.skip("training steps under FSDP", "this part runs one rank; parallel.fsdp is proven against one process on "
+           "gloo ranks by tests/test_parallel_fsdp.py")
     if p.reduced:
         p.skip("training steps with fp8.recipe=mxfp8", "reduced mode runs the bf16 path only (the emulated FP8 "
                "training path is tested in tests/test_fp8_linear.py)")

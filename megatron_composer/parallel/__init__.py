@@ -5,8 +5,8 @@ Process groups come from `ParallelDims.build()` and are passed explicitly; nothi
 
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims, ParallelGroups
 from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,
-                                               VocabParallelEmbedding, full_state_dict, load_full_state_dict,
-                                               spec_of)
+                                               VocabParallelEmbedding, full_state_dict, spec_of)
+from megatron_composer.parallel.slices import load_full_state_dict
 from megatron_composer.parallel.vocab_parallel import (vocab_parallel_argmax, vocab_parallel_cross_entropy,
                                                        vocab_parallel_kl, vocab_parallel_log_softmax,
                                                        vocab_parallel_logprobs, vocab_parallel_logprobs_entropy)

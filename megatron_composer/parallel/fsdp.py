@@ -12,7 +12,8 @@ within a shard group and replicated across the r groups (gradients reduce-scatte
 
 Units: one per transformer block (main and MTP), the routed experts of a MoE block as their own unit on the
 expert mesh (dim 0 sharded, dim 1 when the shards outnumber the local experts), and the root unit
-(embedding, final norm, head, MTP projections and norms). Blocks reshard after forward; each block prefetches
+(embedding, final norm, head, MTP projections and norms). Blocks reshard after forward (the root keeps its
+parameters gathered until its backward); each block prefetches
 the next one (forward) and the previous one (backward), within the main stack and within the MTP stack.
 
 Gradients are summed over the replicas, as DistributedAdamW does (the loss on each rank is its tokens' sum
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelGroups
 from megatron_composer.parallel.layers import set_spec, spec_of
 from megatron_composer.parallel.slices import local_tensor
@@ -71,28 +71,23 @@ def _mesh_over(existing, rank_lists: list[list[int]], replicate: int, device_typ
                                  mesh_dim_names=(f"{name}_replicate", f"{name}_shard"))
 
 
-def build_meshes(groups: ParallelGroups, dp_replicate: int = 1, device_type: Optional[str] = None) -> FSDPMeshes:
-    """The dense and expert FSDP meshes (collective: every rank must call it). Made of host integers even under
+def build_meshes(groups: ParallelGroups, device_type: Optional[str] = None) -> FSDPMeshes:
+    """The dense and expert FSDP meshes, HSDP when groups.dims.dp_replicate > 1 (which ParallelDims checked
+    divides both dp*cp and world/ep). Collective: every rank must call it. Made of host integers even under
     FakeTensorMode (the dry run, pretrain/dry_run.py, builds the model there)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return _build_meshes(groups, dp_replicate, device_type)
+        return _build_meshes(groups, device_type)
 
 
-def _build_meshes(groups: ParallelGroups, dp_replicate: int, device_type: Optional[str]) -> FSDPMeshes:
+def _build_meshes(groups: ParallelGroups, device_type: Optional[str]) -> FSDPMeshes:
     dims = groups.dims
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    dense_n, expert_n = dims.dp * dims.cp, dims.edp
-    for n, what in ((dense_n, "dp*cp"), (expert_n, "the expert-data-parallel size world/ep")):
-        if n % dp_replicate:
-            raise ConfigError(f"parallel.dp_replicate = {dp_replicate} does not divide {what} = {n}; choose a "
-                              f"divisor of {n}")
-    dense = _mesh_over(groups.group("dp_cp"), dims.dense_groups("dp_cp"), dp_replicate, device_type, groups.rank,
-                       "dense")
-    expert = _mesh_over(groups.group("edp"), dims.expert_groups("edp"), dp_replicate, device_type, groups.rank,
-                        "expert")
-    return FSDPMeshes(dense=dense, expert=expert, dp_replicate=dp_replicate)
+    r = dims.dp_replicate
+    dense = _mesh_over(groups.group("dp_cp"), dims.dense_groups("dp_cp"), r, device_type, groups.rank, "dense")
+    expert = _mesh_over(groups.group("edp"), dims.expert_groups("edp"), r, device_type, groups.rank, "expert")
+    return FSDPMeshes(dense=dense, expert=expert, dp_replicate=r)
 
 
 def _blocks(model) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -111,13 +106,13 @@ def _link_prefetch(stack: list[nn.Module]) -> None:
 
 
 def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.dtype = torch.float32,
-               reduce_dtype: torch.dtype = torch.float32, dp_replicate: int = 1,
-               reshard_after_forward: bool = True) -> nn.Module:
-    """Shard `model` (a parallelised Transformer, on any device including meta) with FSDP2; in place."""
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `model` (a parallelised Transformer, on any device including meta) with FSDP2 over the meshes of
+    `groups` (HSDP when groups.dims.dp_replicate > 1); in place."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
-    meshes = build_meshes(groups, dp_replicate)
+    meshes = build_meshes(groups)
     specs = {name: spec_of(p) for name, p in model.named_parameters()}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     expert_shards = meshes.expert.size(meshes.expert.ndim - 1)
@@ -133,8 +128,8 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.d
                                      reshard_after_forward=reshard_after_forward,
                                      shard_placement_fn=expert_placement))
         units.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
-    # the root stays gathered from forward to backward: the fused loss applies the head weight outside the
-    # model's forward (pretrain.losses.fused_head_applies), and backward needs it again at once
+    # the root keeps its parameters gathered from forward to backward: backward needs them at once, and a loss
+    # that applies the head itself (pretrain's fused head) reads model.output.weight after the forward
     units.append(fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False))
     for unit in units:  # sum over replicas (no averaging), with sum-only collectives (gloo has no PREMUL_SUM)
         unit.set_gradient_divide_factor(1.0)

@@ -158,6 +158,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(local, DTensor):  # FSDP shard: first the (tp/ep-local) tensor over the FSDP mesh
+        local = local.full_tensor()
     if spec.kind in ("replicated", "tp_partial") or spec.size == 1:
         return local
     pieces = C.all_gather(local.detach().contiguous(), spec.dim, group).chunk(spec.size, dim=spec.dim)
@@ -167,8 +171,8 @@ def _gather_full(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
 
 
 def iter_full_state_dict(model: nn.Module, groups):
-    """Collective: (name, unsharded tensor) one entry at a time, on every rank: tensor-parallel pieces gathered
-    over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller keeps them."""
+    """Collective: (name, unsharded tensor) one entry at a time, on every rank: FSDP shards gathered over their
+    mesh, then tensor-parallel pieces over tp, experts over ep. A rank holds one gathered tensor at a time unless the caller keeps them."""
     params = dict(model.named_parameters())
     for name, t in model.state_dict().items():
         if groups is None:
@@ -180,25 +184,9 @@ def iter_full_state_dict(model: nn.Module, groups):
 
 def full_state_dict(model: nn.Module, groups) -> dict[str, torch.Tensor]:
     """The unsharded state dict (every rank gets it). Feeds single-file checkpoints, conversion to Hugging Face
-    format and loading under another layout."""
+    format and loading under another layout (slices.load_full_state_dict)."""
     return dict(iter_full_state_dict(model, groups))
 
 
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's pieces of an unsharded state dict into a parallelised model (any layout)."""
-    params = dict(model.named_parameters())
-    own = model.state_dict()
-    missing = sorted(set(own) - set(full))
-    if missing:
-        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}; was it saved from this model?")
-    for name, t in own.items():
-        spec = spec_of(params[name]) if name in params else ShardSpec()
-        piece = spec.take(full[name])
-        if piece.shape != t.shape:
-            raise ValueError(f"{name}: checkpoint piece {tuple(piece.shape)} does not match {tuple(t.shape)}")
-        t.copy_(piece)
-
-
 __all__ = ["ShardSpec", "spec_of", "set_spec", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict", "load_full_state_dict"]
+           "VocabParallelEmbedding", "iter_full_state_dict", "full_state_dict"]

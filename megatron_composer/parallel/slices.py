@@ -23,8 +23,6 @@ import torch.nn as nn
 
 from megatron_composer.parallel.layers import ShardSpec, spec_of
 
-Box = tuple[slice, ...]
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -45,14 +43,10 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if _is_dtensor(p) else p
 
 
-def _spec_local_shape(p: torch.Tensor) -> torch.Size:
-    """Shape after the ShardSpec cut (a DTensor's global shape: FSDP's mesh knows nothing of tp/ep)."""
-    return p.shape
-
-
 def full_shape(p: torch.Tensor) -> torch.Size:
-    """The unsharded shape of the parameter (every cut undone)."""
-    return spec_full_shape(_spec_local_shape(p), spec_of(p))
+    """The unsharded shape of the parameter (every cut undone). A DTensor's shape is the tensor after the
+    ShardSpec cut (FSDP's mesh knows nothing of tp/ep), as is a plain parameter's."""
+    return spec_full_shape(p.shape, spec_of(p))
 
 
 def spec_full_shape(spec_local_shape: Sequence[int], spec: ShardSpec) -> torch.Size:
@@ -162,6 +156,20 @@ def fill_local(model: nn.Module, read: Callable[[str, tuple[slice, ...]], torch.
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
 
 
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's pieces of an unsharded state dict into a parallelised model (any layout, FSDP included;
+    parallel/slices.py says which pieces)."""
+    own = dict(named_tensors(model))
+    missing = sorted(set(model.state_dict()) - set(full))
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}; was it saved from this model?")
+    for name, t in own.items():
+        if tuple(full[name].shape) != tuple(full_shape(t)):
+            raise ValueError(f"{name}: checkpoint tensor {tuple(full[name].shape)} does not match the model's "
+                             f"{tuple(full_shape(t))}")
+    fill_local(model, lambda name, box: full[name][box])
+
+
 def assemble(shape: Sequence[int], spec: ShardSpec, rank_pieces: Sequence[tuple[list[Piece], torch.Tensor]],
              dtype=None) -> torch.Tensor:
     """The full tensor from every rank's (pieces, local tensor); raises if the pieces do not tile it exactly
@@ -182,4 +190,5 @@ def assemble(shape: Sequence[int], spec: ShardSpec, rank_pieces: Sequence[tuple[
 
 
 __all__ = ["Piece", "local_tensor", "full_shape", "local_pieces", "fill_local", "pieces_for", "mesh_shards",
-           "named_tensors", "spec_full_shape", "assemble"]
+           "named_tensors", "spec_full_shape", "assemble",
+           "load_full_state_dict"]

@@ -25,7 +25,7 @@ from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
-from megatron_composer.parallel.layers import iter_full_state_dict
+from megatron_composer.parallel.layers import iter_full_state_dict, set_spec, spec_of
 from megatron_composer.parallel.slices import fill_local, full_shape, named_tensors
 from megatron_composer.training.config import architecture
 from megatron_composer.training.layout import Layout
@@ -143,7 +143,10 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model = layout.shard_parameters(model)
-    model.to_empty(device=device)
+    specs = {name: spec_of(p) for name, p in model.named_parameters()}
+    model.to_empty(device=device)  # may swap in new Parameter objects (meta -> real): carry the ShardSpecs over
+    for name, p in model.named_parameters():
+        set_spec(p, specs[name])
     if init is not None and init.hf is not None:
         load_hf_weights(model, init.hf)
     else:

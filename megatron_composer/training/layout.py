@@ -33,7 +33,7 @@ class Layout:
     with parallel.zero1 shards the AdamW moments over those replicas. One rank has nothing to reduce and uses
     torch's AdamW. Counts and logged sums are reduced over the dp x cp ranks, which hold distinct tokens.
 
-    With parallel.fsdp (several ranks) the parameters themselves are sharded by FSDP2 (`shard_parameters`,
+    With parallel.fsdp (under torch.distributed) the parameters themselves are sharded by FSDP2 (`shard_parameters`,
     megatron_composer.parallel.fsdp): gradients are reduce-scattered by FSDP and the optimizer is torch's AdamW
     over the local shards; ZeRO-1 and the bucketed reduction are not used.
     """
@@ -50,8 +50,8 @@ class Layout:
         self.dp_size, self.dp_rank, self.cp_rank = self.dims.dp, coords["dp"], coords["cp"]
         self.cp = pcfg.cp
         self.model_parallel = max(pcfg.tp, pcfg.cp, pcfg.ep) > 1 or pcfg.activation_checkpointing != "none"
-        self.fsdp = pcfg.fsdp and self.world > 1  # one process has nothing to shard
-        if self.model_parallel or self.world > 1:
+        self.fsdp = pcfg.fsdp and on  # a torchrun world (of one rank too: FSDP's gather dtype and hooks)
+        if self.model_parallel or self.world > 1 or self.fsdp:
             self.groups = self.dims.build()
 
     def build_optimizer(self, model: torch.nn.Module, cfg: OptimizerConfig):
@@ -79,7 +79,7 @@ class Layout:
             return model
         from megatron_composer.parallel.fsdp import apply_fsdp
 
-        return apply_fsdp(model, self.groups, param_dtype=self.fsdp_param_dtype, dp_replicate=self.pcfg.dp_replicate)
+        return apply_fsdp(model, self.groups, param_dtype=self.fsdp_param_dtype)
 
     @property
     def fsdp_param_dtype(self) -> torch.dtype:

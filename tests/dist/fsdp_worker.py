@@ -6,7 +6,9 @@ allocated shard by shard and filled by the layout-independent initialisation):
            of all ranks cover every full tensor;
   grads -- loss and every parameter's gradient after one backward (each piece of the local gradient shard
            against the box of the reference gradient) and the clipped global norm (finish_gradients);
-  steps -- 5 optimizer steps through TrainingCore.step (2 micro-batches each) give the same loss sequence.
+  steps -- 5 optimizer steps through TrainingCore.step (2 micro-batches each) give the same loss sequence;
+  state -- the trained shards gather (full_state_dict) to full tensors holding every rank's pieces, and load
+           back piece by piece (load_full_state_dict).
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import init, max_rel_err, reduce_max, run_cases  # noqa: E402
 from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
-from megatron_composer.fp8 import FP8Config  # noqa: E402
+from megatron_composer.fp8 import FP8Config, FP8LinearFunction  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
+from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
+from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import shard_batch  # noqa: E402
 from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors  # noqa: E402
 from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from megatron_composer.training.optim import OptimizerConfig  # noqa: E402
+from pretrain.losses import lm_loss_sum_fused_head  # noqa: E402
 
 LR, CLIP, SEED, MICRO = 3e-3, 1.0, 7, 2
 
@@ -37,13 +42,18 @@ def _optim():
     return OptimizerConfig(lr=LR, weight_decay=0.1, grad_clip=CLIP, warmup_steps=0, schedule="constant")
 
 
-def _loss_fn(model, groups, n_main, n_mtp, use_mtp, step_batches):
+def _loss_fn(model, groups, n_main, n_mtp, use_mtp, step_batches, fused_head=False):
     tp_group = groups.tp_group if groups is not None and groups.dims.tp > 1 else None
 
     def loss_fn(k):
         ids, pos, labels, mtp_labels, _ = step_batches[k]
         if groups is not None:
             ids, pos, labels, mtp_labels = shard_batch(groups, ids, pos, labels, mtp_labels)
+        if fused_head:  # the pretraining loss's head: the root's weight read outside the model's forward
+            out = model(ids, position_ids=pos, logits=False)
+            loss = lm_loss_sum_fused_head(out.hidden_states, model.output.weight, labels.clamp(min=0),
+                                          (labels != -100).float()) / n_main
+            return loss, {"loss": loss.detach()}
         out = model(ids, position_ids=pos, mtp=use_mtp)
         logits, mtp_logits = (out.logits, out.mtp_logits) if use_mtp else (out, [])
         loss = loss_terms(logits, mtp_logits, labels, mtp_labels, tp_group, n_main, n_mtp)
@@ -58,16 +68,20 @@ def _step_batches(step, cfg):
     return bs, n_main, n_mtp
 
 
-def make_case(preset: str, overrides=None, steps=5, **parallel):
+def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, **parallel):
     def run():
         cfg = tiny_config(preset).replace(**(overrides or {}))
         use_mtp = cfg.num_mtp_layers > 0
+        fp8_cfg = FP8Config(**(fp8 or {}))
         core = TrainingCore(cfg, {}, Layout(ParallelConfig(**parallel)), torch.device("cpu"), optim=_optim(),
-                            fp8=FP8Config(), seed=SEED)
+                            fp8=fp8_cfg, seed=SEED)
         ref = TrainingCore(cfg, {}, Layout(ParallelConfig(), distributed=False), torch.device("cpu"),
-                           optim=_optim(), fp8=FP8Config(), seed=SEED)
+                           optim=_optim(), fp8=fp8_cfg, seed=SEED)
         groups = core.layout.groups
         errs = {"is_fsdp": float(is_fsdp(core.model) != bool(parallel.get("fsdp")))}
+        if fp8:  # the FP8 GEMMs are in place
+            errs["fp8_applied"] = float(not any(isinstance(getattr(m, "linear_fn", None), FP8LinearFunction)
+                                                for m in core.model.modules()))
         # init: each piece equals the reference's box; the pieces of all ranks cover every element
         ref_t = dict(named_tensors(ref.model))
         for name, t in named_tensors(core.model):
@@ -82,7 +96,7 @@ def make_case(preset: str, overrides=None, steps=5, **parallel):
         bs, n_main, n_mtp = _step_batches(0, cfg)
         total = torch.zeros(())
         for model, g in ((ref.model, None), (core.model, groups)):
-            fn = _loss_fn(model, g, n_main, n_mtp, use_mtp, bs)
+            fn = _loss_fn(model, g, n_main, n_mtp, use_mtp, bs, fused_head)
             loss = sum(fn(k)[0] for k in range(MICRO))
             loss.backward()
             if g is None:
@@ -109,10 +123,24 @@ def make_case(preset: str, overrides=None, steps=5, **parallel):
         losses, ref_losses = [], []
         for step in range(steps):
             bs, n_main, n_mtp = _step_batches(1 + step, cfg)
-            ref_losses.append(ref.step(_loss_fn(ref.model, None, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
-            losses.append(core.step(_loss_fn(core.model, groups, n_main, n_mtp, use_mtp, bs), range(MICRO), LR)["loss"])
+            ref_fn = _loss_fn(ref.model, None, n_main, n_mtp, use_mtp, bs, fused_head)
+            ref_losses.append(ref.step(ref_fn, range(MICRO), LR)["loss"])
+            losses.append(core.step(_loss_fn(core.model, groups, n_main, n_mtp, use_mtp, bs, fused_head),
+                                   range(MICRO), LR)["loss"])
         for step in range(steps):
             errs[f"loss_{step}"] = abs(losses[step] - ref_losses[step]) / abs(ref_losses[step])
+        # the trained shards gather to full tensors holding every rank's pieces, and load back piece by piece
+        full, ref_sd = full_state_dict(core.model, groups), ref.model.state_dict()
+        errs["state_dict_keys"] = float(set(full) != set(ref_sd)
+                                        or any(full[k].shape != ref_sd[k].shape for k in ref_sd))
+        errs["state_dict_gather"] = float(any(not torch.equal(local_tensor(t)[pc.local], full[name][pc.full])
+                                              for name, t in named_tensors(core.model) for pc in local_pieces(t)))
+        with torch.no_grad():
+            for _, t in named_tensors(core.model):
+                local_tensor(t).zero_()
+        load_full_state_dict(core.model, full)
+        errs["state_dict_reload"] = float(any(not torch.equal(local_tensor(t)[pc.local], full[name][pc.full])
+                                              for name, t in named_tensors(core.model) for pc in local_pieces(t)))
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
                 "n_params": n_params, "activation_analytic_over_measured": None}
@@ -126,7 +154,11 @@ CASES_4 = {
     "ep2": make_case(QW, steps=2, ep=2, zero1=False),
     # FSDP layouts
     "fsdp": make_case(DS, fsdp=True),
-    "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1}, fsdp=True, ep=2),
+    "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False}, fsdp=True, ep=2),
+    "fsdp_ep2_fused_head": make_case(QW, steps=3, fused_head=True, fsdp=True, ep=2),
+    # MXFP8 dense and grouped GEMMs quantise the gathered weights (weight gradients in high precision, so
+    # the token split across ranks does not change their rounding)
+    "fsdp_tp2_mxfp8": make_case(QW, steps=2, fp8={"recipe": "mxfp8", "wgrad_bf16": True}, fsdp=True, tp=2),
     "fsdp_tp2_sp": make_case(QW, fsdp=True, tp=2, sequence_parallel=True),
     "fsdp_cp2_selective_ac": make_case(DS, fsdp=True, cp=2, activation_checkpointing="selective"),
     "fsdp_tp2_ep2": make_case(DS, fsdp=True, tp=2, ep=2),

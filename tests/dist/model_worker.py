@@ -23,7 +23,8 @@ from megatron_composer.parallel import collectives as C  # noqa: E402
 from megatron_composer.parallel.cost import Layout, activation_bytes, saved_tensor_bytes  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
-from megatron_composer.parallel.layers import full_state_dict, load_full_state_dict  # noqa: E402
+from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
+from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
 from megatron_composer.parallel.vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
 
