@@ -29,16 +29,26 @@ from .cpu.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_ke
                               matmul_kernel)
 
 
-def _has_grouped_mm() -> bool:
+_GROUPED_MM_REJECTED: set = set()  # operand signatures torch._grouped_mm refused once: not tried again
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> Optional[torch.Tensor]:
+    """torch._grouped_mm(a, b, offs) where torch has it for these operands (CUDA, bfloat16, Hopper or newer,
+    16-byte aligned rows), else None (the caller runs the C++ kernel or the loops). Decided per call from the
+    operands: an import-time probe on CPU tensors cannot say what the GPU supports."""
+    if not (a.is_cuda and a.dtype == b.dtype == torch.bfloat16) or is_fake(a):
+        return None
+    key = (a.device.index, a.dim(), b.dim(), a.stride(), b.stride())
+    if key in _GROUPED_MM_REJECTED or torch.cuda.get_device_capability(a.device) < (9, 0):
+        return None
     try:
-        x, w = torch.zeros(2, 2), torch.zeros(1, 2, 2)
-        torch._grouped_mm(x, w, offs=torch.tensor([2], dtype=torch.int32))
-        return True
-    except Exception:
-        return False
-
-
-_GROUPED_MM = _has_grouped_mm()
+        return torch._grouped_mm(a, b, offs=offs)
+    except RuntimeError as e:  # alignment or layout torch does not take: per-group matmuls instead, said once
+        _GROUPED_MM_REJECTED.add(key)
+        import warnings
+        warnings.warn(f"torch._grouped_mm refused operands {tuple(a.shape)} x {tuple(b.shape)} ({str(e).splitlines()[0]}); "
+                      "using per-group matmuls for them")
+        return None
 
 
 def reference_mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -77,8 +87,8 @@ def reference_combine(y_SD: torch.Tensor, weights_TK: torch.Tensor, order_S: tor
 
 
 def mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if _GROUPED_MM:
-        return torch._grouped_mm(a_TK, b_GKN, offs=offs)
+    if (out := _grouped_mm(a_TK, b_GKN, offs)) is not None:
+        return out
     kernel = matmul_kernel(a_TK, b_GKN)
     if kernel is not None:
         return kernel.mm_rows(a_TK, b_GKN, offs)
@@ -86,8 +96,8 @@ def mm_rows(a_TK: torch.Tensor, b_GKN: torch.Tensor, offs: torch.Tensor) -> torc
 
 
 def mm_outer(a_TM: torch.Tensor, b_TN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    if _GROUPED_MM:
-        return torch._grouped_mm(a_TM.t(), b_TN, offs=offs)
+    if (out := _grouped_mm(a_TM.t(), b_TN, offs)) is not None:
+        return out
     kernel = matmul_kernel(a_TM, b_TN)
     if kernel is not None:
         return kernel.mm_outer(a_TM, b_TN, offs)
