@@ -141,7 +141,7 @@ def worker(layouts: list[dict], out: str) -> None:
     results = []
     for spec in layouts:
         dims = ParallelDims(world, tp=spec.get("tp", 1), cp=spec.get("cp", 1), ep=spec.get("ep", 1),
-                            sequence_parallel=spec.get("sp", False))
+                            sequence_parallel=spec.get("sp", False), dp_replicate=spec.get("dp_replicate", 1))
         groups = dims.build()
         cfg = get_preset(spec["preset"]).replace(vocab_size=512, num_layers=3)
         torch.manual_seed(0)
@@ -157,7 +157,7 @@ def worker(layouts: list[dict], out: str) -> None:
         model = parallelize_model(copy.deepcopy(full), groups, cp_attention=cp_attention)
         zero1, fsdp, micro = spec.get("zero1", True), spec.get("fsdp", False), spec.get("micro", 1)
         if fsdp:
-            model = apply_fsdp(model, groups, dp_replicate=spec.get("dp_replicate", 1))
+            model = apply_fsdp(model, groups)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         else:
             opt = DistributedAdamW(model.named_parameters(), groups, lr=1e-3, zero1=zero1)

@@ -65,14 +65,14 @@ PAIRS = [
 def build(layout: dict, seed: int = 0):
     world = dist.get_world_size()
     assert world == layout["world"]
-    dims = ParallelDims(world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
+    dims = ParallelDims(world, tp=layout.get("tp", 1), ep=layout.get("ep", 1), dp_replicate=layout.get("dp_replicate", 1))
     groups = dims.build() if world > 1 else None
     torch.manual_seed(seed)
     model = Transformer(config())
     if groups is not None:
         model = parallelize_model(model, groups)
     if layout.get("fsdp"):
-        model = apply_fsdp(model, groups, dp_replicate=layout.get("dp_replicate", 1))
+        model = apply_fsdp(model, groups)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     elif groups is not None:
         opt = DistributedAdamW(model.named_parameters(), groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,

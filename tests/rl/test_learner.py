@@ -46,7 +46,14 @@ def test_fp8_recipe_trains_an_rl_step(rl_assets, tmp_path):
     assert sum(isinstance(m, FP8Linear) for m in fp8.model.modules()) > 0
     samples, _, n = ref.samples(_groups(ref.mc))
     loss_ref, loss_fp8 = ref.backward(samples, n)["loss"], fp8.backward(samples, n)["loss"]
-    assert loss_fp8 != loss_ref and loss_fp8 == pytest.approx(loss_ref, rel=0.05)
+    assert loss_fp8 != loss_ref  # the FP8 GEMMs ran
+    # The policy-gradient loss is a near-cancelling sum of advantage-weighted terms, so compare what the step
+    # uses, the gradient: the FP8 one points the same way with about the same size.
+    grads = [{n: p.grad.flatten() for n, p in m.model.named_parameters() if p.grad is not None} for m in (ref, fp8)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    g_ref, g_fp8 = (torch.cat([g[n] for n in sorted(g)]) for g in grads)
+    assert torch.nn.functional.cosine_similarity(g_ref, g_fp8, dim=0) > 0.98
+    assert float(g_fp8.norm()) == pytest.approx(float(g_ref.norm()), rel=0.05)
     fp8.optimizer.zero_grad()
     before = {k: v.clone() for k, v in fp8.model.state_dict().items()}
     m = fp8.step(_groups(ref.mc), lr=1e-3)

@@ -255,18 +255,25 @@ def test_shipped_stages_after_the_long_context_stage_keep_its_rope(family, rope,
 
 
 def test_shipped_tiny_stages_share_one_rope():
+    """The tiny chain: long-context at 256 (YaRN factor 2 over 128); SFT extends to 1024 for the agent episodes
+    (factor 8); both RL runs start from SFT and run with its rope whatever their own sequence length."""
     from megatron_composer.data.tokenizer import load_tokenizer  # noqa: F401  (the tiny tokenizer may be absent)
+    from megatron_composer.model.args import RopeScaling, stage_rope_scaling
     from pretrain.trainer import PretrainConfig
-
-    ropes = set()
-    for name in ("long_context.yaml", "sft.yaml"):
-        cfg = load_config(PretrainConfig, ROOT / "examples/tiny" / name)
-        ropes.add((cfg.data.seq_length / cfg.model.yarn_original_length, cfg.model.yarn_original_length))
     from rl.config import RLConfig
 
-    rl = load_config(RLConfig, ROOT / "examples/tiny/rl.yaml")
-    ropes.add((rl.data.seq_length / rl.model.yarn_original_length, rl.model.yarn_original_length))
-    assert ropes == {(2.0, 128)}
+    def rope(cfg):
+        return (cfg.data.seq_length / cfg.model.yarn_original_length, cfg.model.yarn_original_length)
+
+    lc = load_config(PretrainConfig, ROOT / "examples/tiny/long_context.yaml")
+    sft = load_config(PretrainConfig, ROOT / "examples/tiny/sft.yaml")
+    assert rope(lc) == (2.0, 128) and rope(sft) == (8.0, 128)
+    sft_rope = RopeScaling(factor=8.0, original_max_position_embeddings=128)
+    for name in ("rl.yaml", "rl_agent.yaml"):
+        rl = load_config(RLConfig, ROOT / "examples/tiny" / name)
+        assert rl.checkpoint.init_from == sft.run.dir
+        configured = RopeScaling(factor=rope(rl)[0], original_max_position_embeddings=128)
+        assert stage_rope_scaling(configured, rl.data.seq_length, sft_rope) == sft_rope, name
 
 
 def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
