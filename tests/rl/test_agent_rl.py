@@ -60,6 +60,7 @@ def run(rl_assets, tmp_path_factory):
     return [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.e2e  # about 4 minutes on 2 cores: make test-e2e
 def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
     assert [r["step"] for r in run] == [0, 1, 2]  # step 0: the held-out evaluation of the initial weights
     start, run = run[0], run[1:]
