@@ -88,11 +88,12 @@ class ShardedWeightPublisher:
     """Publishes versions of a laid-out model from every rank of `group` (all of them call `publish`).
 
     Args are WeightPublisher's (store: this rank's handle on the shared store); `group` is the trainer's
-    process group (None: the default group)."""
+    process group (None: the default group); `dtype`: floating tensors are published cast to it (None: as
+    held), e.g. the rollout engine's bf16 while the trainer holds fp32 masters."""
 
     def __init__(self, store: ObjectStore, group=None, snapshot_interval: int = 20, keep_snapshots: int | None = 2,
                  shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, compression_level: int = 1,
-                 threads: int | None = None):
+                 threads: int | None = None, dtype: torch.dtype | None = None):
         if snapshot_interval < 1:
             raise ValueError(f"snapshot_interval must be >= 1, got {snapshot_interval}")
         if keep_snapshots is not None and keep_snapshots < 1:
@@ -101,7 +102,7 @@ class ShardedWeightPublisher:
             raise ValueError(f"shard_bytes must be >= 1 and chunk_bytes >= 8, got {shard_bytes}, {chunk_bytes}")
         if not -7 <= compression_level <= 22:
             raise ValueError(f"compression_level must be a zstd level in [-7, 22], got {compression_level}")
-        self.store, self.group = store, group
+        self.store, self.group, self.dtype = store, group, dtype
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.snapshot_interval, self.keep_snapshots = snapshot_interval, keep_snapshots
@@ -116,6 +117,9 @@ class ShardedWeightPublisher:
     @property
     def last_version(self) -> int | None:
         return self._base_version
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def _gather(self, obj):
         out = [None] * self.world
@@ -136,7 +140,8 @@ class ShardedWeightPublisher:
         for name, t in named_tensors(model):
             pieces = local_pieces(t)
             tensors[name] = (local_tensor(t), pieces)
-            meta[name] = (dtype_name(t.dtype), list(full_shape(t)))
+            dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+            meta[name] = (dtype_name(dtype), list(full_shape(t)))
         if not tensors:
             raise WeightSyncError("cannot publish a model without parameters")
         held = [(name, _box(pc.full)) for name, (_, pieces) in tensors.items() for pc in pieces]
@@ -168,7 +173,7 @@ class ShardedWeightPublisher:
                 for pc in pieces:
                     key = (name, _box(pc.full))
                     if key in mine:
-                        bits[key] = to_bits(local[pc.local])
+                        bits[key] = to_bits(self._cast(local[pc.local]))
             if has_base:
                 result["delta"] = self._write_part(version, vid, "delta", bits, self._base)
             if is_snapshot:

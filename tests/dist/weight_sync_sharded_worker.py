@@ -6,7 +6,7 @@ trainer's gathered full weights after every version, from a fresh subscriber (sn
 that follows every version (deltas on what it holds), and fetch only the objects overlapping their boxes.
 
 Fault case: an owner failing mid-publish leaves the version invisible (no manifest, no objects), and the next
-publish succeeds as a delta a follower applies bit-exactly.
+publish succeeds as a delta a follower applies bit-exactly (published in bf16 from the fp32 masters).
 
 --store: a local directory (default, under --out) or s3://... (the endpoint in WEIGHT_SYNC_S3_ENDPOINT)."""
 
@@ -124,7 +124,8 @@ def publish_read():
 def owner_fault():
     core, groups = _trainer()
     store = _store("owner_fault")
-    pub = ShardedWeightPublisher(store, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096)
+    pub = ShardedWeightPublisher(store, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096,
+                                 dtype=torch.bfloat16)   # the fp32 masters published as the engine's bf16
     follower = WeightSubscriber(_store("owner_fault"))
     out = {}
     for v in (1, 2):
@@ -155,7 +156,7 @@ def owner_fault():
     _step(core, groups, 4)
     stats = pub.publish(core.model, 4)
     out["next_base"] = stats.base_version
-    full = full_state_dict(core.model, groups)
+    full = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in full_state_dict(core.model, groups).items()}
     got = follower.fetch()
     out["follower_version"] = follower.version
     out["follower_equal"] = _all_ok(all(_same(got[k], full[k]) for k in full))
