@@ -11,15 +11,17 @@ deltas. ``ObjectStore`` is a local directory or ``s3://`` through fsspec, with r
     stats = pub.publish(model.state_dict(), version=step)         # trainer, after each optimizer step
     sub = WeightSubscriber(store); sub.start(poll_seconds=1.0)    # rollout worker
     ready = sub.pop_ready()                                       # between decode steps: (version, state) or None
+    ShardedWeightPublisher(store).publish(model, version=step)    # every trainer rank: its owned boxes (sharded.py)
 """
 
 from .codec import WeightSyncError
 from .config import WeightSyncConfig
 from .publisher import PublishStats, WeightPublisher
+from .sharded import ShardedWeightPublisher
 from .store import ObjectStore, ObjectStoreError
 from .subscriber import WeightSubscriber, WeightSyncChecksumError
 
 __all__ = [
-    "ObjectStore", "ObjectStoreError", "PublishStats", "WeightPublisher", "WeightSubscriber", "WeightSyncChecksumError",
+    "ObjectStore", "ObjectStoreError", "PublishStats", "ShardedWeightPublisher", "WeightPublisher", "WeightSubscriber", "WeightSyncChecksumError",
     "WeightSyncConfig", "WeightSyncError",
 ]

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from . import manifest as mf
-from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, int_view_dtype
+from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, int_view_dtype, to_bits
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,17 @@ class WeightSubscriber:
         if head["id"] == self._id:
             return self._state()
         start, deltas = self._plan(head)
+        if any(_is_sharded(m) for m in (deltas if start == "held" else [start, *deltas])):
+            # published by several owners: reconstructed box by box (one box per stored piece's reach)
+            reader = (VersionReader(self, target, deltas, held=(self._bits, self._meta)) if start == "held"
+                      else VersionReader(self, target, [start, *deltas]))
+            bits = {name: to_bits(reader.read(name)) for name in reader.names}
+            meta = dict(reader.meta)
+            if start != "held":
+                self.snapshots_fetched += 1
+            self._bits, self._meta, self._version, self._id = bits, meta, target, head["id"]
+            self.versions_fetched += 1
+            return self._state()
         if start == "held":
             bits, meta = self._bits, self._meta
         else:
@@ -312,30 +323,62 @@ class VersionReader:
             raise WeightSyncError(f"weight version {self.version} has no tensor '{name}'")
         dtype, shape = self.meta[name]
         box = tuple(box) + (slice(None),) * (len(shape) - len(box))
-        ranges = [range(*s.indices(n)) for s, n in zip(box, shape)]
-        strides = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        sizes = [len(r) for r in ranges]
+        want = []
+        for s, n in zip(box, shape):
+            r = range(*s.indices(n))
+            if r.step != 1:
+                raise WeightSyncError(f"read of '{name}': box {box} has a step; boxes are contiguous slices")
+            want.append((r.start, max(r.start, r.stop)))
+        sizes = [hi - lo for lo, hi in want]
         int_dtype = int_view_dtype(dtype)
         if 0 in sizes:
             return torch.empty(sizes, dtype=dtype)
-        lo = sum(r.start * s for r, s in zip(ranges, strides))
-        hi = sum((r.stop - 1) * s for r, s in zip(ranges, strides)) + 1
         if self.held is not None:
-            span = self.held[0][name][lo:hi].clone()
+            out = self.held[0][name].view(shape)[tuple(slice(lo, hi) for lo, hi in want)].clone()
         else:
-            span = torch.zeros(hi - lo, dtype=int_dtype)
+            out = torch.zeros(sizes, dtype=int_dtype)
         for manifest, part, tensors in self.parts:
-            for shard, offset, length, s, n in tensors[name]["chunks"]:
-                a, b = max(lo, s), min(hi, s + n)
-                if a >= b:
-                    continue
-                chunk = torch.empty(n, dtype=int_dtype)
-                data = self._shard(manifest, part, shard)
-                decode_chunk(memoryview(data)[offset:offset + length], n, int_dtype, None, chunk)
-                self.elements_decoded += n
-                # a snapshot chunk is the bits themselves (XOR against zeros), a delta chunk the XOR to apply
-                span[a - lo:b - lo].bitwise_xor_(chunk[a - s:b - s])
-        out = span.as_strided(sizes, strides) if len(shape) else span.view(())
-        return from_bits(out.contiguous(), dtype, sizes)
+            for piece_box, chunks in _pieces(tensors[name], shape):
+                inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, piece_box)]
+                if any(lo >= hi for lo, hi in inter):
+                    continue   # an object of another owner's box: not fetched
+                dst = out[tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(inter, want))]
+                dst.bitwise_xor_(self._decode_box(manifest, part, chunks, piece_box, inter, int_dtype))
+        return from_bits(out if len(shape) else out.view(()), dtype, sizes)
+
+    def _decode_box(self, manifest: dict, part: str, chunks: list, piece_box: list, inter: list,
+                    int_dtype: torch.dtype) -> torch.Tensor:
+        """Bits of box `inter` (full-tensor coordinates) from the chunks of one stored piece (its box
+        `piece_box`, stored flat, row-major): only the chunks of the flat span from its first to last element."""
+        pshape = [hi - lo for lo, hi in piece_box]
+        strides = [1] * len(pshape)
+        for d in range(len(pshape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * pshape[d + 1]
+        local = [(lo - p, hi - p) for (lo, hi), (p, _) in zip(inter, piece_box)]
+        lo = sum(a * st for (a, _), st in zip(local, strides))
+        hi = sum((b - 1) * st for (_, b), st in zip(local, strides)) + 1
+        span = torch.zeros(hi - lo, dtype=int_dtype)
+        for shard, offset, length, s, n in chunks:
+            a, b = max(lo, s), min(hi, s + n)
+            if a >= b:
+                continue
+            chunk = torch.empty(n, dtype=int_dtype)
+            data = self._shard(manifest, part, shard)
+            decode_chunk(memoryview(data)[offset:offset + length], n, int_dtype, None, chunk)
+            self.elements_decoded += n
+            # a snapshot chunk is the bits themselves (XOR against zeros), a delta chunk the XOR to apply
+            span[a - lo:b - lo] = chunk[a - s:b - s]
+        sizes = [b - a for a, b in local]
+        return span.as_strided(sizes, strides) if sizes else span.view(())
+
+
+def _is_sharded(manifest: dict) -> bool:
+    return any("pieces" in t for part in manifest["parts"].values() for t in part["tensors"])
+
+
+def _pieces(entry: dict, shape: list[int]) -> list[tuple[list, list]]:
+    """(box, chunks) of one tensor entry of a part: a sharded publish stores one piece per owned box, the
+    single-writer publisher the whole tensor as one."""
+    if "pieces" in entry:
+        return [([tuple(r) for r in pc["box"]], pc["chunks"]) for pc in entry["pieces"]]
+    return [([(0, n) for n in shape], entry["chunks"])]
