@@ -154,45 +154,11 @@ class WeightPublisher:
     # --- encoding ------------------------------------------------------------------------------------------
     def _write_part(self, version: int, vid: str, part: str, bits: dict[str, torch.Tensor],
                     meta: dict[str, tuple[str, list[int]]], base: dict[str, torch.Tensor] | None) -> tuple[dict, int]:
-        jobs = []   # (tensor index, start, count)
-        tensors = []
-        for i, (name, b) in enumerate(bits.items()):
-            tensors.append({"name": name, "dtype": meta[name][0], "shape": meta[name][1], "chunks": []})
-            step = max(1, self.chunk_bytes // b.element_size())
-            jobs += [(i, name, s, min(step, b.numel() - s)) for s in range(0, b.numel(), step)]
-
-        def encode(job):
-            i, name, s, n = job
-            blob, same = encode_chunk(bits[name][s:s + n], None if base is None else base[name][s:s + n],
-                                      self.compression_level)
-            return i, s, n, blob, same
-
-        shards: list[dict] = []
-        uploads: list[Future] = []
-        buf: list[bytes] = []
-        buf_len, unchanged = 0, 0
-
-        def flush() -> None:
-            nonlocal buf, buf_len
-            data = b"".join(buf)
-            key = f"{mf.version_dir(version)}/{part}-{vid[:8]}-{len(shards):05d}.zst"
-            shards.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-            uploads.append(put_pool.submit(self.store.put, key, data))
-            buf, buf_len = [], 0
-
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="wsync-encode") as enc_pool, \
-                ThreadPoolExecutor(self.store.threads, thread_name_prefix="wsync-put") as put_pool:
-            for i, s, n, blob, same in _ordered_map(enc_pool, encode, jobs, window=4 * self.threads):
-                if buf and buf_len + len(blob) > self.shard_bytes:
-                    flush()
-                tensors[i]["chunks"].append([len(shards), buf_len, len(blob), s, n])
-                buf.append(blob)
-                buf_len += len(blob)
-                unchanged += same
-            if buf:
-                flush()
-            for f in uploads:
-                f.result()
+        tensors = [{"name": name, "dtype": meta[name][0], "shape": meta[name][1], "chunks": []} for name in bits]
+        shards, unchanged = encode_and_upload(
+            self.store, list(bits.values()), None if base is None else [base[n] for n in bits], tensors,
+            lambda n: f"{mf.version_dir(version)}/{part}-{vid[:8]}-{n:05d}.zst", chunk_bytes=self.chunk_bytes,
+            shard_bytes=self.shard_bytes, threads=self.threads, compression_level=self.compression_level)
         return {"bytes": sum(s["bytes"] for s in shards), "shards": shards, "tensors": tensors}, unchanged
 
     # --- garbage collection --------------------------------------------------------------------------------
@@ -209,3 +175,49 @@ class WeightPublisher:
             if v is not None and doomed(v):
                 self.store.delete(mf.manifest_key(v))   # invisible first, then the shards
                 self.store.delete_prefix(mf.version_dir(v))
+
+
+def encode_and_upload(store, bits: list[torch.Tensor], base: list[torch.Tensor] | None, entries: list[dict],
+                      shard_key: Callable[[int], str], *, chunk_bytes: int, shard_bytes: int, threads: int,
+                      compression_level: int) -> tuple[list[dict], int]:
+    """Encode each flat bit tensor bits[i] in chunks (XOR against base[i], zstd) on `threads` threads, pack the
+    blobs in order into shard objects of about shard_bytes named shard_key(n), upload them while encoding goes
+    on, and record every chunk as [shard, offset, length, start, count] in entries[i]["chunks"]. Returns the
+    shard records (key, bytes, sha256) and the number of unchanged elements."""
+    jobs = []   # (entry index, start, count)
+    for i, b in enumerate(bits):
+        step = max(1, chunk_bytes // b.element_size())
+        jobs += [(i, s, min(step, b.numel() - s)) for s in range(0, b.numel(), step)]
+
+    def encode(job):
+        i, s, n = job
+        return (i, s, n, *encode_chunk(bits[i][s:s + n], None if base is None else base[i][s:s + n],
+                                       compression_level))
+
+    shards: list[dict] = []
+    uploads: list[Future] = []
+    buf: list[bytes] = []
+    buf_len, unchanged = 0, 0
+
+    def flush() -> None:
+        nonlocal buf, buf_len
+        data = b"".join(buf)
+        key = shard_key(len(shards))
+        shards.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        uploads.append(put_pool.submit(store.put, key, data))
+        buf, buf_len = [], 0
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="wsync-encode") as enc_pool, \
+            ThreadPoolExecutor(store.threads, thread_name_prefix="wsync-put") as put_pool:
+        for i, s, n, blob, same in _ordered_map(enc_pool, encode, jobs, window=4 * threads):
+            if buf and buf_len + len(blob) > shard_bytes:
+                flush()
+            entries[i]["chunks"].append([len(shards), buf_len, len(blob), s, n])
+            buf.append(blob)
+            buf_len += len(blob)
+            unchanged += same
+        if buf:
+            flush()
+        for f in uploads:
+            f.result()
+    return shards, unchanged

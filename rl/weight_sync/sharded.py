@@ -17,12 +17,10 @@ subscriber.VersionReader reads for any box of any layout.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -31,8 +29,8 @@ import torch.nn as nn
 from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors
 
 from . import manifest as mf
-from .codec import WeightSyncError, dtype_from_name, dtype_name, encode_chunk, to_bits
-from .publisher import PublishStats, _ordered_map
+from .codec import WeightSyncError, dtype_from_name, dtype_name, to_bits
+from .publisher import PublishStats, encode_and_upload
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -226,45 +224,12 @@ class ShardedWeightPublisher:
     def _write_part(self, version: int, vid: str, part: str, bits: dict[tuple[str, Box], torch.Tensor],
                     base: dict[tuple[str, Box], torch.Tensor] | None) -> dict:
         keys = list(bits)
-        jobs = []   # (piece index, start, count)
-        for i, key in enumerate(keys):
-            b = bits[key]
-            step = max(1, self.chunk_bytes // b.element_size())
-            jobs += [(i, s, min(step, b.numel() - s)) for s in range(0, b.numel(), step)]
         pieces = [{"name": name, "box": [list(r) for r in box], "chunks": []} for name, box in keys]
-
-        def encode(job):
-            i, s, n = job
-            key = keys[i]
-            return (i, s, n, *encode_chunk(bits[key][s:s + n], None if base is None else base[key][s:s + n],
-                                           self.compression_level))
-
-        shards: list[dict] = []
-        uploads: list[Future] = []
-        buf: list[bytes] = []
-        buf_len, unchanged = 0, 0
-
-        def flush() -> None:
-            nonlocal buf, buf_len
-            data = b"".join(buf)
-            key = f"{mf.version_dir(version)}/{part}-{vid[:8]}-r{self.rank:05d}-{len(shards):05d}.zst"
-            shards.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-            uploads.append(put_pool.submit(self.store.put, key, data))
-            buf, buf_len = [], 0
-
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="wsync-encode") as enc_pool, \
-                ThreadPoolExecutor(self.store.threads, thread_name_prefix="wsync-put") as put_pool:
-            for i, s, n, blob, same in _ordered_map(enc_pool, encode, jobs, window=4 * self.threads):
-                if buf and buf_len + len(blob) > self.shard_bytes:
-                    flush()
-                pieces[i]["chunks"].append([len(shards), buf_len, len(blob), s, n])
-                buf.append(blob)
-                buf_len += len(blob)
-                unchanged += same
-            if buf:
-                flush()
-            for f in uploads:
-                f.result()
+        shards, unchanged = encode_and_upload(
+            self.store, [bits[k] for k in keys], None if base is None else [base[k] for k in keys], pieces,
+            lambda n: f"{mf.version_dir(version)}/{part}-{vid[:8]}-r{self.rank:05d}-{n:05d}.zst",
+            chunk_bytes=self.chunk_bytes, shard_bytes=self.shard_bytes, threads=self.threads,
+            compression_level=self.compression_level)
         return {"bytes": sum(s["bytes"] for s in shards), "shards": shards, "pieces": pieces,
                 "unchanged": unchanged, "numel": sum(b.numel() for b in bits.values())}
 
