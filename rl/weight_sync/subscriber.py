@@ -484,8 +484,9 @@ class ShardSubscriber(WeightSubscriber):
         self.range_reads = range_reads
         self._held_lock = threading.Lock()
         self._refused: int | None = None   # version refused for a corrupt object: not retried until a newer one
-        self._ready_update: BoxUpdate | None = None
-        self.last_update: BoxUpdate | None = None   # the last one prepared (metrics)
+        self._ready_update: BoxUpdate | None = None   # prepared in the background, not yet popped
+        self._prefetched: BoxUpdate | None = None     # the last one prepared in the background (popped or not)
+        self.last_update: BoxUpdate | None = None     # the last one prepared (metrics)
 
     @classmethod
     def for_model(cls, store: ObjectStore, model: torch.nn.Module, **kw) -> "ShardSubscriber":
@@ -683,14 +684,13 @@ class ShardSubscriber(WeightSubscriber):
             try:
                 latest = self.latest_version()
                 held_id, held_version = self._held()
-                with self._ready_lock:
-                    ready = self._ready_update
-                fresh = ready is not None and ready.version == latest and (not ready.delta or ready.base_id == held_id)
+                done = self._prefetched
+                fresh = done is not None and done.version == latest and (not done.delta or done.base_id == held_id)
                 if latest is not None and latest != held_version and not fresh and latest != self._refused:
                     update = self.prepare(latest)
                     if update is not None:
                         with self._ready_lock:
-                            self._ready_update = update
+                            self._ready_update = self._prefetched = update
                         if on_ready is not None:
                             on_ready(latest)
             except Exception as e:   # an outage or a bad version must not kill the worker: log, count, poll on

@@ -51,7 +51,7 @@ def rollout_case(preset: str):
             publisher = sync.publisher(sync.open_store(str(store_dir)))
             publisher.publish(_weights(cfg, 0), 0)
         dist.barrier()
-        subscriber = sync.subscriber(sync.open_store(str(store_dir)))
+        subscriber = sync.shard_subscriber(sync.open_store(str(store_dir)), par)   # this rank's boxes only
         if rank != 0:
             run_follower("follower", rcfg, par, subscriber, poll_seconds=0.05)
             return {}
@@ -75,7 +75,7 @@ def rollout_case(preset: str):
         one = RolloutWorker("one", rcfg, Transformer(cfg).eval(), tok, [], queue=None, subscriber=None)
         want = []
         for version in (0, 1):
-            one._apply(version, _weights(cfg, version))
+            one.drive.update_weights(_weights(cfg, version), version)
             want.append(one.generate(prompts, NEW_TOKENS, seeds))
         pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w)]
         return {"first_version": first, "applied": [v for v, _ in worker.applied],
