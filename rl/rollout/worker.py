@@ -40,6 +40,7 @@ import torch
 
 from megatron_composer.data.chat_template import IM_END, render_text
 from megatron_composer.inference import Engine, Lockstep, follow
+from megatron_composer.inference.lockstep import WeightsRefused
 from megatron_composer.inference.sampling import SamplingParams
 from rl.orchestrator import WorkItem, WorkQueue
 from rl.rollout.tasks import RLTask
@@ -224,7 +225,11 @@ class RolloutWorker:
         """Apply a prepared BoxUpdate of this rank's boxes (an XOR delta on the held weights, or the values);
         the engine's other ranks apply their own update of the same version (followers fetch it themselves)."""
         t0 = time.perf_counter()
-        self.drive.update_weights(update, update.version, delta=update.delta, broadcast=False)
+        try:
+            self.drive.update_weights(update, update.version, delta=update.delta, broadcast=False)
+        except WeightsRefused as e:  # another rank of the engine could not prepare it: no rank applied it
+            print(f"worker {self.name}: {e}; the engine keeps v{self.engine.weight_version}", flush=True)
+            return
         update.commit()
         dt = time.perf_counter() - t0
         self.applied.append((update.version, dt))
