@@ -64,7 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.e2e   # ~4 min on 2 cores: every shard read is an HTTP request to the moto server
+@pytest.mark.e2e   # ~6 min on 2 busy cores: every object and range read is an HTTP request to the moto server
 def test_sharded_publish_fsdp_ep2_to_other_layouts_s3(tmp_path, monkeypatch):
     moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
     pytest.importorskip("s3fs", reason="s3fs is not installed")
