@@ -1,6 +1,6 @@
-"""End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2`: rank 0 trains, ranks 1-2 are one
-tensor-parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2 follows and reads every weight
-version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
+"""End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2` (or rollout.ep=2): rank 0 trains,
+ranks 1-2 are one tensor- (expert-) parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2
+follows and reads its own boxes of every weight version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
 on tokens of later versions, and every process exits cleanly; a rollout.tp that does not divide the rollout
 ranks is refused with one line before any work."""
 
@@ -58,9 +58,10 @@ def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, env: dict | 
 
 
 @pytest.mark.dist
-def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path):
+@pytest.mark.parametrize("layout", [{"rollout.tp": 2}, {"rollout.tp": 1, "rollout.ep": 2}], ids=["tp2", "ep2"])
+def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path, layout):
     run_dir = tmp_path / "run"
-    res = _launch(rl_assets, run_dir, nproc=3, steps=3)
+    res = _launch(rl_assets, run_dir, nproc=3, steps=3, **layout)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
