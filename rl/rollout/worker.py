@@ -450,7 +450,7 @@ class _PrefetchedVersions:
             self._applied = max(self._applied, version)
             for v in [v for v in self._states if v < version]:
                 del self._states[v]  # the worker never goes back
-        if state is not None and state.delta and state.base_id != self.subscriber._held()[0]:
+        if state is not None and state.delta and state.base_id != self.subscriber.held_id:
             state = None  # a delta on a version this rank no longer holds
         return state if state is not None else self.subscriber.prepare(version)
 

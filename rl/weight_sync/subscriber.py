@@ -511,6 +511,11 @@ class ShardSubscriber(WeightSubscriber):
             if self._ready_update is not None and self._ready_update.version <= update.version:
                 self._ready_update = None
 
+    @property
+    def held_id(self) -> str | None:
+        """Id of the version the engine holds (the last committed), None before the first."""
+        return self._held()[0]
+
     def _held(self) -> tuple[str | None, int | None]:
         with self._held_lock:
             return self._id, self._version
