@@ -85,11 +85,13 @@ class RLConfig:
         """Raise a one-line ConfigError, before any work, if this launch of `world` processes cannot run the
         configured roles and trainer layout."""
         n = self.trainer_ranks
-        tp = self.rollout.tp
+        tp, ep = self.rollout.tp, self.rollout.ep
+        size = tp * ep
+        what = f"rollout.tp x rollout.ep = {tp} x {ep}"
         if self.role == "rollout":
-            if world % tp:
-                raise ConfigError(f"rollout.tp={tp} does not divide this launch's {world} rollout process(es); launch a "
-                                  f"multiple of {tp} (torchrun --nproc-per-node) or change rollout.tp")
+            if world % size:
+                raise ConfigError(f"{what} = {size} processes per engine does not divide this launch's {world} rollout "
+                                  f"process(es); launch a multiple of {size} (torchrun --nproc-per-node) or change them")
             return
         if self.role == "trainer" and n != world:
             raise ConfigError(f"role=trainer: all {world} process(es) of this launch train; set trainer_ranks={world} "
@@ -101,13 +103,15 @@ class RLConfig:
             raise ConfigError(f"trainer_ranks={n} leaves no rollout rank of the {world} and rollout.embedded_workers=0: "
                               "nothing would generate; launch more processes, lower trainer_ranks, or use role=trainer "
                               "with separately launched role=rollout workers")
-        if self.role == "auto" and tp > 1:
+        if self.role == "auto" and size > 1:
             if n == world:
-                raise ConfigError(f"rollout.tp={tp} needs rollout processes, but trainer_ranks={n} leaves none of the {world} "
-                                  "(embedded worker threads run one-rank engines); launch more processes or set rollout.tp=1")
-            if (world - n) % tp:
-                raise ConfigError(f"rollout.tp={tp} does not divide the {world - n} rollout rank(s) (world {world} - "
-                                  f"trainer_ranks {n}); launch trainer_ranks + a multiple of {tp} processes or change rollout.tp")
+                raise ConfigError(f"{what} needs rollout processes, but trainer_ranks={n} leaves none of the {world} "
+                                  "(embedded worker threads run one-rank engines); launch more processes or set "
+                                  "rollout.tp=1 rollout.ep=1")
+            if (world - n) % size:
+                raise ConfigError(f"{what} = {size} processes per engine does not divide the {world - n} rollout "
+                                  f"rank(s) (world {world} - trainer_ranks {n}); launch trainer_ranks + a multiple of "
+                                  f"{size} processes or change them")
         p = self.parallel
         try:
             ParallelDims.from_config(p, n)

@@ -30,7 +30,7 @@ def check_model_layout(cfg: RLConfig) -> None:
     from megatron_composer.data.tokenizer import load_tokenizer
 
     trainer = cfg.role != "rollout" and max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1
-    rollout = cfg.role != "trainer" and cfg.rollout.tp > 1
+    rollout = cfg.role != "trainer" and cfg.rollout.engine_ranks > 1
     if not (trainer or rollout):
         return
     from megatron_composer.parallel import validate_layout
@@ -39,13 +39,15 @@ def check_model_layout(cfg: RLConfig) -> None:
     if trainer:
         validate_layout(ParallelDims.from_config(cfg.parallel, cfg.trainer_ranks), mc)
     if rollout:
-        if mc.tie_word_embeddings:
-            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: tensor parallelism does not support tied embeddings "
+        tp, ep = cfg.rollout.tp, cfg.rollout.ep
+        if mc.tie_word_embeddings and tp > 1:
+            raise ConfigError(f"rollout.tp={tp}: tensor parallelism does not support tied embeddings "
                               "(model tie_word_embeddings); set rollout.tp=1")
         try:
-            validate_layout(ParallelDims(cfg.rollout.tp, tp=cfg.rollout.tp), mc)
+            validate_layout(ParallelDims(tp * ep, tp=tp, ep=ep), mc)
         except ConfigError as e:
-            raise ConfigError(f"rollout.tp={cfg.rollout.tp}: {e}".replace("parallel.tp", "rollout.tp")) from None
+            raise ConfigError(f"rollout.tp={tp} rollout.ep={ep}: {e}".replace("parallel.tp", "rollout.tp")
+                              .replace("parallel.ep", "rollout.ep")) from None
 
 
 def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:

@@ -70,6 +70,7 @@ def test_tensor_and_expert_parallel_engine_equals_one_rank(ep_results, case):
 def test_lockstep_drives_tensor_parallel_engine_from_rank_zero(results):
     res = results["mla_lockstep"]
     assert res["ok"], res.get("error")
+    assert res["refused"]   # a version rank 1 could not fetch was applied by no rank
     assert res["tokens_equal"] and res["versions_equal"] and res["versions_seen"] == [0, 5]
     assert res["max_logprob_diff"] <= 1e-5
 

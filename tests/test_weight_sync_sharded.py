@@ -1,6 +1,7 @@
 """Sharded weight publish (rl/weight_sync/sharded.py): a 4-rank fsdp x ep2 trainer publishes every rank's owned
-boxes; readers of other layouts get bit-identical weights after every version; an owner failing mid-publish
-leaves the version invisible (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
+boxes; readers of other layouts get bit-identical weights after every version, and rollout engines in tp2 and
+ep2 (ShardSubscriber) hold them after every version, fetching only the chunks of their own boxes; an owner
+failing mid-publish leaves the version invisible (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
 
 import importlib.util
 import socket
@@ -42,6 +43,15 @@ def _check(res):
     assert fault["latest_after_failure"] == 2 and fault["failed_version_objects"] == 0
     assert fault["next_base"] == 2 and fault["follower_version"] == 4 and fault["follower_equal"]
     assert fault["follower_snapshots"] == 1   # version 4 applied as a delta on the held version 2
+    ranks = res["engines"]["ranks"]
+    assert [r["layout"] for r in ranks] == ["tp2", "tp2", "ep2", "ep2"]
+    for r in ranks:   # every rollout rank, after every version, holds its slices of the trainer's weights
+        assert r["equal"] == [True] * 5 and r["tokens_equal"] and r["weight_version"] == 5
+        assert r["delta"] == [False, True, True, True, True]   # a snapshot, then XOR deltas on the held weights
+        # it read exactly the chunks holding elements of its own boxes, fewer bytes than the version's
+        assert r["bytes_read"] == r["own_chunk_bytes"]
+        assert all(b < n for b, n in zip(r["bytes_read"], r["version_bytes"]))
+        assert sum(r["ranged"]) > 0   # objects of which only some chunks are its own: ranged reads
 
 
 def test_sharded_publish_fsdp_ep2_to_other_layouts_local_store(tmp_path):
@@ -54,7 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.e2e   # ~4 min on 2 cores: every shard read is an HTTP request to the moto server
+@pytest.mark.e2e   # ~6 min on 2 busy cores: every object and range read is an HTTP request to the moto server
 def test_sharded_publish_fsdp_ep2_to_other_layouts_s3(tmp_path, monkeypatch):
     moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
     pytest.importorskip("s3fs", reason="s3fs is not installed")

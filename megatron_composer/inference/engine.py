@@ -557,7 +557,7 @@ class Engine:
         sharded model every rank passes the same weights and takes its own pieces. With delta=True each tensor
         is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for bfloat16)
         against the current values, the lossless format of the weight-sync pipeline (an XOR delta shards like
-        the tensor). Names and shapes are checked before anything is changed. See the module docstring for
+        the tensor); a reader's deltas (a weight-sync BoxUpdate) are checked as each box is read. Names and shapes are checked before anything is changed. See the module docstring for
         recompute_cache.
         """
         reader = weights if hasattr(weights, "read") else _TensorsReader(weights)
@@ -568,14 +568,12 @@ class Engine:
             raise EngineError(f"update_weights got names the model does not have: {unknown[:5]}; "
                               "use the model's state_dict names")
         int_of_size = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        if delta and not isinstance(reader, _TensorsReader):
-            raise EngineError("update_weights(delta=True) takes a mapping of XOR deltas, not a reader")
         for name in names:
             cur, shape = state[name], list(reader.shape(name))
             if shape != list(full_shape(cur)):
                 raise EngineError(f"update_weights: '{name}' has shape {tuple(shape)}, the model's is "
                                   f"{tuple(full_shape(cur))}")
-            if delta and weights[name].dtype != int_of_size[cur.element_size()]:
+            if delta and isinstance(reader, _TensorsReader) and weights[name].dtype != int_of_size[cur.element_size()]:
                 raise EngineError(f"update_weights(delta=True): '{name}' must be {int_of_size[cur.element_size()]} "
                                   f"(XOR of the raw {cur.dtype} bits), got {weights[name].dtype}")
         with self._lock, torch.no_grad():
@@ -584,9 +582,12 @@ class Engine:
                 local = local_tensor(cur)
                 for piece in local_pieces(cur):
                     src = reader.read(name, piece.full)
-                    if delta:
+                    if delta:  # a reader's XOR deltas: integer tensors of the element size (checked as read)
                         bits = local[piece.local].view(int_of_size[cur.element_size()])
-                        bits.bitwise_xor_(src.to(bits.device))
+                        if src.is_floating_point() or src.element_size() != bits.element_size():
+                            raise EngineError(f"update_weights(delta=True): '{name}' needs XOR bits of "
+                                              f"{bits.element_size()} bytes, got {src.dtype}")
+                        bits.bitwise_xor_(src.view(bits.dtype).to(bits.device))
                     else:
                         local[piece.local].copy_(src)
             self.weight_version = version

@@ -9,7 +9,8 @@ parallelism `Lockstep` calls the engine directly.
 
 Weight updates carry the full (unsharded) tensors to every rank, or, when the other ranks can read the
 same published version themselves (an object store), only the version: `follow(engine, fetch)` then calls
-`fetch(version)` on each rank.
+`fetch(version)` on each rank, and the ranks agree before any applies it: if one cannot fetch it (a corrupt
+object, an outage) none applies it, the engine keeps its weights, and rank 0's update raises WeightsRefused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ import torch.distributed as dist
 
 from .engine import Engine, GenerationResult
 from .sampling import SamplingParams
+
+
+class WeightsRefused(RuntimeError):
+    """A weight version some rank of the engine could not fetch: no rank applied it."""
+
+
+def _all_ok(ok: bool, group) -> bool:
+    """Whether `ok` holds on every rank of `group` (a collective)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 class Lockstep:
@@ -64,7 +77,16 @@ class Lockstep:
     def update_weights(self, weights: Optional[Mapping[str, torch.Tensor]], version: int, *, delta: bool = False,
                        recompute_cache: bool = False, broadcast: bool = True) -> None:
         """Engine.update_weights on every rank between the same two steps. broadcast=False sends only the
-        version: the other ranks' `follow` must have a `fetch` that returns the same tensors."""
+        version: the other ranks' `follow` must have a `fetch` that returns the same tensors (or their own
+        slices of them); if any rank's fetch fails, no rank applies the version (WeightsRefused)."""
+        if not broadcast and self.group is not None:
+            with self.lock:
+                self._send("update", (version, delta, recompute_cache, None))
+                if not _all_ok(True, self.group):
+                    raise WeightsRefused(f"weight version {version} was not applied: another rank of the engine could "
+                                         "not fetch it (see its log); every rank keeps its weights")
+                self.engine.update_weights(weights, version, delta=delta, recompute_cache=recompute_cache)
+            return
         with self.lock:  # rank 0 first: a rejected update is sent nowhere
             self.engine.update_weights(weights, version, delta=delta, recompute_cache=recompute_cache)
             # host copies: a pickled device tensor would be rebuilt on rank 0's device index on the other ranks
@@ -101,10 +123,17 @@ def follow(engine: Engine, fetch: Optional[Callable[[int], Mapping[str, torch.Te
             if weights is None:
                 if fetch is None:
                     raise RuntimeError("rank 0 sent a weight version without tensors; call follow(engine, fetch)")
-                weights = fetch(version)
+                try:
+                    weights = fetch(version)
+                except Exception as e:  # every rank keeps its weights: none applies a version one lacks
+                    print(f"rank {dist.get_rank()}: weight version {version} not applied, could not fetch it "
+                          f"({type(e).__name__}: {e})", flush=True)
+                    weights = None
+                if not _all_ok(weights is not None, group):
+                    continue
             engine.update_weights(weights, version, delta=delta, recompute_cache=recompute)
         elif command == "stop":
             return
 
 
-__all__ = ["Lockstep", "follow"]
+__all__ = ["Lockstep", "WeightsRefused", "follow"]

@@ -1,5 +1,5 @@
 """Rollout roles on processes: a rollout worker (engine + weight subscriber on the run's queue), a rollout
-process of a launch (one worker, or a tensor-parallel engine of rollout.tp processes whose rank 0 runs the
+process of a launch (one worker, or an engine of rollout.tp x rollout.ep processes whose rank 0 runs the
 worker and whose other ranks follow it), and the rollout ranks' own process group.
 """
 
@@ -21,13 +21,16 @@ from rl.rollout.worker import RolloutWorker, run_follower
 
 
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None,
-                model: torch.nn.Module | None = None) -> RolloutWorker:
-    """A rollout worker on `model` (default: `rollout_model`'s whole model; a tensor-parallel shard from it)."""
+                model: torch.nn.Module | None = None, engine_group=None) -> RolloutWorker:
+    """A rollout worker on `model` (default: `rollout_model`'s whole model; a tp / ep shard from it), subscribed
+    to the boxes of the weights that shard holds."""
     if model is None:
         model = rollout_model(cfg, tokenizer)
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
-    return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue, cfg.weight_sync.subscriber(weight_store(cfg)),
-                         seed=seed, poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl)
+    return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue,
+                         cfg.weight_sync.shard_subscriber(weight_store(cfg), model), seed=seed,
+                         poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl,
+                         engine_group=engine_group)
 
 
 def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:
@@ -42,24 +45,29 @@ def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:
     name = os.environ.get("RL_WORKER_NAME")
     name = f"rank{rank}" if name is None else (f"{name}x{rank}" if world > 1 else name)
     seed = cfg.train.seed + 1000 + rank
-    if cfg.rollout.tp == 1:
+    if cfg.rollout.engine_ranks == 1:
         make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started).run()
         return
-    groups = init_rollout_group(cfg, rank, world)
+    groups, engine_group, engine_rank = init_rollout_group(cfg, rank, world)
     try:
         model = rollout_model(cfg, tokenizer, groups)
-        if groups.tp_rank == 0:
-            make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started, model=model).run()
+        if engine_rank == 0:
+            make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started, model=model,
+                        engine_group=engine_group).run()
         else:
-            run_follower(f"{name} (rollout tp rank {groups.tp_rank})", cfg.rollout, model, cfg.weight_sync.subscriber(weight_store(cfg)), cfg.weight_sync.poll_seconds)
+            run_follower(f"{name} (rollout engine rank {engine_rank})", cfg.rollout, model,
+                         cfg.weight_sync.shard_subscriber(weight_store(cfg), model), cfg.weight_sync.poll_seconds,
+                         engine_group=engine_group)
     finally:
         dist.destroy_process_group()
 
 
 def init_rollout_group(cfg: RLConfig, rank: int, world: int):
-    """rollout.tp > 1: the rollout ranks of the launch become their own torch.distributed default group (never
-    the trainer's), cut into consecutive tensor-parallel groups of rollout.tp. In a launch with trainer ranks the
-    group meets through torchrun's store, under its own key prefix. Returns this rank's ParallelGroups."""
+    """rollout.tp x rollout.ep > 1: the rollout ranks of the launch become their own torch.distributed default
+    group (never the trainer's), laid out by ParallelDims(tp, ep) (tp and ep groups are consecutive ranks) and cut
+    into consecutive engines of tp x ep ranks, which hold each of their tp and ep groups. In a launch with trainer
+    ranks the group meets through torchrun's store, under its own key prefix. Returns this rank's ParallelGroups,
+    its engine's process group (every rank of it makes the engine's calls) and its rank in the engine."""
     import datetime
 
     first = cfg.trainer_ranks if cfg.role == "auto" else 0
@@ -79,4 +87,12 @@ def init_rollout_group(cfg: RLConfig, rank: int, world: int):
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=dist.PrefixStore("rl_rollout/", base), rank=rank - first, world_size=n,
                                 timeout=timeout)
-    return ParallelDims(n, tp=cfg.rollout.tp).build()
+    groups = ParallelDims(n, tp=cfg.rollout.tp, ep=cfg.rollout.ep).build()
+    size = cfg.rollout.engine_ranks
+    me = dist.get_rank()
+    engine_group = None
+    for start in range(0, n, size):   # every rank creates every group, in the same order
+        g = dist.group.WORLD if size == n else dist.new_group(list(range(start, start + size)))
+        if start <= me < start + size:
+            engine_group = g
+    return groups, engine_group, me % size

@@ -1,9 +1,10 @@
 """Rollout worker: the inference engine, live weights from the weight-sync store, and the episode runners.
 
 A worker claims a group from the `rl.orchestrator.WorkQueue`, runs its G episodes and writes the whole group
-back. Generation never waits for the trainer: a `WeightSubscriber` downloads and decodes new versions in the
-background, and the engine applies a ready version between two decode steps (`_drive`), so one response
-can hold tokens of versions v and v+1; each token records the version it was sampled under.
+back. Generation never waits for the trainer: a `ShardSubscriber` fetches and decodes this rank's boxes of each
+new version in the background (only the stored chunks overlapping them), and the engine applies the ready update
+between two decode steps -- an XOR delta into its own slices --, so one response can hold tokens of versions v
+and v+1; each token records the version it was sampled under.
 
 Episodes:
 * single-turn tasks: the G samples of the prompt are generated as one batch and scored by the task's check;
@@ -17,11 +18,12 @@ stepping the engine under one lock until its own requests finish, so concurrent 
 A sandbox that fails (crash, setup error) is retried up to ``rollout.episode_retries`` times; after that the
 group is handed back to the queue. A verifier that hangs is killed by the task's verifier timeout and scores 0.
 
-Tensor parallelism (``rollout.tp`` > 1): the engine's model is sharded over a group of processes. The worker
-runs on the group's first rank and calls the engine only through `megatron_composer.inference.Lockstep`,
-which replays its requests, steps and weight updates on the other ranks (`run_follower`, built on
-`inference.follow`). A weight update sends only the version: each follower reads the same version from
-the store itself (prefetched in the background like the worker's). When the worker stops, so do they.
+Tensor and expert parallelism (``rollout.tp`` x ``rollout.ep`` > 1): the engine's model is sharded over a group
+of processes. The worker runs on the group's first rank and calls the engine only through
+`megatron_composer.inference.Lockstep`, which replays its requests, steps and weight updates on the other ranks
+(`run_follower`, built on `inference.follow`). A weight update sends only the version: each follower prepares its
+own boxes of the same version from the store itself (prefetched in the background like the worker's). When the
+worker stops, so do they.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 
 from megatron_composer.data.chat_template import IM_END, render_text
 from megatron_composer.inference import Engine, Lockstep, follow
+from megatron_composer.inference.lockstep import WeightsRefused
 from megatron_composer.inference.sampling import SamplingParams
 from rl.orchestrator import WorkItem, WorkQueue
 from rl.rollout.tasks import RLTask
@@ -55,8 +58,9 @@ class RolloutConfig:
     heartbeat_s: float = field(default=2.0, metadata={"help": "how often a worker renews the lease of its group"})
     embedded_workers: int = field(default=1, metadata={"help": "rollout worker threads inside the trainer when the run has one process"})
     max_batch_size: int = 64
-    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each rollout engine: rollout ranks form consecutive groups "
-                                                 "of this many processes; the group's first rank runs the worker"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel size of each rollout engine (heads, FFN columns, vocabulary)"})
+    ep: int = field(default=1, metadata={"help": "expert-parallel size of each rollout engine (the routed experts); rollout ranks "
+                                                 "form consecutive engines of tp x ep processes, whose first rank runs the worker"})
     max_seq_len: int = field(default=1024, metadata={"help": "engine context: prompt + all turns of an agent episode"})
     cache_memory_mb: int = 256
     agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
@@ -76,13 +80,19 @@ class RolloutConfig:
         single = self.max_new_tokens
         return max(single, self.agent_max_turns * self.agent_max_new_tokens) if agent_tasks else single
 
+    @property
+    def engine_ranks(self) -> int:
+        """Processes per rollout engine."""
+        return self.tp * self.ep
+
     def validate(self) -> "RolloutConfig":
         from megatron_composer.config import ConfigError
 
         if self.group_size < 1:
             raise ConfigError(f"rollout.group_size must be >= 1, got {self.group_size}")
-        if self.tp < 1:
-            raise ConfigError(f"rollout.tp must be >= 1 (processes per rollout engine), got {self.tp}")
+        if self.tp < 1 or self.ep < 1:
+            raise ConfigError(f"rollout.tp and rollout.ep must be >= 1 (an engine has tp x ep processes), got "
+                              f"{self.tp} and {self.ep}")
         if self.max_new_tokens < 1 or self.agent_max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
         if self.temperature <= 0:
@@ -180,16 +190,17 @@ class TokenLedger:
 class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
                  queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
-                 stops_since: Optional[float] = None, objective=None):
+                 stops_since: Optional[float] = None, objective=None, engine_group=None):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
         self.objective = objective  # RLObjectiveConfig: the training reward's shaping terms (None: verifier reward)
         self.stops_since = stops_since  # ignore stop markers older than this (see WorkQueue.stop_requested)
-        self.subscriber = subscriber
+        self.subscriber = subscriber  # a ShardSubscriber of this rank's boxes (None: fixed weights)
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
         self.seed = seed
         self.engine = rollout_engine(model, cfg, seed)
-        # every call that changes the engine goes through here (the other tensor-parallel ranks replay it)
-        self.drive = Lockstep(self.engine)
+        # every call that changes the engine goes through here (the engine's other ranks replay it); engine_group:
+        # all of the engine's ranks (default its tensor-parallel group; an expert-parallel engine passes its own)
+        self.drive = Lockstep(self.engine, group=engine_group)
         self.stop_ids = [t for t in (tokenizer.token_to_id(IM_END), tokenizer.eod) if t is not None]
         self._im_end = tokenizer.token_to_id(IM_END)
         self._drive_lock = threading.Lock()
@@ -205,25 +216,34 @@ class RolloutWorker:
             if self.queue.stop_requested(self.name, self.stops_since) or time.monotonic() > deadline:
                 raise TimeoutError(f"worker {self.name}: no weights were published within {timeout_s:.0f}s")
             time.sleep(self.poll_seconds)
-        # the first version per rank: every rank reads only its slices of it (the followers through `fetch`)
-        self._apply(v, self.subscriber.reader(v))
+        # the first version: every rank reads only its boxes of it (the followers through `fetch`)
+        self._apply(self.subscriber.prepare(v))
         self.subscriber.start(self.poll_seconds)
         return v
 
-    def _apply(self, version: int, state_dict: dict) -> None:
+    def _apply(self, update) -> None:
+        """Apply a prepared BoxUpdate of this rank's boxes (an XOR delta on the held weights, or the values);
+        the engine's other ranks apply their own update of the same version (followers fetch it themselves)."""
         t0 = time.perf_counter()
-        self.drive.update_weights(state_dict, version, broadcast=False)  # followers fetch `version` themselves
+        try:
+            self.drive.update_weights(update, update.version, delta=update.delta, broadcast=False)
+        except WeightsRefused as e:  # another rank of the engine could not prepare it: no rank applied it
+            print(f"worker {self.name}: {e}; the engine keeps v{self.engine.weight_version}", flush=True)
+            return
+        update.commit()
         dt = time.perf_counter() - t0
-        self.applied.append((version, dt))
-        print(f"worker {self.name}: applied weights v{version} in {dt * 1e3:.1f} ms "
-              f"(running requests continue; their next tokens are v{version})", flush=True)
+        self.applied.append((update.version, dt))
+        print(f"worker {self.name}: applied weights v{update.version} in {dt * 1e3:.1f} ms "
+              f"({'delta' if update.delta else 'values'}, {update.bytes_read / 2**20:.1f} MiB fetched of "
+              f"{update.version_bytes / 2**20:.1f} MiB; running requests continue, their next tokens are "
+              f"v{update.version})", flush=True)
 
     def apply_ready(self) -> None:
         if self.subscriber is None:  # fixed weights (evaluation)
             return
         ready = self.subscriber.pop_ready()
-        if ready is not None and ready[0] > self.engine.weight_version:
-            self._apply(*ready)
+        if ready is not None and ready.version > self.engine.weight_version:
+            self._apply(ready)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int]):
@@ -406,8 +426,9 @@ class _LockstepHeartbeat:
 
 
 class _PrefetchedVersions:
-    """A follower's weights: its own subscriber decodes new versions in the background (as the worker's
-    does); `fetch(version)` hands over the one the worker applied, or reconstructs it if not yet there."""
+    """A follower's weights: its own ShardSubscriber prepares new versions of its boxes in the background (as
+    the worker's does); `fetch(version)` hands over the one the worker applied, or prepares it if it is not
+    there (or was prepared on another version than the one now held)."""
 
     def __init__(self, subscriber, keep: int = 2):
         self.subscriber, self.keep = subscriber, keep
@@ -418,8 +439,8 @@ class _PrefetchedVersions:
     def on_ready(self, _version: int) -> None:
         ready = self.subscriber.pop_ready()
         with self._lock:
-            if ready is not None and ready[0] > self._applied:
-                self._states[ready[0]] = ready[1]
+            if ready is not None and ready.version > self._applied:
+                self._states[ready.version] = ready
                 for v in sorted(self._states)[:-self.keep]:
                     del self._states[v]
 
@@ -429,8 +450,9 @@ class _PrefetchedVersions:
             self._applied = max(self._applied, version)
             for v in [v for v in self._states if v < version]:
                 del self._states[v]  # the worker never goes back
-        # not decoded in the background (the first version): read this rank's slices of it from the store
-        return state if state is not None else self.subscriber.reader(version)
+        if state is not None and state.delta and state.base_id != self.subscriber.held_id:
+            state = None  # a delta on a version this rank no longer holds
+        return state if state is not None else self.subscriber.prepare(version)
 
 
 class _Replica:
@@ -449,18 +471,24 @@ class _Replica:
         return self.engine.pop_result(rid)
 
     def update_weights(self, weights, version: int, **kw) -> None:
+        if hasattr(weights, "commit"):  # this rank's own BoxUpdate: values or an XOR delta, as it was prepared
+            kw["delta"] = weights.delta
         self.engine.update_weights(weights, version, **kw)
+        if hasattr(weights, "commit"):
+            weights.commit()
         print(f"{self.name}: applied weights v{version}", flush=True)
 
 
-def run_follower(name: str, cfg: RolloutConfig, model: torch.nn.Module, subscriber, poll_seconds: float = 1.0) -> None:
-    """A tensor-parallel rank other than the group's first: replay the worker's engine calls, with weights
-    read from the store, until the worker stops."""
+def run_follower(name: str, cfg: RolloutConfig, model: torch.nn.Module, subscriber, poll_seconds: float = 1.0,
+                 engine_group=None) -> None:
+    """A rank of an engine other than its first: replay the worker's engine calls, with this rank's boxes of
+    each weight version read from the store by its own ShardSubscriber, until the worker stops. engine_group:
+    as RolloutWorker's."""
     engine = rollout_engine(model, cfg)
     versions = _PrefetchedVersions(subscriber)
     subscriber.start(poll_seconds, on_ready=versions.on_ready)
     try:
-        follow(_Replica(engine, name), versions.fetch)
+        follow(_Replica(engine, name), versions.fetch, group=engine_group)
     finally:
         subscriber.stop()
 

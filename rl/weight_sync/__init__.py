@@ -12,6 +12,9 @@ deltas. ``ObjectStore`` is a local directory or ``s3://`` through fsspec, with r
     sub = WeightSubscriber(store); sub.start(poll_seconds=1.0)    # rollout worker
     ready = sub.pop_ready()                                       # between decode steps: (version, state) or None
     ShardedWeightPublisher(store).publish(model, version=step)    # every trainer rank: its owned boxes (sharded.py)
+    sub = ShardSubscriber.for_model(store, engine_shard)          # every rollout rank: its own boxes only
+    update = sub.prepare()                                        # or sub.start() ... sub.pop_ready()
+    engine.update_weights(update, update.version, delta=update.delta); update.commit()
 """
 
 from .codec import WeightSyncError
@@ -19,9 +22,9 @@ from .config import WeightSyncConfig
 from .publisher import PublishStats, WeightPublisher
 from .sharded import ShardedWeightPublisher
 from .store import ObjectStore, ObjectStoreError
-from .subscriber import WeightSubscriber, WeightSyncChecksumError
+from .subscriber import BoxUpdate, ShardSubscriber, WeightSubscriber, WeightSyncChecksumError
 
 __all__ = [
-    "ObjectStore", "ObjectStoreError", "PublishStats", "ShardedWeightPublisher", "WeightPublisher", "WeightSubscriber", "WeightSyncChecksumError",
+    "BoxUpdate", "ObjectStore", "ObjectStoreError", "PublishStats", "ShardSubscriber", "ShardedWeightPublisher", "WeightPublisher", "WeightSubscriber", "WeightSyncChecksumError",
     "WeightSyncConfig", "WeightSyncError",
 ]

@@ -70,8 +70,17 @@ def encode_chunk(new_bits: torch.Tensor, base_bits: torch.Tensor | None, level: 
     planes = x.view(np.uint8)
     if width > 1:
         planes = np.ascontiguousarray(planes.reshape(-1, width).T)
-    blob = require("zstandard", "weight-sync delta compression").ZstdCompressor(level=level).compress(planes.data)
+    # each chunk is a zstd frame with its own content checksum (XXH64, checked by every decoder): a range read
+    # of one chunk is verified without its whole object's sha256
+    zstd = require("zstandard", "weight-sync delta compression")
+    blob = zstd.ZstdCompressor(level=level, write_checksum=True).compress(planes.data)
     return blob, unchanged
+
+
+def has_frame_checksum(blob) -> bool:
+    """Whether a chunk's zstd frame carries a content checksum (bit 2 of the frame header descriptor, after the
+    4-byte magic number); chunks written before checksums were added are verified through their object."""
+    return len(blob) > 4 and bytes(blob[:4]) == b"\x28\xb5\x2f\xfd" and bool(blob[4] & 0x04)
 
 
 def decode_chunk(blob, count: int, int_dtype: torch.dtype, base_bits: torch.Tensor | None,

@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from .publisher import WeightPublisher
 from .store import ObjectStore
-from .subscriber import WeightSubscriber
+from .subscriber import ShardSubscriber, WeightSubscriber
 
 
 def _f(default, help: str):
@@ -48,3 +48,7 @@ class WeightSyncConfig:
 
     def subscriber(self, store: ObjectStore) -> WeightSubscriber:
         return WeightSubscriber(store, max_refetch=self.max_refetch)
+
+    def shard_subscriber(self, store: ObjectStore, model) -> ShardSubscriber:
+        """A rollout rank's subscriber of the boxes `model` (its shard of the engine's model) holds."""
+        return ShardSubscriber.for_model(store, model, max_refetch=self.max_refetch)

@@ -131,6 +131,16 @@ class ObjectStore:
         """The whole object; FileNotFoundError if it does not exist."""
         return self._retry("read", key, lambda: self.fs.cat_file(self.path(key)))
 
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object: one ranged read (an HTTP `Range` GET on S3, a seek on a local file)."""
+        if not 0 <= start < end:
+            raise ValueError(f"get_range of '{key}': need 0 <= start < end, got [{start}, {end})")
+        data = self._retry("read", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        if len(data) != end - start:   # past the end of the object: short, and a retry cannot lengthen it
+            raise ObjectStoreError(f"range [{start}, {end}) of '{self.path(key)}' returned {len(data)} bytes; the "
+                                   f"object is shorter than its manifest says")
+        return data
+
     def exists(self, key: str) -> bool:
         def check() -> bool:
             self.fs.invalidate_cache(self.path(key))

@@ -150,9 +150,11 @@ def weight_update_case(preset: str):
 def lockstep_case(preset: str):
     """Rank 0 alone drives the engine through Lockstep (sampled requests with engine-drawn seeds, steps, a
     weight update sent as a version that rank 1 fetches itself); rank 0's results equal a one-rank engine
-    given rank 0's resolved seeds and the same update between the same steps."""
+    given rank 0's resolved seeds and the same update between the same steps. Before it, a version rank 1
+    cannot fetch is refused on both ranks (WeightsRefused on rank 0; no rank applies it)."""
     def run():
         from megatron_composer.inference import Lockstep, follow
+        from megatron_composer.inference.lockstep import WeightsRefused
 
         groups = ParallelDims(dist.get_world_size(), tp=dist.get_world_size()).build()
         ref, par = _models(preset, groups)
@@ -161,13 +163,22 @@ def lockstep_case(preset: str):
         prompts = _prompts(ref.config.vocab_size, seed=2)
         engine = Engine(par)
         if dist.get_rank() != 0:
-            follow(engine, fetch=lambda version: new)
+            def fetch(version):
+                if version != 5:
+                    raise RuntimeError(f"version {version} is corrupt in the store (injected)")
+                return new
+            follow(engine, fetch=fetch)
             return {"rank": 1}
         drive = Lockstep(engine, seed=0)
         rids = [drive.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)) for p in prompts]
         seeds = [s.params.seed for s in engine._waiting]
         for _ in range(12):
             drive.step()
+        try:
+            drive.update_weights(new, version=4, broadcast=False)
+            refused = False
+        except WeightsRefused:
+            refused = engine.weight_version == 0
         drive.update_weights(new, version=5, broadcast=False)
         while engine.has_unfinished():
             drive.step()
@@ -182,7 +193,7 @@ def lockstep_case(preset: str):
         while one.has_unfinished():
             one.step()
         want = [one.pop_result(r) for r in ids]
-        return {"tokens_equal": [a.token_ids for a in got] == [b.token_ids for b in want],
+        return {"refused": refused, "tokens_equal": [a.token_ids for a in got] == [b.token_ids for b in want],
                 "versions_equal": [a.weight_versions for a in got] == [b.weight_versions for b in want],
                 "versions_seen": sorted({v for r in got for v in r.weight_versions}),
                 "max_logprob_diff": max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs))}

@@ -1,4 +1,5 @@
-"""torchrun worker (2 ranks): a tensor-parallel rollout worker against a one-rank worker with the same weights.
+"""torchrun worker (2 ranks): a tensor-parallel (tp2) or expert-parallel (ep2) rollout worker against a one-rank
+worker with the same weights.
 
 Rank 0 runs `RolloutWorker` on its shard (the engine driven through Lockstep), rank 1 `run_follower` on its
 shard; both start from different random weights and read every version from a weight store (rank 1 fetches
@@ -37,10 +38,11 @@ def _weights(cfg, seed: int) -> dict:
     return {k: v.detach().clone() for k, v in Transformer(cfg).state_dict().items()}
 
 
-def rollout_case(preset: str):
+def rollout_case(preset: str, tp: int = 2, ep: int = 1):
     def run():
         rank = dist.get_rank()
-        groups = ParallelDims(2, tp=2).build()
+        groups = ParallelDims(2, tp=tp, ep=ep).build()
+        engine_group = dist.group.WORLD  # both ranks make the engine's calls (tp2: its tp group; ep2: its ep group)
         cfg = get_preset(preset).replace(num_layers=2, num_mtp_layers=0)
         rcfg = RolloutConfig(max_batch_size=8, max_seq_len=128, cache_memory_mb=16, temperature=1.0)
         torch.manual_seed(100 + rank)  # each rank's shard starts from other weights: only the store's count
@@ -51,14 +53,15 @@ def rollout_case(preset: str):
             publisher = sync.publisher(sync.open_store(str(store_dir)))
             publisher.publish(_weights(cfg, 0), 0)
         dist.barrier()
-        subscriber = sync.subscriber(sync.open_store(str(store_dir)))
+        subscriber = sync.shard_subscriber(sync.open_store(str(store_dir)), par)   # this rank's boxes only
         if rank != 0:
-            run_follower("follower", rcfg, par, subscriber, poll_seconds=0.05)
+            run_follower("follower", rcfg, par, subscriber, poll_seconds=0.05, engine_group=engine_group)
             return {}
         tok = load_tokenizer(ARGS.tok)
         prompts = [tok.encode(render_text([{"role": "user", "content": p}], add_generation_prompt=True)) for p in PROMPTS]
         seeds = [11, 12, 13]
-        worker = RolloutWorker("tp", rcfg, par, tok, [], queue=None, subscriber=subscriber, poll_seconds=0.05)
+        worker = RolloutWorker("tp", rcfg, par, tok, [], queue=None, subscriber=subscriber, poll_seconds=0.05,
+                               engine_group=engine_group)
         try:
             first = worker.wait_for_weights(60)
             got = [worker.generate(prompts, NEW_TOKENS, seeds)]
@@ -75,7 +78,7 @@ def rollout_case(preset: str):
         one = RolloutWorker("one", rcfg, Transformer(cfg).eval(), tok, [], queue=None, subscriber=None)
         want = []
         for version in (0, 1):
-            one._apply(version, _weights(cfg, version))
+            one.drive.update_weights(_weights(cfg, version), version)
             want.append(one.generate(prompts, NEW_TOKENS, seeds))
         pairs = [(a, b) for g, w in zip(got, want) for a, b in zip(g, w)]
         return {"first_version": first, "applied": [v for v, _ in worker.applied],
@@ -86,7 +89,8 @@ def rollout_case(preset: str):
     return run
 
 
-CASES = {"mla_rollout_tp2": rollout_case("tiny-deepseek-v3"), "gqa_rollout_tp2": rollout_case("tiny-qwen3-moe")}
+CASES = {"mla_rollout_tp2": rollout_case("tiny-deepseek-v3"), "gqa_rollout_tp2": rollout_case("tiny-qwen3-moe"),
+         "mla_rollout_ep2": rollout_case("tiny-deepseek-v3", tp=1, ep=2)}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

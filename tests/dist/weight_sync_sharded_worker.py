@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -164,7 +165,114 @@ def owner_fault():
     return out
 
 
-CASES = {"publish_read": publish_read, "owner_fault": owner_fault}
+def _engines():
+    """Ranks 0-1: a tp2 rollout engine; ranks 2-3: an ep2 one (two layouts other than the trainer's), each rank
+    its shard of the model in bf16, allocated and empty (the weights arrive through the store)."""
+    from megatron_composer.inference import Engine
+    from megatron_composer.inference.loading import engine_model
+    from megatron_composer.parallel.dims import ParallelDims
+
+    tp_groups = ParallelDims(4, tp=2).build()
+    ep_groups = ParallelDims(4, ep=2).build()
+    layout, groups = ("tp2", tp_groups) if dist.get_rank() < 2 else ("ep2", ep_groups)
+    model = engine_model(tiny_config(QW).replace(num_layers=2), None, groups, dtype=torch.bfloat16)
+    return layout, groups, model, Engine(model, max_batch_size=2, max_seq_len=32, cache_memory_bytes=1 << 20)
+
+
+def _engine_holds(model, full: dict) -> bool:
+    from megatron_composer.parallel.slices import local_pieces, local_tensor, named_tensors
+
+    return all(_same(local_tensor(t)[pc.local], full[name][pc.full])
+               for name, t in named_tensors(model) for pc in local_pieces(t))
+
+
+def _own_chunk_bytes(store, version: int, part: str, wants: dict) -> int:
+    """Compressed bytes of the chunks of `part` of `version` holding at least one element of the boxes in
+    `wants` (name -> (dtype, boxes)): found element by element, independently of the subscriber's planning."""
+    part_m = mf.loads(store.get(mf.manifest_key(version)), version)["parts"][part]
+    hit = {}
+    for t in part_m["tensors"]:
+        if t["name"] not in wants:
+            continue
+        for pc in t["pieces"]:
+            pbox = [tuple(r) for r in pc["box"]]
+            flat = torch.arange(max(1, _numel(pbox))).view([hi - lo for lo, hi in pbox])
+            for box in wants[t["name"]][1]:
+                sel = tuple(slice(max(a, c) - c, min(b, d) - c) for (a, b), (c, d) in zip(box, pbox))
+                idx = flat[sel].reshape(-1)
+                if idx.numel() == 0:
+                    continue
+                for shard, offset, length, start, count in pc["chunks"]:
+                    if ((idx >= start) & (idx < start + count)).any():
+                        hit[(shard, offset)] = length
+    return sum(hit.values())
+
+
+def _numel(box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def engines():
+    """The trainer (fsdp x ep2) publishes 5 versions in the engines' bf16; every rollout rank's ShardSubscriber
+    prefetches its own boxes of each in the background, the engine applies it between steps (XOR in place
+    after the first), and holds exactly the trainer's weights; then each engine generates what the one-rank
+    engine of the gathered weights does."""
+    from megatron_composer.inference import Engine
+    from megatron_composer.inference.loading import BoxWeights, engine_model
+    from rl.weight_sync.subscriber import ShardSubscriber
+
+    core, groups = _trainer()
+    layout, egroups, model, engine = _engines()
+    store = _store("engines")
+    pub = ShardedWeightPublisher(store, snapshot_interval=3, keep_snapshots=None, shard_bytes=16 << 10,
+                                 chunk_bytes=4096, dtype=torch.bfloat16)
+    sub = ShardSubscriber.for_model(_store("engines"), model)
+    sub.start(poll_seconds=0.05)
+    mine = {"layout": layout, "equal": [], "delta": [], "bytes_read": [], "version_bytes": [], "ranged": [],
+            "whole": [], "own_chunk_bytes": [],
+            "own_fraction": sum(_numel(b) * 2 for _, bs in sub.wants.values() for b in bs)}
+    try:
+        for v in range(1, 6):
+            _step(core, groups, v)
+            pub.publish(core.model, v)
+            full = {k: t.to(torch.bfloat16) for k, t in full_state_dict(core.model, groups).items()}
+            deadline = time.monotonic() + 120
+            update = None
+            while update is None or update.version != v:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {dist.get_rank()}: version {v} was not prepared in the background "
+                                       f"(last error: {sub.last_error!r})")
+                update = sub.pop_ready() or update
+                time.sleep(0.02)
+            engine.update_weights(update, v, delta=update.delta)
+            update.commit()
+            mine["equal"].append(_engine_holds(model, full))
+            mine["delta"].append(update.delta)
+            mine["bytes_read"].append(update.bytes_read)
+            mine["version_bytes"].append(update.version_bytes)
+            mine["own_chunk_bytes"].append(_own_chunk_bytes(store, v, "delta" if update.delta else "snapshot",
+                                                            sub.wants))
+            mine["ranged"].append(update.ranged_reads)
+            mine["whole"].append(update.whole_reads)
+    finally:
+        sub.stop()
+    # the engines generate with the weights they hold: the one-rank engine of the gathered weights agrees
+    ref = Engine(engine_model(model.config, BoxWeights(lambda name, box: full[name][box]), None,
+                              dtype=torch.bfloat16), max_batch_size=2, max_seq_len=32, cache_memory_bytes=1 << 20)
+    prompt = [[3, 14, 15, 92, 65]]
+    want = ref.generate(prompt, max_new_tokens=4)[0].token_ids
+    mine["tokens_equal"] = engine.generate(prompt, max_new_tokens=4)[0].token_ids == want
+    mine["weight_version"] = engine.weight_version
+    mine["own_fraction"] /= sum(t.numel() * 2 for t in full.values())   # raw bf16 bytes held / the model's
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return {"ranks": ranks}
+
+
+CASES = {"publish_read": publish_read, "owner_fault": owner_fault, "engines": engines}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

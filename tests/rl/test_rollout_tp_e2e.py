@@ -1,6 +1,6 @@
-"""End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2`: rank 0 trains, ranks 1-2 are one
-tensor-parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2 follows and reads every weight
-version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
+"""End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2` (or rollout.ep=2): rank 0 trains,
+ranks 1-2 are one tensor- (expert-) parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2
+follows and reads its own boxes of every weight version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
 on tokens of later versions, and every process exits cleanly; a rollout.tp that does not divide the rollout
 ranks is refused with one line before any work."""
 
@@ -58,9 +58,10 @@ def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, env: dict | 
 
 
 @pytest.mark.dist
-def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path):
+@pytest.mark.parametrize("layout", [{"rollout.tp": 2}, {"rollout.tp": 1, "rollout.ep": 2}], ids=["tp2", "ep2"])
+def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path, layout):
     run_dir = tmp_path / "run"
-    res = _launch(rl_assets, run_dir, nproc=3, steps=3)
+    res = _launch(rl_assets, run_dir, nproc=3, steps=3, **layout)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -70,7 +71,7 @@ def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_pat
         assert r["weight_sync_bytes"] > 0 and r["weight_version"] == r["step"]
     # the worker (rollout rank 0 of the group = global rank 1) and its follower (rank 2) applied the same versions
     worker = {int(v) for v in re.findall(r"worker rank1: applied weights v(\d+)", out)}
-    follower = {int(v) for v in re.findall(r"rank2 \(rollout tp rank 1\): applied weights v(\d+)", out)}
+    follower = {int(v) for v in re.findall(r"rank2 \(rollout engine rank 1\): applied weights v(\d+)", out)}
     assert 0 in worker and max(worker) >= 1, out[-6000:]
     assert worker <= follower, (worker, follower)
     # groups trained after the first update were sampled (partly) under published versions > 0
@@ -82,7 +83,7 @@ def test_rollout_tp_that_does_not_divide_the_rollout_ranks_is_refused(rl_assets,
     res = _launch(rl_assets, tmp_path / "run", nproc=2, steps=1)  # 1 rollout rank, rollout.tp=2
     assert res.returncode != 0
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
-    assert lines and "rollout.tp=2 does not divide the 1 rollout rank(s)" in lines[0], res.stderr[-3000:]
+    assert lines and "rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide the 1 rollout rank(s)" in lines[0], res.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -107,7 +108,7 @@ def test_separately_launched_tensor_parallel_rollouts(rl_assets, tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2]
     assert "worker tpjobx0: applied weights v1" in out, out[-6000:]
-    assert "tpjobx1 (rollout tp rank 1): applied weights v1" in out, out[-6000:]
+    assert "tpjobx1 (rollout engine rank 1): applied weights v1" in out, out[-6000:]
     assert max(v for r in rows for v in r["token_versions"]) >= 1, [r["token_versions"] for r in rows]
 
 
@@ -117,7 +118,7 @@ def test_rollout_launch_not_a_multiple_of_rollout_tp_is_refused(rl_assets, tmp_p
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith(
-        "error: rollout.tp=2 does not divide this launch's 1 rollout process(es)"), res.stderr[-3000:]
+        "error: rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide this launch's 1 rollout process(es)"), res.stderr[-3000:]
 
 
 def test_rollout_tp_that_does_not_divide_the_heads_is_refused(rl_assets, tmp_path):
@@ -127,4 +128,4 @@ def test_rollout_tp_that_does_not_divide_the_heads_is_refused(rl_assets, tmp_pat
                          env=_env(RANK="0", WORLD_SIZE="4"), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rollout.tp=3:") and "rollout.tp" in last[len("error: rollout.tp=3:"):], res.stderr[-3000:]
+    assert last.startswith("error: rollout.tp=3 rollout.ep=1:") and "rollout.tp" in last[len("error: rollout.tp=3 rollout.ep=1:"):], res.stderr[-3000:]

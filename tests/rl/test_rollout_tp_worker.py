@@ -1,5 +1,6 @@
-"""A tensor-parallel (tp 2) rollout worker generates what a one-rank worker does with the same weight versions
-(tests/dist/rl_rollout_tp_worker.py), for MLA and GQA."""
+"""A tensor-parallel (tp 2) or expert-parallel (ep 2) rollout worker generates what a one-rank worker does with the
+same weight versions, each rank reading only its own boxes of them (tests/dist/rl_rollout_tp_worker.py), for MLA
+and GQA."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def results(rl_assets, tmp_path_factory):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["mla_rollout_tp2", "gqa_rollout_tp2"])
+@pytest.mark.parametrize("case", ["mla_rollout_tp2", "gqa_rollout_tp2", "mla_rollout_ep2"])
 def test_tensor_parallel_rollout_worker_matches_one_rank(results, case):
     r = results[case]
     assert r["ok"], r.get("error")

@@ -69,6 +69,10 @@ def _cfg(**over):
     ({"trainer_ranks": 4}, 2, r"trainer_ranks=4 but this launch has 2 process"),
     ({"trainer_ranks": 2, "rollout.embedded_workers": 0}, 2, r"leaves no rollout rank"),
     ({"role": "trainer", "trainer_ranks": 1}, 4, r"role=trainer: all 4 process\(es\) of this launch train; set trainer_ranks=4"),
+    ({"trainer_ranks": 1, "rollout.tp": 2, "rollout.ep": 2}, 3,
+     r"rollout.tp x rollout.ep = 2 x 2 = 4 processes per engine does not divide the 2 rollout rank"),
+    ({"role": "rollout", "rollout.ep": 2}, 3, r"rollout.tp x rollout.ep = 1 x 2 = 2 processes per engine does not divide"),
+    ({"trainer_ranks": 2, "rollout.ep": 2}, 2, r"rollout.tp x rollout.ep = 1 x 2 needs rollout processes"),
 ])
 def test_bad_trainer_layouts_are_refused_before_any_work(over, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -80,6 +84,8 @@ def test_good_trainer_layouts_pass():
     _cfg(trainer_ranks=2).check_runnable(2)  # no rollout rank: trainer rank 0 runs embedded workers
     _cfg(role="trainer", trainer_ranks=4, **{"parallel.cp": 2, "parallel.ep": 4}).check_runnable(4)
     _cfg(role="rollout", trainer_ranks=64, **{"parallel.ep": 8}).check_runnable(1)
+    _cfg(trainer_ranks=1, **{"rollout.tp": 2, "rollout.ep": 2}).check_runnable(9)   # two engines of 2 x 2
+    _cfg(role="rollout", **{"rollout.ep": 2}).check_runnable(4)
 
 
 def test_a_previous_launchs_stop_marker_does_not_stop_a_worker_of_this_launch(tmp_path):
