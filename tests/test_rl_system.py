@@ -315,23 +315,25 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
 def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch):
     from rl.config import RLConfig
     from rl.trainer import Trainer
-    from rl.weight_sync import ObjectStoreError, WeightPublisher
+    from rl.weight_sync import ObjectStoreError
 
     cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"train.steps": 2}))
     trainer = Trainer(cfg)
-    real = WeightPublisher.publish
+    store = trainer.publisher.store
+    real = store.put
     calls = {"n": 0}
 
-    def flaky(self, state_dict, version):
-        calls["n"] += 1
-        if calls["n"] == 1:  # the first publish after step 1: the store is down
-            raise ObjectStoreError("put weights/v1: connection refused (after 5 retries)")
-        return real(self, state_dict, version)
+    def flaky(key, data):
+        if "v000000000001/" in key:   # the first publish after step 1: the store is down
+            calls["n"] += 1
+            raise ObjectStoreError(f"put weights/{key}: connection refused (after 5 retries)")
+        return real(key, data)
 
-    monkeypatch.setattr(WeightPublisher, "publish", flaky)
+    monkeypatch.setattr(store, "put", flaky)
     trainer.start_embedded_workers(1)
     trainer.fit()
     rows = _metrics(tmp_path / "run")
     assert [r["weight_sync_failures"] for r in rows] == [1.0, 1.0]
     prompts = _trained_prompts(tmp_path / "run")
-    assert "weight_sync_bytes" in rows[1] and len(prompts) == len(set(prompts)) == 4
+    assert calls["n"] >= 1 and "weight_sync_bytes" in rows[1] and len(prompts) == len(set(prompts)) == 4
+    assert not store.exists("v000000000001/manifest.json")   # the failed version stays invisible

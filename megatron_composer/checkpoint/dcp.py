@@ -312,12 +312,13 @@ def check_meta(ckpt: Path, expected: dict) -> None:
         raise CheckpointError(f"checkpoint '{ckpt}' has no meta.json; it was not written by this trainer")
     saved = json.loads(meta_path.read_text()).get("model", {})
     want = expected.get("model", {})
-    if "rope_scaling" in saved and "rope_scaling" in want and saved["rope_scaling"] != want["rope_scaling"]:
+    # weights trained without rope scaling may start a stage that extends their context (stage_rope_scaling)
+    if saved.get("rope_scaling") and "rope_scaling" in want and saved["rope_scaling"] != want["rope_scaling"]:
         raise CheckpointError(
             f"checkpoint '{ckpt}' was trained with {_rope_text(saved['rope_scaling'])} but this stage runs "
             f"{_rope_text(want['rope_scaling'])}; keep the weights' rope (model.yarn_original_length and "
             "data.seq_length of their stage) or extend it deliberately beyond their context")
-    keys = (set(saved) | set(want)) - ({"rope_scaling"} if "rope_scaling" not in saved else set())
+    keys = (set(saved) | set(want)) - ({"rope_scaling"} if not saved.get("rope_scaling") else set())
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(keys) if saved.get(k) != want.get(k)]
     if diffs:
         raise CheckpointError(

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import torch
+
 from .publisher import WeightPublisher
+from .sharded import ShardedWeightPublisher
 from .store import ObjectStore
 from .subscriber import WeightSubscriber
 
@@ -45,6 +48,13 @@ class WeightSyncConfig:
         return WeightPublisher(store, snapshot_interval=self.snapshot_interval, keep_snapshots=self.keep_snapshots,
                                shard_bytes=self.shard_mb << 20, chunk_bytes=self.chunk_mb << 20,
                                compression_level=self.compression_level)
+
+    def sharded_publisher(self, store: ObjectStore, group=None) -> ShardedWeightPublisher:
+        """Every trainer rank's publisher of its owned boxes, in ``dtype`` (see sharded.py)."""
+        return ShardedWeightPublisher(store, group=group, snapshot_interval=self.snapshot_interval,
+                                      keep_snapshots=self.keep_snapshots, shard_bytes=self.shard_mb << 20,
+                                      chunk_bytes=self.chunk_mb << 20, compression_level=self.compression_level,
+                                      dtype=getattr(torch, self.dtype))
 
     def subscriber(self, store: ObjectStore) -> WeightSubscriber:
         return WeightSubscriber(store, max_refetch=self.max_refetch)

@@ -86,8 +86,10 @@ class ShardedWeightPublisher:
     """Publishes versions of a laid-out model from every rank of `group` (all of them call `publish`).
 
     Args are WeightPublisher's (store: this rank's handle on the shared store); `group` is the trainer's
-    process group (None: the default group); `dtype`: floating tensors are published cast to it (None: as
-    held), e.g. the rollout engine's bf16 while the trainer holds fp32 masters."""
+    process group (None: the default group; a single process without torch.distributed is the one-rank case,
+    owning every tensor whole); `dtype`: floating tensors are published cast to it (None: as held), e.g. the
+    rollout engine's bf16 while the trainer holds fp32 masters. The group's collectives carry Python objects:
+    give a gloo group when the trainer's own group is NCCL."""
 
     def __init__(self, store: ObjectStore, group=None, snapshot_interval: int = 20, keep_snapshots: int | None = 2,
                  shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, compression_level: int = 1,
@@ -101,8 +103,9 @@ class ShardedWeightPublisher:
         if not -7 <= compression_level <= 22:
             raise ValueError(f"compression_level must be a zstd level in [-7, 22], got {compression_level}")
         self.store, self.group, self.dtype = store, group, dtype
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world = dist.get_world_size(group) if self.distributed else 1
         self.snapshot_interval, self.keep_snapshots = snapshot_interval, keep_snapshots
         self.shard_bytes, self.chunk_bytes, self.compression_level = shard_bytes, chunk_bytes, compression_level
         self.threads = threads or min(8, os.cpu_count() or 1)
@@ -120,6 +123,8 @@ class ShardedWeightPublisher:
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def _gather(self, obj):
+        if not self.distributed:
+            return [obj]
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -197,8 +202,9 @@ class ShardedWeightPublisher:
                     self.store.delete_prefix(mf.version_dir(version))
                 except Exception as e2:   # the version stays invisible without its manifest
                     log.warning("weight sync: could not delete the objects of failed version %d: %s", version, e2)
-        dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
+        if self.distributed:
+            dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
         if status[0] is not None:
             raise WeightSyncError(f"weight version {version} was not published (it stays invisible; the next "
                                   f"version is a delta against {self._base_version}): {status[0]}")
