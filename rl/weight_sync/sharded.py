@@ -168,6 +168,7 @@ class ShardedWeightPublisher:
         # phase 2: encode and write this rank's boxes; failures are reported, not raised, so no rank waits
         bits: dict[tuple[str, Box], torch.Tensor] = {}
         result: dict = {}
+        t_own = time.perf_counter()
         try:
             if has_base and set(self._base) != mine:
                 raise WeightSyncError(f"trainer rank {self.rank} owns other boxes than at version "
@@ -184,6 +185,7 @@ class ShardedWeightPublisher:
         except Exception as e:   # reported to every rank below
             log.error("weight sync: trainer rank %d failed to write weight version %d: %s", self.rank, version, e)
             result = {"error": f"{type(e).__name__}: {e}"}
+        own_seconds = time.perf_counter() - t_own
         confirmed = self._gather(result)
 
         # phase 3: rank 0 writes the manifest last, after every owner confirmed; every rank learns the outcome
@@ -224,7 +226,8 @@ class ShardedWeightPublisher:
             is_snapshot=is_snapshot, bytes_written=delta_bytes + snapshot_bytes + len(manifest_bytes),
             delta_bytes=delta_bytes, snapshot_bytes=snapshot_bytes, full_bytes=full_bytes,
             identical_fraction=unchanged / numel if has_base and numel else None,
-            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0)
+            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0,
+            own_bytes=sum(b.numel() * b.element_size() for b in bits.values()), own_seconds=own_seconds)
 
     # --- encoding ------------------------------------------------------------------------------------------
     def _write_part(self, version: int, vid: str, part: str, bits: dict[tuple[str, Box], torch.Tensor],
