@@ -120,8 +120,8 @@ class Trainer:
         # group of its own: the publisher's collectives carry Python objects, also when training runs on NCCL
         self._sync_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.publisher = cfg.weight_sync.sharded_publisher(weight_store(cfg), group=self._sync_group)
-        self.publish_failures = 0
-        self._publish()
+        self.publish_failures, self._last_publish = 0, {}
+        self._publish(background=False)
         if self.publish_failures:   # every trainer rank knows (the publish is collective)
             raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
@@ -141,29 +141,41 @@ class Trainer:
         if self.layout.world > 1:
             dist.barrier()
 
-    def _publish(self) -> dict:
+    def _publish(self, background: bool = True) -> dict:
         """Collective: every trainer rank writes the boxes it owns of self.version; the version is visible once
-        all have (rank 0 writes the manifest last). Metrics on trainer rank 0."""
+        all have (rank 0 writes the manifest last). With weight_sync.async_versions > 0 (and background) the
+        writes run in each rank's background thread while training goes on, at most that many versions
+        behind. Metrics (of the publishes finished by now) on trainer rank 0."""
+        bound = self.cfg.weight_sync.async_versions
+        if background and bound > 0:
+            return self._publish_outcomes(self.publisher.publish_async(self.model, self.version, bound))
         try:
-            stats = self.publisher.publish(self.model, self.version)
+            outcome = self.publisher.publish(self.model, self.version)
         except (ObjectStoreError, WeightSyncError) as e:
-            # Training goes on: workers keep the last version they have, the staleness bound redoes groups that
-            # fall too far behind, and the next step publishes again (a delta against the last visible version).
-            self.publish_failures += 1
-            if self.is_main:
-                print(f"weight sync: publishing v{self.version} failed ({e}); continuing, will publish the next "
-                      f"version", flush=True)
-            return {"weight_sync_failures": float(self.publish_failures)}
-        if not self.is_main:
-            return {}
-        out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
-               "weight_sync_failures": float(self.publish_failures),
-               "weight_sync_snapshot": float(stats.is_snapshot), "weight_sync_retries": float(stats.retries)}
-        if stats.delta_ratio is not None:
-            out["weight_sync_delta_ratio"] = stats.delta_ratio
-        if stats.identical_fraction is not None:
-            out["weight_sync_identical_fraction"] = stats.identical_fraction
-        return out
+            outcome = e
+        return self._publish_outcomes([(self.version, outcome)])
+
+    def _publish_outcomes(self, outcomes: list) -> dict:
+        """Metrics of the newest finished publish (weight_sync_version says which) and the failures so far."""
+        out = self._last_publish
+        for version, stats in outcomes:
+            if isinstance(stats, Exception):
+                # Training goes on: workers keep the last version they have, the staleness bound redoes groups
+                # that fall too far behind, and the next publish is a delta against the last visible version.
+                self.publish_failures += 1
+                if self.is_main:
+                    print(f"weight sync: publishing v{version} failed ({stats}); continuing, will publish the next "
+                          f"version", flush=True)
+                continue
+            out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
+                   "weight_sync_version": float(version), "weight_sync_snapshot": float(stats.is_snapshot),
+                   "weight_sync_retries": float(stats.retries)}
+            if stats.delta_ratio is not None:
+                out["weight_sync_delta_ratio"] = stats.delta_ratio
+            if stats.identical_fraction is not None:
+                out["weight_sync_identical_fraction"] = stats.identical_fraction
+        self._last_publish = out
+        return {**out, "weight_sync_failures": float(self.publish_failures)} if self.is_main else {}
 
     def start_embedded_workers(self, n: int) -> None:
         for i in range(n):
@@ -224,6 +236,7 @@ class Trainer:
                     self._log(metrics, results, versions, wait_s, t0, total)
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
                     self.save()
+            self._publish_outcomes(self.publisher.flush())   # the last versions become visible
             self.learner.finish_save()
         finally:
             if self.is_main:
@@ -242,6 +255,7 @@ class Trainer:
             print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
                   f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
         if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
+            metrics.update(self._publish_outcomes(self.publisher.flush()))   # evaluate the version just trained
             metrics.update(self.held_out_eval())
         console = self.step % cfg.logging.interval == 0 or self.step == total
         self.logger.log(self.step, metrics, console=console)

@@ -1,6 +1,7 @@
 """Sharded weight publish (rl/weight_sync/sharded.py): a 4-rank fsdp x ep2 trainer publishes every rank's owned
 boxes; readers of other layouts get bit-identical weights after every version; an owner failing mid-publish
-leaves the version invisible (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
+leaves the version invisible; a slow owner delays the version, not the trainer's next step (publish_async)
+(tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
 
 import importlib.util
 import socket
@@ -42,6 +43,10 @@ def _check(res):
     assert fault["latest_after_failure"] == 2 and fault["failed_version_objects"] == 0
     assert fault["next_base"] == 2 and fault["follower_version"] == 4 and fault["follower_equal"]
     assert fault["follower_snapshots"] == 1   # version 4 applied as a delta on the held version 2
+    slow = res["slow_owner"]
+    for key in ("first_sync", "returned_while_invisible", "stepped_while_invisible", "waited_for_previous", "flushed",
+                "equal"):
+        assert slow[key], key
 
 
 def test_sharded_publish_fsdp_ep2_to_other_layouts_local_store(tmp_path):

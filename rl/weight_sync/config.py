@@ -33,6 +33,8 @@ class WeightSyncConfig:
     max_retries: int = _f(5, "retries of a transient store failure (exponential backoff)")
     retry_base_seconds: float = _f(0.5, "first backoff delay; doubles per retry")
     max_refetch: int = _f(3, "re-downloads of a shard that fails its checksum before the version is refused")
+    async_versions: int = _f(1, "trainer: versions published in the background while training goes on (each "
+                                "rank's owned boxes copied at the step; 0 = every step waits for its version)")
     poll_seconds: float = _f(1.0, "how often rollout workers look for a new version")
     dtype: Literal["bfloat16", "float32"] = _f("bfloat16", "dtype the rollout engine runs in (and the deltas are "
                                                             "taken of)")

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from megatron_composer.parallel.slices import full_shape, local_pieces, local_te
 from . import manifest as mf
 from .codec import WeightSyncError, dtype_from_name, dtype_name, to_bits
 from .publisher import PublishStats, encode_and_upload
-from .store import ObjectStore
+from .store import ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ class ShardedWeightPublisher:
         self._base_version: int | None = None
         self._base_id: str | None = None
         self._snapshots: list[int] = []
+        self._owned: set[tuple[str, Box]] | None = None   # the boxes this rank published last
+        self._executor: ThreadPoolExecutor | None = None  # publish_async's one background thread
+        self._inflight: list[tuple[int, Future]] = []
 
     @property
     def last_version(self) -> int | None:
@@ -129,15 +133,9 @@ class ShardedWeightPublisher:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    @torch.no_grad()
-    def publish(self, model: nn.Module, version: int) -> PublishStats:
-        """Write ``version`` of ``model``'s weights (every rank its owned boxes); returns on every rank once the
-        version is visible, or raises WeightSyncError on every rank if any owner failed (then nothing is)."""
-        t0 = time.perf_counter()
-        retries0 = self.store.retries
-        if self._base_version is not None and version <= self._base_version:
-            raise WeightSyncError(f"weight version {version} is not newer than the last published version "
-                                  f"{self._base_version}; versions must increase")
+    def _layout(self, model: nn.Module):
+        """The model's tensors (this rank's local tensor and its pieces), their full metadata as published, and
+        the (name, box) this rank holds."""
         tensors: dict[str, tuple[torch.Tensor, list]] = {}
         meta: dict[str, tuple[str, list[int]]] = {}
         for name, t in named_tensors(model):
@@ -148,7 +146,87 @@ class ShardedWeightPublisher:
         if not tensors:
             raise WeightSyncError("cannot publish a model without parameters")
         held = [(name, _box(pc.full)) for name, (_, pieces) in tensors.items() for pc in pieces]
+        return tensors, meta, held
 
+    def _take(self, tensors: dict, mine: set) -> dict[tuple[str, Box], torch.Tensor]:
+        """Bits (CPU copies, in the published dtype) of the boxes in `mine`."""
+        bits = {}
+        for name, (local, pieces) in tensors.items():
+            for pc in pieces:
+                key = (name, _box(pc.full))
+                if key in mine:
+                    bits[key] = to_bits(self._cast(local[pc.local]))
+        return bits
+
+    @torch.no_grad()
+    def publish(self, model: nn.Module, version: int) -> PublishStats:
+        """Write ``version`` of ``model``'s weights (every rank its owned boxes); returns on every rank once the
+        version is visible, or raises WeightSyncError on every rank if any owner failed (then nothing is)."""
+        tensors, meta, held = self._layout(model)
+        return self._write(version, meta, held, lambda mine: self._take(tensors, mine))
+
+    @torch.no_grad()
+    def publish_async(self, model: nn.Module, version: int, max_pending: int = 1) -> list[tuple[int, object]]:
+        """Start publishing ``version`` in this rank's background thread and return: the owned boxes are copied
+        now (the weights as of this call), encoding, writes, the confirmation and rank 0's manifest happen in
+        the thread, over `group` -- which nothing else may use meanwhile -- so a slow owner delays when the
+        version becomes visible, not the caller. At most ``max_pending`` versions are in flight: a call
+        beyond that first waits for the oldest, so the trainer runs at most that many versions ahead of the
+        newest visible one. The first call publishes synchronously (it learns which boxes this rank owns).
+        Returns (version, PublishStats or the exception it raised) of the publishes finished since the last
+        call, oldest first; `flush` waits for the rest."""
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        tensors, meta, held = self._layout(model)
+        if self._owned is None:
+            done = self.flush()
+            try:
+                return done + [(version, self.publish(model, version))]
+            except (WeightSyncError, ObjectStoreError) as e:
+                return done + [(version, e)]
+        bits = self._take(tensors, self._owned)
+
+        def take(mine: set) -> dict:
+            if mine != set(bits):
+                raise WeightSyncError(f"trainer rank {self.rank} owns other boxes than it copied for version "
+                                      f"{version}; the layout changed during background publishing")
+            return bits
+
+        done = self._finished()
+        while len(self._inflight) >= max_pending:
+            done += self._wait_oldest()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="wsync-publish")
+        self._inflight.append((version, self._executor.submit(self._write, version, meta, held, take)))
+        return done
+
+    def flush(self) -> list[tuple[int, object]]:
+        """Wait for every background publish; their (version, PublishStats or exception), oldest first."""
+        done = []
+        while self._inflight:
+            done += self._wait_oldest()
+        return done
+
+    def _wait_oldest(self) -> list[tuple[int, object]]:
+        version, future = self._inflight.pop(0)
+        try:
+            return [(version, future.result())]
+        except (WeightSyncError, ObjectStoreError) as e:
+            return [(version, e)]
+
+    def _finished(self) -> list[tuple[int, object]]:
+        done = []
+        while self._inflight and self._inflight[0][1].done():
+            done += self._wait_oldest()
+        return done
+
+    def _write(self, version: int, meta: dict, held: list, take) -> PublishStats:
+        """Phases 1-3 of a publish (module docstring); take(mine) gives the bits of the owned boxes."""
+        t0 = time.perf_counter()
+        retries0 = self.store.retries
+        if self._base_version is not None and version <= self._base_version:
+            raise WeightSyncError(f"weight version {version} is not newer than the last published version "
+                                  f"{self._base_version}; versions must increase")
         if self.rank == 0 and self._base is None:
             # a new lineage: versions at or above this one belong to a dead run
             self._delete_versions(lambda v: v >= version)
@@ -160,6 +238,7 @@ class ShardedWeightPublisher:
                                   f"weight version {version}; every rank must publish the same model")
         vid = first[0][2]
         mine = owned_boxes([h for h, *_ in first], {n: s for n, (_, s) in meta.items()})[self.rank]
+        self._owned = mine
         has_base = all(b for _, b, *_ in first)
         if self._base is not None and not has_base:
             log.warning("weight sync: tensors or layout changed since version %d; writing a snapshot", self._base_version)
@@ -173,11 +252,7 @@ class ShardedWeightPublisher:
             if has_base and set(self._base) != mine:
                 raise WeightSyncError(f"trainer rank {self.rank} owns other boxes than at version "
                                       f"{self._base_version}")
-            for name, (local, pieces) in tensors.items():
-                for pc in pieces:
-                    key = (name, _box(pc.full))
-                    if key in mine:
-                        bits[key] = to_bits(self._cast(local[pc.local]))
+            bits = take(mine)
             if has_base:
                 result["delta"] = self._write_part(version, vid, "delta", bits, self._base)
             if is_snapshot:
