@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 # hidden, layers, experts, expert width, vocab of the tiny-deepseek-v3 shape
-SIZES = {"0.5b": (1024, 8, 32, 512, 32000), "small": (256, 4, 16, 128, 8000)}
+SIZES = {"0.5b": (1024, 8, 40, 512, 32000), "small": (256, 4, 16, 128, 8000)}
 
 
 def model_config(size: str):
