@@ -12,8 +12,9 @@ the number of optimizer steps taken):
    (importance ratio against the engine's log-probs, the step's mismatch threshold, KL to the initial
    policy) -- the loss of rl.learner.PolicyLearner, stepped by the training core;
 4. every trainer rank publishes the boxes of the weights it owns as version v + 1 (XOR delta against its own
-   boxes of v, rl/weight_sync/sharded.py); trainer rank 0 writes the manifest once every owner has confirmed,
-   so no rank ever holds more than its shard (and its shard of v);
+   boxes of v, rl/weight_sync/sharded.py), in a background thread while the next step trains (at most
+   ``weight_sync.async_versions`` versions in flight); trainer rank 0 writes the manifest once every owner has
+   confirmed, so no rank ever holds more than its shard (its shard of v, and of the versions in flight);
 5. log metrics (held-out pass@K every ``eval.interval`` steps; with ``eval.at_start`` also of the initial weights, as step 0), and checkpoint (model, optimizer,
    orchestrator state) every ``checkpoint.interval`` steps.
 How roles are placed on processes: rl/launch.py.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
