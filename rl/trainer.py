@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
