@@ -127,11 +127,6 @@ class PolicyLearner:
         """Collective: publish an asynchronous save still in flight (checkpoint.async_save)."""
         self.core.finish_save()
 
-    def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor] | None:
-        """Collective: the unsharded weights in ``dtype`` on CPU on trainer rank 0 (None elsewhere), the format
-        rollout workers load."""
-        return self.core.full_state_dict(dtype)
-
     # -- one step ---------------------------------------------------------------------------------------
     def _local(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's context-parallel slice of a micro-batch (tensor-parallel ranks keep all of it)."""
@@ -280,6 +275,21 @@ class PolicyLearner:
                                    old_logp=o["logp"] if o is not None else None, ref_logp=ref_logp,
                                    num_sequences=num_episodes, num_tokens=num_tokens, constant=self.loss_constant,
                                    mismatch_threshold=threshold, kl_tail=tails[m_i] if tails is not None else None)
+            n_local = float(local["loss_mask"].sum())
+            if o is not None and out.routed_experts is not None:  # R2: 0 by construction; logged for every mode
+                for k, v in routing_mismatch(out.routed_experts, o["routing"], local["loss_mask"] > 0).items():
+                    add(k.replace("routing_mismatch", "update_routing_mismatch"), v, n_local)
+            # how often the trainer would route differently from the engine -- before the backward: a forward
+            # after it would leave an FSDP root's parameters gathered (its sharded gradients out of sight)
+            if routed is not None:
+                if rl.router_replay == "off":
+                    free = out.routed_experts
+                else:
+                    with torch.no_grad():
+                        free = self.model(local["input_ids"], position_ids=local["position_ids"],
+                                          return_routing=True).routed_experts
+                for k, v in routing_mismatch(free, routed, local["loss_mask"] > 0).items():
+                    add(k, v, n_local)
             loss.backward()
             n = float(full["loss_mask"].sum())
             share = 1.0 / layout.cp
@@ -289,19 +299,6 @@ class PolicyLearner:
             for k in ("kl", "mismatch_masked_fraction", "ratio_mean", "tis_truncated_fraction", "clip_fraction"):
                 if k in m and math.isfinite(m[k]):
                     add(k, m[k], n * share)
-            n_local = float(local["loss_mask"].sum())
-            if o is not None and out.routed_experts is not None:  # R2: 0 by construction; logged for every mode
-                for k, v in routing_mismatch(out.routed_experts, o["routing"], local["loss_mask"] > 0).items():
-                    add(k.replace("routing_mismatch", "update_routing_mismatch"), v, n_local)
-            if routed is not None:  # how often the trainer would route differently from the engine
-                if rl.router_replay == "off":
-                    free = out.routed_experts
-                else:
-                    with torch.no_grad():
-                        free = self.model(local["input_ids"], position_ids=local["position_ids"],
-                                          return_routing=True).routed_experts
-                for k, v in routing_mismatch(free, routed, local["loss_mask"] > 0).items():
-                    add(k, v, n_local)
         keys = sorted(sums)
         vec = layout.all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         total = dict(zip(keys, vec.tolist()))

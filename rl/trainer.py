@@ -11,8 +11,10 @@ the number of optimizer steps taken):
    experts, or under R2 the old pass's), token log-probs at the rollout temperature, `PolicyGradientLoss`
    (importance ratio against the engine's log-probs, the step's mismatch threshold, KL to the initial
    policy) -- the loss of rl.learner.PolicyLearner, stepped by the training core;
-4. the full weights are gathered to trainer rank 0, which publishes version v + 1 to the weight-sync store
-   (XOR delta against v);
+4. every trainer rank publishes the boxes of the weights it owns as version v + 1 (XOR delta against its own
+   boxes of v, rl/weight_sync/sharded.py), in a background thread while the next step trains (at most
+   ``weight_sync.async_versions`` versions in flight); trainer rank 0 writes the manifest once every owner has
+   confirmed, so no rank ever holds more than its shard (its shard of v, and of the versions in flight);
 5. log metrics (held-out pass@K every ``eval.interval`` steps; with ``eval.at_start`` also of the initial weights, as step 0), and checkpoint (model, optimizer,
    orchestrator state) every ``checkpoint.interval`` steps.
 How roles are placed on processes: rl/launch.py.
@@ -23,7 +25,6 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from rl.model import build_model, build_model_meta
 from rl.orchestrator import OrchestratorRole, QueueError
 from rl.rollout.launch import make_worker
 from rl.rollout.worker import RolloutWorker
-from rl.weight_sync import ObjectStoreError
+from rl.weight_sync import ObjectStoreError, WeightSyncError
 
 
 def group_metrics(results: list[dict]) -> dict:
@@ -73,7 +74,7 @@ def group_metrics(results: list[dict]) -> dict:
 
 class Trainer:
     """One trainer rank. Every trainer rank builds one (collectively); rank 0 also runs the orchestrator role,
-    the metrics log and the weight publisher, and hands each step's groups to the others."""
+    the metrics log and the weight manifest, and hands each step's groups to the others."""
 
     def __init__(self, cfg: RLConfig):
         from megatron_composer.data.tokenizer import load_tokenizer
@@ -111,20 +112,21 @@ class Trainer:
             if state is not None:
                 self.logger.truncate_after(self.step)
                 print(f"resumed from {self.latest} at step {self.step}; {self.orchestrator.describe()}", flush=True)
-            self.publisher = cfg.weight_sync.publisher(weight_store(cfg))
             # Versions only grow, also across resumes: a resumed trainer publishes after whatever is in the store.
             stored = cfg.weight_sync.subscriber(weight_store(cfg)).latest_version()
             self.version = 0 if stored is None else stored + 1
-        self.publish_failures = 0
-        first = self._publish()
-        error = None if "weight_sync_bytes" in first or not self.is_main else (
-            f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
-        error = self._from_main(error)
-        if error:
-            raise RuntimeError(error)
+        self.version = self._from_main(self.version)
+        # every trainer rank publishes the boxes of the weights it owns (rl/weight_sync/sharded.py), over a gloo
+        # group of its own: the publisher's collectives carry Python objects, also when training runs on NCCL
+        self._sync_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.publisher = cfg.weight_sync.sharded_publisher(weight_store(cfg), group=self._sync_group)
+        self.publish_failures, self._last_publish = 0, {}
+        self._publish(background=False)
+        if self.publish_failures:   # every trainer rank knows (the publish is collective)
+            raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
         self._eval_tasks = None
-        self._eval_model = None
+        self._eval_model = self._eval_subscriber = None
 
     # -- trainer ranks ----------------------------------------------------------------------------------
     def _from_main(self, obj):
@@ -139,31 +141,41 @@ class Trainer:
         if self.layout.world > 1:
             dist.barrier()
 
-    def _publish(self, out: Optional[dict] = None) -> dict:
-        """Collective: gather the full weights to trainer rank 0, which publishes them as self.version (and
-        puts them in `out` when given)."""
-        state_dict = self.learner.full_state_dict(self.cfg.weight_sync.dtype)
-        if out is not None and state_dict is not None:  # None on trainer ranks other than 0
-            out.update(state_dict)
-        if not self.is_main:
-            return {}
+    def _publish(self, background: bool = True) -> dict:
+        """Collective: every trainer rank writes the boxes it owns of self.version; the version is visible once
+        all have (rank 0 writes the manifest last). With weight_sync.async_versions > 0 (and background) the
+        writes run in each rank's background thread while training goes on, at most that many versions
+        behind. Metrics (of the publishes finished by now) on trainer rank 0."""
+        bound = self.cfg.weight_sync.async_versions
+        if background and bound > 0:
+            return self._publish_outcomes(self.publisher.publish_async(self.model, self.version, bound))
         try:
-            stats = self.publisher.publish(state_dict, self.version)
-        except ObjectStoreError as e:
-            # Training goes on: workers keep the last version they have, the staleness bound redoes groups that
-            # fall too far behind, and the next step publishes again (a delta against the last stored version).
-            self.publish_failures += 1
-            print(f"weight sync: publishing v{self.version} failed ({e}); continuing, will publish the next version",
-                  flush=True)
-            return {"weight_sync_failures": float(self.publish_failures)}
-        out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
-               "weight_sync_failures": float(self.publish_failures),
-               "weight_sync_snapshot": float(stats.is_snapshot), "weight_sync_retries": float(stats.retries)}
-        if stats.delta_ratio is not None:
-            out["weight_sync_delta_ratio"] = stats.delta_ratio
-        if stats.identical_fraction is not None:
-            out["weight_sync_identical_fraction"] = stats.identical_fraction
-        return out
+            outcome = self.publisher.publish(self.model, self.version)
+        except (ObjectStoreError, WeightSyncError) as e:
+            outcome = e
+        return self._publish_outcomes([(self.version, outcome)])
+
+    def _publish_outcomes(self, outcomes: list) -> dict:
+        """Metrics of the newest finished publish (weight_sync_version says which) and the failures so far."""
+        out = self._last_publish
+        for version, stats in outcomes:
+            if isinstance(stats, Exception):
+                # Training goes on: workers keep the last version they have, the staleness bound redoes groups
+                # that fall too far behind, and the next publish is a delta against the last visible version.
+                self.publish_failures += 1
+                if self.is_main:
+                    print(f"weight sync: publishing v{version} failed ({stats}); continuing, will publish the next "
+                          f"version", flush=True)
+                continue
+            out = {"weight_sync_bytes": float(stats.bytes_written), "weight_sync_seconds": float(stats.seconds),
+                   "weight_sync_version": float(version), "weight_sync_snapshot": float(stats.is_snapshot),
+                   "weight_sync_retries": float(stats.retries)}
+            if stats.delta_ratio is not None:
+                out["weight_sync_delta_ratio"] = stats.delta_ratio
+            if stats.identical_fraction is not None:
+                out["weight_sync_identical_fraction"] = stats.identical_fraction
+        self._last_publish = out
+        return {**out, "weight_sync_failures": float(self.publish_failures)} if self.is_main else {}
 
     def start_embedded_workers(self, n: int) -> None:
         for i in range(n):
@@ -207,10 +219,8 @@ class Trainer:
         try:
             if cfg.eval.interval and cfg.eval.at_start and self.step == 0:
                 # the starting point of the held-out curve: the initial weights, logged as step 0
-                state = self.learner.full_state_dict(cfg.weight_sync.dtype)
                 if self.is_main:
-                    self.logger.log(0, self.held_out_eval(state), console=True)
-                del state
+                    self.logger.log(0, self.held_out_eval(), console=True)
             while self.step < total:
                 t0 = time.perf_counter()
                 results = self._next_groups()
@@ -221,13 +231,12 @@ class Trainer:
                 metrics = self.train_step(results)  # the core stops the run after too many non-finite steps
                 self.step += 1
                 self.version += 1
-                published = {}
-                metrics.update(self._publish(published))
+                metrics.update(self._publish())
                 if self.is_main:
-                    self._log(metrics, results, versions, wait_s, t0, total, published)
-                del published  # the full weights live only until the held-out evaluation has used them
+                    self._log(metrics, results, versions, wait_s, t0, total)
                 if self.step % cfg.checkpoint.interval == 0 or self.step == total:
                     self.save()
+            self._publish_outcomes(self.publisher.flush())   # the last versions become visible
             self.learner.finish_save()
         finally:
             if self.is_main:
@@ -237,8 +246,7 @@ class Trainer:
                 self.logger.close()
         return self.run_dir
 
-    def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int,
-             published: dict):
+    def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int):
         cfg = self.cfg
         metrics.update(weight_version=float(self.version), rollout_wait_s=wait_s, step_time=time.perf_counter() - t0)
         metrics.update(self.orchestrator.step_metrics())
@@ -247,30 +255,35 @@ class Trainer:
             print(f"step {self.step}: trained on tokens of versions {versions} while the trainer was at "
                   f"v{self.version - 1} (off-policy by up to {self.version - 1 - versions[0]})", flush=True)
         if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or self.step == total):
-            metrics.update(self.held_out_eval(published))
+            metrics.update(self._publish_outcomes(self.publisher.flush()))   # evaluate the version just trained
+            metrics.update(self.held_out_eval())
         console = self.step % cfg.logging.interval == 0 or self.step == total
         self.logger.log(self.step, metrics, console=console)
 
-    def held_out_eval(self, state_dict: dict) -> dict:
-        """pass@1 / pass@K of the current (just published) weights on eval.tasks, on trainer rank 0 (the other
-        trainer ranks wait for the next step; rollout workers go on)."""
+    def held_out_eval(self) -> dict:
+        """pass@1 / pass@K on eval.tasks of the newest version in the weight store (the one just published,
+        unless that publish failed), read as a rollout engine reads it: the trainer ranks never gather their
+        shards. Runs on trainer rank 0 (the other trainer ranks wait for the next step; rollout workers go on)
+        in a one-rank engine of the rollout dtype, so rank 0 holds one full copy while it evaluates."""
         from rl.evaluate import evaluate_model
         from rl.rollout.tasks import load_rl_tasks
 
         cfg = self.cfg
         if self._eval_tasks is None:
             self._eval_tasks = load_rl_tasks(cfg.eval.tasks)
+            self._eval_subscriber = cfg.weight_sync.subscriber(weight_store(cfg))
         if self._eval_model is None:
             self._eval_model, _ = build_model(cfg, self.tokenizer)
+        version = self._eval_subscriber.latest_version()
         model = self._eval_model
-        model.load_state_dict(state_dict)
+        model.load_state_dict(self._eval_subscriber.fetch(version))  # a delta on the version it evaluated last
         model.to(self.device, getattr(torch, cfg.weight_sync.dtype))
         summary, _ = evaluate_model(model, self.tokenizer, cfg.rollout, self._eval_tasks, cfg.eval.samples,
                                     cfg.eval.success_reward, seed=cfg.train.seed + self.step, progress=False)
         model.to("cpu")  # kept between evaluations off the accelerator the trainer uses
         k = cfg.eval.samples
         return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"],
-                "eval_reward_mean": summary["reward_mean"]}
+                "eval_reward_mean": summary["reward_mean"], "eval_weight_version": float(version)}
 
     def save(self) -> Path:
         """Collective: model and optimizer shards of every trainer rank; step and orchestrator from rank 0."""

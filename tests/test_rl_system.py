@@ -312,26 +312,35 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
         assert 0.0 <= ep["reward"] <= 1.0 and ep["meta"]["turns"] >= 1
 
 
-def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_versions", [0, 1])
+def test_weight_store_outage_is_counted_and_training_continues(assets, tmp_path, monkeypatch, async_versions):
     from rl.config import RLConfig
     from rl.trainer import Trainer
-    from rl.weight_sync import ObjectStoreError, WeightPublisher
+    from rl.weight_sync import ObjectStoreError
 
-    cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"train.steps": 2}))
+    cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{
+        "train.steps": 2, "weight_sync.async_versions": async_versions}))
     trainer = Trainer(cfg)
-    real = WeightPublisher.publish
+    store = trainer.publisher.store
+    real = store.put
     calls = {"n": 0}
 
-    def flaky(self, state_dict, version):
-        calls["n"] += 1
-        if calls["n"] == 1:  # the first publish after step 1: the store is down
-            raise ObjectStoreError("put weights/v1: connection refused (after 5 retries)")
-        return real(self, state_dict, version)
+    def flaky(key, data):
+        if "v000000000001/" in key:   # the first publish after step 1: the store is down
+            calls["n"] += 1
+            raise ObjectStoreError(f"put weights/{key}: connection refused (after 5 retries)")
+        return real(key, data)
 
-    monkeypatch.setattr(WeightPublisher, "publish", flaky)
+    monkeypatch.setattr(store, "put", flaky)
     trainer.start_embedded_workers(1)
     trainer.fit()
     rows = _metrics(tmp_path / "run")
-    assert [r["weight_sync_failures"] for r in rows] == [1.0, 1.0]
+    # in the background (async_versions=1) step 2 learns of version 1's failure when it publishes version 2
+    assert [r["weight_sync_failures"] for r in rows] == ([1.0, 1.0] if async_versions == 0 else [0.0, 1.0])
+    assert trainer.publish_failures == 1 and calls["n"] >= 1
     prompts = _trained_prompts(tmp_path / "run")
-    assert "weight_sync_bytes" in rows[1] and len(prompts) == len(set(prompts)) == 4
+    assert len(prompts) == len(set(prompts)) == 4
+    assert not store.exists("v000000000001/manifest.json")   # the failed version stays invisible
+    assert store.exists("v000000000002/manifest.json")       # the next one is published (a delta on version 0)
+    if async_versions == 0:
+        assert rows[1]["weight_sync_version"] == 2.0 and rows[1]["weight_sync_bytes"] > 0

@@ -1,7 +1,8 @@
 """Sharded weight publish (rl/weight_sync/sharded.py): a 4-rank fsdp x ep2 trainer publishes every rank's owned
 boxes; readers of other layouts get bit-identical weights after every version, and rollout engines in tp2 and
 ep2 (ShardSubscriber) hold them after every version, fetching only the chunks of their own boxes; an owner
-failing mid-publish leaves the version invisible (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
+failing mid-publish leaves the version invisible; a slow owner delays the version, not the trainer's next step
+(publish_async) (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
 
 import importlib.util
 import socket
@@ -52,6 +53,10 @@ def _check(res):
         assert r["bytes_read"] == r["own_chunk_bytes"]
         assert all(b < n for b, n in zip(r["bytes_read"], r["version_bytes"]))
         assert sum(r["ranged"]) > 0   # objects of which only some chunks are its own: ranged reads
+    slow = res["slow_owner"]
+    for key in ("first_sync", "returned_while_invisible", "stepped_while_invisible", "waited_for_previous", "flushed",
+                "equal"):
+        assert slow[key], key
 
 
 def test_sharded_publish_fsdp_ep2_to_other_layouts_local_store(tmp_path):

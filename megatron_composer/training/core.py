@@ -26,7 +26,7 @@ from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
-from megatron_composer.parallel.layers import iter_full_state_dict, to_empty
+from megatron_composer.parallel.layers import to_empty
 from megatron_composer.parallel.slices import fill_local, full_shape, named_tensors
 from megatron_composer.training.config import architecture
 from megatron_composer.training.layout import Layout
@@ -203,17 +203,6 @@ class TrainingCore:
         """Collective: wait for an asynchronous save in flight and publish it (no-op when there is none)."""
         pending, self._pending = self._pending, None
         return pending.finish() if pending is not None else None
-
-    def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor] | None:
-        """Collective: the unsharded weights in ``dtype`` on CPU on rank 0 (None elsewhere). Tensor by tensor: a
-        rank holds at most one gathered tensor at a time."""
-        dt = getattr(torch, dtype)
-        main = self.layout.rank == 0
-        out = {}
-        for name, t in iter_full_state_dict(self.model, self.layout.groups):
-            if main:
-                out[name] = (t.detach().to(dt) if t.is_floating_point() else t.detach()).cpu()
-        return out if main else None
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def accumulate(self, loss_fn: LossFn, micro_batches: list) -> dict:

@@ -1,6 +1,6 @@
 """Lossless delta weight sync through object storage.
 
-The trainer's ``WeightPublisher`` writes each version as a per-tensor XOR against the previous one (bf16 bit
+``WeightPublisher`` (a plain state dict from one process) writes each version as a per-tensor XOR against the previous one (bf16 bit
 patterns), byte-shuffled and zstd-compressed into checksummed shards, with a full snapshot every N versions
 and a manifest written last. Rollout workers' ``WeightSubscriber`` polls, downloads and decodes in the
 background, verifies checksums, and reconstructs each version bit-exactly from the nearest snapshot plus
@@ -12,6 +12,7 @@ deltas. ``ObjectStore`` is a local directory or ``s3://`` through fsspec, with r
     sub = WeightSubscriber(store); sub.start(poll_seconds=1.0)    # rollout worker
     ready = sub.pop_ready()                                       # between decode steps: (version, state) or None
     ShardedWeightPublisher(store).publish(model, version=step)    # every trainer rank: its owned boxes (sharded.py)
+    ShardedWeightPublisher(store).publish_async(model, step)      # the same in the background (the RL trainer)
     sub = ShardSubscriber.for_model(store, engine_shard)          # every rollout rank: its own boxes only
     update = sub.prepare()                                        # or sub.start() ... sub.pop_ready()
     engine.update_weights(update, update.version, delta=update.delta); update.commit()

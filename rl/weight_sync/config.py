@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+import torch
+
 from .publisher import WeightPublisher
+from .sharded import ShardedWeightPublisher
 from .store import ObjectStore
 from .subscriber import ShardSubscriber, WeightSubscriber
 
@@ -30,6 +33,8 @@ class WeightSyncConfig:
     max_retries: int = _f(5, "retries of a transient store failure (exponential backoff)")
     retry_base_seconds: float = _f(0.5, "first backoff delay; doubles per retry")
     max_refetch: int = _f(3, "re-downloads of a shard that fails its checksum before the version is refused")
+    async_versions: int = _f(1, "trainer: versions published in the background while training goes on (each "
+                                "rank's owned boxes copied at the step; 0 = every step waits for its version)")
     poll_seconds: float = _f(1.0, "how often rollout workers look for a new version")
     dtype: Literal["bfloat16", "float32"] = _f("bfloat16", "dtype the rollout engine runs in (and the deltas are "
                                                             "taken of)")
@@ -45,6 +50,13 @@ class WeightSyncConfig:
         return WeightPublisher(store, snapshot_interval=self.snapshot_interval, keep_snapshots=self.keep_snapshots,
                                shard_bytes=self.shard_mb << 20, chunk_bytes=self.chunk_mb << 20,
                                compression_level=self.compression_level)
+
+    def sharded_publisher(self, store: ObjectStore, group=None) -> ShardedWeightPublisher:
+        """Every trainer rank's publisher of its owned boxes, in ``dtype`` (see sharded.py)."""
+        return ShardedWeightPublisher(store, group=group, snapshot_interval=self.snapshot_interval,
+                                      keep_snapshots=self.keep_snapshots, shard_bytes=self.shard_mb << 20,
+                                      chunk_bytes=self.chunk_mb << 20, compression_level=self.compression_level,
+                                      dtype=getattr(torch, self.dtype))
 
     def subscriber(self, store: ObjectStore) -> WeightSubscriber:
         return WeightSubscriber(store, max_refetch=self.max_refetch)

@@ -33,6 +33,8 @@ class PublishStats:
     identical_fraction: float | None   # elements whose bits equal the base version's; None without a base
     seconds: float
     retries: int                # transient store failures retried during this publish
+    own_bytes: int = 0          # raw bytes this rank encoded (all of them for the whole-tensor publisher)
+    own_seconds: float = 0.0    # this rank's encode-and-write time, before the confirmation (sharded publish)
 
     @property
     def delta_ratio(self) -> float | None:
@@ -149,7 +151,8 @@ class WeightPublisher:
             is_snapshot=is_snapshot, bytes_written=delta_bytes + snapshot_bytes + len(manifest_bytes),
             delta_bytes=delta_bytes, snapshot_bytes=snapshot_bytes, full_bytes=manifest["full_bytes"],
             identical_fraction=unchanged / numel if has_base else None,
-            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0)
+            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0,
+            own_bytes=manifest["full_bytes"], own_seconds=time.perf_counter() - t0)
 
     # --- encoding ------------------------------------------------------------------------------------------
     def _write_part(self, version: int, vid: str, part: str, bits: dict[str, torch.Tensor],

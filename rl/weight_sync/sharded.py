@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from megatron_composer.parallel.slices import full_shape, local_pieces, local_te
 from . import manifest as mf
 from .codec import WeightSyncError, dtype_from_name, dtype_name, to_bits
 from .publisher import PublishStats, encode_and_upload
-from .store import ObjectStore
+from .store import ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,10 @@ class ShardedWeightPublisher:
     """Publishes versions of a laid-out model from every rank of `group` (all of them call `publish`).
 
     Args are WeightPublisher's (store: this rank's handle on the shared store); `group` is the trainer's
-    process group (None: the default group); `dtype`: floating tensors are published cast to it (None: as
-    held), e.g. the rollout engine's bf16 while the trainer holds fp32 masters."""
+    process group (None: the default group; a single process without torch.distributed is the one-rank case,
+    owning every tensor whole); `dtype`: floating tensors are published cast to it (None: as held), e.g. the
+    rollout engine's bf16 while the trainer holds fp32 masters. The group's collectives carry Python objects:
+    give a gloo group when the trainer's own group is NCCL."""
 
     def __init__(self, store: ObjectStore, group=None, snapshot_interval: int = 20, keep_snapshots: int | None = 2,
                  shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, compression_level: int = 1,
@@ -101,8 +104,9 @@ class ShardedWeightPublisher:
         if not -7 <= compression_level <= 22:
             raise ValueError(f"compression_level must be a zstd level in [-7, 22], got {compression_level}")
         self.store, self.group, self.dtype = store, group, dtype
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world = dist.get_world_size(group) if self.distributed else 1
         self.snapshot_interval, self.keep_snapshots = snapshot_interval, keep_snapshots
         self.shard_bytes, self.chunk_bytes, self.compression_level = shard_bytes, chunk_bytes, compression_level
         self.threads = threads or min(8, os.cpu_count() or 1)
@@ -111,6 +115,9 @@ class ShardedWeightPublisher:
         self._base_version: int | None = None
         self._base_id: str | None = None
         self._snapshots: list[int] = []
+        self._owned: set[tuple[str, Box]] | None = None   # the boxes this rank published last
+        self._executor: ThreadPoolExecutor | None = None  # publish_async's one background thread
+        self._inflight: list[tuple[int, Future]] = []
 
     @property
     def last_version(self) -> int | None:
@@ -120,19 +127,15 @@ class ShardedWeightPublisher:
         return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
 
     def _gather(self, obj):
+        if not self.distributed:
+            return [obj]
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    @torch.no_grad()
-    def publish(self, model: nn.Module, version: int) -> PublishStats:
-        """Write ``version`` of ``model``'s weights (every rank its owned boxes); returns on every rank once the
-        version is visible, or raises WeightSyncError on every rank if any owner failed (then nothing is)."""
-        t0 = time.perf_counter()
-        retries0 = self.store.retries
-        if self._base_version is not None and version <= self._base_version:
-            raise WeightSyncError(f"weight version {version} is not newer than the last published version "
-                                  f"{self._base_version}; versions must increase")
+    def _layout(self, model: nn.Module):
+        """The model's tensors (this rank's local tensor and its pieces), their full metadata as published, and
+        the (name, box) this rank holds."""
         tensors: dict[str, tuple[torch.Tensor, list]] = {}
         meta: dict[str, tuple[str, list[int]]] = {}
         for name, t in named_tensors(model):
@@ -143,7 +146,87 @@ class ShardedWeightPublisher:
         if not tensors:
             raise WeightSyncError("cannot publish a model without parameters")
         held = [(name, _box(pc.full)) for name, (_, pieces) in tensors.items() for pc in pieces]
+        return tensors, meta, held
 
+    def _take(self, tensors: dict, mine: set) -> dict[tuple[str, Box], torch.Tensor]:
+        """Bits (CPU copies, in the published dtype) of the boxes in `mine`."""
+        bits = {}
+        for name, (local, pieces) in tensors.items():
+            for pc in pieces:
+                key = (name, _box(pc.full))
+                if key in mine:
+                    bits[key] = to_bits(self._cast(local[pc.local]))
+        return bits
+
+    @torch.no_grad()
+    def publish(self, model: nn.Module, version: int) -> PublishStats:
+        """Write ``version`` of ``model``'s weights (every rank its owned boxes); returns on every rank once the
+        version is visible, or raises WeightSyncError on every rank if any owner failed (then nothing is)."""
+        tensors, meta, held = self._layout(model)
+        return self._write(version, meta, held, lambda mine: self._take(tensors, mine))
+
+    @torch.no_grad()
+    def publish_async(self, model: nn.Module, version: int, max_pending: int = 1) -> list[tuple[int, object]]:
+        """Start publishing ``version`` in this rank's background thread and return: the owned boxes are copied
+        now (the weights as of this call), encoding, writes, the confirmation and rank 0's manifest happen in
+        the thread, over `group` -- which nothing else may use meanwhile -- so a slow owner delays when the
+        version becomes visible, not the caller. At most ``max_pending`` versions are in flight: a call
+        beyond that first waits for the oldest, so the trainer runs at most that many versions ahead of the
+        newest visible one. The first call publishes synchronously (it learns which boxes this rank owns).
+        Returns (version, PublishStats or the exception it raised) of the publishes finished since the last
+        call, oldest first; `flush` waits for the rest."""
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        tensors, meta, held = self._layout(model)
+        if self._owned is None:
+            done = self.flush()
+            try:
+                return done + [(version, self.publish(model, version))]
+            except (WeightSyncError, ObjectStoreError) as e:
+                return done + [(version, e)]
+        bits = self._take(tensors, self._owned)
+
+        def take(mine: set) -> dict:
+            if mine != set(bits):
+                raise WeightSyncError(f"trainer rank {self.rank} owns other boxes than it copied for version "
+                                      f"{version}; the layout changed during background publishing")
+            return bits
+
+        done = self._finished()
+        while len(self._inflight) >= max_pending:
+            done += self._wait_oldest()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="wsync-publish")
+        self._inflight.append((version, self._executor.submit(self._write, version, meta, held, take)))
+        return done
+
+    def flush(self) -> list[tuple[int, object]]:
+        """Wait for every background publish; their (version, PublishStats or exception), oldest first."""
+        done = []
+        while self._inflight:
+            done += self._wait_oldest()
+        return done
+
+    def _wait_oldest(self) -> list[tuple[int, object]]:
+        version, future = self._inflight.pop(0)
+        try:
+            return [(version, future.result())]
+        except (WeightSyncError, ObjectStoreError) as e:
+            return [(version, e)]
+
+    def _finished(self) -> list[tuple[int, object]]:
+        done = []
+        while self._inflight and self._inflight[0][1].done():
+            done += self._wait_oldest()
+        return done
+
+    def _write(self, version: int, meta: dict, held: list, take) -> PublishStats:
+        """Phases 1-3 of a publish (module docstring); take(mine) gives the bits of the owned boxes."""
+        t0 = time.perf_counter()
+        retries0 = self.store.retries
+        if self._base_version is not None and version <= self._base_version:
+            raise WeightSyncError(f"weight version {version} is not newer than the last published version "
+                                  f"{self._base_version}; versions must increase")
         if self.rank == 0 and self._base is None:
             # a new lineage: versions at or above this one belong to a dead run
             self._delete_versions(lambda v: v >= version)
@@ -155,6 +238,7 @@ class ShardedWeightPublisher:
                                   f"weight version {version}; every rank must publish the same model")
         vid = first[0][2]
         mine = owned_boxes([h for h, *_ in first], {n: s for n, (_, s) in meta.items()})[self.rank]
+        self._owned = mine
         has_base = all(b for _, b, *_ in first)
         if self._base is not None and not has_base:
             log.warning("weight sync: tensors or layout changed since version %d; writing a snapshot", self._base_version)
@@ -163,15 +247,12 @@ class ShardedWeightPublisher:
         # phase 2: encode and write this rank's boxes; failures are reported, not raised, so no rank waits
         bits: dict[tuple[str, Box], torch.Tensor] = {}
         result: dict = {}
+        t_own = time.perf_counter()
         try:
             if has_base and set(self._base) != mine:
                 raise WeightSyncError(f"trainer rank {self.rank} owns other boxes than at version "
                                       f"{self._base_version}")
-            for name, (local, pieces) in tensors.items():
-                for pc in pieces:
-                    key = (name, _box(pc.full))
-                    if key in mine:
-                        bits[key] = to_bits(self._cast(local[pc.local]))
+            bits = take(mine)
             if has_base:
                 result["delta"] = self._write_part(version, vid, "delta", bits, self._base)
             if is_snapshot:
@@ -179,6 +260,7 @@ class ShardedWeightPublisher:
         except Exception as e:   # reported to every rank below
             log.error("weight sync: trainer rank %d failed to write weight version %d: %s", self.rank, version, e)
             result = {"error": f"{type(e).__name__}: {e}"}
+        own_seconds = time.perf_counter() - t_own
         confirmed = self._gather(result)
 
         # phase 3: rank 0 writes the manifest last, after every owner confirmed; every rank learns the outcome
@@ -197,8 +279,9 @@ class ShardedWeightPublisher:
                     self.store.delete_prefix(mf.version_dir(version))
                 except Exception as e2:   # the version stays invisible without its manifest
                     log.warning("weight sync: could not delete the objects of failed version %d: %s", version, e2)
-        dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
+        if self.distributed:
+            dist.broadcast_object_list(status, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
         if status[0] is not None:
             raise WeightSyncError(f"weight version {version} was not published (it stays invisible; the next "
                                   f"version is a delta against {self._base_version}): {status[0]}")
@@ -218,7 +301,8 @@ class ShardedWeightPublisher:
             is_snapshot=is_snapshot, bytes_written=delta_bytes + snapshot_bytes + len(manifest_bytes),
             delta_bytes=delta_bytes, snapshot_bytes=snapshot_bytes, full_bytes=full_bytes,
             identical_fraction=unchanged / numel if has_base and numel else None,
-            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0)
+            seconds=time.perf_counter() - t0, retries=self.store.retries - retries0,
+            own_bytes=sum(b.numel() * b.element_size() for b in bits.values()), own_seconds=own_seconds)
 
     # --- encoding ------------------------------------------------------------------------------------------
     def _write_part(self, version: int, vid: str, part: str, bits: dict[tuple[str, Box], torch.Tensor],

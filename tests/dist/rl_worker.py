@@ -3,8 +3,11 @@
 Per layout, on the same rollout groups (multi-segment episodes, observation tokens masked, behaviour log-probs
 off the policy, recorded experts replayed, KL to the reference policy): the step's RL loss and every parameter
 gradient (each rank's shard against the slice of the single-rank gradient), then one optimizer step on each
-side and the loss of a second batch; the weights gathered for publishing have the single-rank model's names,
-shapes and values; a checkpoint written by the layout loads back into a fresh learner of the same layout.
+side and the loss of a second batch; the weights every trainer rank publishes of its own boxes (the RL
+trainer's ShardedWeightPublisher, no gather) reconstruct from the store to the single-rank model's names and
+shapes, bit-identical to it before the step and to every rank's own shards after it (a delta on the first
+version; the single-rank weights after the step differ in reduction order only, which the loss of the second
+batch bounds); a checkpoint written by the layout loads back into a fresh learner of the same layout.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from common import compare_grads, init, reduce_max, run_cases  # noqa: E402
 from megatron_composer.config import load_config  # noqa: E402
 from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
-from megatron_composer.parallel.layers import spec_of  # noqa: E402
+from megatron_composer.parallel.slices import local_pieces, local_tensor, named_tensors  # noqa: E402
 from megatron_composer.training.core import finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from rl.algorithm import token_logprobs  # noqa: E402
 from rl.learner import PolicyLearner, dp_share  # noqa: E402
-from rl.config import RLConfig  # noqa: E402
+from rl.config import RLConfig, weight_store  # noqa: E402
+from rl.weight_sync.codec import to_bits  # noqa: E402
 
 TOK = None  # set from --tok
 
@@ -36,7 +40,7 @@ def config(run_dir: str, mbs: int = 3, **parallel) -> RLConfig:
             "data.tokenizer": TOK, "rollout.max_seq_len": 128, "train.micro_batch_size": mbs, "train.seed": 5,
             "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
             "optim.grad_clip": 1.0, "rl.kl_coef": 0.05, "rl.mismatch_bound": 0.2, "rl.router_replay": "r3",
-            "run.dir": run_dir, "checkpoint.init_from": "''"}
+            "run.dir": run_dir, "checkpoint.init_from": "''", "weight_sync.dtype": "float32"}
     over.update({f"parallel.{k}": v for k, v in parallel.items()})
     return load_config(RLConfig, None, [f"{k}={v}" for k, v in over.items()]).validate()
 
@@ -83,6 +87,10 @@ def near_policy(results: list[dict], model, seed: int) -> None:
                 seg["response_logprobs"] = [float(v) if m else 0.0 for v, m in zip(noisy, seg["response_mask"])]
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(to_bits(a), to_bits(b))
+
+
 def grads_to_full_shards(learner: PolicyLearner) -> None:
     opt = learner.optimizer
     finish_gradients(learner.model, opt, 0.0)
@@ -102,8 +110,12 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
             # an odd number of samples: the dp ranks get unequal shares
             next(ep for r in results for ep in r["episodes"] if len(ep["segments"]) > 1)["segments"].pop()
         near_policy(results, ref.model, 21)
-        first = par.full_state_dict("float32")
-        initial_equal = first is None or all(torch.equal(first[k], v) for k, v in ref.model.state_dict().items())
+        # published as the RL trainer does: every rank its owned boxes (rl/trainer.py: Trainer._publish)
+        publisher = par_cfg.weight_sync.sharded_publisher(weight_store(par_cfg))
+        publisher.publish(par.model, 0)
+        first = par_cfg.weight_sync.subscriber(weight_store(par_cfg)).fetch(0)
+        initial_equal = set(first) == set(ref.model.state_dict()) and all(
+            _bits_equal(first[k], v) for k, v in ref.model.state_dict().items())
         samples, _, n_ep = ref.samples(results)
         assert len({s.episode for s in samples if s.segment == 1}) >= 1, "no multi-segment episode"
         errs = {}
@@ -130,15 +142,13 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
         errs["loss_after_step"] = abs(l2_par - l2_ref) / abs(l2_ref)
         ref.optimizer.zero_grad()
         par.optimizer.zero_grad()
-        # published weights: the unsharded format rollout workers load, holding exactly this layout's shards
-        full = par.full_state_dict("float32")
-        assert (full is None) == (dist.get_rank() != 0)
-        box = [full]
-        dist.broadcast_object_list(box, src=0)
-        full, want = box[0], ref.model.state_dict()
+        # version 1 (a delta on version 0), reconstructed from the store as a rollout worker does
+        stats = publisher.publish(par.model, 1)
+        full, want = par_cfg.weight_sync.subscriber(weight_store(par_cfg)).fetch(1), ref.model.state_dict()
         errs["publish_keys"] = float(set(full) != set(want) or any(full[k].shape != want[k].shape for k in want))
-        errs["publish_values"] = float(any(not torch.equal(spec_of(p).take(full[n]), p.detach())
-                                           for n, p in par.model.named_parameters()))
+        errs["publish_delta"] = float(stats.base_version != 0 or not stats.delta_bytes)
+        errs["publish_values"] = float(any(not _bits_equal(local_tensor(t)[pc.local], full[n][pc.full])
+                                           for n, t in named_tensors(par.model) for pc in local_pieces(t)))
         # checkpoint of the layout, loaded into a fresh learner of the same layout
         state = {"step": 1, "orchestrator": {"sampler": "rank 0 only"}} if dist.get_rank() == 0 else {"step": 1}
         ckpt = par.save(str(tmp / name), 1, state, keep_last=0)
@@ -181,5 +191,6 @@ if __name__ == "__main__":
         cases = {
             "tp2_sp_cp2_ep2_zero1": make_case(tmp, "tp2_sp_cp2_ep2_zero1", tp=2, sequence_parallel=True, cp=2, ep=2),
             "dp2_tp2_ep4_mbs2": make_case(tmp, "dp2_tp2_ep4_mbs2", mbs=2, tp=2, ep=4),
+            "fsdp_ep2": make_case(tmp, "fsdp_ep2", fsdp=True, ep=2),  # dense over dp x cp, experts on their mesh
         }
     run_cases(args, cases)

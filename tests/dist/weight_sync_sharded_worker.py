@@ -5,6 +5,10 @@ column-parallel shards under tp2) and column boxes (row-parallel shards) -- get 
 trainer's gathered full weights after every version, from a fresh subscriber (snapshot + deltas) and from one
 that follows every version (deltas on what it holds), and fetch only the objects overlapping their boxes.
 
+Slow owner: publish_async returns while one owner's upload is held back, the next training step runs while the
+version is invisible, the following publish waits for it (one version in flight), and both versions are
+bit-identical.
+
 Fault case: an owner failing mid-publish leaves the version invisible (no manifest, no objects), and the next
 publish succeeds as a delta a follower applies bit-exactly (published in bf16 from the fp32 masters).
 
@@ -16,6 +20,7 @@ import argparse
 import datetime
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -272,7 +277,48 @@ def engines():
     return {"ranks": ranks}
 
 
-CASES = {"publish_read": publish_read, "owner_fault": owner_fault, "engines": engines}
+
+
+def slow_owner():
+    """publish_async, as the RL trainer publishes: rank 1's upload of version 2 is held back; the call returns,
+    the trainer's next step runs while version 2 is invisible, the publish after it waits for version 2
+    (one version in flight), and both versions reconstruct bit-identically."""
+    core, groups = _trainer()
+    store = _store("slow_owner")
+    group = dist.new_group(backend="gloo")   # the publisher's own group, beside the training collectives
+    pub = ShardedWeightPublisher(store, group=group, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096)
+    latest = lambda: WeightSubscriber(_store("slow_owner")).latest_version()  # noqa: E731
+    out = {}
+    first = pub.publish_async(core.model, 1, max_pending=1)   # the first call is synchronous (learns ownership)
+    out["first_sync"] = _all_ok([v for v, _ in first] == [1] and not isinstance(first[0][1], Exception))
+    _step(core, groups, 2)
+    release = threading.Event()
+    real_put = pub.store.put
+    if dist.get_rank() == 1:
+        def slow_put(key, data):
+            if key.startswith(mf.version_dir(2)):
+                release.wait(timeout=120)   # a synchronous publish would be stuck here until the timeout
+            return real_put(key, data)
+        pub.store.put = slow_put
+    want = {2: full_state_dict(core.model, groups)}
+    done = pub.publish_async(core.model, 2, max_pending=1)
+    out["returned_while_invisible"] = _all_ok(not done and latest() == 1)
+    _step(core, groups, 3)   # the trainer's next step: collectives on the default group, version 2 still pending
+    out["stepped_while_invisible"] = _all_ok(latest() == 1)
+    want[3] = full_state_dict(core.model, groups)
+    release.set()
+    done = pub.publish_async(core.model, 3, max_pending=1)   # the bound: version 2 first
+    out["waited_for_previous"] = _all_ok([v for v, _ in done] == [2] and not isinstance(done[0][1], Exception))
+    done = pub.flush()
+    out["flushed"] = _all_ok([v for v, _ in done] == [3] and not isinstance(done[0][1], Exception))
+    follower = WeightSubscriber(_store("slow_owner"))
+    out["equal"] = _all_ok(all(all(_same(got[k], want[v][k]) for k in want[v])
+                               for v in (2, 3) for got in [follower.fetch(v)]))
+    return out
+
+
+CASES = {"publish_read": publish_read, "owner_fault": owner_fault, "engines": engines,
+         "slow_owner": slow_owner}
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

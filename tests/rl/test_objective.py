@@ -227,6 +227,30 @@ def test_stage_rope_scaling_inherits_unless_it_extends():
     assert stage_rope_scaling(shorter, 131072, None) is shorter  # YaRN switched on by this stage
 
 
+
+def test_a_checkpoint_loads_into_a_stage_that_extends_its_context_only(tmp_path):
+    """check_meta follows stage_rope_scaling: weights without rope scaling, or with a shorter context, start a
+    context-extending stage (the demo chain: pretrain 128 -> long context YaRN 2 -> SFT YaRN 8); a stage that
+    would shrink or change the weights' rope is refused."""
+    import json
+
+    from megatron_composer.checkpoint.dcp import CheckpointError, check_meta
+
+    def rope(factor):
+        return None if factor is None else {"factor": factor, "original_max_position_embeddings": 128}
+
+    def check(saved, want):
+        (tmp_path / "meta.json").write_text(json.dumps({"model": {"hidden_size": 8, "rope_scaling": rope(saved)}}))
+        check_meta(tmp_path, {"model": {"hidden_size": 8, "rope_scaling": rope(want)}})
+
+    check(None, 2.0)
+    check(2.0, 8.0)
+    check(8.0, 8.0)
+    with pytest.raises(CheckpointError, match="YaRN factor 8.0 over 128 .* YaRN factor 2.0 over 128"):
+        check(8.0, 2.0)
+    with pytest.raises(CheckpointError, match="YaRN factor 2.0 over 128 .* no rope scaling"):
+        check(2.0, None)
+
 def _kimi_tokenizer():
     class VocabOnly:  # model_config only checks the tokenizer fits the vocabulary
         vocab_size = 151936  # fits both families' vocabularies

@@ -1,9 +1,10 @@
 """The RL trainer on several trainer ranks equals one rank, and bad trainer layouts are refused up front.
 
 tp2, tp2+sp, ep2 (also with a padding-only micro-batch on one dp rank), cp2 and dp2 with ZeRO-1 on 2 gloo
-ranks, tp2+sp x cp2 x ep2 and dp2 x tp2 x ep4 on 4 (tests/dist/rl_worker.py): the step's RL loss and
-every parameter gradient (max |diff| <= 1e-5 x max |ref| per tensor), the loss after one optimizer step, the
-published (gathered) weights, and a checkpoint save/load in the layout."""
+ranks, tp2+sp x cp2 x ep2, dp2 x tp2 x ep4 and fsdp x ep2 on 4 (tests/dist/rl_worker.py): the step's RL loss
+and every parameter gradient (max |diff| <= 1e-5 x max |ref| per tensor), the loss after one optimizer step,
+the weights every rank publishes of its own shards (reconstructed from the store: bit-identical to the one-rank
+initial weights and to the layout's own shards after the step), and a checkpoint save/load in the layout."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
 LAYOUTS = ["tp2", "tp2_sp", "ep2", "ep2_mbs1", "cp2", "dp2_zero1"]
-LAYOUTS_4 = ["tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_mbs2"]
+LAYOUTS_4 = ["tp2_sp_cp2_ep2_zero1", "dp2_tp2_ep4_mbs2", "fsdp_ep2"]
 
 
 @pytest.fixture(scope="module")
