@@ -24,6 +24,7 @@ values cannot decide anything that depends on data:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class DryRunResult:
     assumptions: list[str] = field(default_factory=list)
     seconds: float = 0.0
     tracker_kinds: dict[str, int] = field(default_factory=dict)  # the tracker's own categories at the peak
+    units: dict[str, tuple[int, int]] = field(default_factory=dict)  # fsdp_unit_numels of the built model
 
 
 class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -171,6 +173,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
 
             short = 2 * pcfg.cp * max(pcfg.tp, 1) * 2  # divides by 2*cp (and by tp for sequence parallelism)
             one_step(_batch(mc, layout, short, micro_batch, device))  # gradients, optimizer state
+            units = fsdp_unit_numels(core.model) if fsdp else {}
             tracker = _peak_tracker(fsdp)(*((core.model, core.optimizer) if fsdp else ()))
             externals = [core.model]
             if isinstance(core.optimizer, torch.optim.Optimizer):
@@ -196,7 +199,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         kind = _KIND_OF.get(k, "optimizer" if k == "Other" else "other")
         by_kind[kind] = by_kind.get(kind, 0) + v
     return DryRunResult(peak_bytes=raw["Total"], by_kind=by_kind, assumptions=assumptions,
-                        seconds=time.perf_counter() - t0, tracker_kinds=raw)
+                        seconds=time.perf_counter() - t0, tracker_kinds=raw, units=units)
 
 
 def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **kw) -> DryRunResult:
@@ -226,6 +229,27 @@ def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **k
         tracker_kinds={k: ext(a.tracker_kinds.get(k, 0), b.tracker_kinds.get(k, 0)) for k in a.tracker_kinds})
 
 
+def fsdp_unit_numels(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The FSDP units the built model really has (parallel/fsdp.py:apply_fsdp), named as the planner's
+    megatron_composer.parallel.cost.fsdp_units names them -> (dense, routed-expert) elements of this rank's
+    tp/ep-local tensors before FSDP sharding. A block's routed-experts unit is counted with its block, as the
+    planner counts it; the model's own unit is "root"."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, list[int]] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        group = mod._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        experts = name.endswith(".feed_forward.experts")
+        unit = name.removesuffix(".feed_forward.experts") if experts else (name or "root")
+        n = sum(math.prod(fp._orig_size) for fp in group.fsdp_params)
+        out.setdefault(unit, [0, 0])[1 if experts else 0] += n
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def _distributed_adamw_state(opt) -> list[torch.Tensor]:
     out = []
     for _, b in opt._all_buckets():
@@ -233,4 +257,4 @@ def _distributed_adamw_state(opt) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["DryRunResult", "KINDS", "simulate", "simulate_scaled"]
+__all__ = ["DryRunResult", "KINDS", "fsdp_unit_numels", "simulate", "simulate_scaled"]

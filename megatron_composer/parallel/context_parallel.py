@@ -17,6 +17,8 @@ import torch
 
 from megatron_composer.parallel import collectives as C
 
+KEY_BLOCK = 1024  # keys per score block of the blockwise core (its [Sq, KEY_BLOCK] float32 scores per head)
+
 
 def shard_sequence(x: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
     """Chunks cp_rank and 2*cp-1-cp_rank of `dim` (split into 2*cp equal chunks), concatenated."""
@@ -228,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def blockwise_attention(q_BHSD, k_BKSD, v_BKSD, scale: float, q_idx, k_idx, doc_q_BS, doc_k_BS,
-                        block: int = 1024):
+                        block: int = KEY_BLOCK):
     """Causal attention within documents by global token index, without materialising [Sq, Sk] tensors."""
     return _BlockwiseAttention.apply(q_BHSD.contiguous(), k_BKSD.contiguous(), v_BKSD.contiguous(), scale,
                                      q_idx, k_idx, doc_q_BS, doc_k_BS, block)
@@ -243,7 +245,7 @@ class ContextParallelAttention:
     it): the local doc ids the model computes cannot know about documents on other ranks.
     """
 
-    def __init__(self, cp_group, block: int = 1024, kv_exchange: str = "allgather"):
+    def __init__(self, cp_group, block: int = KEY_BLOCK, kv_exchange: str = "allgather"):
         if kv_exchange not in ("allgather", "ring"):
             raise ValueError(f"kv_exchange is {kv_exchange!r}; use allgather or ring")
         self.group, self.kv_exchange = cp_group, kv_exchange
