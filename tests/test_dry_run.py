@@ -71,7 +71,8 @@ def test_fsdp_units_working_set_and_collectives_by_hand():
     lay_main = Layout(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2, mtp=False)
     work = fsdp_working_set(cfg, lay_main, phase="attention")
     last, prev = cfg.num_layers - 1, cfg.num_layers - 2
-    assert work["prefetch"] == 2 * units[f"layers.{prev}"] and work["block"] == 2 * fsdp_units(cfg, lay)[f"layers.{last}"][0]
+    assert work["prefetch"] == 2 * units[f"layers.{prev}"]
+    assert work["block"] == 2 * fsdp_units(cfg, lay)[f"layers.{last}"][0]
     assert fsdp_working_set(cfg, lay, phase="loss")["total"] == 2 * units["root"]
     # per micro-batch: every block gathered twice (forward, backward), the root once, all reduce-scattered in fp32
     vol = fsdp_comm_per_microbatch(cfg, lay)
