@@ -206,3 +206,4 @@ def test_kimi_long_context_dry_run_fits_e2e(seq):
               "--fsdp", "--seq", str(seq), "--simulate", "--sim-layers", "3")
     assert r.returncode == 0, r.stderr
     assert "measured peak" in r.stdout and "of 288 GiB: fits" in r.stdout
+    assert "estimate and dry run agree within 15%" in r.stdout, r.stdout
