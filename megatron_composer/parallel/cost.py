@@ -36,11 +36,11 @@ class Layout:
     # FSDP (parallel.fsdp): parameters, gradients and optimizer state sharded over the dense replicas (dp x cp)
     # and, for routed experts, over the expert-data-parallel ranks, each divided by dp_replicate (HSDP keeps
     # that many replicas of each shard); blocks are gathered in gather_bytes (2: bf16; 1: FP8 recipes that
-    # gather quantised weights) one at a time plus `prefetch` ahead, gradients reduce-scattered in fp32.
+    # gather quantised weights) one at a time plus the next one prefetched (parallel/fsdp.py links each block to
+    # one neighbour), gradients reduce-scattered in fp32 (fsdp_working_set).
     fsdp: bool = False
     dp_replicate: int = 1
     gather_bytes: float = 2
-    prefetch: int = 1
 
     @property
     def local_tokens(self) -> int:
