@@ -142,6 +142,9 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         "kernels: the Python paths a GPU takes (MEGATRON_COMPOSER_CPP=0)",
         "the RL learner's loss is the pretraining LM + MTP loss here (same model, layout and optimizer)",
         f"precision {precision} autocast, FP8 recipe off (FP8 GEMMs keep quantised copies: not measured here)",
+        "exact tensor bytes: no CUDA allocator rounding or fragmentation, no NCCL or cuBLAS workspaces",
+        f"one micro-batch of {micro_batch} sequence(s) per step: with accumulation every gradient shard exists "
+        "throughout backward (the planner's --micro-batches counts them)",
     ]
     old_cpp = os.environ.get("MEGATRON_COMPOSER_CPP")
     os.environ["MEGATRON_COMPOSER_CPP"] = "0"
