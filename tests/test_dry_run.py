@@ -207,3 +207,13 @@ def test_kimi_long_context_dry_run_fits_e2e(seq):
     assert r.returncode == 0, r.stderr
     assert "measured peak" in r.stdout and "of 288 GiB: fits" in r.stdout
     assert "estimate and dry run agree within 15%" in r.stdout, r.stdout
+
+
+def test_planner_simulate_prints_the_comparison_and_its_assumptions():
+    r = _plan("--preset", "tiny-kimi-k2.5", "--gpus", "8", "--gpu-mem", "1", "--ep", "2", "--cp", "2", "--fsdp",
+              "--seq", "256", "--simulate")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "measured peak" in out and "estimate and dry run" in out and "15%" in out
+    assumptions = out[out.index("assumptions:"):].splitlines()[1:]
+    assert any("routing balanced" in a for a in assumptions) and any("allocator" in a for a in assumptions)
