@@ -217,3 +217,20 @@ def test_planner_simulate_prints_the_comparison_and_its_assumptions():
     assert "measured peak" in out and "estimate and dry run" in out and "15%" in out
     assumptions = out[out.index("assumptions:"):].splitlines()[1:]
     assert any("routing balanced" in a for a in assumptions) and any("allocator" in a for a in assumptions)
+
+
+def test_fsdp_tp_partial_gradients_all_reduce_only_the_shard():
+    """Under FSDP x TP, finish_fsdp_gradients all-reduces each tp_partial gradient's local FSDP shard (dim 0 split
+    over the dp x cp ranks) over tp, not the whole tensor as the replicated layout does."""
+    from megatron_composer.parallel.cost import param_kind
+
+    cfg = get_preset("tiny-kimi-k2.5")
+    dims = ParallelDims(8, tp=2, ep=2, sequence_parallel=True)  # dense FSDP shards: dp 4
+    zero1 = comm_per_step(cfg, Layout(dims, seq_len=64, micro_batch=1))
+    fsdp = comm_per_step(cfg, Layout(dims, seq_len=64, micro_batch=1, fsdp=True))
+    shapes = [tuple(p.shape) for n, p in Transformer(cfg).named_parameters()
+              if param_kind(n, True, cfg.attention) == "tp_partial"]
+    assert shapes
+    whole = sum(math.prod(s) for s in shapes)
+    shard = sum(-(-s[0] // 4) * math.prod(s[1:]) for s in shapes)
+    assert zero1["all_reduce"] - fsdp["all_reduce"] == 4 * (whole - shard)
