@@ -336,8 +336,10 @@ def backward_peak(cfg, lay: Layout, acts: dict, params: Optional[list] = None, m
     on, else those reduce-scattered before that moment), fsdp_working_set at that moment and the activations then
     live (activation_bytes(...)["phases"]). Returns {"phase", "total", "terms", "phases": {phase: total}}.
     Checked against the dry run (pretrain/dry_run.py) for Kimi K2.5 in EP 8 x CP 8 x FSDP: the attention moment,
-    the peak there, matches it to 0.1%; the "ffn" moment counts the saved tensors only and is ~20% below the
-    dry run's (the recomputed MoE's dispatch buffers are live then too), still below the attention moment."""
+    the peak there at 131k and 256k tokens, matches it to 0.1%. The "ffn" moment counts the recomputed block's
+    saved tensors as its backward starts; the dry run's feed-forward moments are higher (~20% at 131k-256k: the
+    recomputed MoE's dispatch buffers are live too; inside the routed experts' backward their unsharded weight
+    gradients join), which at 32k makes the MoE backward the peak and the dry run 7% above this estimate."""
     params = params if params is not None else model_params(cfg)
     mem = memory_per_rank(cfg, lay, params)
     phases, terms_of = {}, {}
