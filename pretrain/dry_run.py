@@ -24,6 +24,7 @@ values cannot decide anything that depends on data:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class DryRunResult:
     assumptions: list[str] = field(default_factory=list)
     seconds: float = 0.0
     tracker_kinds: dict[str, int] = field(default_factory=dict)  # the tracker's own categories at the peak
+    units: dict[str, tuple[int, int]] = field(default_factory=dict)  # fsdp_unit_numels of the built model
 
 
 class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
@@ -140,6 +142,9 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         "kernels: the Python paths a GPU takes (MEGATRON_COMPOSER_CPP=0)",
         "the RL learner's loss is the pretraining LM + MTP loss here (same model, layout and optimizer)",
         f"precision {precision} autocast, FP8 recipe off (FP8 GEMMs keep quantised copies: not measured here)",
+        "exact tensor bytes: no CUDA allocator rounding or fragmentation, no NCCL or cuBLAS workspaces",
+        f"one micro-batch of {micro_batch} sequence(s) per step: with accumulation every gradient shard exists "
+        "throughout backward (the planner's --micro-batches counts them)",
     ]
     old_cpp = os.environ.get("MEGATRON_COMPOSER_CPP")
     os.environ["MEGATRON_COMPOSER_CPP"] = "0"
@@ -171,6 +176,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
 
             short = 2 * pcfg.cp * max(pcfg.tp, 1) * 2  # divides by 2*cp (and by tp for sequence parallelism)
             one_step(_batch(mc, layout, short, micro_batch, device))  # gradients, optimizer state
+            units = fsdp_unit_numels(core.model) if fsdp else {}
             tracker = _peak_tracker(fsdp)(*((core.model, core.optimizer) if fsdp else ()))
             externals = [core.model]
             if isinstance(core.optimizer, torch.optim.Optimizer):
@@ -196,14 +202,21 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         kind = _KIND_OF.get(k, "optimizer" if k == "Other" else "other")
         by_kind[kind] = by_kind.get(kind, 0) + v
     return DryRunResult(peak_bytes=raw["Total"], by_kind=by_kind, assumptions=assumptions,
-                        seconds=time.perf_counter() - t0, tracker_kinds=raw)
+                        seconds=time.perf_counter() - t0, tracker_kinds=raw, units=units)
 
 
 def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **kw) -> DryRunResult:
     """`simulate` of the model with `layers` and `layers + 1` transformer layers (the dense ones first, as in
     the model), extrapolated linearly to its own number: with full recompute a rank's peak is affine in the
     number of identical MoE blocks (their parameters, gradients and optimizer state, and one saved input
-    each), so two depths fix it. For models whose full simulation takes too long here."""
+    each), so two depths fix it -- when the peak sits in the same place at both depths. tests/test_dry_run.py
+    checks equal increments at 3, 4 and 5 layers on the tiny preset; for Kimi K2.5 in EP 8 x CP 8 at 131k and
+    256k both depths peak in the last layer's attention backward and the increment is the estimate's (0.80 GiB
+    at 256k: one layer's shards and saved input), while at 32k the peak moves from the last to the second-last
+    layer's MoE backward between 3 and 4 layers (its reduce-scatter buffer outweighs one saved input), and the
+    3->4 and 4->5 increments differ by 55 MB (about 3 GiB over 61 layers). For
+    models whose full simulation takes too long here: 3 + 4 layers of Kimi K2.5 take about 75 CPU-seconds at
+    131k-256k tokens (about 10 s per layer), so its 61 layers would take about 10 CPU-minutes."""
     # both depths need two MoE blocks: the peak (inside the last block's backward, the one before it prefetched)
     # then has the same shape in both, and their difference is one more block's state and saved input only
     if not mc.first_k_dense_replace + 2 <= layers < mc.num_layers:
@@ -221,9 +234,31 @@ def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **k
         peak_bytes=ext(a.peak_bytes, b.peak_bytes),
         by_kind={k: ext(a.by_kind.get(k, 0), b.by_kind.get(k, 0)) for k in kinds},
         assumptions=a.assumptions + [f"extrapolated linearly from {layers}- and {layers + 1}-layer runs to "
-                                     f"{mc.num_layers} layers"],
+                                     f"{mc.num_layers} layers (+{(b.peak_bytes - a.peak_bytes) / 2**30:.3f} GiB per "
+                                     "layer; exact when both depths peak in the same block, see simulate_scaled)"],
         seconds=a.seconds + b.seconds,
         tracker_kinds={k: ext(a.tracker_kinds.get(k, 0), b.tracker_kinds.get(k, 0)) for k in a.tracker_kinds})
+
+
+def fsdp_unit_numels(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The FSDP units the built model really has (parallel/fsdp.py:apply_fsdp), named as the planner's
+    megatron_composer.parallel.cost.fsdp_units names them -> (dense, routed-expert) elements of this rank's
+    tp/ep-local tensors before FSDP sharding. A block's routed-experts unit is counted with its block, as the
+    planner counts it; the model's own unit is "root"."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, list[int]] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        group = mod._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        experts = name.endswith(".feed_forward.experts")
+        unit = name.removesuffix(".feed_forward.experts") if experts else (name or "root")
+        n = sum(math.prod(fp._orig_size) for fp in group.fsdp_params)
+        out.setdefault(unit, [0, 0])[1 if experts else 0] += n
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 def _distributed_adamw_state(opt) -> list[torch.Tensor]:
@@ -233,4 +268,4 @@ def _distributed_adamw_state(opt) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["DryRunResult", "KINDS", "simulate", "simulate_scaled"]
+__all__ = ["DryRunResult", "KINDS", "fsdp_unit_numels", "simulate", "simulate_scaled"]

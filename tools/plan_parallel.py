@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import get_preset  # noqa: E402
-from megatron_composer.parallel.cost import (OPS, Layout, activation_bytes, comm_per_step,  # noqa: E402
-                                             fsdp_working_set, memory_per_rank, model_params)
+from megatron_composer.parallel.cost import (OPS, Layout, activation_bytes, backward_peak,  # noqa: E402
+                                             comm_per_step, memory_per_rank, model_params)
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import validate_layout  # noqa: E402
 
@@ -49,18 +49,21 @@ def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zer
                  act_bytes=act_bytes, cp_attention=cp_attention, fsdp=fsdp, dp_replicate=dp_replicate,
                  gather_bytes=gather_bytes)
     mem = memory_per_rank(cfg, lay, params)
-    work = fsdp_working_set(cfg, lay, params)
     acts = activation_bytes(cfg, lay, attention_backend="flash", loss="trainer")
     comm = comm_per_step(cfg, lay, params=params, micro_batches=micro_batches)
     ring = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "send_recv": 1.0}
     seconds = sum(comm[k] * ring[k] for k in OPS) / (link_gbps * 1e9 / 8)
-    static = mem["params"] + mem["grads"] + mem["optimizer"] + work["total"]
-    return {"dims": dims, "lay": lay, "mem": mem, "work": work, "acts": acts, "comm": comm, "comm_seconds": seconds,
-            "total_none": static + acts["none"], "total_full": static + acts["full"], "static": static}
+    static = mem["params"] + mem["grads"] + mem["optimizer"]
+    # full recompute: the largest backward moment (cost.backward_peak), which counts the FSDP working set and the
+    # gradients that exist at that moment; without recompute every saved tensor is live at the loss
+    peak = backward_peak(cfg, lay, acts, params, micro_batches)
+    return {"dims": dims, "lay": lay, "mem": mem, "peak": peak, "acts": acts, "comm": comm, "comm_seconds": seconds,
+            "total_none": static + peak["terms"]["fsdp root"] + acts["none"], "total_full": peak["total"],
+            "static": static}
 
 
 def print_plan(p: dict, gpu_mem_gib: float, tokens_per_step: int) -> None:
-    d, mem, acts, work, lay = p["dims"], p["mem"], p["acts"], p["work"], p["lay"]
+    d, mem, acts, lay = p["dims"], p["mem"], p["acts"], p["lay"]
     fsdp = f", FSDP over {d.dp * d.cp // lay.dp_replicate} dense / {d.edp // lay.dp_replicate} expert ranks" + (
         f" x {lay.dp_replicate} replicas (HSDP)" if lay.dp_replicate > 1 else "") if lay.fsdp else ""
     print(f"layout: tp={d.tp} cp={d.cp} ep={d.ep} dp={d.dp} (expert-data-parallel {d.edp}), "
@@ -69,12 +72,12 @@ def print_plan(p: dict, gpu_mem_gib: float, tokens_per_step: int) -> None:
           f"{mem['expert_params_local'] / 1e9:.2f} B expert on this GPU before FSDP; fp32)")
     print(f"  gradients           {mem['grads'] / GiB:10.2f} GiB")
     print(f"  optimizer state     {mem['optimizer'] / GiB:10.2f} GiB")
-    if lay.fsdp:
-        print(f"  FSDP gathered       {work['total'] / GiB:10.2f} GiB   (root {work['root'] / GiB:.2f}, "
-              f"{1 + lay.prefetch} blocks {work['blocks'] / GiB:.2f} in {lay.gather_bytes:g}-byte weights, one "
-              f"block's gradient + fp32 reduce-scatter input {work['grads'] / GiB:.2f})")
-    print(f"  activations         {acts['none'] / GiB:10.2f} GiB without recompute, {acts['full'] / GiB:.2f} GiB "
-          f"with full-layer recompute (per micro-batch)")
+    print(f"  activations         {acts['none'] / GiB:10.2f} GiB without recompute (per micro-batch)")
+    pk = p["peak"]
+    print(f"  with full-layer recompute, the peak is in the backward's {pk['phase']} moment "
+          f"({', '.join(f'{k} {v / GiB:.2f}' for k, v in pk['phases'].items())} GiB):")
+    for k, v in pk["terms"].items():
+        print(f"    {k:22s} {v / GiB:8.2f} GiB")
     for label, key in (("no recompute", "total_none"), ("full recompute", "total_full")):
         print(f"  total ({label:14s}) {p[key] / GiB:8.2f} GiB of {gpu_mem_gib:g} GiB: {fit_text(p[key], gpu_mem_gib)}")
     print(f"  communication per step ({tokens_per_step} tokens over all GPUs), payload per GPU:")
@@ -122,7 +125,6 @@ def print_simulation(cfg, args, p) -> bool:
     from megatron_composer.parallel.dims import ParallelConfig
     from pretrain.dry_run import simulate, simulate_scaled
 
-    lay, mem, work, acts = p["lay"], p["mem"], p["work"], p["acts"]
     pcfg = ParallelConfig(tp=args.tp, cp=args.cp, ep=args.ep, sequence_parallel=not args.no_sp, zero1=not args.no_zero1,
                           cp_attention=args.cp_attention, activation_checkpointing=args.recompute)
     if args.fsdp:
@@ -133,25 +135,28 @@ def print_simulation(cfg, args, p) -> bool:
     print(f"dry run: rank 0 of {args.gpus} (fake process group, fake tensors), one step, activation checkpointing "
           f"{args.recompute}" + (f", {args.sim_layers} and {args.sim_layers + 1} of {cfg.num_layers} layers, "
                                  "extrapolated" if args.sim_layers else f", all {cfg.num_layers} layers"))
+    if args.micro_batches > 1:
+        print("  (the dry run runs one micro-batch; the estimate counts the gradients of earlier ones)")
     kw = dict(micro_batch=args.micro_batch, mtp_weight=0.2 if cfg.num_mtp_layers else 0.0, precision=args.dtype)
     if args.sim_layers:
         r = simulate_scaled(cfg, pcfg, args.gpus, args.seq, layers=args.sim_layers, **kw)
     else:
         r = simulate(cfg, pcfg, args.gpus, args.seq, **kw)
-    key = "full" if args.recompute == "full" else "none"
-    est = {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"],
-           "unsharded_params": work["root"] + work["blocks"], "unsharded_grads": work["grads"],
-           "activations": acts[key], "temporaries": acts.get("temporaries", 0.0)}
-    print(f"  {'kind':18s} {'estimate GiB':>13s} {'simulated GiB':>14s} {'sim/est':>8s}")
-    for k in est:
-        s = r.by_kind.get(k, 0)
-        ratio = f"{s / est[k]:8.2f}" if est[k] else f"{'-':>8s}"
-        print(f"  {k:18s} {est[k] / GiB:13.2f} {s / GiB:14.2f} {ratio}")
-    total_est = p["total_full"] if key == "full" else p["total_none"]
-    print(f"  {'peak':18s} {total_est / GiB:13.2f} {r.peak_bytes / GiB:14.2f} {r.peak_bytes / total_est:8.2f}")
+    print("  simulated peak by the tracker's kinds (recomputed and prefetched tensors count as temporaries):")
+    for k, v in r.by_kind.items():
+        if v:
+            print(f"    {k:22s} {v / GiB:8.2f} GiB")
+    total_est = p["total_full"] if args.recompute == "full" else p["total_none"]
+    print(f"  {'peak':18s} {'estimate GiB':>13s} {'simulated GiB':>14s} {'sim/est':>8s}")
+    ratio = r.peak_bytes / total_est
+    print(f"  {'':18s} {total_est / GiB:13.2f} {r.peak_bytes / GiB:14.2f} {ratio:8.2f}")
+    print(f"  estimate and dry run {'agree within' if abs(ratio - 1) <= 0.15 else 'differ by more than'} 15% "
+          f"({(ratio - 1) * 100:+.1f}%)")
     print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: {fit_text(r.peak_bytes, args.gpu_mem)}; "
           f"{r.seconds:.0f} s")
-    print("  assumptions: " + "; ".join(r.assumptions))
+    print("  assumptions:")
+    for a in r.assumptions:
+        print(f"    - {a}")
     return r.peak_bytes <= args.gpu_mem * GiB
 
 

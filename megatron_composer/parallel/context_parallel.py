@@ -17,6 +17,8 @@ import torch
 
 from megatron_composer.parallel import collectives as C
 
+KEY_BLOCK = 1024  # keys per score block of the blockwise core (its [Sq, KEY_BLOCK] float32 scores per head)
+
 
 def shard_sequence(x: torch.Tensor, dim: int, cp: int, cp_rank: int) -> torch.Tensor:
     """Chunks cp_rank and 2*cp-1-cp_rank of `dim` (split into 2*cp equal chunks), concatenated."""
@@ -103,34 +105,43 @@ def _block_mask(q_idx, k_idx, doc_q, doc_k):
     return ((q_idx[:, None] >= k_idx[None, :]) & (doc_q[:, :, None] == doc_k[:, None, :]))[:, None, None]
 
 
-def _forward_blocks(qg, kf, vf, scale, q_idx, k_idx, doc_q, doc_k, block, m, l, acc):
-    """Online-softmax accumulation of one K/V shard, `block` keys at a time (updates m, l, acc)."""
-    for j in range(0, kf.shape[2], block):
-        s = (qg @ kf[:, :, None, j:j + block].transpose(-1, -2)) * scale
-        s = s.masked_fill(~_block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block]), float("-inf"))
+def _forward_blocks(qg, k, v, scale, q_idx, k_idx, doc_q, doc_k, block, m, l, acc):
+    """Online-softmax accumulation of one K/V shard, `block` keys at a time (updates m, l, acc). K/V stay in their
+    own dtype and are cast to qg's one block at a time: a whole-shard float32 copy of a gathered MLA K/V is
+    several GiB at long context."""
+    for j in range(0, k.shape[2], block):
+        kb, vb = k[:, :, None, j:j + block].to(qg.dtype), v[:, :, None, j:j + block].to(qg.dtype)
+        s = (qg @ kb.transpose(-1, -2)).mul_(scale)  # one [Sq, block] score block per head, reused in place
+        s.masked_fill_(~_block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block]), float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - shift[..., None])
+        p = s.sub_(shift[..., None]).exp_()
         corr = torch.exp(m - shift)
         l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + p @ vf[:, :, None, j:j + block]
+        acc = acc * corr[..., None] + p @ vb
         m = m_new
+        del s, p
     return m, l, acc
 
 
-def _backward_blocks(qg, kf, vf, do, delta, lse, scale, q_idx, k_idx, doc_q, doc_k, block):
-    """Gradients (dq contribution, dk, dv) of one K/V shard, recomputing probabilities from the lse."""
+def _backward_blocks(qg, k, v, do, delta, lse, scale, q_idx, k_idx, doc_q, doc_k, block, grad_dtype=None):
+    """Gradients (dq contribution, dk, dv) of one K/V shard, recomputing probabilities from the lse. K/V are cast
+    to qg's dtype a block at a time, and dk, dv are made in `grad_dtype` (None: k's and v's own dtypes, when they
+    are final; the ring's accumulators pass float32); each key block's rows are written once, so casting them per
+    block rounds exactly as one cast at the end would. At most two [Sq, block] score blocks per head are live
+    (the probabilities and their gradient, computed in place)."""
     dq = torch.zeros_like(qg)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-    for j in range(0, kf.shape[2], block):
-        kb, vb = kf[:, :, None, j:j + block], vf[:, :, None, j:j + block]
-        s = (qg @ kb.transpose(-1, -2)) * scale
+    dk, dv = torch.zeros_like(k, dtype=grad_dtype), torch.zeros_like(v, dtype=grad_dtype)
+    for j in range(0, k.shape[2], block):
+        kb, vb = k[:, :, None, j:j + block].to(qg.dtype), v[:, :, None, j:j + block].to(qg.dtype)
         mask = _block_mask(q_idx, k_idx[j:j + block], doc_q, doc_k[:, j:j + block])
-        p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)
+        p = (qg @ kb.transpose(-1, -2)).mul_(scale).sub_(lse[..., None]).exp_().masked_fill_(~mask, 0.0)
         dv[:, :, j:j + block] = (p.transpose(-1, -2) @ do).sum(2)
-        ds = p * ((do @ vb.transpose(-1, -2)) - delta[..., None]) * scale
+        ds = (do @ vb.transpose(-1, -2)).sub_(delta[..., None]).mul_(p).mul_(scale)
+        del p
         dq += ds @ kb
         dk[:, :, j:j + block] = (ds.transpose(-1, -2) @ qg).sum(2)
+        del ds
     return dq, dk, dv
 
 
@@ -152,8 +163,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, q_idx, k_idx, doc_q, doc_k, block):
         qg, m, l, acc = _init_state(q, k, v)
-        m, l, acc = _forward_blocks(qg, k.to(qg.dtype), v.to(qg.dtype), scale, q_idx, k_idx, doc_q, doc_k, block,
-                                    m, l, acc)
+        m, l, acc = _forward_blocks(qg, k, v, scale, q_idx, k_idx, doc_q, doc_k, block, m, l, acc)
         out = acc / l[..., None]  # every query sees at least itself, so l > 0
         ctx.save_for_backward(q, k, v, out, m + l.log(), q_idx, k_idx, doc_q, doc_k)
         ctx.scale, ctx.block = scale, block
@@ -165,9 +175,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         qg = q.to(out.dtype).reshape(out.shape[:4] + (q.shape[3],))
         do = dout.to(out.dtype).reshape(out.shape)
         delta = (do * out).sum(-1)
-        dq, dk, dv = _backward_blocks(qg, k.to(out.dtype), v.to(out.dtype), do, delta, lse, ctx.scale, q_idx, k_idx,
-                                      doc_q, doc_k, ctx.block)
-        return (dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+        dq, dk, dv = _backward_blocks(qg, k, v, do, delta, lse, ctx.scale, q_idx, k_idx, doc_q, doc_k, ctx.block)
+        return (dq.reshape(q.shape).to(q.dtype), dk, dv,
                 None, None, None, None, None, None)
 
 
@@ -185,8 +194,7 @@ class _RingAttention(torch.autograd.Function):
             origin = (r - step) % n
             if step < n - 1:
                 pending = C.ring_exchange_start([kb, vb], group)
-            m, l, acc = _forward_blocks(qg, kb.to(qg.dtype), vb.to(qg.dtype), scale, q_idx, k_idx_of[origin], doc_q,
-                                        doc_k_of[origin], block,
+            m, l, acc = _forward_blocks(qg, kb, vb, scale, q_idx, k_idx_of[origin], doc_q, doc_k_of[origin], block,
                                         m, l, acc)
             if step < n - 1:
                 kb, vb = C.ring_exchange_finish(pending)
@@ -208,9 +216,9 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qg)
         for step in range(n):
             origin = (r - step) % n
-            dq_part, dk_part, dv_part = _backward_blocks(qg, kb.to(out.dtype), vb.to(out.dtype), do, delta, lse,
-                                                         ctx.scale, q_idx,
-                                                         ctx.k_idx_of[origin], doc_q, ctx.doc_k_of[origin], ctx.block)
+            dq_part, dk_part, dv_part = _backward_blocks(qg, kb, vb, do, delta, lse, ctx.scale, q_idx,
+                                                         ctx.k_idx_of[origin], doc_q, ctx.doc_k_of[origin], ctx.block,
+                                                         grad_dtype=out.dtype)
             dq += dq_part
             dkb, dvb = dkb + dk_part, dvb + dv_part
             if step < n - 1:
@@ -222,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def blockwise_attention(q_BHSD, k_BKSD, v_BKSD, scale: float, q_idx, k_idx, doc_q_BS, doc_k_BS,
-                        block: int = 1024):
+                        block: int = KEY_BLOCK):
     """Causal attention within documents by global token index, without materialising [Sq, Sk] tensors."""
     return _BlockwiseAttention.apply(q_BHSD.contiguous(), k_BKSD.contiguous(), v_BKSD.contiguous(), scale,
                                      q_idx, k_idx, doc_q_BS, doc_k_BS, block)
@@ -237,7 +245,7 @@ class ContextParallelAttention:
     it): the local doc ids the model computes cannot know about documents on other ranks.
     """
 
-    def __init__(self, cp_group, block: int = 1024, kv_exchange: str = "allgather"):
+    def __init__(self, cp_group, block: int = KEY_BLOCK, kv_exchange: str = "allgather"):
         if kv_exchange not in ("allgather", "ring"):
             raise ValueError(f"kv_exchange is {kv_exchange!r}; use allgather or ring")
         self.group, self.kv_exchange = cp_group, kv_exchange

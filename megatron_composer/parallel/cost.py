@@ -36,11 +36,11 @@ class Layout:
     # FSDP (parallel.fsdp): parameters, gradients and optimizer state sharded over the dense replicas (dp x cp)
     # and, for routed experts, over the expert-data-parallel ranks, each divided by dp_replicate (HSDP keeps
     # that many replicas of each shard); blocks are gathered in gather_bytes (2: bf16; 1: FP8 recipes that
-    # gather quantised weights) one at a time plus `prefetch` ahead, gradients reduce-scattered in fp32.
+    # gather quantised weights) one at a time plus the next one prefetched (parallel/fsdp.py links each block to
+    # one neighbour), gradients reduce-scattered in fp32 (fsdp_working_set).
     fsdp: bool = False
     dp_replicate: int = 1
     gather_bytes: float = 2
-    prefetch: int = 1
 
     @property
     def local_tokens(self) -> int:
@@ -214,8 +214,10 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     mem = memory_per_rank(cfg, lay, params)
     dense, expert = mem["dense_params_local"], mem["expert_params_local"]
     g = lay.param_bytes if lay.param_bytes == 4 else 4
-    if tp > 1:
-        vol["all_reduce"] += sum(math.prod(sh) for n, sh in params
+    if tp > 1:  # tp_partial gradients summed over tp: the whole tensor, or under FSDP this rank's dim-0 shard of it
+        # (finish_fsdp_gradients all-reduces the local shard after the reduce-scatter; rank 0 holds the largest)
+        dense_shard = fsdp_shards(lay)[0] if lay.fsdp else 1
+        vol["all_reduce"] += sum(math.ceil(sh[0] / dense_shard) * math.prod(sh[1:]) for n, sh in params
                                  if param_kind(n, sp, cfg.attention) == "tp_partial") * g
     if lay.fsdp:
         for op, v in fsdp_comm_per_microbatch(cfg, lay, params).items():
@@ -240,44 +242,122 @@ def fsdp_shards(lay: Layout) -> tuple[int, int]:
     return d.dp * d.cp // lay.dp_replicate, d.edp // lay.dp_replicate
 
 
-def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
-    """FSDP units as parallel/fsdp.py makes them -- one per transformer block (main and MTP; a MoE block's routed
-    experts are a unit of their own on the expert mesh, gathered with it: counted with the block here), and the
-    root (embedding, final norm, head, MTP projections and norms) -> (dense, expert) elements this rank holds
-    of them unsharded (after TP/EP, before FSDP)."""
+def _fsdp_unit_of(name: str) -> str:
+    """The FSDP unit parallel/fsdp.py puts a parameter in: its transformer block (main or MTP; a MoE block's
+    routed experts, a unit of their own on the expert mesh, are counted with it), or the root (embedding, final
+    norm, head, and the MTP projections and norms, which sit outside the MTP blocks)."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return ".".join(parts[:2])
+    if parts[0] == "mtp" and parts[2] == "block":
+        return ".".join(parts[:3])
+    return "root"
+
+
+def _local_params(cfg, lay: Layout, params: Optional[list] = None):
+    """(name, unit, is_expert, elements on this rank after TP/EP, before FSDP) of every parameter."""
     dims = lay.dims
     params = params if params is not None else model_params(cfg)
-    units: dict[str, list[int]] = {}
     for name, shape in params:
-        parts = name.split(".")
-        if parts[0] == "layers":
-            unit = ".".join(parts[:2])
-        elif parts[0] == "mtp" and parts[2] == "block":
-            unit = ".".join(parts[:3])
-        else:  # embedding, final norm, head, and the MTP projections and norms
-            unit = "root"
         kind = param_kind(name, dims.sequence_parallel, cfg.attention)
         if dims.tp == 1 and kind != "expert":
             kind = "replicated"
-        n = _local_numel(name, shape, kind, dims)
-        units.setdefault(unit, [0, 0])[1 if kind == "expert" else 0] += n
+        yield name, _fsdp_unit_of(name), kind == "expert", _local_numel(name, shape, kind, dims)
+
+
+def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
+    """FSDP units as parallel/fsdp.py makes them (_fsdp_unit_of) -> (dense, expert) elements this rank holds of
+    them unsharded (after TP/EP, before FSDP)."""
+    units: dict[str, list[int]] = {}
+    for _, unit, expert, n in _local_params(cfg, lay, params):
+        units.setdefault(unit, [0, 0])[1 if expert else 0] += n
     return {k: (v[0], v[1]) for k, v in units.items()}
 
 
-def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
-    """Transient bytes of unsharded FSDP units at the backward peak: the root unit (kept gathered from the
-    first forward to the end of backward, as FSDP does for the root), the block being computed and `prefetch`
-    prefetched ones in the gather dtype, and the block's unsharded gradient (compute dtype) with its fp32
-    reduce-scatter input. Zero without FSDP."""
+def first_backward_units(cfg, lay: Layout) -> tuple[str, Optional[str]]:
+    """The block unit backward reaches first (the last MTP block when MTP is trained, else the last layer) and
+    the one it prefetches (its predecessor in the same stack: parallel/fsdp.py links the stacks separately)."""
+    depths = cfg.num_mtp_layers if lay.mtp else 0
+    if depths:
+        return f"mtp.{depths - 1}.block", (f"mtp.{depths - 2}.block" if depths > 1 else None)
+    n = cfg.num_layers
+    return f"layers.{n - 1}", (f"layers.{n - 2}" if n > 1 else None)
+
+
+FSDP_PHASES = ("loss", "ffn", "attention")
+
+
+def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None, phase: str = "attention") -> dict[str, float]:
+    """Bytes of unsharded FSDP state at one moment of the backward of one micro-batch (FSDP_PHASES; zero without
+    FSDP): "loss" (the heads and loss through their backward), "ffn" (the start of the feed-forward backward of
+    the first block backward reaches) and "attention" (that block's attention core backward). Terms:
+      root           the root unit, gathered from the first forward to the end of backward (reshard_after_forward
+                     False), in the gather dtype
+      root_grads     its unsharded gradients made before the blocks' backward (all but the token embedding's:
+                     head, final norm, MTP projections), in the compute dtype, kept until the root's reduce-scatter
+      block          the block's dense unit, gathered for its backward
+      block_experts  its routed-experts unit, gathered (ffn); after their backward they reshard, and
+      reduce_scatter the experts' float32 reduce-scatter input, which FSDP keeps until the next unit's
+                     reduce-scatter is issued (attention)
+      block_grads    the block's dense gradients made before the attention core's backward: its feed-forward's
+                     (shared experts, router, norm) and wo's (attention)
+      prefetch       the previous block (dense and experts units) gathered ahead (ffn, attention)"""
+    zero = dict.fromkeys(("root", "root_grads", "block", "block_experts", "reduce_scatter", "block_grads",
+                          "prefetch"), 0.0)
     if not lay.fsdp:
-        return {"root": 0.0, "blocks": 0.0, "grads": 0.0, "total": 0.0, "block_max": 0.0}
+        return dict(zero, total=0.0)
+    if phase not in FSDP_PHASES:
+        raise ValueError(f"phase {phase!r}; use one of {FSDP_PHASES}")
+    params = params if params is not None else model_params(cfg)
     units = fsdp_units(cfg, lay, params)
-    root = sum(units.get("root", (0, 0)))
-    block = max((sum(v) for k, v in units.items() if k != "root"), default=0)
-    out = {"root": root * lay.gather_bytes, "blocks": (1 + lay.prefetch) * block * lay.gather_bytes,
-           "grads": block * (2 + 4), "block_max": float(block)}
-    out["total"] = out["root"] + out["blocks"] + out["grads"]
+    first, prev = first_backward_units(cfg, lay)
+    g, c = lay.gather_bytes, lay.act_bytes
+    out = dict(zero, root=sum(units.get("root", (0, 0))) * g)
+    if phase != "loss":
+        dense, experts = units.get(first, (0, 0))
+        out["root_grads"] = sum(n for name, unit, _, n in _local_params(cfg, lay, params)
+                                if unit == "root" and not name.startswith("tok_embeddings.")) * c
+        out["block"] = dense * g
+        out["prefetch"] = sum(units.get(prev, (0, 0))) * g if prev else 0.0
+        if phase == "ffn":
+            out["block_experts"] = experts * g
+        else:
+            out["reduce_scatter"] = experts * 4
+            out["block_grads"] = sum(
+                n for name, unit, expert, n in _local_params(cfg, lay, params)
+                if unit == first and not expert and (".attention." not in name or ".attention.wo." in name)) * c
+    out["total"] = sum(out.values())
     return out
+
+
+def backward_peak(cfg, lay: Layout, acts: dict, params: Optional[list] = None, micro_batches: int = 1) -> dict:
+    """Peak bytes of one rank in a step with full-layer recompute: the largest of the backward moments of
+    FSDP_PHASES, each the sharded state (parameters, optimizer; gradients: all of them from the second micro-batch
+    on, else those reduce-scattered before that moment), fsdp_working_set at that moment and the activations then
+    live (activation_bytes(...)["phases"]). Returns {"phase", "total", "terms", "phases": {phase: total}}.
+    Checked against the dry run (pretrain/dry_run.py) for Kimi K2.5 in EP 8 x CP 8 x FSDP: the attention moment,
+    the peak there at 131k and 256k tokens, matches it to 0.1%. The "ffn" moment counts the recomputed block's
+    saved tensors as its backward starts; the dry run's feed-forward moments are higher (~20% at 131k-256k: the
+    recomputed MoE's dispatch buffers are live too; inside the routed experts' backward their unsharded weight
+    gradients join), which at 32k makes the MoE backward the peak and the dry run 7% above this estimate."""
+    params = params if params is not None else model_params(cfg)
+    mem = memory_per_rank(cfg, lay, params)
+    phases, terms_of = {}, {}
+    for phase in FSDP_PHASES:
+        work = fsdp_working_set(cfg, lay, params, phase)
+        if micro_batches > 1 or not lay.fsdp:
+            grads = mem["grads"]
+        elif phase == "attention":  # the first block's experts, reduce-scattered before its attention backward
+            grads = math.ceil(fsdp_units(cfg, lay, params).get(first_backward_units(cfg, lay)[0], (0, 0))[1]
+                              / fsdp_shards(lay)[1]) * 4
+        else:
+            grads = 0.0
+        terms = {"params": mem["params"], "grads": grads, "optimizer": mem["optimizer"]}
+        terms.update({f"fsdp {k}": v for k, v in work.items() if k != "total"})
+        terms["activations"] = acts["phases"][phase]
+        terms_of[phase], phases[phase] = terms, sum(terms.values())
+    best = max(phases, key=phases.get)
+    return {"phase": best, "total": phases[best], "terms": terms_of[best], "phases": phases}
 
 
 def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
@@ -298,7 +378,8 @@ def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) ->
 
 
 __all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
-           "fsdp_units", "fsdp_working_set", "fsdp_comm_per_microbatch"]
+           "fsdp_units", "first_backward_units", "FSDP_PHASES", "fsdp_working_set", "backward_peak",
+           "fsdp_comm_per_microbatch"]
 
 
 def _norm_bytes(n: int, w: int, p: int) -> float:
@@ -393,17 +474,57 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto", loss: st
             return _norm_bytes(Tr, D, p) + T * D * p
         return _norm_bytes(Tr, D, p) + T * D * p + T * V * p + T * V * 4
 
+    def attention_backward() -> float:
+        """Temporaries of the attention core's backward at its peak, beyond what attention() saved (of which
+        wo's input is freed by then and the core output's gradient, the same size, takes its place)."""
+        if cfg.attention == "mla":
+            kvh, qk, vd = H, cfg.qk_head_dim, cfg.v_head_dim
+        else:
+            kvh, qk, vd = (cfg.num_kv_heads or cfg.num_heads) // tp, cfg.gqa_head_dim, cfg.gqa_head_dim
+        if cp == 1:  # the q, k, v gradients (in the compute dtype) the kernel returns
+            return (T * H * qk + Tk * kvh * (qk + vd)) * p
+        from .context_parallel import KEY_BLOCK
+
+        # _BlockwiseAttention/_RingAttention.backward (parallel/context_parallel.py): q and the output gradient
+        # in float32 (qg, do), dq accumulated in float32, delta [T, H]; per key block the float32 casts of the
+        # block's k and v, its mask, and two [T, H, block] float32 blocks (probabilities and their gradient)
+        kb = min(KEY_BLOCK, Tk // b)
+        x = T * H * qk * 4 * 2 + T * H * vd * 4 + T * H * 4
+        x += b * kvh * kb * (qk + vd) * 4 + T * kb + 2 * T * H * kb * 4
+        if lay.cp_attention == "allgather":  # dk, dv over the gathered keys, written in the inputs' dtype
+            return x + Tk * kvh * (qk + vd) * p
+        # ring: one shard's float32 accumulators dk/dv, this step's float32 parts, and the next K/V shard (own
+        # dtype) and accumulators arriving
+        shard = T * kvh * (qk + vd)
+        return x + shard * (4 + 4 + p + 4)
+
     blocks = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
     mtp_blocks = [cfg.is_moe_layer(cfg.num_layers + k) for k in range(depths)]
     block_bytes = [attention() + ffn(m) for m in blocks + mtp_blocks]
-    rest = T * 8 + T * cfg.rope_dim * p + head()  # token ids, rope cos/sin (shared by layers), the main head
+    ids_rope = T * 8 + T * cfg.rope_dim * p  # token ids, rope cos/sin (shared by layers)
+    rest = ids_rope + head()  # + the main head
     for _ in range(depths):  # enorm, hnorm, the concatenation eh_proj saves, norm + head
         rest += T * 8 + 2 * _norm_bytes(Tr, D, p) + Tr * 2 * D * p + head()
     if loss == "trainer":
         rest += trainer_loss_bytes(cfg, lay)
     none = sum(block_bytes) + rest
-    full = len(block_bytes) * Tr * D * p + rest + max(block_bytes)
-    return {"none": none, "full": full, "per_block_max": max(block_bytes)}
+    # Full recompute: every block's input is kept; the peak is one of three moments of the backward, in the first
+    # block backward reaches (the last MTP block, else the last layer: all inputs still held) or before it.
+    inputs = len(block_bytes) * Tr * D * p
+    first_moe = (blocks + mtp_blocks)[-1]
+    # the attention norm's input is the block input itself (in `inputs`); its 1/rms is the block's own
+    att_saved = attention() - _norm_bytes(Tr, D, p) + 4 * Tr
+    grad_out = Tr * D * p  # the gradient of the block's output, live through its backward
+    phases = {
+        "loss": inputs + rest,  # the heads and the loss through their backward (trainer_loss_bytes: its peak)
+        # the recomputed block's saved tensors all live as its feed-forward backward starts
+        "ffn": inputs + ids_rope + grad_out + att_saved + ffn(first_moe),
+        # the feed-forward's are freed; the attention core's backward temporaries join
+        "attention": inputs + ids_rope + grad_out + att_saved + attention_backward(),
+    }
+    full = max(phases.values())
+    return {"none": none, "full": full, "per_block_max": max(block_bytes), "phases": phases,
+            "first_block_moe": first_moe}
 
 
 def trainer_loss_bytes(cfg, lay: Layout) -> float:
