@@ -98,21 +98,15 @@ def load_hf_weights(model, path: str) -> None:
     configured one; MTP depths the checkpoint lacks (e.g. Qwen3, Kimi K2 exports) get the fresh seeded
     initialisation and are learned by self-distillation; every other weight must be present with the same
     shape (every name and shape checked before any weight is read)."""
-    from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError, HFReader, load_hf_shards
+    from megatron_composer.checkpoint.hf import HFReader, load_hf_shards
 
-    try:
-        reader = HFReader(path)
-    except HFCheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    reader = HFReader(path)
     mine, theirs = architecture(model.config), architecture(reader.config)
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
     if diffs or reader.config.num_mtp_layers > model.config.num_mtp_layers:
         diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
-    try:
-        load_hf_shards(model, reader, progress=False, init=init_reader(model))
-    except HFCheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    load_hf_shards(model, reader, progress=False, init=init_reader(model))
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
