@@ -24,6 +24,7 @@ from megatron_composer.checkpoint.dcp import (CheckpointError, check_meta, find_
                                               resolve_checkpoint, save_checkpoint)
 from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
+from megatron_composer.host_memory import tune_host_allocator
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
 from megatron_composer.parallel.layers import iter_full_state_dict, to_empty
@@ -119,6 +120,7 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     layout-independent initialisation: the assembled model equals torch.manual_seed(seed); Transformer(mc)."""
     from megatron_composer.model import Transformer
 
+    tune_host_allocator()  # every trainer and tool builds its model here: see megatron_composer/host_memory.py
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(mc)  # draws model.init_seed from the seeded generator, allocates nothing
