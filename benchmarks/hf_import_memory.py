@@ -201,7 +201,7 @@ def worker(args) -> None:
                 core = TrainingCore(cfg, {}, layout, torch.device("cpu"), optim=OptimizerConfig(warmup_steps=0),
                                     fp8=FP8Config(), seed=0, init=InitialWeights(hf=args.path))
                 core.model.eval()
-                logits = core.model(fixed).logits
+                logits = core.model(fixed)  # the main head's logits
                 if dist.get_rank() == 0:
                     torch.save({"ids": fixed, "logits": logits.float()}, args.logits)
     else:  # the previous start: the whole model twice on every rank during import, then sharded
@@ -255,9 +255,12 @@ def phase_peaks(rank: dict) -> dict[str, tuple[int, int]]:
 
 def transformers_logits_error(path: Path, logits_file: Path) -> float:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # its report lists the MTP layer, which transformers does not load
+    hf_logging.disable_progress_bar()
     ours = torch.load(logits_file)
-    ref = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = ref(ours["ids"]).logits
     return (theirs - ours["logits"]).abs().max().item()
