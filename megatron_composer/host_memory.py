@@ -4,9 +4,10 @@
 128 KiB up to 32 MiB) to the size of the largest mmapped block freed so far, so after the first steps every
 buffer below that size -- FSDP's per-block all-gather outputs and unsharded gradients, activations -- comes
 from the heap, and the heap keeps the freed ones resident: the peak RSS then counts memory the process no
-longer uses (per rank, 1.7-2.0x the bf16 checkpoint after 3 steps of a 4-rank FSDP run, against 0.38x with the
-fixed threshold: benchmarks/hf_import_memory.py). With a fixed threshold, blocks above it are mmapped and
-returned to the OS when freed, at the cost of their page faults (1.2-1.4x a CPU rank's step CPU time there).
+longer uses (per rank, about 2x the bf16 checkpoint above the live memory after 3 steps of a 4-rank FSDP run:
+benchmarks/hf_import_memory.py). With a fixed threshold, blocks above it are mmapped and returned to the OS
+when freed, and the peak RSS is the live peak, at the cost of their page faults (1.3-1.4x a CPU rank's step
+CPU time there).
 A fixed threshold also disables glibc's matching dynamic trim threshold; TRIM_THRESHOLD sets that.
 It is a no-op off glibc (other allocators decide for themselves), when MALLOC_MMAP_THRESHOLD_ is set in the
 environment (the user's own choice wins) and when MC_MALLOC_DEFAULTS=1 (glibc's defaults, e.g. to compare).
@@ -25,7 +26,9 @@ from pathlib import Path
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 
-MMAP_THRESHOLD = 1 << 20  # buffers above 1 MiB go back to the OS when freed (8 MiB left 0.47x in the benchmark)
+# glibc's own initial threshold, kept fixed: blocks above 128 KiB go back to the OS when freed (the benchmark's
+# 329M, 28-layer model: working set 0.27x the checkpoint at 128 KiB, 0.34x at 1 MiB; 292M model 8 MiB: 0.47x)
+MMAP_THRESHOLD = 128 << 10
 TRIM_THRESHOLD = 32 << 20  # free heap top kept, not returned: at glibc's 128 KiB the heap would shrink and regrow
 
 _tuned: dict | None = None

@@ -1,9 +1,9 @@
 """Per-rank host memory of a training start from a Hugging Face checkpoint (benchmarks/hf_import_memory.py, on a
 smaller model), on 4 gloo ranks with fsdp x ep2 over the import and two optimizer steps:
 - the import holds the rank's float32 shard and little more, not the whole model;
-- the peak RSS of each phase exceeds the most memory malloc had handed out in it (live, sampled) by under half
-  the checkpoint (about 0.3 of it on this model: blocks under the mmap threshold, and peaks between samples):
-  freed FSDP buffers do not stay resident. With glibc's default (dynamic) mmap threshold they do, by about 3x
+- the peak RSS of each phase exceeds the most memory malloc had handed out in it (live, sampled) by under a
+  quarter of the checkpoint (under 0.1 of it measured on this model: blocks under the mmap threshold, peaks
+  between samples): freed FSDP buffers do not stay resident. With glibc's default (dynamic) mmap threshold they do, by about 3x
   the checkpoint on this model; megatron_composer.host_memory.tune_host_allocator, which
   build_model calls, is what prevents it.
 What is live above the training state's share is FSDP's per-unit working set (one MoE block's unsharded
@@ -41,6 +41,6 @@ def test_sharded_hf_start_imports_its_shard_and_keeps_no_freed_buffers_resident(
         assert set(phases) == {"import", "forward", "backward", "optimizer"}
         assert phases["import"]["rss"] < shard_fp32 + ckpt / 10, (rank, phases["import"], shard_fp32)
         for name, p in phases.items():
-            assert p["rss"] - p["live"] < ckpt / 2, (rank, name, p, ckpt, proc.stdout[-2500:])
+            assert p["rss"] - p["live"] < ckpt / 4, (rank, name, p, ckpt, proc.stdout[-2500:])
         # the training state exists by the end of the first step: the run's peak is at least the share
         assert m["peak_above_baseline"] > 0.95 * r["share"], (rank, m, r["share"])
