@@ -223,7 +223,6 @@ def test_bad_checkpoint_one_line_before_any_weight_is_read(tmp_path, monkeypatch
 
 
 def test_training_start_from_hf_keeps_fresh_mtp_and_checks_architecture(tmp_path):
-    from megatron_composer.checkpoint.dcp import CheckpointError as TrainingCheckpointError
     from megatron_composer.fp8 import FP8Config
     from megatron_composer.parallel.dims import ParallelConfig
     from megatron_composer.training.core import InitialWeights, build_model
@@ -239,7 +238,7 @@ def test_training_start_from_hf_keeps_fresh_mtp_and_checks_architecture(tmp_path
     for name, t in model.state_dict().items():
         want = fresh.state_dict()[name] if name.startswith("mtp.") else source.state_dict()[name]
         assert torch.equal(t, want), name
-    with pytest.raises(TrainingCheckpointError, match=r"does not match the configured model \(hidden_size"):
+    with pytest.raises(CheckpointError, match=r"does not match the configured model \(hidden_size"):
         build_model(mc.replace(hidden_size=256), layout, torch.device("cpu"), FP8Config(), seed=5,
                     init=InitialWeights(hf=str(tmp_path / "hf")))
 

@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.checkpoint.hf import (CheckpointError, convert_hf_checkpoint, load_hf_checkpoint,  # noqa: E402
                                              save_hf_checkpoint)
-from megatron_composer.checkpoint.dcp import CheckpointError as TrainingCheckpointError  # noqa: E402
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import ModelConfigError, Transformer, get_preset  # noqa: E402
 
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
                                         overwrite=args.overwrite)
             print(f"wrote {args.out} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
                   f"{cfg.num_mtp_layers} MTP depth(s))")
-    except (CheckpointError, TrainingCheckpointError, ConfigError, ModelConfigError) as e:
+    except (CheckpointError, ConfigError, ModelConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -23,7 +23,6 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megatron_composer.checkpoint.dcp import CheckpointError, resolve_checkpoint  # noqa: E402
-from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError  # noqa: E402
 from megatron_composer.config import ConfigError, load_config  # noqa: E402
 from megatron_composer.data.corpus import CorpusError, iter_documents, list_inputs  # noqa: E402
 from megatron_composer.data.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         model, tokenizer, name = load_ours(args.checkpoint) if args.checkpoint else load_hf(args.hf)
         docs = iter_documents(list_inputs(args.input, tuple(args.extensions.split(",")), ["site-packages"]))
         result = score(model, tokenizer, docs, args.seq_length, args.max_tokens)
-    except (CheckpointError, HFCheckpointError, ConfigError, TokenizerError, CorpusError) as e:
+    except (CheckpointError, ConfigError, TokenizerError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{name}: {result['tokens']} tokens, loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.2f}, "

@@ -36,9 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, or does not match the model being trained."""
+from megatron_composer.checkpoint.errors import CheckpointError
 
 
 def _rank() -> int:

@@ -29,13 +29,10 @@ from tqdm import tqdm
 
 from ..model import ModelConfig, ModelConfigError, RopeScaling, Transformer
 from ..model.moe import Router
+from .errors import CheckpointError
 
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match what is asked of it; the message names the file/key and the fix."""
 
 
 SUPPORTED = ("deepseek_v3", "kimi_k2", "kimi_k25", "qwen3_moe")
@@ -505,7 +502,9 @@ def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True)
     load_hf_shards(model, path, progress=progress)
 
 
-def _checkpoint_dtype(path: Path, hf: dict) -> torch.dtype:
+def checkpoint_dtype(hf: dict) -> torch.dtype:
+    """The dtype a model loaded from a checkpoint with this config.json gets: the one it declares (bfloat16 for
+    FP8 weights, which are dequantised), float32 when it declares none."""
     name = hf.get("dtype") or hf.get("torch_dtype") or text_config(hf).get("dtype") or text_config(hf).get("torch_dtype")
     if name in ("float8_e4m3fn", None):
         return torch.bfloat16 if name else torch.float32
@@ -530,7 +529,7 @@ def load_hf_checkpoint(path: str | Path, dtype: Optional[torch.dtype] = None, de
     """Our whole model (one process) from a Hugging Face checkpoint directory (config.json + safetensors,
     sharded or not), built on the meta device and allocated once, then filled tensor by tensor."""
     reader = HFReader(path)
-    dtype = dtype or _checkpoint_dtype(reader.path, reader.hf_config)
+    dtype = dtype or checkpoint_dtype(reader.hf_config)
     with torch.device("meta"):
         model = Transformer(reader.config)
     model = model.to_empty(device=device).to(dtype)
@@ -706,7 +705,7 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path, dtype: Optional[torc
     tensor. Returns the model config."""
     reader = HFReader(src)
     cfg = reader.config
-    dtype = dtype or _checkpoint_dtype(reader.path, reader.hf_config)
+    dtype = dtype or checkpoint_dtype(reader.hf_config)
     with torch.device("meta"):  # the shapes the config implies, to check the checkpoint against
         model = Transformer(cfg)
     named = dict(model.named_parameters(remove_duplicate=False))

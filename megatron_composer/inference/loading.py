@@ -78,10 +78,10 @@ class BoxWeights:
 def hf_config(path: str | Path) -> tuple[ModelConfig, torch.dtype]:
     """The model config of a Hugging Face checkpoint directory (its MTP depths: those it holds) and the dtype
     load_hf_checkpoint gives it (the checkpoint's; bfloat16 for FP8 weights)."""
-    from megatron_composer.checkpoint.hf import HFReader, _checkpoint_dtype
+    from megatron_composer.checkpoint.hf import HFReader, checkpoint_dtype
 
     reader = HFReader(path)
-    return reader.config, _checkpoint_dtype(reader.path, reader.hf_config)
+    return reader.config, checkpoint_dtype(reader.hf_config)
 
 
 def engine_model(cfg: ModelConfig, source: Optional[WeightSource], groups=None, *, dtype: torch.dtype = torch.float32,

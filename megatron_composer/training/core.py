@@ -24,6 +24,7 @@ from megatron_composer.checkpoint.dcp import (CheckpointError, check_meta, find_
                                               resolve_checkpoint, save_checkpoint)
 from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
+from megatron_composer.host_memory import tune_host_allocator
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.fsdp import finish_fsdp_gradients, is_fsdp
 from megatron_composer.parallel.layers import to_empty
@@ -98,21 +99,15 @@ def load_hf_weights(model, path: str) -> None:
     configured one; MTP depths the checkpoint lacks (e.g. Qwen3, Kimi K2 exports) get the fresh seeded
     initialisation and are learned by self-distillation; every other weight must be present with the same
     shape (every name and shape checked before any weight is read)."""
-    from megatron_composer.checkpoint.hf import CheckpointError as HFCheckpointError, HFReader, load_hf_shards
+    from megatron_composer.checkpoint.hf import HFReader, load_hf_shards
 
-    try:
-        reader = HFReader(path)
-    except HFCheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    reader = HFReader(path)
     mine, theirs = architecture(model.config), architecture(reader.config)
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
     if diffs or reader.config.num_mtp_layers > model.config.num_mtp_layers:
         diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
         raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
-    try:
-        load_hf_shards(model, reader, progress=False, init=init_reader(model))
-    except HFCheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    load_hf_shards(model, reader, progress=False, init=init_reader(model))
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
@@ -125,6 +120,7 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     layout-independent initialisation: the assembled model equals torch.manual_seed(seed); Transformer(mc)."""
     from megatron_composer.model import Transformer
 
+    tune_host_allocator()  # every trainer and tool builds its model here: see megatron_composer/host_memory.py
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(mc)  # draws model.init_seed from the seeded generator, allocates nothing
