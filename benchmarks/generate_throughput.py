@@ -6,8 +6,13 @@ our model is exported with save_hf_checkpoint and loaded by transformers (Deepse
 measures greedy generation of --new-tokens tokens after --prompt-len prompt tokens at batch 1 and 16
 (tokens/s counts generated tokens; prefill included on both sides; end-of-sequence disabled on both), and
 the output says whether both produce the same tokens. transformers is run with each of its expert
-implementations and the fastest is the baseline. Rounds interleave the contenders and each one's best
-round is reported: other processes on a shared machine only ever slow a round down.
+implementations and the fastest is the baseline. Rounds interleave the contenders (each round runs every
+contender once): tokens/s is each one's median round, and a ratio the median over rounds of the ratio of the
+two contenders' times in that round. With one torch thread on the CPU (the default) the clock is
+the process's CPU time, not the wall clock: on a shared machine the time the OS gives other jobs then does not
+count against whichever contender happened to be running (what made wall-clock ratios move by 1.5x between
+runs); what remains (caches, memory bandwidth and clock frequency shared with other jobs) the per-round ratios
+and their median absorb.
 
 Speculative decoding needs MTP heads trained to agree with the main head. With --pretrain-run pointing at a
 run of pretrain_composer.py (e.g. examples/tiny/pretrain.yaml, whose MTP depth is trained by
@@ -21,6 +26,8 @@ gives near-zero acceptance, which the output says.
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import sysconfig
 import tempfile
@@ -62,19 +69,30 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * 2 * length:(i * 2 + 1) * length] for i in range(n)]
 
 
-def timed(contenders: dict, rounds: int) -> dict[str, tuple[float, object]]:
-    """name -> (best time over `rounds` interleaved rounds, output); a first call of each warms up. The device
-    is synchronised before each clock read."""
+def timed(contenders: dict, rounds: int, clock) -> dict[str, tuple[list[float], object]]:
+    """name -> (its time in each of `rounds` interleaved rounds, output); a first call of each warms up. Round r
+    runs every contender once, in turn, so each round's contenders see the same machine load; `clock` is
+    time.process_time (this process's CPU time: with one torch thread each and no device, the time other jobs
+    take on a shared machine is not counted) or time.perf_counter (wall clock, the device synchronised before
+    each read). Python's cyclic collector is run before each call, outside the clock, so a collection that
+    one contender's garbage would trigger is not charged to the next."""
     outs = {name: fn() for name, fn in contenders.items()}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
+            gc.collect()  # each call starts from a collected heap: no collection of another's garbage in its time
             _sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             _sync()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (min(times[name]), outs[name]) for name in contenders}
+            times[name].append(clock() - t0)
+    return {name: (times[name], outs[name]) for name in contenders}
+
+
+def round_ratio(times_a: list[float], times_b: list[float]) -> float:
+    """Median over rounds of time_b / time_a: how many times faster a is than b, each round's pair measured back
+    to back (so a load change between rounds moves both sides of a ratio, not one side of a median)."""
+    return statistics.median(b / a for a, b in zip(times_a, times_b))
 
 
 def _sync() -> None:
@@ -104,7 +122,7 @@ def transformers_version() -> str:
 
 
 def compare_decode(engine, ref, impls: list[str], prompts_all: list[list[int]], batches, new_tokens: int,
-                   rounds: int) -> list[dict]:
+                   rounds: int, clock) -> list[dict]:
     """Greedy decode tokens/s of the engine and of transformers' generate (each implementation) per batch size.
     Rows: {batch, contender, tokens_per_s, same_tokens (prompts whose tokens equal the engine's), time_s}."""
     device = next(ref.parameters()).device
@@ -122,19 +140,21 @@ def compare_decode(engine, ref, impls: list[str], prompts_all: list[list[int]], 
         contenders = {"ours (Engine)": lambda prompts=prompts: engine.generate(prompts, max_new_tokens=new_tokens)}
         for impl in impls:
             contenders[f"transformers[{impl}]"] = lambda ids=ids, impl=impl: hf_generate(ids, impl)
-        timing = timed(contenders, rounds)
+        timing = timed(contenders, rounds, clock)
         ours_out = timing["ours (Engine)"][1]
         prompt_len = ids.shape[1]
-        for name, (t, out) in timing.items():
+        ours_times = timing["ours (Engine)"][0]
+        for name, (ts, out) in timing.items():
             same = B if name == "ours (Engine)" else sum(
                 r.token_ids == out[b, prompt_len:].tolist() for b, r in enumerate(ours_out))
+            t = statistics.median(ts)
             rows.append({"batch": B, "contender": name, "tokens_per_s": B * new_tokens / t, "time_s": t,
-                         "same_tokens": same})
+                         "ours_over_this": round_ratio(ours_times, ts), "same_tokens": same})
     return rows
 
 
 def compare_speculative(engine, prompts_all: list[list[int]], batches, new_tokens: int, draft_tokens,
-                        rounds: int) -> list[dict]:
+                        rounds: int, clock) -> list[dict]:
     """Speculative (MTP-drafted) vs plain greedy decoding per batch size and draft length. Rows: {batch,
     draft_tokens (0 = plain), tokens_per_s, speedup, acceptance, same_tokens (prompts equal to plain)}."""
     rows = []
@@ -144,16 +164,17 @@ def compare_speculative(engine, prompts_all: list[list[int]], batches, new_token
         for D in draft_tokens:
             contenders[D] = lambda prompts=prompts, D=D: engine.generate(
                 prompts, max_new_tokens=new_tokens, speculative=True, num_draft_tokens=D)
-        timing = timed(contenders, rounds)
-        t_plain, plain = timing.pop(0)
-        base = B * new_tokens / t_plain
+        timing = timed(contenders, rounds, clock)
+        plain_times, plain = timing.pop(0)
+        base = B * new_tokens / statistics.median(plain_times)
         rows.append({"batch": B, "draft_tokens": 0, "tokens_per_s": base, "speedup": 1.0, "acceptance": None,
                      "same_tokens": B})
-        for D, (t_spec, spec) in timing.items():
+        for D, (spec_times, spec) in timing.items():
             drafted = sum(r.num_draft_tokens for r in spec)
             accepted = sum(r.num_accepted_tokens for r in spec)
-            rate = B * new_tokens / t_spec
-            rows.append({"batch": B, "draft_tokens": D, "tokens_per_s": rate, "speedup": rate / base,
+            rate = B * new_tokens / statistics.median(spec_times)
+            rows.append({"batch": B, "draft_tokens": D, "tokens_per_s": rate,
+                         "speedup": round_ratio(spec_times, plain_times),
                          "acceptance": accepted / max(drafted, 1),
                          "same_tokens": sum(a.token_ids == b.token_ids for a, b in zip(spec, plain))})
     return rows
@@ -169,7 +190,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--draft-tokens", default="1,2,3")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds; each contender's median counts")
+    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
+                   help="cpu: process CPU time (auto's choice with --threads 1 on the CPU: robust to other jobs on a "
+                        "shared machine); wall: wall clock (auto's choice with several threads or a GPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both contenders")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations, both sides")
     args = p.parse_args()
@@ -200,29 +224,34 @@ def main() -> None:
     ref.generation_config.eos_token_id = None  # always generate exactly new_tokens, like the engine
     ref.generation_config.pad_token_id = 0
     engine = Engine(model, max_batch_size=64, cache_memory_bytes=256 << 20)
+    on_cpu = engine.device.type == "cpu" and next(ref.parameters()).device.type == "cpu"
+    use_cpu_clock = args.clock == "cpu" or (args.clock == "auto" and args.threads == 1 and on_cpu)
+    clock = time.process_time if use_cpu_clock else time.perf_counter
+    print(f"clock: {'process CPU time' if use_cpu_clock else 'wall'}; median of {args.rounds} interleaved rounds")
 
-    print(f"\n{'batch':>5} {'contender':32} {'tokens/s':>10}   ours / this")
+    print(f"\n{'batch':>5} {'contender':32} {'tokens/s':>10}   ours / this (median of the rounds' ratios)")
     impls, missing = experts_implementations(ref)
     for impl, why in missing.items():
         print(f"      transformers[{impl}] unavailable: {why}")
     batches = [int(b) for b in args.batches.split(",")]
-    rows = compare_decode(engine, ref, impls, prompts_all, batches, args.new_tokens, args.rounds)
+    rows = compare_decode(engine, ref, impls, prompts_all, batches, args.new_tokens, args.rounds, clock)
     for B in batches:
         rates = {r["contender"]: r["tokens_per_s"] for r in rows if r["batch"] == B}
+        ratios = {r["contender"]: r["ours_over_this"] for r in rows if r["batch"] == B}
         for r in rows:
             if r["batch"] == B and r["same_tokens"] != B:
                 print(f"      note: {r['contender']} tokens equal ours for {r['same_tokens']}/{B} prompts")
         best_hf = max((k for k in rates if k.startswith("transformers")), key=rates.get)
         for name, rate in rates.items():
-            print(f"{B:5d} {name:32} {rate:10.1f}   {rates['ours (Engine)'] / rate:5.2f}x")
-        print(f"{B:5d} ours vs fastest transformers ({best_hf}): {rates['ours (Engine)'] / rates[best_hf]:.2f}x")
+            print(f"{B:5d} {name:32} {rate:10.1f}   {ratios[name]:5.2f}x")
+        print(f"{B:5d} ours vs fastest transformers ({best_hf}): {ratios[best_hf]:.2f}x")
 
     if not len(model.mtp):
         print("\nspeculative decoding skipped: the model has no MTP heads")
         return
     print(f"\n{'batch':>5} {'decoding':32} {'tokens/s':>10} {'accept':>7}   speedup vs plain")
     rows = compare_speculative(engine, prompts_all, batches, args.new_tokens,
-                               [int(d) for d in args.draft_tokens.split(",")], args.rounds)
+                               [int(d) for d in args.draft_tokens.split(",")], args.rounds, clock)
     for r in rows:
         B = r["batch"]
         if r["draft_tokens"] == 0:

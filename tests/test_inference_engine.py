@@ -326,6 +326,42 @@ def test_weight_update_xor_delta_and_validation():
     assert engine.weight_version == 1
 
 
+def test_weight_update_reads_bounded_row_boxes(monkeypatch):
+    """update_weights reads each tensor in boxes of whole rows of at most UPDATE_CHUNK_ELEMENTS elements (one
+    row where a row is larger) and assembles exactly the full tensors, for full values and XOR deltas."""
+    import megatron_composer.inference.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "UPDATE_CHUNK_ELEMENTS", 100)
+    model = _model("tiny-deepseek-v3", num_layers=2)
+    engine = Engine(model)
+    target = _new_weights(model, seed=7)
+    boxes = []
+
+    class Reader:
+        names = list(target)
+
+        def shape(self, name):
+            return list(target[name].shape)
+
+        def read(self, name, box):
+            boxes.append((name, box))
+            return target[name][box]
+
+    engine.update_weights(Reader(), version=1)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in target.items())
+    for name, box in boxes:
+        t = target[name]
+        got = t[box]
+        row = t[0].numel() if t.dim() else 1
+        assert got.numel() <= max(100, row), (name, box)
+        assert t.dim() == 0 or got.shape[1:] == t.shape[1:]  # whole rows
+    big = "tok_embeddings.weight"
+    assert sum(n == big for n, _ in boxes) > 1  # a tensor larger than the bound is read in several boxes
+    back = {k: v.view(torch.int32) ^ target[k].view(torch.int32) for k, v in _new_weights(model, seed=0).items()}
+    engine.update_weights(back, version=2, delta=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in _new_weights(model, seed=0).items())
+
+
 def test_fast_path_sees_weight_updates():
     """The engine serves the model's parameters as update_weights leaves them (full tensors and XOR deltas)."""
     model = _model("tiny-deepseek-v3", num_layers=2)

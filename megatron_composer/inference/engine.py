@@ -151,6 +151,30 @@ def _tensor_parallel_group(model: Transformer):
     return head.group if C.group_size(head.group) > 1 else None
 
 
+# update_weights reads each piece in boxes of at most this many elements (whole rows): a process loading its
+# weights holds them plus one such box (16 MiB in float32), not a second copy of its largest tensor
+UPDATE_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(pieces, local_shape: Sequence[int], max_elements: int):
+    """(local box, full box) pairs covering the pieces, each piece cut along dim 0 into runs of whole rows of
+    at most max_elements elements (one row when a row alone is larger)."""
+    for piece in pieces:
+        if not piece.local:  # a 0-dim tensor
+            yield piece.local, piece.full
+            continue
+        lo, hi, _ = piece.local[0].indices(local_shape[0])
+        full_lo = piece.full[0].start or 0
+        row = 1
+        for s, n in zip(piece.local[1:], local_shape[1:]):
+            row *= len(range(*s.indices(n)))
+        step = max(1, max_elements // max(row, 1))
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            yield ((slice(a, b), *piece.local[1:]),
+                   (slice(full_lo + a - lo, full_lo + b - lo), *piece.full[1:]))
+
+
 class _TensorsReader:
     """Boxes of a mapping of full tensors (what update_weights reads a state dict through)."""
 
@@ -557,8 +581,10 @@ class Engine:
         sharded model every rank passes the same weights and takes its own pieces. With delta=True each tensor
         is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for bfloat16)
         against the current values, the lossless format of the weight-sync pipeline (an XOR delta shards like
-        the tensor); a reader's deltas (a weight-sync BoxUpdate) are checked as each box is read. Names and shapes are checked before anything is changed. See the module docstring for
-        recompute_cache.
+        the tensor); a reader's deltas (a weight-sync BoxUpdate) are checked as each box is read. Names and
+        shapes are checked before anything is changed. Each piece is read in boxes of whole rows of at most
+        UPDATE_CHUNK_ELEMENTS elements, so loading holds one such box beside the weights. See the module
+        docstring for recompute_cache.
         """
         reader = weights if hasattr(weights, "read") else _TensorsReader(weights)
         state = self.model.state_dict(keep_vars=True)
@@ -580,16 +606,16 @@ class Engine:
             for name in names:
                 cur = state[name]
                 local = local_tensor(cur)
-                for piece in local_pieces(cur):
-                    src = reader.read(name, piece.full)
+                for local_box, full_box in _row_chunks(local_pieces(cur), local.shape, UPDATE_CHUNK_ELEMENTS):
+                    src = reader.read(name, full_box)
                     if delta:  # a reader's XOR deltas: integer tensors of the element size (checked as read)
-                        bits = local[piece.local].view(int_of_size[cur.element_size()])
+                        bits = local[local_box].view(int_of_size[cur.element_size()])
                         if src.is_floating_point() or src.element_size() != bits.element_size():
                             raise EngineError(f"update_weights(delta=True): '{name}' needs XOR bits of "
                                               f"{bits.element_size()} bytes, got {src.dtype}")
                         bits.bitwise_xor_(src.view(bits.dtype).to(bits.device))
                     else:
-                        local[piece.local].copy_(src)
+                        local[local_box].copy_(src)
             self.weight_version = version
             if recompute_cache:
                 self._recompute_cache()

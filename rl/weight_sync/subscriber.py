@@ -447,10 +447,12 @@ class BoxUpdate:
     def read(self, name: str, box: tuple) -> torch.Tensor:
         held = self.bits.get(name, {})
         key = box_key(box)
-        if key not in held:
-            raise WeightSyncError(f"weight version {self.version}: box {key} of '{name}' is not one this rank "
+        # the engine reads its pieces whole or in row chunks: any box inside one prepared box
+        outer = next((k for k in held if all(a <= c and d <= b for (a, b), (c, d) in zip(k, key))), None)
+        if outer is None:
+            raise WeightSyncError(f"weight version {self.version}: box {key} of '{name}' lies in none this rank "
                                   f"prepared ({sorted(held)}); the subscriber's boxes must be the engine's pieces")
-        bits = held[key]
+        bits = held[outer][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, key))]
         return bits if self.delta else from_bits(bits, self.meta[name][0], list(bits.shape))
 
     def commit(self) -> None:
