@@ -138,7 +138,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _trained_prompts(run_dir: Path) -> list[int]:
-    return sorted(p for r in _metrics(run_dir) for p in r["prompts"])
+    return sorted(p for r in _metrics(run_dir) for p in r.get("prompts", []))  # step 0: evaluation only
 
 
 def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, tmp_path):
@@ -147,11 +147,18 @@ def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, 
 
     run_dir = tmp_path / "run"
     cfg = load_config(RLConfig, None, _overrides(assets, run_dir, **{
-        "eval.tasks": assets / "tasks", "eval.interval": 2, "eval.samples": 2}))
+        "eval.tasks": assets / "tasks", "eval.interval": 2, "eval.samples": 2, "eval.at_start": True}))
     run_rl(cfg)
-    rows = _metrics(run_dir)
-    evals = [r for r in rows if "eval_pass@1" in r]
-    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
+    start, *rows = _metrics(run_dir)
+    evals = [start] + [r for r in rows if "eval_pass@1" in r]
+    assert start["step"] == 0 and "loss" not in start and start["eval_weight_version"] == 0  # the initial weights
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
+    for r in evals:
+        # measured by the rollout worker's engine, on exactly the version just published
+        assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
+        assert r["eval_weight_version"] == r.get("weight_version", 0)
+    # the evaluation groups (2 samples each, every held-out task) were never trained on
+    assert all(r["episodes"] == 2 * 4 for r in rows) and not any((run_dir / "rollouts/eval/done").iterdir())
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("loss", "reward_mean", "reward_best_of_k", "advantage_std", "kl", "mismatch_masked_fraction",
                 "routing_mismatch_token_fraction", "staleness_hist", "weight_sync_bytes", "weight_sync_seconds",
