@@ -40,7 +40,8 @@ class RLTrainConfig:
 
 @dataclass
 class HeldOutEvalConfig:
-    tasks: str = field(default="", metadata={"help": "held-out task directory evaluated during the run; empty = off"})
+    tasks: str = field(default="", metadata={"help": "held-out task directory evaluated during the run by the rollout workers "
+                                                   "(each loads it); empty = off"})
     interval: int = field(default=0, metadata={"help": "evaluate every N steps (0 = off)"})
     samples: int = field(default=4, metadata={"help": "samples per task (K of pass@K)"})
     at_start: bool = field(default=False, metadata={"help": "also evaluate the starting weights, logged as step 0 (the curve's origin)"})

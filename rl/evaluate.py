@@ -54,24 +54,36 @@ def _run_config(ckpt: Path, overrides: list[str]):
     return from_dict(RLConfig, keep)
 
 
-def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,
-                   seed: int = 0, progress: bool = True) -> tuple[dict, list[dict]]:
-    """Run ``samples`` episodes per task with the rollout worker's runners; (summary, transcript rows)."""
-    import copy
-
-    from rl.orchestrator import WorkItem
-    from rl.rollout.worker import RolloutWorker
-
-    rollout_cfg = copy.copy(rollout_cfg)
-    rollout_cfg.group_size = samples
-    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
-    per_task, rows = [], []
-    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
-        result = worker.run_group(WorkItem(gid=i, prompt_index=i))
-        rewards = [float(ep["reward"]) for ep in result["episodes"]]
+def summarize_groups(tasks, results: list[dict], samples: int, success_reward: float = 1.0) -> dict:
+    """pass@1, pass@K (K = samples) and the reward mean over one finished group of ``samples`` episodes per
+    task (``results[i]`` is tasks[i]'s, as `RolloutWorker.run_group` returns it). A sample passes when its
+    verifier reward is at least ``success_reward``; the shaping terms of training rewards do not count."""
+    per_task = []
+    for task, result in zip(tasks, results, strict=True):
+        rewards = [float(ep.get("verifier_reward", ep["reward"])) for ep in result["episodes"]]
+        if len(rewards) != samples:
+            raise ValueError(f"task {task.name}: {len(rewards)} episodes, expected {samples}")
         c = sum(r >= success_reward for r in rewards)
         per_task.append({"task": task.name, "kind": task.kind, "rewards": rewards, "pass@1": pass_at_k(samples, c, 1),
                          f"pass@{samples}": pass_at_k(samples, c, samples)})
+    return {"tasks": len(tasks), "samples": samples,
+            "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
+            f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
+            "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
+            "per_task": per_task}
+
+
+def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,
+                   seed: int = 0, progress: bool = True) -> tuple[dict, list[dict]]:
+    """Run ``samples`` episodes per task with the rollout worker's runners; (summary, transcript rows)."""
+    from rl.orchestrator import WorkItem
+    from rl.rollout.worker import RolloutWorker
+
+    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
+    results, rows = [], []
+    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
+        result = worker.run_group(WorkItem(gid=i, prompt_index=i, samples=samples))
+        results.append(result)
         for j, ep in enumerate(result["episodes"]):
             meta_ep = ep.get("meta", {})
             rows.append({"task": task.name, "sample": j, "reward": ep["reward"], "stop_reason": meta_ep.get("stop_reason"),
@@ -79,12 +91,7 @@ def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_r
                          "transcript": meta_ep.get("transcript")})
     if worker._pool is not None:
         worker._pool.close()
-    summary = {"tasks": len(tasks), "samples": samples,
-               "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
-               f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
-               "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
-               "per_task": per_task}
-    return summary, rows
+    return summarize_groups(tasks, results, samples, success_reward), rows
 
 
 def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,

@@ -12,6 +12,14 @@ The queue is a directory (local, or any shared filesystem between clusters) with
     claimed/<gid>.<worker>.json   a worker runs it; its mtime is the worker's heartbeat (the lease)
     done/<gid>.pt                 the finished group (written to a temporary name, then renamed)
     workers/<worker>.stop         asks one worker to exit; STOP asks all of them
+    eval/                         held-out evaluation: a queue of the same layout (`WorkQueue.held_out`)
+
+Held-out evaluation runs on the rollout workers' own engines (sharded as for training): the trainer asks for
+weight version v through `OrchestratorRole.evaluate`, which issues one item per held-out task into the eval
+queue, tagged with v (``eval_version``) and the samples per task. A worker takes such an item only once its
+engine holds a version >= v and runs it with the same episode code as a training group; the results land in
+eval/done, which the training `Orchestrator` never reads, so they are never trained on and never dropped as
+stale.
 
 Faults: a worker that dies mid-episode stops heartbeating; once its lease expires the orchestrator moves the
 claim back to pending and another worker redoes the whole group (a group is never half-trained). A late
@@ -50,17 +58,24 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 @dataclass
 class WorkItem:
-    gid: int  # group id, unique over the run
-    prompt_index: int
+    gid: int  # group id, unique over the run (over the launch for held-out evaluation items)
+    prompt_index: int  # into the training tasks, or for an evaluation item into the held-out tasks
     attempt: int = 0  # how many times this group was re-issued (crash or staleness)
+    eval_version: Optional[int] = None  # held-out evaluation of this weight version (None: a training group)
+    samples: int = 0  # episodes of the group (0: rollout.group_size)
 
     def to_json(self) -> str:
-        return json.dumps({"gid": self.gid, "prompt_index": self.prompt_index, "attempt": self.attempt})
+        d = {"gid": self.gid, "prompt_index": self.prompt_index, "attempt": self.attempt}
+        if self.eval_version is not None:
+            d.update(eval_version=self.eval_version, samples=self.samples)
+        return json.dumps(d)
 
     @staticmethod
     def from_json(text: str) -> "WorkItem":
         d = json.loads(text)
-        return WorkItem(int(d["gid"]), int(d["prompt_index"]), int(d.get("attempt", 0)))
+        v = d.get("eval_version")
+        return WorkItem(int(d["gid"]), int(d["prompt_index"]), int(d.get("attempt", 0)),
+                        None if v is None else int(v), int(d.get("samples", 0)))
 
 
 class WorkQueue:
@@ -70,6 +85,17 @@ class WorkQueue:
         self.root = Path(root)
         for sub in ("pending", "claimed", "done", "workers"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    def held_out(self) -> "WorkQueue":
+        """The queue of held-out evaluation items beside this one (stops are asked through this one)."""
+        return WorkQueue(self.root / "eval")
+
+    def clear(self) -> None:
+        """Remove every item and result (the eval queue at a trainer's start: a previous launch's requests are
+        not this one's, and a claim removed here cannot be completed)."""
+        for sub in ("pending", "claimed", "done"):
+            for p in (self.root / sub).iterdir():
+                p.unlink(missing_ok=True)
 
     # -- trainer side ---------------------------------------------------------------------------------
     def put(self, item: WorkItem) -> None:
@@ -129,11 +155,18 @@ class WorkQueue:
                 return True
         return False
 
-    def claim(self, worker: str) -> Optional[WorkItem]:
-        """Take the oldest pending item (atomic rename, so two workers never get the same one)."""
+    def claim(self, worker: str, accept: Optional[Callable[[WorkItem], bool]] = None) -> Optional[WorkItem]:
+        """Take the oldest pending item (atomic rename, so two workers never get the same one); with ``accept``
+        only one it accepts (e.g. an evaluation item of a version this worker's engine holds)."""
         if "." in worker or "/" in worker:
             raise ValueError(f"worker name {worker!r} may not contain '.' or '/'")
         for p in sorted((self.root / "pending").glob("*.json"), key=lambda q: int(q.stem)):
+            if accept is not None:
+                try:
+                    if not accept(WorkItem.from_json(p.read_text())):
+                        continue
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue  # taken meanwhile, or being written
             target = self.root / "claimed" / f"{p.stem}.{worker}.json"
             try:
                 os.rename(p, target)
@@ -305,8 +338,12 @@ class OrchestratorRole:
         group_timeout_s); `state`: the orchestrator state of the checkpoint a trainer resumes from."""
         self.queue = WorkQueue(Path(run_dir) / "rollouts")
         self.queue.clear_stop()
+        self.eval_queue = self.queue.held_out()
+        self.eval_queue.clear()
+        self._next_eval_gid = 0
         self.orch = Orchestrator(self.queue, num_prompts, rollout.group_size, seed, rollout.max_inflight_groups,
                                  rollout.max_staleness, rollout.lease_s)
+        self.lease_s = rollout.lease_s
         self.timeout_s = rollout.group_timeout_s
         if state is not None:
             self.orch.load_state_dict(state)
@@ -319,6 +356,43 @@ class OrchestratorRole:
     def next_groups(self, n: int, version: int, alive: Optional[Callable[[], bool]] = None) -> list[dict]:
         """The step's n finished groups usable at weight version `version` (fewer only at the end of the epoch)."""
         return self.orch.next_groups(n, version, timeout_s=self.timeout_s, alive=alive)
+
+    def evaluate(self, version: int, num_tasks: int, samples: int, alive: Optional[Callable[[], bool]] = None,
+                 poll_s: float = 0.05) -> list[dict]:
+        """Held-out evaluation of weight version `version` on the rollout workers: one item of `samples`
+        episodes per held-out task, run by workers whose engine holds a version >= `version`; blocks until every
+        task's group is back and returns them by task index. Crashed claims are re-issued as for training."""
+        issued: dict[int, int] = {}
+        for task in range(num_tasks):
+            gid = self._next_eval_gid
+            self._next_eval_gid += 1
+            issued[gid] = task
+            self.eval_queue.put(WorkItem(gid, task, eval_version=version, samples=samples))
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < num_tasks:
+            for gid in self.eval_queue.requeue_expired(self.lease_s):
+                print(f"orchestrator: evaluation group {gid} lost its worker (lease {self.lease_s:.0f}s expired); "
+                      "re-queued", flush=True)
+            for gid in self.eval_queue.done_ids():
+                try:
+                    result = self.eval_queue.load_result(gid)
+                except (EOFError, RuntimeError, FileNotFoundError):
+                    continue  # partially visible on a non-atomic filesystem; retry next poll
+                self.eval_queue.discard(gid)
+                if gid in issued and result.get("eval_version") == version:
+                    got[issued[gid]] = result
+                    deadline = time.monotonic() + self.timeout_s  # the bound is on the wait for the next group
+            if len(got) == num_tasks:
+                break
+            if alive is not None and not alive():
+                raise QueueError("the rollout workers stopped; see their error above")
+            if time.monotonic() > deadline:
+                raise QueueError(f"held-out evaluation of v{version}: {len(got)}/{num_tasks} tasks came back within "
+                                 f"{self.timeout_s:.0f}s; check that rollout workers run, load eval.tasks and read "
+                                 f"{self.eval_queue.root}")
+            time.sleep(poll_s)
+        return [got[t] for t in range(num_tasks)]
 
     def step_metrics(self) -> dict:
         """Staleness of the tokens consumed since the last call, and the groups re-queued so far."""

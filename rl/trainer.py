@@ -15,8 +15,9 @@ the number of optimizer steps taken):
    boxes of v, rl/weight_sync/sharded.py), in a background thread while the next step trains (at most
    ``weight_sync.async_versions`` versions in flight); trainer rank 0 writes the manifest once every owner has
    confirmed, so no rank ever holds more than its shard (its shard of v, and of the versions in flight);
-5. log metrics (held-out pass@K every ``eval.interval`` steps; with ``eval.at_start`` also of the initial weights, as step 0), and checkpoint (model, optimizer,
-   orchestrator state) every ``checkpoint.interval`` steps.
+5. log metrics (held-out pass@K every ``eval.interval`` steps, of the version just published, run by the
+   rollout workers on their engines while trainer rank 0 waits; with ``eval.at_start`` also of the initial
+   weights, as step 0), and checkpoint (model, optimizer, orchestrator state) every ``checkpoint.interval`` steps.
 How roles are placed on processes: rl/launch.py.
 """
 
@@ -36,7 +37,7 @@ from megatron_composer.training.metrics import MetricsLogger
 from megatron_composer.training.optim import lr_at
 from rl.config import RLConfig, weight_store, weights_url
 from rl.learner import PolicyLearner
-from rl.model import build_model, build_model_meta
+from rl.model import build_model_meta
 from rl.orchestrator import OrchestratorRole, QueueError
 from rl.rollout.launch import make_worker
 from rl.rollout.worker import RolloutWorker
@@ -125,8 +126,7 @@ class Trainer:
         if self.publish_failures:   # every trainer rank knows (the publish is collective)
             raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
         self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
-        self._eval_tasks = None
-        self._eval_model = self._eval_subscriber = None
+        self._eval_tasks = self._eval_subscriber = None
 
     # -- trainer ranks ----------------------------------------------------------------------------------
     def _from_main(self, obj):
@@ -261,29 +261,28 @@ class Trainer:
         self.logger.log(self.step, metrics, console=console)
 
     def held_out_eval(self) -> dict:
-        """pass@1 / pass@K on eval.tasks of the newest version in the weight store (the one just published,
-        unless that publish failed), read as a rollout engine reads it: the trainer ranks never gather their
-        shards. Runs on trainer rank 0 (the other trainer ranks wait for the next step; rollout workers go on)
-        in a one-rank engine of the rollout dtype, so rank 0 holds one full copy while it evaluates."""
-        from rl.evaluate import evaluate_model
+        """pass@1 / pass@K / reward mean on eval.tasks of the newest version in the weight store (the one just
+        published, unless that publish failed), measured by the rollout workers on their own (sharded) engines:
+        trainer rank 0 asks the orchestrator role for it and waits until every held-out task's group is back
+        (the other trainer ranks wait for the next step; rollout workers not evaluating go on generating
+        training groups, which the bounded queue keeps). No trainer rank builds a model for it."""
+        from rl.evaluate import summarize_groups
         from rl.rollout.tasks import load_rl_tasks
 
         cfg = self.cfg
         if self._eval_tasks is None:
             self._eval_tasks = load_rl_tasks(cfg.eval.tasks)
             self._eval_subscriber = cfg.weight_sync.subscriber(weight_store(cfg))
-        if self._eval_model is None:
-            self._eval_model, _ = build_model(cfg, self.tokenizer)
-        version = self._eval_subscriber.latest_version()
-        model = self._eval_model
-        model.load_state_dict(self._eval_subscriber.fetch(version))  # a delta on the version it evaluated last
-        model.to(self.device, getattr(torch, cfg.weight_sync.dtype))
-        summary, _ = evaluate_model(model, self.tokenizer, cfg.rollout, self._eval_tasks, cfg.eval.samples,
-                                    cfg.eval.success_reward, seed=cfg.train.seed + self.step, progress=False)
-        model.to("cpu")  # kept between evaluations off the accelerator the trainer uses
+        version = self._eval_subscriber.latest_version()   # reads the manifest only
+        t0 = time.perf_counter()
+        results = self.orchestrator.evaluate(version, len(self._eval_tasks), cfg.eval.samples,
+                                             alive=self._workers_alive)
+        summary = summarize_groups(self._eval_tasks, results, cfg.eval.samples, cfg.eval.success_reward)
         k = cfg.eval.samples
         return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"],
-                "eval_reward_mean": summary["reward_mean"], "eval_weight_version": float(version)}
+                "eval_reward_mean": summary["reward_mean"], "eval_weight_version": float(version),
+                "eval_token_versions": sorted({int(v) for r in results for v in r["version_counts"]}),
+                "eval_workers": sorted({r["worker"] for r in results}), "eval_seconds": time.perf_counter() - t0}
 
     def save(self) -> Path:
         """Collective: model and optimizer shards of every trainer rank; step and orchestrator from rank 0."""

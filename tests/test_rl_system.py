@@ -104,6 +104,47 @@ def test_orchestrator_drops_results_it_did_not_issue(tmp_path):
     assert orch.exhausted and q.done_ids() == []
 
 
+def test_held_out_items_wait_for_the_version_and_never_reach_training(tmp_path):
+    """OrchestratorRole.evaluate issues tagged items into the eval queue; a worker whose engine holds an older
+    version may not take them; their results come back by task and never as training groups."""
+    import threading
+    from types import SimpleNamespace
+
+    from rl.orchestrator import OrchestratorRole
+
+    rollout = SimpleNamespace(group_size=2, max_inflight_groups=2, max_staleness=0, lease_s=30, group_timeout_s=20)
+    role = OrchestratorRole(tmp_path, num_prompts=4, rollout=rollout, seed=0)
+    eval_q = role.queue.held_out()
+    held = {"v": 2}
+
+    def worker():
+        while True:
+            item = eval_q.claim("w", accept=lambda it: it.eval_version <= held["v"])
+            if item is None:
+                if role.queue.stop_requested("w"):
+                    return
+                time.sleep(0.01)
+                continue
+            assert item.eval_version == 3 and item.samples == 3
+            eps = [{"reward": 1.0, "verifier_reward": float(i == 0), "segments": []} for i in range(item.samples)]
+            eval_q.complete("w", item, {**_result(item, held["v"]), "episodes": eps, "eval_version": item.eval_version})
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    threading.Timer(0.3, lambda: held.update(v=3)).start()  # the engine applies v3 a moment later
+    results = role.evaluate(3, num_tasks=2, samples=3)
+    role.stop()
+    t.join(5)
+    assert [r["prompt_index"] for r in results] == [0, 1] and {r["min_weight_version"] for r in results} == {3}
+    from rl.evaluate import summarize_groups
+
+    tasks = [SimpleNamespace(name=f"t{i}", kind="single_turn") for i in range(2)]
+    summary = summarize_groups(tasks, results, samples=3)   # the verifier reward decides, not the shaped one
+    assert summary["pass@1"] == pytest.approx(1 / 3) and summary["pass@3"] == 1.0
+    # nothing of the evaluation is a training group: the training queue saw none of it
+    assert role.queue.done_ids() == [] and not any(eval_q.root.glob("*/*"))
+
+
 # -- tiny end-to-end runs -------------------------------------------------------------------------------------
 PROMPTS = [("Start a function.", r"[\s\S]*def[\s\S]*"), ("Write an import.", r"[\s\S]*import[\s\S]*"),
            ("Return a value.", r"[\s\S]*return[\s\S]*"), ("Say hi.", r"[\s\S]*hi[\s\S]*"),
@@ -138,7 +179,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _trained_prompts(run_dir: Path) -> list[int]:
-    return sorted(p for r in _metrics(run_dir) for p in r["prompts"])
+    return sorted(p for r in _metrics(run_dir) for p in r.get("prompts", []))  # step 0: evaluation only
 
 
 def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, tmp_path):
@@ -147,11 +188,18 @@ def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, 
 
     run_dir = tmp_path / "run"
     cfg = load_config(RLConfig, None, _overrides(assets, run_dir, **{
-        "eval.tasks": assets / "tasks", "eval.interval": 2, "eval.samples": 2}))
+        "eval.tasks": assets / "tasks", "eval.interval": 2, "eval.samples": 2, "eval.at_start": True}))
     run_rl(cfg)
-    rows = _metrics(run_dir)
-    evals = [r for r in rows if "eval_pass@1" in r]
-    assert [r["step"] for r in evals] == [2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
+    start, *rows = _metrics(run_dir)
+    evals = [start] + [r for r in rows if "eval_pass@1" in r]
+    assert start["step"] == 0 and "loss" not in start and start["eval_weight_version"] == 0  # the initial weights
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
+    for r in evals:
+        # measured by the rollout worker's engine, on exactly the version just published
+        assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
+        assert r["eval_weight_version"] == r.get("weight_version", 0)
+    # the evaluation groups (2 samples each, every held-out task) were never trained on
+    assert all(r["episodes"] == 2 * 4 for r in rows) and not any((run_dir / "rollouts/eval/done").iterdir())
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("loss", "reward_mean", "reward_best_of_k", "advantage_std", "kl", "mismatch_masked_fraction",
                 "routing_mismatch_token_fraction", "staleness_hist", "weight_sync_bytes", "weight_sync_seconds",

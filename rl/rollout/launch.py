@@ -23,14 +23,18 @@ from rl.rollout.worker import RolloutWorker, run_follower
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None,
                 model: torch.nn.Module | None = None, engine_group=None) -> RolloutWorker:
     """A rollout worker on `model` (default: `rollout_model`'s whole model; a tp / ep shard from it), subscribed
-    to the boxes of the weights that shard holds."""
+    to the boxes of the weights that shard holds; with eval.interval it also runs the held-out evaluation items
+    of eval.tasks."""
+    from rl.rollout.tasks import load_rl_tasks
+
     if model is None:
         model = rollout_model(cfg, tokenizer)
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
+    eval_tasks = load_rl_tasks(cfg.eval.tasks) if cfg.eval.interval and cfg.eval.tasks else None
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue,
                          cfg.weight_sync.shard_subscriber(weight_store(cfg), model), seed=seed,
                          poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl,
-                         engine_group=engine_group)
+                         engine_group=engine_group, eval_tasks=eval_tasks)
 
 
 def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:

@@ -15,6 +15,10 @@ Episodes:
 Several threads may generate at once (one per sandbox of a group): each adds its requests and then helps
 stepping the engine under one lock until its own requests finish, so concurrent episodes share decode steps.
 
+Held-out evaluation runs on the same engine and episode code: the worker takes an item of the eval queue
+(`WorkQueue.held_out`; ``eval_version`` v, ``samples`` episodes of a held-out task) before training groups, but
+only once its engine holds a version >= v, and writes the group back there (never trained on).
+
 A sandbox that fails (crash, setup error) is retried up to ``rollout.episode_retries`` times; after that the
 group is handed back to the queue. A verifier that hangs is killed by the task's verifier timeout and scores 0.
 
@@ -190,8 +194,12 @@ class TokenLedger:
 class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
                  queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
-                 stops_since: Optional[float] = None, objective=None, engine_group=None):
+                 stops_since: Optional[float] = None, objective=None, engine_group=None,
+                 eval_tasks: Optional[list[RLTask]] = None):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
+        # held-out tasks (eval.tasks) and their queue; None: this worker takes no evaluation items
+        self.eval_tasks = eval_tasks
+        self.eval_queue = queue.held_out() if queue is not None and eval_tasks else None
         self.objective = objective  # RLObjectiveConfig: the training reward's shaping terms (None: verifier reward)
         self.stops_since = stops_since  # ignore stop markers older than this (see WorkQueue.stop_requested)
         self.subscriber = subscriber  # a ShardSubscriber of this rank's boxes (None: fixed weights)
@@ -355,18 +363,31 @@ class RolloutWorker:
         return [f.result() for f in futures], failures
 
     def run_group(self, item: WorkItem) -> dict:
-        task = self.tasks[item.prompt_index]
+        """The item's group: a training group of a training task, or (``item.eval_version`` set) a held-out
+        task's ``item.samples`` episodes, tagged with that version."""
+        task = (self.tasks if item.eval_version is None else self.eval_tasks)[item.prompt_index]
+        group_size = item.samples or self.cfg.group_size
         t0 = time.perf_counter()
         failures = 0
         if task.kind == "single_turn":
-            episodes = self.run_single_turn(task, item, self.cfg.group_size)
+            episodes = self.run_single_turn(task, item, group_size)
         else:
-            episodes, failures = self.run_agent(task, item, self.cfg.group_size)
+            episodes, failures = self.run_agent(task, item, group_size)
         versions = Counter(v for ep in episodes for seg in ep["segments"] for v in seg["weight_versions"])
         return {"gid": item.gid, "prompt_index": item.prompt_index, "attempt": item.attempt, "task": task.name,
                 "kind": task.kind, "worker": self.name, "episodes": episodes, "sandbox_failures": failures,
                 "version_counts": dict(versions), "min_weight_version": min(versions) if versions else None,
-                "seconds": time.perf_counter() - t0}
+                "eval_version": item.eval_version, "seconds": time.perf_counter() - t0}
+
+    def _claim(self) -> tuple[Optional[WorkItem], Optional[WorkQueue]]:
+        """The next item and its queue: a held-out evaluation item of a version the engine holds (the trainer
+        may be waiting for it), else a training group."""
+        if self.eval_queue is not None:
+            held = self.engine.weight_version
+            item = self.eval_queue.claim(self.name, accept=lambda it: it.eval_version <= held)
+            if item is not None:
+                return item, self.eval_queue
+        return self.queue.claim(self.name), self.queue
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -378,20 +399,20 @@ class RolloutWorker:
             while not self.queue.stop_requested(self.name, self.stops_since):
                 with self._drive_lock:
                     self.apply_ready()
-                item = self.queue.claim(self.name)
+                item, queue = self._claim()
                 if item is None:
                     time.sleep(0.02)
                     continue
-                beat = _Heartbeat(self.queue, self.name, item.gid, self.cfg.heartbeat_s)
+                beat = _Heartbeat(queue, self.name, item.gid, self.cfg.heartbeat_s)
                 try:
                     result = self.run_group(item)
                 except EpisodeCrash as e:
                     print(f"worker {self.name}: giving group {item.gid} back to the queue: {e}", flush=True)
-                    self.queue.release(self.name, item)
+                    queue.release(self.name, item)
                     continue
                 finally:
                     beat.stop()
-                if not self.queue.complete(self.name, item, result):
+                if not queue.complete(self.name, item, result):
                     print(f"worker {self.name}: group {item.gid} was re-issued meanwhile; result dropped", flush=True)
         except BaseException as e:
             self.error = e

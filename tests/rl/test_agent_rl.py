@@ -66,8 +66,12 @@ def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
     start, run = run[0], run[1:]
     assert {"eval_pass@1", "eval_pass@2"} <= set(start) and "loss" not in start
     for r in run:
+        # 2 groups of 3, never the evaluation's groups (2 tasks x 2 samples)
         assert r["episodes"] == 6 and r["turns"] > r["episodes"]  # more than one turn per episode on average
         assert r["advantage_abs_mean"] > 0 and r["grad_norm"] > 0 and r["loss"] != 0 and r["train_tokens"] > 0
         assert r["length_penalty_mean"] < 0 and r["malformed_tool_calls_mean"] < 0  # the shaping terms are on
     assert sum(r["summaries"] for r in run) > 0 and max(r["segments_per_episode"] for r in run) > 1
     assert {"eval_pass@1", "eval_pass@2"} <= set(run[-1]) and 0 <= run[-1]["eval_pass@1"] <= run[-1]["eval_pass@2"] <= 1
+    for r in (start, run[-1]):  # run by the embedded rollout worker's engine on the version just published
+        assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
+    assert start["eval_weight_version"] == 0 and run[-1]["eval_weight_version"] == run[-1]["weight_version"]

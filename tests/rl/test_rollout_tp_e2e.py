@@ -1,7 +1,7 @@
 """End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2` (or rollout.ep=2): rank 0 trains,
 ranks 1-2 are one tensor- (expert-) parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2
 follows and reads its own boxes of every weight version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
-on tokens of later versions, and every process exits cleanly; a rollout.tp that does not divide the rollout
+on tokens of later versions, evaluates the held-out set on that engine, and every process exits cleanly; a rollout.tp that does not divide the rollout
 ranks is refused with one line before any work."""
 
 from __future__ import annotations
@@ -61,11 +61,18 @@ def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, env: dict | 
 @pytest.mark.parametrize("layout", [{"rollout.tp": 2}, {"rollout.tp": 1, "rollout.ep": 2}], ids=["tp2", "ep2"])
 def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path, layout):
     run_dir = tmp_path / "run"
-    res = _launch(rl_assets, run_dir, nproc=3, steps=3, **layout)
+    res = _launch(rl_assets, run_dir, nproc=3, steps=3, **layout, **{
+        "eval.tasks": rl_assets / "tasks", "eval.interval": 2, "eval.samples": 2})
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # held-out evaluation ran on the sharded engine (its worker is rollout rank 1) on the version just published
+    evals = [r for r in rows if "eval_pass@1" in r]
+    assert [r["step"] for r in evals] == [2, 3], [sorted(r) for r in rows]
+    for r in evals:
+        assert r["eval_workers"] == ["rank1"] and r["eval_weight_version"] == r["weight_version"]
+        assert r["eval_token_versions"] == [r["eval_weight_version"]] and 0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1
     for r in rows:
         assert 0.0 <= r["reward_mean"] <= r["reward_best_of_k"] <= 1.0 and r["train_tokens"] > 0
         assert r["weight_sync_bytes"] > 0 and r["weight_version"] == r["step"]
