@@ -302,29 +302,35 @@ def _rope_text(rope: dict | None) -> str:
     return f"YaRN factor {rope.get('factor')} over {rope.get('original_max_position_embeddings')} original positions"
 
 
-def _extends(stage: dict | None, weights: dict | None) -> bool:
-    """Whether a stage's rope scaling deliberately extends the weights' context (stage_rope_scaling's rule: the
-    weights had none, or the stage's factor x original length reaches further)."""
-    def context(rope: dict) -> float:
-        return rope.get("factor", 1.0) * rope.get("original_max_position_embeddings", 0)
-    return stage is not None and (weights is None or context(stage) > context(weights))
+def _rope_extends(want: dict | None, saved: dict | None) -> bool:
+    """Whether rope `want` deliberately extends the context of weights trained with `saved`: they had none, or
+    it reaches further (factor x original positions) -- the stages that megatron_composer.model.args.
+    stage_rope_scaling lets run with their own configured scaling."""
+    if not want:
+        return False
+    if not saved:
+        return True
+    reach = lambda r: r.get("factor", 1.0) * r.get("original_max_position_embeddings", 0)  # noqa: E731
+    return reach(want) > reach(saved)
 
 
 def check_meta(ckpt: Path, expected: dict) -> None:
     """Raise if the checkpoint was written for a different architecture than `expected['model']`, rope
-    scaling included (a checkpoint written before rope scaling was recorded is not checked for it)."""
+    scaling included (a checkpoint written before rope scaling was recorded is not checked for it; a rope that
+    deliberately extends the weights' context, as a long-context or SFT stage does, is accepted)."""
     meta_path = ckpt / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint '{ckpt}' has no meta.json; it was not written by this trainer")
     saved = json.loads(meta_path.read_text()).get("model", {})
     want = expected.get("model", {})
-    if "rope_scaling" in saved and "rope_scaling" in want and saved["rope_scaling"] != want["rope_scaling"] \
-            and not _extends(want["rope_scaling"], saved["rope_scaling"]):
+    if ("rope_scaling" in saved and "rope_scaling" in want and saved["rope_scaling"] != want["rope_scaling"]
+            and not _rope_extends(want["rope_scaling"], saved["rope_scaling"])):
         raise CheckpointError(
             f"checkpoint '{ckpt}' was trained with {_rope_text(saved['rope_scaling'])} but this stage runs "
             f"{_rope_text(want['rope_scaling'])}; keep the weights' rope (model.yarn_original_length and "
             "data.seq_length of their stage) or extend it deliberately beyond their context")
-    keys = (set(saved) | set(want)) - {"rope_scaling"}   # checked above
+    checked_above = "rope_scaling" not in saved or "rope_scaling" in want
+    keys = (set(saved) | set(want)) - ({"rope_scaling"} if checked_above else set())
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(keys) if saved.get(k) != want.get(k)]
     if diffs:
         raise CheckpointError(

@@ -1,6 +1,6 @@
 """A generated family of easy, verifiable sandboxed tasks in the Harbor layout, sized for a tiny model.
 
-Five kinds, each parameterised by file names, folders and words drawn from small vocabularies:
+Six kinds, each parameterised by file names, folders and words drawn from small vocabularies of one-token words:
 
 * ``create_file``: create a file with a given one-line content;
 * ``rename_file`` / ``move_file``: rename a file, or move it into a folder;
@@ -33,13 +33,17 @@ from megatron_composer.data.chat_template import format_tool_call
 
 KINDS = ("create_file", "rename_file", "move_file", "replace_word", "fix_test", "command_output")
 
-# Small vocabularies: a tiny model sees each value often enough in SFT to pick it out of the instruction.
-NAMES = ("alpha", "beta", "notes", "data", "report", "todo")
-FOLDERS = ("docs", "out", "tmp", "build")
-WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "garden")
+# Small vocabularies of common code words: a tiny model sees each value often enough in SFT to pick it out of
+# the instruction, and each is one token of the demo's tokenizer (BPE on Python sources) both bare (after "`",
+# '"', "/" or a newline) and after a space, so copying a value from the instruction into a tool call is copying
+# one token (or its space-prefixed twin, inside a command), not re-spelling it in other pieces: "alpha" is
+# "`al|p|ha" in an instruction but " al|p|ha" inside `mv ...`, which the tiny model did not learn to bridge.
+NAMES = ("data", "config", "index", "cache", "table", "result", "info", "event")
+FOLDERS = ("build", "src", "lib", "temp")
+WORDS = ("tree", "star", "color", "left", "right", "top", "group", "order")
 # fix_test: function name -> the operator it should use; the bug is another operator of the table
 FUNCTIONS = {"add": "+", "subtract": "-", "multiply": "*", "plus": "+", "minus": "-", "times": "*"}
-MODULES = ("calc", "ops", "util")
+MODULES = ("util", "base", "main")
 
 TASK_TOML = """version = "1.0"
 
