@@ -144,6 +144,22 @@ def test_greedy_equals_transformers_generate(tmp_path, build):
         assert r.token_ids == out[0, len(prompt):].tolist()
 
 
+def test_batch_invariant_training_attention_is_the_decode_row_product_with_mla_head_dims():
+    # MLA: v_head_dim < qk_head_dim. Under the mode the training core must attend with the real v (not the
+    # zero-padded one flash kernels get): a padded Dv changes the GEMM and the last bits of decode rows.
+    from megatron_composer.inference.batch_invariant import attend_row
+    from megatron_composer.kernels.causal_attention import sdpa_attention
+    torch.manual_seed(0)
+    H, S, Dqk, Dv = 4, 21, 48, 32
+    q, k, v = torch.randn(1, H, S, Dqk), torch.randn(1, H, S, Dqk), torch.randn(1, H, S, Dv)
+    with torch.no_grad(), batch_invariant():
+        out = sdpa_attention(q, k, v, 0.125, None)
+    assert out.shape == (1, H, S, Dv)
+    for t in range(S):
+        row = attend_row(q[0, :, t:t + 1], k[0, :, :t + 1], v[0, :, :t + 1], 0.125)
+        assert torch.equal(out[0, :, t:t + 1], row), t
+
+
 def test_batch_invariant_mixed_batch_equals_each_alone_bit_exactly():
     model = _model("tiny-deepseek-v3")
     prompts = _prompts(model.config.vocab_size, [4, 23, 9])

@@ -213,9 +213,11 @@ def sdpa_attention(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Ten
         v_BHSD = v_BHSD.repeat_interleave(rep, dim=1)
     if doc_ids_BS is None:
         dv, dqk = v_BHSD.shape[-1], q_BHSD.shape[-1]
-        if dv < dqk:
+        if dv < dqk and not torch._C._is_torch_function_mode_enabled():
             # Flash kernels want one head dim for q, k and v (MLA has v_head_dim < qk_head_dim): zero-pad v
-            # and drop the padding, which is exact and avoids the materialised-softmax fallback.
+            # and drop the padding, which is exact and avoids the materialised-softmax fallback. Not under a
+            # mode: it gets the real v, so batch-invariant attention makes the same [1, L] x [L, Dv] product
+            # as the engine's cached decode (a padded Dv changes the GEMM's blocking and the last bits).
             out = F.scaled_dot_product_attention(q_BHSD, k_BHSD, F.pad(v_BHSD, (0, dqk - dv)), is_causal=True,
                                                  scale=scale)
             return out[..., :dv]
