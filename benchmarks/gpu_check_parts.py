@@ -606,7 +606,8 @@ def part_decode(p: Part) -> None:
         if p.time_left() < (10 if p.cuda else 2):
             p.skip(f"decode batch {B}", "part budget spent")
             continue
-        got = p.attempt(f"decode batch {B}", compare_decode, engine, ref, impls, prompts, [B], N, rounds)
+        got = p.attempt(f"decode batch {B}", compare_decode, engine, ref, impls, prompts, [B], N, rounds,
+                        time.perf_counter)  # wall clock: the device is synchronised around each call
         rows += got or []
         p.figure("decode", rows)
     for B in sorted({r["batch"] for r in rows}):
@@ -622,7 +623,8 @@ def part_decode(p: Part) -> None:
         if p.time_left() < (10 if p.cuda else 2):
             p.skip(f"speculative batch {B}", "part budget spent")
             continue
-        got = p.attempt(f"speculative batch {B}", compare_speculative, engine, prompts, [B], N, drafts, rounds)
+        got = p.attempt(f"speculative batch {B}", compare_speculative, engine, prompts, [B], N, drafts, rounds,
+                        time.perf_counter)
         spec += got or []
         p.figure("speculative", spec)
 
