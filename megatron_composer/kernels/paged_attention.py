@@ -77,7 +77,7 @@ def absorbed_kernel(q_BNHD: torch.Tensor, cache_SX: torch.Tensor):
     """The C++ module whose `absorbed_attention(q, kv_new, w_kv, cache, write_slots, rows, slots_BL, pos_BN, scale)`
     writes the new rows, then computes absorbed_attention over latent_attention in one call: float32 CPU tensors,
     AVX2, a few new positions per sequence (decoding, verification), no torch function mode; else None."""
-    if (q_BNHD.device.type != "cpu" or q_BNHD.dtype != torch.float32 or cache_SX.dtype != torch.float32
+    if (not q_BNHD.is_cpu or q_BNHD.dtype != torch.float32 or cache_SX.dtype != torch.float32
             or q_BNHD.shape[1] > 4 or torch._C._is_torch_function_mode_enabled()):
         return None
     kernel = cpp.load("decode")

@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
     def project_q(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries [B, S, H, qk_nope + qk_rope] with rope applied."""
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        q = self.wq(x_BSD) if "wq" in self._modules else self.wq_b(self.q_norm(self.wq_a(x_BSD)))  # not hasattr: a miss raises inside Module.__getattr__
         q_BSHD = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         return apply_rope_tail(q_BSHD, cos, sin, self.rope_interleave, self.qk_rope_head_dim)
 

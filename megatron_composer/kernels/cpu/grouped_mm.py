@@ -36,9 +36,11 @@ def autograd_kernel(*tensors: torch.Tensor):
 def inference_kernel(*tensors: torch.Tensor):
     """The CPU inference leaf kernels (csrc/decode.cpp) where they apply: no gradient, float32 CPU
     tensors, AVX2, no torch function mode (batch-invariant numerics must see every op)."""
-    if (torch.is_grad_enabled() or torch._C._is_torch_function_mode_enabled()
-            or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)):
+    if torch.is_grad_enabled() or torch._C._is_torch_function_mode_enabled():
         return None
+    for t in tensors:  # a loop, not any(<generator>): called by every MoE layer of every decode step
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return None
     kernel = cpp.load("decode")
     return kernel if kernel is not None and kernel.has_avx2() else None
 

@@ -15,7 +15,7 @@ from . import cpp
 
 def kernel_for(x: torch.Tensor, weight: torch.Tensor):
     """The C++ module when it applies to (x, weight): CPU, both float32 or both bfloat16, no function mode."""
-    if (x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != weight.dtype
+    if (not x.is_cpu or not weight.is_cpu or x.dtype != weight.dtype
             or x.dtype not in (torch.float32, torch.bfloat16) or torch._C._is_torch_function_mode_enabled()):
         return None
     return cpp.load("rms_norm")

@@ -16,7 +16,7 @@ from . import cpp
 
 def kernel_for(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """The C++ module when it applies: CPU, x/cos/sin all float32 or all bfloat16, constant cos/sin."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype
+    if (not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype
             or sin.dtype != x.dtype or cos.requires_grad or sin.requires_grad
             or torch._C._is_torch_function_mode_enabled()):
         return None
