@@ -118,6 +118,21 @@ def peak_tracker(fsdp: bool):
 
                 return run
 
+            def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+                tracked = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+                def run(*args, **kwargs):
+                    # the tracker refuses a second forward of the root in one tracked region (it keeps per-module
+                    # statistics of one iteration); the RL step runs several passes of the policy, and only the
+                    # overall peak is reported here, so the root's statistics start afresh at each pass
+                    fqn = self._mod_tracker.get_known_fqn(fsdp_mod)
+                    if fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw \
+                            and self._mod_tracker.parents - {fqn} == {"Global"}:
+                        del self.memory_tracking[fsdp_mod]
+                    return tracked(*args, **kwargs)
+
+                return run
+
     return PeakTracker
 
 
@@ -132,24 +147,30 @@ KIND_OF = {
 }
 
 
-def measure_peak(model, optimizer, fsdp: bool, run, others: list[torch.Tensor] = ()) -> dict[str, int]:
-    """The tracker's snapshot (its categories -> bytes, "Total" included) at the peak of `run()`: `model` and
-    `optimizer` tracked as such, `others` (tensors that exist throughout, e.g. a frozen model's shards) as
-    "Other"."""
+def measure_peak(model, optimizer, fsdp: bool, run) -> dict[str, int]:
+    """The tracker's snapshot (its categories -> bytes, "Total" included) at the peak of `run()`, `model` and
+    `optimizer` tracked as such. Tensors that existed before and belong to neither are not in it (the caller
+    adds what lives through the whole run, see storage_bytes)."""
     tracker = peak_tracker(fsdp)(*((model, optimizer) if fsdp else ()))
     externals = [model]
     if isinstance(optimizer, torch.optim.Optimizer):
         externals.append(optimizer)
     else:  # DistributedAdamW: its shards are tracked as externals ("Other") and reported as optimizer
-        if others:
-            raise ValueError("measure_peak tells DistributedAdamW shards from `others` only by category; pass one")
         externals += distributed_adamw_state(optimizer)
-    externals += list(others)
     tracker.track_external(*externals)
     with tracker:
         run()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (views of one storage count once)."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
 
 
 def by_kind(raw: dict[str, int], other_kind: str = "optimizer") -> dict[str, int]:
@@ -217,4 +238,5 @@ def distributed_adamw_state(opt) -> list[torch.Tensor]:
 
 
 __all__ = ["DryRunResult", "HostReads", "KINDS", "KIND_OF", "by_kind", "check_sim_layers", "distributed_adamw_state",
-           "extrapolate", "fake_rank", "fsdp_unit_numels", "measure_peak", "peak_tracker", "require_fsdp"]
+           "extrapolate", "fake_rank", "fsdp_unit_numels", "measure_peak", "peak_tracker", "require_fsdp",
+           "storage_bytes"]
