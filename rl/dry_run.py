@@ -63,6 +63,14 @@ def _tokenizer(cfg: RLConfig) -> Tokenizer:
     return _VocabularyOnly(cfg.model.vocab_size, cfg.data.tokenizer)
 
 
+def policy_model_config(cfg: RLConfig):
+    """The policy's ModelConfig as the trainer builds it (rl/model.py), without reading its weights."""
+    from rl.model import build_model_meta
+
+    return build_model_meta(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from="")),
+                            _tokenizer(cfg))[0]
+
+
 def samples_per_rank(cfg: RLConfig, dp: int) -> int:
     """The trainer's samples per data-parallel rank in one step: every episode of the step's groups is one
     sample of at most data.seq_length tokens (one segment), split over dp ranks as rl/learner.py:dp_share does."""
@@ -224,10 +232,7 @@ def simulate_rl_scaled(cfg: RLConfig, world_size: int, *, layers: int, **kw) -> 
     own depth, as pretrain/dry_run.py:simulate_scaled (whose docstring says when that is exact): every term
     the RL step adds -- the reference policy's shards, the replayed routing (one [S, top_k] per MoE layer), the
     held inputs -- is itself affine in the number of MoE layers."""
-    from rl.model import build_model_meta
-
-    mc, _ = build_model_meta(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from="")),
-                             _tokenizer(cfg))
+    mc = policy_model_config(cfg)
     check_sim_layers(mc, layers)
 
     def at(n):
@@ -239,4 +244,4 @@ def simulate_rl_scaled(cfg: RLConfig, world_size: int, *, layers: int, **kw) -> 
                        "(+{per_layer:.3f} GiB per layer)")
 
 
-__all__ = ["samples_per_rank", "simulate_rl", "simulate_rl_scaled"]
+__all__ = ["policy_model_config", "samples_per_rank", "simulate_rl", "simulate_rl_scaled"]
