@@ -215,8 +215,8 @@ def simulate_rl(cfg: RLConfig, world_size: int, *, micro_batches: int = 2, seq_l
                                if cfg.fp8.enabled else ""),
         "exact tensor bytes: no CUDA allocator rounding or fragmentation, no NCCL or cuBLAS workspaces",
         f"{micro_batches} of the rank's {n_micro} micro-batches of {mb} x {seq_len} tokens run; the other "
-        f"{n_micro - micro_batches} micro-batches' device inputs and old-policy outputs held through the step: "
-        f"{held / 2**30:.2f} GiB (step_inputs)",
+        f"{n_micro - micro_batches} micro-batches' device inputs and old-policy outputs held through the step "
+        "(step_inputs: the measured bytes of one micro-batch's, times their number)",
         "samples are single segments of data.seq_length tokens (no summarisation chains: no KL tails)",
         "the RL loss: " + ", ".join(on),
     ]

@@ -71,10 +71,15 @@ def main(argv=None) -> int:
           + (f" (none: {', '.join(sorted({n.split('.')[0] + '.' + n.split('.')[1] for n in r.extra['without_grad']}))})"
              if r.extra["without_grad"] else ""))
     print(f"  {'kind':22s} {'estimate GiB':>13s} {'simulated GiB':>14s}")
-    for k, v in r.by_kind.items():
+    for k in [*ESTIMATED, *sorted(set(r.by_kind) - set(ESTIMATED))]:
+        v = r.by_kind.get(k, 0)
         e = f"{est['mem'][k] / GiB:13.2f}" if k in ESTIMATED else f"{'-':>13s}"
         if v or k in ESTIMATED:
             print(f"  {k:22s} {e} {v / GiB:14.2f}")
+    pk = est["peak"]
+    print(f"  the estimate's peak is a pretraining step's {pk['phase']} moment (LM + MTP loss; no reference policy, "
+          "no extra passes, no RL inputs): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in pk["terms"].items() if v
+                                                          and k not in ESTIMATED) + " GiB")
     total = est["total_full"] if p.activation_checkpointing == "full" else est["total_none"]
     ratio = r.peak_bytes / total
     print(f"  {'peak':22s} {total / GiB:13.2f} {r.peak_bytes / GiB:14.2f}   (sim/est {ratio:.2f}, {(ratio - 1) * 100:+.1f}%)")
