@@ -23,86 +23,13 @@ values cannot decide anything that depends on data:
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import time
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
 
-from megatron_composer.config import ConfigError
-
-KINDS = ("params", "grads", "optimizer", "activations", "temporaries")
-
-
-@dataclass
-class DryRunResult:
-    peak_bytes: int  # total at the rank's peak
-    by_kind: dict[str, int]  # KINDS (+ "other") at that moment
-    assumptions: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    tracker_kinds: dict[str, int] = field(default_factory=dict)  # the tracker's own categories at the peak
-    units: dict[str, tuple[int, int]] = field(default_factory=dict)  # fsdp_unit_numels of the built model
-
-
-class _ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Answers host reads of device values, which fake tensors do not have: booleans read False, a lone integer
-    (a 0-dim tensor of its own, e.g. the initialisation seed) reads 0 (see the module docstring); anything else,
-    an element of a larger tensor included, is an error naming the read."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and is_fake(args[0]):
-            t = args[0]
-            if t.dtype == torch.bool:
-                return False
-            if not t.is_floating_point() and t.untyped_storage().nbytes() == t.element_size():
-                return 0  # a lone integer (the model's initialisation seed), not an element of a tensor
-            raise RuntimeError(f"the dry run cannot read a {args[0].dtype} value from a device tensor (it has no "
-                               "values); the code path needs a balanced/assumed value there")
-        return func(*args, **(kwargs or {}))
-
-
-def _peak_tracker(fsdp: bool):
-    """torch's tracker, keeping only the rank's overall peak: its per-module peaks cost a pass over every module
-    at every op, minutes for a 61-layer model, and are not reported here."""
-    from torch.distributed._tools import FSDPMemTracker, MemTracker
-
-    base = FSDPMemTracker if fsdp else MemTracker
-
-    class PeakTracker(base):
-        def _update_peak_stats(self, peak_state) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap["Total"]:
-                    self._peak_mem[dev] = snap["Total"]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        if fsdp:
-            def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-                tracked = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-
-                def run(*args, **kwargs):
-                    group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-                    if group is not None and not all(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
-                        return orig(*args, **kwargs)  # a unit that never ran (an untrained MTP depth): nothing to attribute
-                    return tracked(*args, **kwargs)
-
-                return run
-
-    return PeakTracker
-
-
-# the tracker's categories (MemTracker and FSDPMemTracker) -> the planner's kinds
-_KIND_OF = {
-    "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "unsharded_params",
-    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "unsharded_grads",
-    "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations", "Inputs": "activations",
-    "Temp": "temporaries", "All Gather": "unsharded_params", "Reduce Scatter": "unsharded_grads",
-    "Buffer": "params",
-}
+from megatron_composer.training.dry_run import (KINDS, DryRunResult, HostReads, by_kind, check_sim_layers,
+                                                extrapolate, fake_rank, fsdp_unit_numels, measure_peak,
+                                                require_fsdp)
 
 
 def _batch(mc, layout, seq_len: int, micro_batch: int, device) -> dict[str, torch.Tensor]:
@@ -118,7 +45,6 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
     """Measured peak memory of `rank` in one training step of `mc` laid out by `pcfg` over `world_size` ranks
     (module docstring). Raises ConfigError (one line) for a layout that does not divide."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_composer.fp8 import FP8Config
     from megatron_composer.parallel.expert_parallel import assume_balanced_routing
@@ -128,28 +54,19 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
     from pretrain.losses import MTPLossConfig, token_counts
     from pretrain.trainer import _autocast, _forward_stats
 
-    if dist.is_initialized():
-        raise RuntimeError("simulate() runs its own fake process group; call it outside torch.distributed")
-    if not getattr(pcfg, "fsdp", False) and world_size > 1:
-        # build_model materialises plain (non-DTensor) meta parameters with Module.to_empty, whose tensor swap
-        # FakeTensorMode refuses (it holds a weak reference to every tensor it converts)
-        raise ConfigError("the dry run simulates FSDP layouts; set parallel.fsdp=true (planner: --fsdp)")
+    require_fsdp(pcfg, world_size)
     t0 = time.perf_counter()
     assumptions = [
         "routing balanced: every expert receives an equal share of the (token, expert) rows",
         "rows are single documents (no packing): device booleans read back as False; the initialisation seed as 0",
         "the step is taken (loss and gradient norm finite)",
         "kernels: the Python paths a GPU takes (MEGATRON_COMPOSER_CPP=0)",
-        "the RL learner's loss is the pretraining LM + MTP loss here (same model, layout and optimizer)",
         f"precision {precision} autocast, FP8 recipe off (FP8 GEMMs keep quantised copies: not measured here)",
         "exact tensor bytes: no CUDA allocator rounding or fragmentation, no NCCL or cuBLAS workspaces",
         f"one micro-batch of {micro_batch} sequence(s) per step: with accumulation every gradient shard exists "
         "throughout backward (the planner's --micro-batches counts them)",
     ]
-    old_cpp = os.environ.get("MEGATRON_COMPOSER_CPP")
-    os.environ["MEGATRON_COMPOSER_CPP"] = "0"
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with fake_rank(world_size, rank):
         layout = Layout(pcfg)
         layout.validate(mc, seq_len)
         device = torch.device("cpu")
@@ -157,7 +74,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         depths = mc.num_mtp_layers if mtp_weight > 0 else 0
         autocast = _autocast(precision, device)
         fsdp = bool(getattr(pcfg, "fsdp", False))
-        with FakeTensorMode(allow_non_fake_inputs=True), _ScalarReads():
+        with FakeTensorMode(allow_non_fake_inputs=True), HostReads():
             core = TrainingCore(mc, {}, layout, device, optim=OptimizerConfig(), fp8=FP8Config(), seed=seed)
             if mc.num_experts:
                 assume_balanced_routing(core.model)
@@ -177,31 +94,9 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
             short = 2 * pcfg.cp * max(pcfg.tp, 1) * 2  # divides by 2*cp (and by tp for sequence parallelism)
             one_step(_batch(mc, layout, short, micro_batch, device))  # gradients, optimizer state
             units = fsdp_unit_numels(core.model) if fsdp else {}
-            tracker = _peak_tracker(fsdp)(*((core.model, core.optimizer) if fsdp else ()))
-            externals = [core.model]
-            if isinstance(core.optimizer, torch.optim.Optimizer):
-                externals.append(core.optimizer)
-            else:  # DistributedAdamW: its shards are tracked as externals ("Other") and reported as optimizer
-                externals += _distributed_adamw_state(core.optimizer)
-            tracker.track_external(*externals)
             batch = _batch(mc, layout, seq_len, micro_batch, device)
-            with tracker:
-                one_step(batch)
-            snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    finally:
-        dist.destroy_process_group()
-        if old_cpp is None:
-            os.environ.pop("MEGATRON_COMPOSER_CPP", None)
-        else:
-            os.environ["MEGATRON_COMPOSER_CPP"] = old_cpp
-    raw = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    by_kind = dict.fromkeys(KINDS, 0)
-    for k, v in raw.items():
-        if k == "Total":
-            continue
-        kind = _KIND_OF.get(k, "optimizer" if k == "Other" else "other")
-        by_kind[kind] = by_kind.get(kind, 0) + v
-    return DryRunResult(peak_bytes=raw["Total"], by_kind=by_kind, assumptions=assumptions,
+            raw = measure_peak(core.model, core.optimizer, fsdp, lambda: one_step(batch))
+    return DryRunResult(peak_bytes=raw["Total"], by_kind=by_kind(raw), assumptions=assumptions,
                         seconds=time.perf_counter() - t0, tracker_kinds=raw, units=units)
 
 
@@ -217,55 +112,13 @@ def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **k
     3->4 and 4->5 increments differ by 55 MB (about 3 GiB over 61 layers). For
     models whose full simulation takes too long here: 3 + 4 layers of Kimi K2.5 take about 75 CPU-seconds at
     131k-256k tokens (about 10 s per layer), so its 61 layers would take about 10 CPU-minutes."""
-    # both depths need two MoE blocks: the peak (inside the last block's backward, the one before it prefetched)
-    # then has the same shape in both, and their difference is one more block's state and saved input only
-    if not mc.first_k_dense_replace + 2 <= layers < mc.num_layers:
-        raise ConfigError(f"--sim-layers {layers} must be at least the {mc.first_k_dense_replace} dense layers + 2 "
-                          f"and below the model's {mc.num_layers} layers")
+    check_sim_layers(mc, layers)
     a = simulate(mc.replace(num_layers=layers), pcfg, world_size, seq_len, **kw)
     b = simulate(mc.replace(num_layers=layers + 1), pcfg, world_size, seq_len, **kw)
-    n = mc.num_layers - layers
-
-    def ext(x, y):
-        return int(x + n * (y - x))
-
-    kinds = sorted(set(a.by_kind) | set(b.by_kind))
-    return DryRunResult(
-        peak_bytes=ext(a.peak_bytes, b.peak_bytes),
-        by_kind={k: ext(a.by_kind.get(k, 0), b.by_kind.get(k, 0)) for k in kinds},
-        assumptions=a.assumptions + [f"extrapolated linearly from {layers}- and {layers + 1}-layer runs to "
-                                     f"{mc.num_layers} layers (+{(b.peak_bytes - a.peak_bytes) / 2**30:.3f} GiB per "
-                                     "layer; exact when both depths peak in the same block, see simulate_scaled)"],
-        seconds=a.seconds + b.seconds,
-        tracker_kinds={k: ext(a.tracker_kinds.get(k, 0), b.tracker_kinds.get(k, 0)) for k in a.tracker_kinds})
-
-
-def fsdp_unit_numels(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """The FSDP units the built model really has (parallel/fsdp.py:apply_fsdp), named as the planner's
-    megatron_composer.parallel.cost.fsdp_units names them -> (dense, routed-expert) elements of this rank's
-    tp/ep-local tensors before FSDP sharding. A block's routed-experts unit is counted with its block, as the
-    planner counts it; the model's own unit is "root"."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out: dict[str, list[int]] = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, FSDPModule):
-            continue
-        group = mod._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        experts = name.endswith(".feed_forward.experts")
-        unit = name.removesuffix(".feed_forward.experts") if experts else (name or "root")
-        n = sum(math.prod(fp._orig_size) for fp in group.fsdp_params)
-        out.setdefault(unit, [0, 0])[1 if experts else 0] += n
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def _distributed_adamw_state(opt) -> list[torch.Tensor]:
-    out = []
-    for _, b in opt._all_buckets():
-        out += [t for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None]
-    return out
+    return extrapolate(a, b, mc.num_layers - layers,
+                       f"extrapolated linearly from {layers}- and {layers + 1}-layer runs to {mc.num_layers} layers "
+                       "(+{per_layer:.3f} GiB per layer; exact when both depths peak in the same block, see "
+                       "simulate_scaled)")
 
 
 __all__ = ["DryRunResult", "KINDS", "fsdp_unit_numels", "simulate", "simulate_scaled"]

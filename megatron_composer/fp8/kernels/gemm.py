@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import triton
 import triton.language as tl
 
@@ -115,8 +116,8 @@ def _launch(a, sa, b, sb, out, offs, M, N, K, G, grid_m, grid_z, KB, A_RB, B_RB,
         upcast = KB < 32 and not _interpreting()
     BM = BN = 64 if _interpreting() else 128
     grid = (grid_m(BM), triton.cdiv(N, BN), grid_z)
-    if grid[0] == 0 or grid[1] == 0 or grid_z == 0:
-        return out
+    if grid[0] == 0 or grid[1] == 0 or grid_z == 0 or is_fake(out):
+        return out  # nothing to compute; a fake tensor (the dry run) has no values, only the output's allocation
     as_u8 = (lambda s: s.view(torch.uint8)) if mx else (lambda s: s)
     _scaled_mm_kernel[grid](
         a.view(torch.uint8), as_u8(sa), b.view(torch.uint8), as_u8(sb), out.view(torch.int16) if out.dtype == torch.bfloat16 else out,

@@ -14,6 +14,7 @@ Scale kinds (KIND): 0 = MX floor, 1 = MX rceil (E8M0 scales stored as uint8), 2 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import triton
 import triton.language as tl
 
@@ -210,7 +211,7 @@ def quantize(x: torch.Tensor, block: tuple[int, int], kind: str, rowwise: bool =
     BM, BN = _tile_sizes(RB, CB, M, N)
     dummy = torch.empty(1, dtype=scale_dtype, device=dev)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
-    if M and N and B:
+    if M and N and B and not is_fake(x):  # a fake tensor (the dry run) has no values: only the allocations
         _quantize_kernel[grid](
             x.view(torch.int16) if x.dtype == torch.bfloat16 else x, q if q is not None else dummy, s if s is not None else dummy,
             qt if qt is not None else dummy, st if st is not None else dummy, M, N,
