@@ -113,9 +113,8 @@ def _record_held_bytes(learner, observed: dict) -> None:
 
 
 def _model_tensors(model) -> list[torch.Tensor]:
-    """Every parameter storage a frozen model holds now: its FSDP shards and whatever is gathered -- the root
-    unit, which parallel/fsdp.py does not reshard after forward and no backward of this model reshards, stays
-    gathered from the first reference forward on."""
+    """Every parameter storage a frozen model holds now: its FSDP shards and whatever is still gathered (the
+    learner reshards the reference's root unit after each of its forwards, so normally nothing)."""
     from torch.distributed.fsdp import FSDPModule
 
     out = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]

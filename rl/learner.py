@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from megatron_composer.parallel import collectives as C
 from megatron_composer.parallel.context_parallel import shard_sequence, unshard_sequence
@@ -154,6 +155,15 @@ class PolicyLearner:
             logp_next = unshard_sequence(gathered, 1, self.layout.cp)
         return torch.nn.functional.pad(logp_next[:, :-1], (1, 0)), out
 
+    def _reference_logprobs(self, local: dict, replay):
+        """The reference policy's token log-probs. It never runs backward, so under FSDP its root unit (kept
+        gathered from forward to backward for the policy: embedding, head) is resharded here; otherwise it would
+        stay gathered for the whole run."""
+        logp = self._token_logprobs(self.ref_model, local, replay)[0]
+        if isinstance(self.ref_model, FSDPModule):
+            self.ref_model.reshard()
+        return logp
+
     def _padding_sample(self, like: TrainingSample) -> TrainingSample:
         """One pad token with loss mask 0 (and routing to experts 0..k-1 when samples carry routing)."""
         routed = None
@@ -202,7 +212,7 @@ class PolicyLearner:
             logp, out = self._token_logprobs(self.model, local, replay)
             routing = out.routed_experts
             update_replay = routing if rl.router_replay == "r2" else replay
-            ref = self._token_logprobs(self.ref_model, local, update_replay)[0] if self.ref_model is not None else None
+            ref = self._reference_logprobs(local, update_replay) if self.ref_model is not None else None
             old.append({"logp": logp, "routing": routing, "ref_logp": ref})
         return old
 
@@ -270,7 +280,7 @@ class PolicyLearner:
             ref_logp = o["ref_logp"] if o is not None else None
             if self.ref_model is not None and ref_logp is None:
                 with torch.no_grad():
-                    ref_logp, _ = self._token_logprobs(self.ref_model, local, replay)
+                    ref_logp = self._reference_logprobs(local, replay)
             loss, m = self.loss_fn(logp, full["loss_mask"], full["advantages"], full["behaviour_logp"],
                                    old_logp=o["logp"] if o is not None else None, ref_logp=ref_logp,
                                    num_sequences=num_episodes, num_tokens=num_tokens, constant=self.loss_constant,
