@@ -76,6 +76,10 @@ class WeightSubscriber:
     # --- reconstruction ------------------------------------------------------------------------------------
     def fetch(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """State dict of ``version`` (default: the latest), bit-exact to what the publisher was given."""
+        return self._replanning(version, "reconstruct", self._fetch)
+
+    def _replanning(self, version: int | None, what: str, build):
+        """build(target) for `version` (default: the latest), planned again when an object vanishes under it."""
         with self._lock:
             target = self.latest_version() if version is None else version
             if target is None:
@@ -83,11 +87,12 @@ class WeightSubscriber:
             last_error: Exception | None = None
             for _ in range(3):   # the publisher may garbage-collect a version while we read it: plan again
                 try:
-                    return self._fetch(target)
+                    return build(target)
                 except FileNotFoundError as e:
                     last_error = e
-                    log.warning("weight sync: %s vanished while reconstructing version %d; planning again", e, target)
-            raise WeightSyncError(f"cannot reconstruct weight version {target} from {self.store.url}: "
+                    log.warning("weight sync: %s vanished while trying to %s version %d; planning again", e, what,
+                                target)
+            raise WeightSyncError(f"cannot {what} weight version {target} from {self.store.url}: "
                                   f"objects keep disappearing ({last_error})") from last_error
 
     def reader(self, version: int | None = None) -> "VersionReader":
@@ -526,19 +531,7 @@ class ShardSubscriber(WeightSubscriber):
     def prepare(self, version: int | None = None) -> BoxUpdate | None:
         """This rank's boxes of `version` (default: the latest) as an update from the held version; None if
         that version is already held. Nothing is committed (the caller applies, then commits)."""
-        with self._lock:
-            target = self.latest_version() if version is None else version
-            if target is None:
-                raise WeightSyncError(f"no weight version is published in {self.store.url} yet")
-            last_error: Exception | None = None
-            for _ in range(3):   # the publisher may garbage-collect a version while we read it: plan again
-                try:
-                    return self._prepare(target)
-                except FileNotFoundError as e:
-                    last_error = e
-                    log.warning("weight sync: %s vanished while preparing version %d; planning again", e, target)
-            raise WeightSyncError(f"cannot prepare weight version {target} from {self.store.url}: objects keep "
-                                  f"disappearing ({last_error})") from last_error
+        return self._replanning(version, "prepare", self._prepare)
 
     def _prepare(self, target: int) -> BoxUpdate | None:
         held = self._held()
