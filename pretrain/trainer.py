@@ -24,6 +24,7 @@ from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.model import ModelOutput
 from megatron_composer.parallel.data_parallel import DistributedAdamW
+from megatron_composer.parallel.slices import reshard
 from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
                                                ParallelConfig, RunConfig, checkpoint_meta, model_config)
 from megatron_composer.training.core import TrainingCore, initial_weights, local_device, resume_point, starting_checkpoint
@@ -159,6 +160,7 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
             totals[k] = totals.get(k, 0) + v.float()
     keys = sorted(totals)
     vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0))
+    reshard(model)  # no backward follows: FSDP's root would stay gathered until the next step's forward
     model.train()
     return {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
 

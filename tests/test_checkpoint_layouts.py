@@ -19,20 +19,28 @@ def _check(loads):
         assert r["wrong"] == [] and r["n"] > 100 and r["step"] == 1, (case, r["wrong"][:5])
 
 
-def test_checkpoints_load_across_fsdp_hsdp_tp_ep_zero1_and_one_rank(tmp_path):
-    """Model and AdamW state saved under FSDP x ep2 load exactly with FSDP off (tp2 + ZeRO-1, ep4, one rank),
-    under HSDP and FSDP x tp2 x ep2, and the reverse (uneven FSDP chunks included)."""
-    def launch(nproc, name, ckpts_from=None):
-        extra = [f"--ckpt-dir={tmp_path / ckpts_from / 'ckpts'}"] if ckpts_from else []
-        return run_worker("checkpoint_worker.py", nproc, ["--cases", "save_load", *extra], tmp_path / name)
+def test_checkpoints_load_across_every_layout(tmp_path):
+    """Model and AdamW state saved under each of one rank, tp2, ep2, cp2, dp2 + ZeRO-1, fsdp, fsdp x tp2,
+    fsdp x tp2 + sp, fsdp x cp2, fsdp x ep2, fsdp x tp2 x ep2 and HSDP x ep2 (after a forward with no backward,
+    which leaves FSDP's root unit gathered) load exactly under at least two other layouts each: FSDP on and off,
+    another tp, another ep, other world sizes (uneven FSDP chunks included)."""
+    def launch(nproc, name, *sources):
+        dirs = ",".join(str(tmp_path / s / "ckpts") for s in sources)
+        return run_worker("checkpoint_worker.py", nproc, ["--cases", "save_load", f"--ckpt-dir={dirs}"], tmp_path / name)
 
-    first = launch(1, "one")  # the one-rank checkpoint the 4-rank layouts load
-    four = launch(4, "four", ckpts_from="one")
-    one = launch(1, "one_again", ckpts_from="four")
-    assert first["saved"] == ["one_rank"] and first["loads"] == {}
-    assert four["saved"] == ["fsdp_ep2", "fsdp_tp2_ep2", "hsdp_ep2", "tp2_ep2", "ep4"]
-    loads = {**four["loads"], **one["loads"]}
-    assert len(loads) == 14
+    launches = [launch(1, "one"), launch(4, "four", "one"), launch(2, "two", "one", "four"),
+                launch(1, "one_again", "one", "four", "two")]
+    saved = [name for r in launches for name in r["saved"]]
+    loads = {k: v for r in launches for k, v in r["loads"].items()}
+    savers = {"one_rank", "tp2", "ep2", "cp2", "dp2_zero1", "fsdp", "fsdp_tp2", "fsdp_tp2_sp", "fsdp_cp2",
+              "fsdp_ep2", "fsdp_tp2_ep2", "hsdp_ep2"}
+    assert savers <= set(saved)
+    pairs = [tuple(k.split("->")) for k in loads]
+    assert len(pairs) == 45, sorted(pairs)
+    for saver in savers:
+        into = [dst for src, dst in pairs if src == saver and dst != saver]
+        assert len(into) >= 2, (saver, into)
+        assert any(("sdp" in d) != ("sdp" in saver) for d in into), (saver, into)  # FSDP or HSDP on one side
     _check(loads)
 
 

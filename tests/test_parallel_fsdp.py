@@ -2,6 +2,10 @@
 the layout-independent initialisation assembles the one-process model (tp2, ep2 and every FSDP layout); loss,
 every parameter's gradient piece (max |diff| <= 1e-5 x max |ref|) and the clipped global norm after one
 backward; and the loss sequence of 5 optimizer steps through TrainingCore.step (2 micro-batches each).
+Every expert kernel path runs under every layout against the one-process model: the few-rows inference
+kernels (a forward with no gradient: pair_swiglu without expert parallelism, swiglu_rows behind the
+all-to-all), the reference loops (under a torch function mode), the C++ autograd pass (the backward) and,
+in the MXFP8 layout, the quantised grouped GEMM.
 
 Layouts: fsdp (dp4); fsdp x ep2 with 2 experts (expert shards outnumber local experts: dim 1 sharded);
 fsdp x ep2 with the pretraining loss's fused head (the root's weight read after forward); fsdp x tp2 with
@@ -41,6 +45,9 @@ def test_fsdp_layout_equals_one_process(results, layout):
     assert res["n_params"] >= 20, "too few parameters compared"
     assert sum(k.startswith("init:") for k in res["errs"]) >= res["n_params"], "initialisation not checked"
     assert len(res["losses"]) >= 2 and res["losses"][0] != res["losses"][-1], "training did not move the loss"
+    assert "eval_few_rows" in res["errs"] and "eval_reference" in res["errs"], "expert paths not compared"
+    if res["few_rows_expected"]:  # AVX2, experts not quantised
+        assert res["few_rows_chosen"] > 0, "the few-rows expert kernel was never chosen"
 
 
 def test_bad_fsdp_sizes_are_one_line_errors():

@@ -162,6 +162,54 @@ def _is_distributed(optimizer) -> bool:
     return isinstance(optimizer, DistributedAdamW)
 
 
+def layout_text(model: torch.nn.Module, optimizer, groups=None) -> str:
+    """The parallel layout a model and optimizer are in, as one short phrase (recorded in meta.json, named in
+    load errors), e.g. "4 ranks: tp2 x ep2, FSDP" or "1 rank"."""
+    from megatron_composer.parallel.fsdp import is_fsdp
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parts = []
+    if groups is not None:
+        dims = groups.dims
+        parts = [f"{k}{v}" for k, v in (("tp", dims.tp), ("cp", dims.cp), ("ep", dims.ep), ("dp", dims.dp)) if v > 1]
+        if dims.sequence_parallel:
+            parts.append("sp")
+    text = f"{world} rank{'s' if world > 1 else ''}" + (f": {' x '.join(parts)}" if parts else "")
+    if is_fsdp(model):
+        r = model._mc_fsdp.dp_replicate
+        text += f", HSDP ({r} replicas)" if r > 1 else ", FSDP"
+    elif _is_distributed(optimizer) and optimizer.zero1:
+        text += ", ZeRO-1"
+    return text
+
+
+def _check_stored(ckpt: Path, state: dict, layout: str) -> None:
+    """Every tensor `state` loads is in the checkpoint with the same global shape; else one CheckpointError
+    naming the tensor, both layouts and the fix, before anything is read."""
+    try:
+        stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint '{ckpt}': {str(e).splitlines()[0][:300]}") from None
+    meta_path = ckpt / "meta.json"
+    saved_layout = json.loads(meta_path.read_text()).get("layout") if meta_path.is_file() else None
+    saved_layout = saved_layout or "a layout it does not record"
+    for section, tensors in state.items():
+        for name, t in tensors.items():
+            key = f"{section}.{name}"
+            have = getattr(stored.get(key), "size", None)
+            if have is None:
+                what = "AdamW state" if section == "optim" else "weights"
+                raise CheckpointError(
+                    f"checkpoint '{ckpt}' (saved under {saved_layout}) has no {what} '{key}', which this run "
+                    f"({layout}) loads; it was saved for another model (model.preset / model.overrides / "
+                    "model.num_mtp_layers) -- load it with the model config it was trained with")
+            if tuple(have) != tuple(t.shape):
+                raise CheckpointError(
+                    f"checkpoint '{ckpt}' (saved under {saved_layout}) stores '{key}' as {tuple(have)}, but this run "
+                    f"({layout}) needs the full tensor {tuple(t.shape)}; load it with the model config it was "
+                    "trained with (model.vocab_size / model.overrides), or re-save it from a run of that config")
+
+
 def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: bool = False) -> dict:
     """{"model": {fqn: tensor}, "optim": {fqn.exp_avg / .exp_avg_sq / .step}} aliasing the live tensors, so
     dcp.save writes them and dcp.load fills them in place. AdamW state is created (zeros) if absent.
@@ -170,9 +218,10 @@ def training_state(model: torch.nn.Module, optimizer, groups=None, *, for_load: 
     per-parameter entries, gathered to full tensors (collective; skipped with for_load, which gives zeros that
     load_checkpoint hands back to the optimizer), so its checkpoints load into any layout and optimizer."""
     from megatron_composer.parallel.layers import spec_of
+    from megatron_composer.parallel.slices import reshard
 
     views = _Views(groups)
-    params = dict(model.named_parameters())
+    params = dict(reshard(model).named_parameters())
     model_sd = {}
     for name, t in model.state_dict(keep_vars=True).items():
         spec = spec_of(params[name]) if name in params else None
@@ -269,6 +318,7 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
     state = training_state(model, optimizer, groups)
+    layout = layout_text(model, optimizer, groups)
     future = None
     if async_save:
         if dist.is_initialized() and dist.get_world_size() > 1 and async_group is None:
@@ -282,7 +332,7 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
     if _rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        (tmp / "meta.json").write_text(json.dumps({**meta, "layout": layout}, indent=2))
     if future is not None:
         return PendingCheckpoint(future, tmp, final, run_dir, keep_last)
     _barrier()
@@ -347,6 +397,7 @@ def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.o
         check_meta(ckpt, expected_meta)
     distributed = optimizer is not None and _is_distributed(optimizer)
     state = training_state(model, optimizer, groups, for_load=distributed)
+    _check_stored(ckpt, state, layout_text(model, optimizer, groups))
     try:
         with torch.no_grad():
             dcp.load(state, checkpoint_id=str(ckpt))

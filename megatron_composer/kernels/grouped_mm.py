@@ -120,7 +120,7 @@ def swiglu_experts(x_TD: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tenso
 def pair_swiglu(x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor, w1_EFD: torch.Tensor,
                 w3_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> Optional[torch.Tensor]:
     """The weighted sum of each token's chosen experts in one CPU inference call at decode sizes, or None
-    (the caller's reference: model/moe.py local_dispatch's sort, experts and combine)."""
+    (the caller's reference: GroupedExperts.forward_pairs's sort, experts and combine in model/moe.py)."""
     few = few_rows_kernel(x_TD, w1_EFD, indices_TK.numel())
     return None if few is None else few.pair_swiglu(x_TD, indices_TK, weights_TK, w1_EFD, w3_EFD, w2_EDF)
 

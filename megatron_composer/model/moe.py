@@ -89,6 +89,20 @@ class GroupedExperts(nn.Module):
         gate, up = self.grouped_mm(x_TD, w13, offs).chunk(2, dim=-1)
         return self.grouped_mm(F.silu(gate) * up, self.w2, offs)
 
+    def forward_pairs(self, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) over experts this module holds all of (no expert
+        parallelism): permute tokens by expert, run the grouped experts, weight and sum back per token.
+
+        A method of the module rather than a function reading its weights, so that every kernel choice reads
+        them inside the module's own call: FSDP registers it as a forward method of the experts' unit
+        (parallel/fsdp.py), which gathers the weights before it runs whichever path is taken."""
+        if self.grouped_mm is grouped_mm and (y := pair_swiglu(x_TD, indices_TK, weights_TK, self.w1, self.w3,
+                                                               self.w2)) is not None:
+            return y  # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
+        order, counts = sort_by_expert(indices_TK, self.num_local_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        return dispatch_sorted(x_TD, order, weights_TK, lambda rows: self.forward(rows, offs))
+
 
 @dataclass
 class RouterOutput:
@@ -193,10 +207,5 @@ def sort_by_expert(indices_TK: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 def local_dispatch(experts: GroupedExperts, x_TD: torch.Tensor, indices_TK: torch.Tensor,
                    weights_TK: torch.Tensor) -> torch.Tensor:
-    """Permute tokens by expert, run the grouped experts, weight and sum back per token."""
-    if experts.grouped_mm is grouped_mm and (y := pair_swiglu(x_TD, indices_TK, weights_TK, experts.w1, experts.w3,
-                                                               experts.w2)) is not None:
-        return y  # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
-    order, counts = sort_by_expert(indices_TK, experts.num_local_experts)
-    offs = counts.cumsum(0).to(torch.int32)
-    return dispatch_sorted(x_TD, order, weights_TK, lambda rows: experts(rows, offs))
+    """The dispatch without expert parallelism: every chosen expert is on this rank."""
+    return experts.forward_pairs(x_TD, indices_TK, weights_TK)

@@ -109,7 +109,7 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.d
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> nn.Module:
     """Shard `model` (a parallelised Transformer, on any device including meta) with FSDP2 over the meshes of
     `groups` (HSDP when groups.dims.dp_replicate > 1); in place."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from torch.distributed.tensor import Shard
 
     meshes = build_meshes(groups)
@@ -124,9 +124,13 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, *, param_dtype: torch.d
     units = []
     for block in main + mtp:
         if getattr(block, "is_moe", False):
-            units.append(fully_shard(block.feed_forward.experts, mesh=meshes.expert, mp_policy=mp,
+            experts = block.feed_forward.experts
+            units.append(fully_shard(experts, mesh=meshes.expert, mp_policy=mp,
                                      reshard_after_forward=reshard_after_forward,
                                      shard_placement_fn=expert_placement))
+            # the dispatch without expert parallelism enters the experts through forward_pairs, not forward:
+            # it must gather the unit too, whichever kernel it then picks
+            register_fsdp_forward_method(experts, "forward_pairs")
         units.append(fully_shard(block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward))
     # the root keeps its parameters gathered from forward to backward: backward needs them at once, and a loss
     # that applies the head itself (pretrain's fused head) reads model.output.weight after the forward

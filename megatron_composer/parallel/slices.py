@@ -129,8 +129,26 @@ def local_pieces(p: torch.Tensor) -> list[Piece]:
     return pieces_for(full_shape(p), spec_of(p), mesh_shards(p))
 
 
+def reshard(model: nn.Module) -> nn.Module:
+    """Every FSDP2 unit of `model` back on its shards (a no-op for units already sharded, and without FSDP).
+
+    FSDP2 registers a unit's gathered tensors as its parameters between its forward and its backward, and a
+    unit that keeps them after forward (the root, `reshard_after_forward=False`) keeps them after a forward
+    with no backward (evaluation). A reader of this rank's pieces must see the sharded DTensors, which carry
+    the ShardSpecs and the optimizer state: a checkpoint taken then would store the gathered tp/ep-local
+    tensor as the full one, and no AdamW moments."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return model
+
+
 def named_tensors(model: nn.Module):
-    """(canonical name, tensor) for every parameter and persistent floating buffer of `model`."""
+    """(canonical name, tensor) for every parameter and persistent floating buffer of `model` (its FSDP units
+    resharded first: the tensors are this rank's pieces)."""
+    reshard(model)
     yield from model.named_parameters()
     non_persistent = set()
     for mod_name, mod in model.named_modules():
@@ -189,6 +207,6 @@ def assemble(shape: Sequence[int], spec: ShardSpec, rank_pieces: Sequence[tuple[
     return full
 
 
-__all__ = ["Piece", "local_tensor", "full_shape", "local_pieces", "fill_local", "pieces_for", "mesh_shards",
+__all__ = ["Piece", "local_tensor", "full_shape", "local_pieces", "fill_local", "reshard", "pieces_for", "mesh_shards",
            "named_tensors", "spec_full_shape", "assemble",
            "load_full_state_dict"]

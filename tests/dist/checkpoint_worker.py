@@ -45,27 +45,50 @@ def config():
 META = {"model": {"preset": PRESET}}
 # name -> layout; "world" is the number of ranks it runs on
 LAYOUTS = {
+    "one_rank": dict(world=1),
+    "tp2": dict(world=2, tp=2),
+    "ep2": dict(world=2, ep=2),
+    "cp2": dict(world=2, cp=2),
+    "dp2_zero1": dict(world=2, zero1=True),
+    "fsdp2": dict(world=2, fsdp=True),
+    "fsdp": dict(world=4, fsdp=True),
+    "fsdp_tp2": dict(world=4, tp=2, fsdp=True),
+    "fsdp_tp2_sp": dict(world=4, tp=2, sp=True, fsdp=True),
+    "fsdp_cp2": dict(world=4, cp=2, fsdp=True),
     "fsdp_ep2": dict(world=4, ep=2, fsdp=True),
     "fsdp_tp2_ep2": dict(world=4, tp=2, ep=2, fsdp=True),
     "hsdp_ep2": dict(world=4, ep=2, fsdp=True, dp_replicate=2),
     "tp2_zero1": dict(world=4, tp=2, zero1=True),
     "ep4": dict(world=4, ep=4, zero1=False),
     "tp2_ep2": dict(world=4, tp=2, ep=2, zero1=True),
-    "one_rank": dict(world=1),
 }
-# (saved under, loaded under): FSDP <-> FSDP off in other layouts, HSDP, FSDP composed with tp and ep
+# (saved under, loaded under): every saver loads at least twice, with FSDP on and off, another tp and another
+# ep; launches run on 1, then 4, then 2, then 1 rank(s), each loading what the earlier ones saved
 PAIRS = [
+    # loaded on 4 ranks
+    ("one_rank", "fsdp_ep2"), ("one_rank", "fsdp_tp2"),
+    ("fsdp", "fsdp_tp2_ep2"), ("fsdp", "ep4"),
+    ("fsdp_tp2", "fsdp_tp2"), ("fsdp_tp2", "ep4"), ("fsdp_tp2", "fsdp_ep2"),
+    ("fsdp_tp2_sp", "tp2_ep2"), ("fsdp_tp2_sp", "fsdp"),
+    ("fsdp_cp2", "tp2_zero1"), ("fsdp_cp2", "fsdp_tp2_sp"),
     ("fsdp_ep2", "fsdp_ep2"), ("fsdp_ep2", "tp2_zero1"), ("fsdp_ep2", "ep4"), ("fsdp_ep2", "hsdp_ep2"),
     ("fsdp_ep2", "fsdp_tp2_ep2"), ("fsdp_tp2_ep2", "ep4"), ("hsdp_ep2", "tp2_ep2"),
-    ("tp2_ep2", "fsdp_ep2"), ("tp2_ep2", "fsdp_tp2_ep2"), ("ep4", "hsdp_ep2"),
-    ("fsdp_ep2", "one_rank"), ("fsdp_tp2_ep2", "one_rank"), ("hsdp_ep2", "one_rank"), ("one_rank", "fsdp_ep2"),
+    ("tp2_ep2", "fsdp_ep2"), ("tp2_ep2", "fsdp_tp2_ep2"), ("ep4", "hsdp_ep2"), ("tp2_zero1", "fsdp_cp2"),
+    # loaded on 2 ranks
+    ("one_rank", "tp2"), ("tp2", "ep2"), ("tp2", "fsdp2"), ("ep2", "tp2"), ("ep2", "cp2"), ("cp2", "fsdp2"),
+    ("dp2_zero1", "tp2"), ("dp2_zero1", "fsdp2"), ("ep2", "fsdp2"), ("fsdp_tp2_sp", "cp2"), ("fsdp_cp2", "ep2"), ("fsdp_tp2_ep2", "dp2_zero1"),
+    # loaded on 1 rank
+    ("fsdp_ep2", "one_rank"), ("fsdp_tp2_ep2", "one_rank"), ("hsdp_ep2", "one_rank"), ("fsdp_tp2", "one_rank"),
+    ("fsdp", "one_rank"), ("tp2", "one_rank"), ("ep2", "one_rank"), ("cp2", "one_rank"), ("dp2_zero1", "one_rank"),
+    ("tp2_zero1", "one_rank"), ("ep4", "one_rank"),
 ]
 
 
 def build(layout: dict, seed: int = 0):
     world = dist.get_world_size()
     assert world == layout["world"]
-    dims = ParallelDims(world, tp=layout.get("tp", 1), ep=layout.get("ep", 1), dp_replicate=layout.get("dp_replicate", 1))
+    dims = ParallelDims(world, tp=layout.get("tp", 1), cp=layout.get("cp", 1), ep=layout.get("ep", 1),
+                        sequence_parallel=layout.get("sp", False), dp_replicate=layout.get("dp_replicate", 1))
     groups = dims.build() if world > 1 else None
     torch.manual_seed(seed)
     model = Transformer(config())
@@ -80,6 +103,15 @@ def build(layout: dict, seed: int = 0):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     return groups, model, opt
+
+
+def evaluate(groups, model) -> None:
+    """A forward with no backward, as validation runs before a save: FSDP's root unit stays gathered."""
+    ids, pos, *_ = batch(0, config(), False)
+    if groups is not None:
+        ids, pos = shard_batch(groups, ids, pos)
+    with torch.no_grad():
+        model(ids, position_ids=pos)
 
 
 def full_value(name: str, shape, key: str) -> torch.Tensor:
@@ -151,13 +183,14 @@ def state_mismatch(model, opt) -> dict:
 def save_load(args) -> dict:
     world = dist.get_world_size()
     here = Path(args.out) / "ckpts"
-    roots = [here] + ([Path(args.ckpt_dir)] if args.ckpt_dir else [])
+    roots = [here] + [Path(d) for d in args.ckpt_dir.split(",") if d]
     results, saved = {}, []
     for name in dict.fromkeys(src for src, _ in PAIRS):
         if LAYOUTS[name]["world"] != world:
             continue
         groups, model, opt = build(LAYOUTS[name], seed=1)
         set_known_state(model, opt)
+        evaluate(groups, model)
         save_checkpoint(here / name, 1, model, opt, {"step": 1}, META, groups=groups)
         saved.append(name)
     for src, dst in PAIRS:

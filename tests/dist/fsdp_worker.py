@@ -18,12 +18,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import init, max_rel_err, reduce_max, run_cases  # noqa: E402
 from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
+import megatron_composer.kernels.grouped_mm as G  # noqa: E402
 from megatron_composer.fp8 import FP8Config, FP8LinearFunction  # noqa: E402
+from megatron_composer.kernels.cpu.grouped_mm import inference_kernel  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
 from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
@@ -68,6 +71,57 @@ def _step_batches(step, cfg):
     return bs, n_main, n_mtp
 
 
+class _EveryOp(TorchFunctionMode):
+    """Sees every torch function: the CPU kernels step aside under a torch function mode, so the experts run
+    their reference loops (GroupedExperts.reference_forward)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _eval_loss(model, groups, cfg, use_mtp) -> float:
+    """The first step's loss from a forward with no gradient (evaluation): few rows per expert."""
+    bs, n_main, n_mtp = _step_batches(0, cfg)
+    fn = _loss_fn(model, groups, n_main, n_mtp, use_mtp, bs)
+    with torch.no_grad():
+        loss = sum(fn(k)[0] for k in range(MICRO))
+    if groups is not None:
+        dist.all_reduce(loss, group=groups.group("dp_cp"))
+    return loss.item()
+
+
+def _quantised(model) -> bool:
+    return any(isinstance(getattr(m, "linear_fn", None), FP8LinearFunction) for m in model.modules())
+
+
+def _expert_paths(model, ref, groups, cfg, use_mtp) -> tuple[dict, dict]:
+    """Each expert kernel path against the one-process model, forced: the few-rows inference kernels (no
+    gradient, few rows: pair_swiglu without expert parallelism, swiglu_rows behind the all-to-all with it), and
+    the reference loops (under a torch function mode); quantised experts run their FP8 grouped GEMM in both.
+    The gradient path is the step's backward. Returns the errors, how often the few-rows kernel was chosen and
+    whether it should have been."""
+    chosen = []
+    few_rows = G.few_rows_kernel
+
+    def counting(*args):
+        kernel = few_rows(*args)
+        chosen.append(kernel is not None)
+        return kernel
+
+    G.few_rows_kernel = counting
+    try:
+        got, want = _eval_loss(model, groups, cfg, use_mtp), _eval_loss(ref, None, cfg, use_mtp)
+    finally:
+        G.few_rows_kernel = few_rows
+    errs = {"eval_few_rows": abs(got - want) / abs(want)}
+    with _EveryOp():
+        got, want = _eval_loss(model, groups, cfg, use_mtp), _eval_loss(ref, None, cfg, use_mtp)
+    errs["eval_reference"] = abs(got - want) / abs(want)
+    with torch.no_grad():  # the kernel needs AVX2; quantised experts (FP8) run their own grouped GEMM instead
+        expected = inference_kernel(torch.zeros(1)) is not None and not _quantised(model)
+    return errs, {"few_rows_chosen": sum(chosen), "few_rows_expected": expected}
+
+
 def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, **parallel):
     def run():
         cfg = tiny_config(preset).replace(**(overrides or {}))
@@ -80,8 +134,7 @@ def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, 
         groups = core.layout.groups
         errs = {"is_fsdp": float(is_fsdp(core.model) != bool(parallel.get("fsdp")))}
         if fp8:  # the FP8 GEMMs are in place
-            errs["fp8_applied"] = float(not any(isinstance(getattr(m, "linear_fn", None), FP8LinearFunction)
-                                                for m in core.model.modules()))
+            errs["fp8_applied"] = float(not _quantised(core.model))
         # init: each piece equals the reference's box; the pieces of all ranks cover every element
         ref_t = dict(named_tensors(ref.model))
         for name, t in named_tensors(core.model):
@@ -92,6 +145,9 @@ def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, 
                 cover[pc.full] += 1
             dist.all_reduce(cover)
             errs[f"init:{name}"] = bad + float(not bool((cover > 0).all()))
+        # every expert kernel path under this layout, FSDP's root left gathered by the gradient-free forwards
+        path_errs, paths = _expert_paths(core.model, ref.model, groups, cfg, use_mtp)
+        errs.update(path_errs)
         # one backward: loss, every gradient piece, clipped norm
         bs, n_main, n_mtp = _step_batches(0, cfg)
         total = torch.zeros(())
@@ -143,7 +199,7 @@ def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, 
                                               for name, t in named_tensors(core.model) for pc in local_pieces(t)))
         errs = reduce_max(errs)
         return {"max_err": max(errs.values()), "errs": errs, "losses": losses, "ref_losses": ref_losses,
-                "n_params": n_params, "activation_analytic_over_measured": None}
+                "n_params": n_params, "activation_analytic_over_measured": None, **paths}
     return run
 
 

@@ -48,7 +48,7 @@ def inference_kernel(*tensors: torch.Tensor):
 def few_rows_kernel(x_SD: torch.Tensor, w1_EFD: torch.Tensor, rows: int):
     """inference_kernel where the experts see few rows (at most 16 per expert on average: decoding, not prefill):
     its `swiglu_rows` (rows sorted by expert; reference GroupedExperts.reference_forward) and `pair_swiglu`
-    (chosen (token, expert) pairs; reference model/moe.py local_dispatch)."""
+    (chosen (token, expert) pairs; reference GroupedExperts.forward_pairs in model/moe.py)."""
     return inference_kernel(x_SD, w1_EFD) if rows <= 16 * w1_EFD.shape[0] else None
 
 
