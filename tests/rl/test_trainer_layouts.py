@@ -49,6 +49,26 @@ def test_rl_step_on_four_trainer_ranks_equals_one(results4, layout):
     _check(results4[layout])
 
 
+@pytest.mark.dist
+def test_rl_checkpoints_resume_under_another_layout(rl_assets, tmp_path):
+    """An RL checkpoint saved under fsdp x ep2 resumes under tp2 (2 ranks), and one saved there resumes under
+    fsdp x ep2 (tests/dist/rl_checkpoint_worker.py): the same weights exactly, and the saver's next optimizer step
+    and loss (AdamW state carried over) within the layouts' reduction-order differences."""
+    def launch(nproc, layout, name, load=None):
+        extra = [f"--load={tmp_path / load}"] if load else []
+        return torchrun.run_worker("rl_checkpoint_worker.py", nproc,
+                                   ["--tok", str(rl_assets / "tok"), "--layout", layout, *extra], tmp_path / name)
+
+    launch(4, "fsdp_ep2", "a")
+    to_tp2 = launch(2, "tp2", "b", load="a")
+    back = launch(4, "fsdp_ep2", "c", load="b")
+    for res, src in ((to_tp2, "fsdp_ep2"), (back, "tp2")):
+        assert res["loaded_from"] == src
+        errs = res["errs"]
+        assert errs["keys"] == errs["weights"] == errs["state"] == 0.0, errs
+        assert errs["continuation"] <= TOL, errs
+
+
 def _check(res):
     assert res["ok"], res.get("error")
     bad = {k: v for k, v in res["errs"].items() if not v <= TOL}
