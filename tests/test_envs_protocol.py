@@ -199,7 +199,7 @@ def test_reward_written_by_the_agent_does_not_count(tmp_path):
         assert "Read-only file system" in mkdir_tests
         (tmp_path / "tests" / "test.sh").write_text("echo lots > /logs/verifier/reward.txt\n")
         res = task.verifier.verify(sbx, task)
-    assert res.reward == 0.0 and "must hold a number" in res.details["error"]
+    assert res.reward == 0.0 and "must hold one plain decimal number" in res.details["error"]
 
 
 def test_dockerfile_add_unpacks_local_archives(tmp_path):

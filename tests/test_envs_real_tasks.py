@@ -12,7 +12,7 @@ import pytest
 from rl.envs.check_task import check_task
 from rl.envs.dockerfile import UnsupportedDockerfile
 from rl.envs.harbor import TaskFormatWarning, load_harbor_task
-from rl.envs.task import TaskError, prepare_task, read_reward_json
+from rl.envs.task import RewardError, TaskError, parse_reward, prepare_task
 from rl.sandbox.base import BASE_ENV
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
@@ -174,11 +174,45 @@ def test_env_path_expands_from_the_base_environment(tmp_path):
 
 
 def test_reward_json_key_or_mean():
-    assert read_reward_json('{"reward": 0.25, "style": 1}') == (0.25, {"reward": 0.25, "style": 1.0})
-    assert read_reward_json('{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
+    assert parse_reward("reward.json", '{"reward": 0.25, "style": 1}') == (0.25, {"reward": 0.25, "style": 1.0})
+    assert parse_reward("reward.json", '{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
     for bad in ('{"a": "yes"}', "{}", "[1]", '{"a": true}'):
-        with pytest.raises(ValueError):
-            read_reward_json(bad)
+        with pytest.raises(RewardError):
+            parse_reward("reward.json", bad)
+
+
+@pytest.mark.parametrize("raw", ["1", "1\n", "0", "0.5\n", "1.000"])
+def test_plain_decimal_rewards_are_read(raw):
+    assert parse_reward("reward.txt", raw)[0] == float(raw)
+
+
+@pytest.mark.parametrize("name, raw, why", [
+    ("reward.txt", "nan", "plain decimal"), ("reward.txt", "inf\n", "plain decimal"),
+    ("reward.txt", "1e309", "plain decimal"), ("reward.txt", "-0", "plain decimal"),
+    ("reward.txt", "1_0", "plain decimal"), ("reward.txt", "\u0661", "plain decimal"),
+    ("reward.txt", " 1\n1", "plain decimal"), ("reward.txt", "1\n\n", "plain decimal"),
+    ("reward.txt", "", "plain decimal"), ("reward.txt", "+1", "plain decimal"),
+    ("reward.txt", "2", r"outside the task's reward range \[0, 1\]"), ("reward.txt", "-1", "outside"),
+    ("reward.txt", "1" * 70000, "at most"),
+    ("reward.json", '{"reward": NaN}', "NaN, not a finite number"),
+    ("reward.json", '{"reward": Infinity}', "Infinity, not a finite number"),
+    ("reward.json", '{"reward": 1e309}', "inf, not a finite number"),
+    ("reward.json", '{"reward": 1' + "0" * 400 + '}', "too large|not a finite"),
+    ("reward.json", '{"reward": 0, "reward": 1}', "repeats a key"),
+    ("reward.json", '{"reward": 3}', "outside the task's reward range"),
+    ("reward.json", "[" * 200000 + "]" * 200000, "at most|nested too deeply"),
+    ("reward.json", "[" * 20000 + "]" * 20000, "nested too deeply|must be a non-empty object"),
+    ("reward.json", '{"reward": 1', "not JSON"),
+])
+def test_a_reward_file_that_is_not_a_plain_finite_number_in_range_is_refused(name, raw, why):
+    with pytest.raises(RewardError, match=why):
+        parse_reward(name, raw)
+
+
+def test_a_declared_reward_range_is_honoured():
+    assert parse_reward("reward.txt", "-1", -1.0, 1.0)[0] == -1.0
+    with pytest.raises(RewardError, match=r"\[-1, 1\]"):
+        parse_reward("reward.txt", "1.5", -1.0, 1.0)
 
 
 @needs_bwrap
@@ -198,7 +232,7 @@ def test_verifier_that_cannot_run_is_an_error(tmp_path):
         f.write('ENV PATH="/nowhere"\n')
     res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task_dir)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "the verifier wrote no /logs/verifier/reward.txt" in res.stderr
+    assert res.returncode == 2 and "the verifier's shell did not report its exit status (it could not start" in res.stderr
 
 
 # What the local backend cannot honour: one line naming why and the fix -------------------------------------------

@@ -5,14 +5,16 @@ import subprocess
 
 import pytest
 
-from rl.envs.agent import noop_policy, oracle_policy, run_episode
+from megatron_composer.data.chat_template import format_tool_call
+from rl.envs.agent import ScriptedPolicy, noop_policy, oracle_policy, run_episode
 from rl.envs.swebench import load_swebench, parse_test_log, swebench_task
 from rl.envs.task import TaskError, prepare_task
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
 CALC = "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n"
-TESTS = ("import unittest\n\nfrom calc import sub\n\n\nclass TestCalc(unittest.TestCase):\n"
-         "    def test_sub(self):\n        self.assertEqual(sub(5, 3), 2)\n")
+TESTS = ("import unittest\n\nfrom calc import sub\n\n\n# the expected result, away from the test patch's context\n"
+         "EXPECTED_SUB = 2\n\n\nclass TestCalc(unittest.TestCase):\n"
+         "    def test_sub(self):\n        self.assertEqual(sub(5, 3), EXPECTED_SUB)\n")
 
 
 def _git(repo, *args):
@@ -164,3 +166,46 @@ def test_check_task_reads_a_swebench_jsonl(instance, tmp_path):
         in res.stderr
     res = cli("--instance", "nope")
     assert res.returncode == 2 and "has no instance 'nope'" in res.stderr
+
+
+# The agent owns the repository's .git: what it can rewrite there must not reach the verdict --------------------
+BROKEN_SUB = "sed -i 's/^    return a - b$/    return 0/' calc.py\n"  # sub() broken: PASS_TO_PASS must fail
+WEAK_TEST = "sed -i 's/^EXPECTED_SUB = 2$/EXPECTED_SUB = 0/' tests/test_calc.py\n"  # the test that catches it, weakened
+COMMIT = "git -c user.name=a -c user.email=a@a commit -qam weak\n"
+ATTACKS = {
+    # "restore the test files to base_commit" would restore the agent's commit
+    "git-replace": WEAK_TEST + COMMIT + "git replace {base} HEAD\ngit reset -q --hard {base}\n",
+    # a smudge filter, declared where the agent may write, weakens the test whenever git checks it out
+    "smudge-filter": ("printf '* filter=weaken\\n' > .git/info/attributes\n"
+                      "git config filter.weaken.smudge \"sh -c 'touch /app/filter-ran; "
+                      "sed s/^EXPECTED_SUB\\ =\\ 2/EXPECTED_SUB\\ =\\ 0/'\"\n"
+                      "rm tests/test_calc.py && git checkout -- tests/test_calc.py\n"),
+}
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_swebench_verdict_ignores_what_the_agent_wrote_into_git(instance, attack):
+    """Gold fix for add() with sub() broken: PASS_TO_PASS must catch it, whatever the agent did to .git to make
+    the verifier restore a weakened test (a replace ref for the base commit, a smudge filter). The attack is
+    real: git in the agent's tree shows the weakened test."""
+    jsonl, repos, record = instance
+    (task,) = load_swebench(jsonl, repos)
+    backend = LocalBackend()
+    snap = prepare_task(task, backend)
+    try:
+        with backend.fork(snap) as sbx:
+            gold = "git apply - <<'EOF'\n" + task.solution.patch + "EOF\n"
+            setup = sbx.exec(gold + BROKEN_SUB + ATTACKS[attack].format(base=record["base_commit"]))
+            assert setup.exit_code == 0, setup.output
+            shown = sbx.exec(f"git show {record['base_commit']}:tests/test_calc.py | "
+                             "git -c core.hooksPath=/dev/null checkout -q -- tests/test_calc.py; "
+                             "cat tests/test_calc.py").output
+            assert "EXPECTED_SUB = 0" in shown, shown  # what git in the agent's tree restores
+            sbx.exec("rm -f /app/filter-ran")
+            res = run_episode(task, sbx, ScriptedPolicy([format_tool_call("submit", {})]))
+            assert res.reward == 0.0, res.verify.output
+            assert res.verify.details["PASS_TO_PASS failing"] == ["test_sub (tests.test_calc.TestCalc.test_sub)"]
+            assert sbx.read_text("/app/filter-ran") is None  # no agent-declared filter ran in the verifier
+    finally:
+        snap.discard()

@@ -2,7 +2,8 @@
 
     task/
       instruction.md          what the agent is asked to do
-      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec and env,
+      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env and reward_range
+                              ([low, high], default [0, 1]),
                               [environment] build_timeout_sec, memory_mb (or memory = "2G"), cpus,
                               storage_mb (or storage), docker_image, env
       environment/Dockerfile  the machine; build context environment/ (optional: empty /app otherwise)
@@ -17,6 +18,7 @@ task that resolves outside the task folder (a symlink to the host) is refused.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
@@ -60,6 +62,17 @@ def _table(data: dict, key: str, where: str) -> dict:
     return value
 
 
+def _reward_range(table: dict, where: str) -> tuple[float, float]:
+    """[verifier].reward_range = [low, high]: the rewards the verifier may give (default [0, 1])."""
+    value = table.get("reward_range", [0.0, 1.0])
+    ok = (isinstance(value, list) and len(value) == 2
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+          and value[0] < value[1])
+    if not ok:
+        raise TaskError(f"{where}.reward_range must be [low, high] with finite low < high, got {value!r}")
+    return float(value[0]), float(value[1])
+
+
 def _env(table: dict, where: str) -> dict[str, str]:
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
@@ -70,7 +83,7 @@ def _env(table: dict, where: str) -> dict[str, str]:
 # task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
 KNOWN_KEYS = {
     "": {"version", "metadata", "verifier", "agent", "environment", "solution", "source"},
-    "verifier": {"timeout_sec", "env"},
+    "verifier": {"timeout_sec", "env", "reward_range"},
     "agent": {"timeout_sec", "max_turns"},
     "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
                     "allow_internet", "env", "gpus", "gpu_types"},
@@ -165,7 +178,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         name=task_dir.name,
         instruction=instruction_path.read_text(),
         tree=EmptyTree(),
-        verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where)),
+        verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where),
+                                reward_range=_reward_range(verifier_t, where)),
         workdir=workdir,
         env=env,
         setup=setup,

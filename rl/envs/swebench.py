@@ -13,8 +13,10 @@ unittest/Django (`test_y (module.Class) ... ok`), the two formats SWE-bench's Py
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +45,50 @@ def parse_test_log(log: str) -> dict[str, str]:
 
 
 def _test_files(patch: str) -> list[str]:
-    return sorted({m.group(1) for m in re.finditer(r"^\+\+\+ b/(\S+)", patch, re.MULTILINE)})
+    """Every path the test patch touches (added, changed or deleted)."""
+    found = re.finditer(r"^(?:\+\+\+ b/|--- a/)(\S+)", patch, re.MULTILINE)
+    return sorted({m.group(1) for m in found})
+
+
+def _host_git(args: list[str], cwd: Path, home: str, **kw) -> subprocess.CompletedProcess:
+    """git on the host with nothing configurable from outside this call: no replace refs, no system or global
+    config, no system attributes, no prompts (the instance's clone and our own scratch repositories only)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "GIT_NO_REPLACE_OBJECTS": "1",
+           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_ATTR_NOSYSTEM": "1",
+           "GIT_TERMINAL_PROMPT": "0"}
+    return subprocess.run(["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", *args], cwd=cwd,
+                          env=env, capture_output=True, **kw)
+
+
+def final_test_files(repo: Path, base_commit: str, test_patch: str, out: Path) -> list[str]:
+    """The test files as the verifier needs them -- each file the test patch touches, at base_commit in the
+    host's own clone, with the test patch applied -- written under out/ (a file the patch deletes is absent);
+    returns the touched paths. Nothing of the agent's repository is read: its history (replace refs), config,
+    attributes and hooks play no part."""
+    paths = _test_files(test_patch)
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch) / "work"
+        _host_git(["init", "-q", str(work)], Path(scratch), scratch)
+        for path in paths:
+            blob = _host_git(["cat-file", "blob", f"{base_commit}:{path}"], Path(repo), scratch)
+            if blob.returncode == 0:  # absent at base: a file the patch adds
+                (work / path).parent.mkdir(parents=True, exist_ok=True)
+                (work / path).write_bytes(blob.stdout)
+        (Path(scratch) / "test.patch").write_text(test_patch)
+        applied = _host_git(["apply", "--whitespace=nowarn", str(Path(scratch) / "test.patch")], work, scratch)
+        if applied.returncode != 0:
+            raise TaskError(f"the test patch does not apply to {repo} at {base_commit}: "
+                            f"{applied.stderr.decode(errors='replace').strip()[:300]}")
+        for path in paths:
+            if (work / path).is_file():
+                (out / path).parent.mkdir(parents=True, exist_ok=True)
+                (out / path).write_bytes((work / path).read_bytes())
+    return paths
 
 
 @dataclass
 class SWEBenchVerifier:
+    repo: Path  # the host's clone of the instance's repository
     base_commit: str
     test_patch: str
     fail_to_pass: list[str]
@@ -55,23 +96,24 @@ class SWEBenchVerifier:
     test_cmd: str
 
     def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
-        # Tests the agent may have edited go back to the base commit before the official test patch applies.
-        # Fresh /tmp and HOME; git ignores the repository's own config hooks (fsmonitor, hooksPath) the agent
-        # could have set to run its code during the reset.
+        # The test files the patch touches are put in place from the host's own copy of the instance (base_commit
+        # plus the test patch), replacing whatever the agent left there; no git command runs in the agent's
+        # repository, whose history (git replace), attributes (filters) and config the agent controls.
         sandbox.enter_verifier()
-        files = " ".join(shlex.quote(f) for f in _test_files(self.test_patch))
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "test.patch").write_text(self.test_patch)
-            sandbox.copy_in(tmp, "/tests")
-        base = shlex.quote(self.base_commit)
-        git = "git -c core.fsmonitor=false -c core.hooksPath=/dev/null"
-        reset = (f'for f in {files}; do {git} checkout -q {base} -- "$f" 2>/dev/null || rm -f -- "$f"; done; '
-                 if files else "")
-        apply = sandbox.exec(f"{reset}{git} apply --whitespace=nowarn /tests/test.patch", cwd=task.workdir,
-                             timeout=120)
-        if apply.exit_code != 0:
-            return VerifyResult(0.0, apply.output, {"error": f"test patch does not apply: {apply.output[-500:]}"},
-                                apply)
+            files = Path(tmp) / "tests" / "files"
+            files.mkdir(parents=True)
+            paths = final_test_files(self.repo, self.base_commit, self.test_patch, files)
+            sandbox.copy_in(files.parent, "/tests")
+            place = "".join(
+                f"rm -rf -- {shlex.quote(p)}; " + (f"mkdir -p -- {shlex.quote(str(Path(p).parent))} && "
+                                                  f"cp -- {shlex.quote('/tests/files/' + p)} {shlex.quote(p)} || exit 1; "
+                                                  if (files / p).is_file() else "")
+                for p in paths)
+        put = sandbox.exec(place or "true", cwd=task.workdir, timeout=120)
+        if put.exit_code != 0:
+            return VerifyResult(0.0, put.output, {"error": f"cannot put the test files in place: {put.output[-500:]}"},
+                                put)
         tests = " ".join(shlex.quote(t) for t in self._selectors())
         res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, timeout=task.limits.verifier_timeout_s)
         status = parse_test_log(res.output)
@@ -132,12 +174,14 @@ def swebench_task(record: dict, repo_dir: str | Path, where: str = "SWE-bench in
     if setup_cmd is not None and (not isinstance(setup_cmd, str) or not setup_cmd.strip()):
         raise TaskError(f"{where}: field 'setup_cmd' must be a non-empty string")
     patch = record.get("patch")
+    with tempfile.TemporaryDirectory() as tmp:  # the test patch must apply to base_commit: said now, not per episode
+        final_test_files(repo_dir, record["base_commit"], record["test_patch"], Path(tmp))
     return Task(
         name=record["instance_id"],
         instruction=(f"Resolve this issue in the repository {record['repo']} (checked out at /app):\n\n"
                      f"{record['problem_statement']}"),
         tree=GitTree(repo_dir, record["base_commit"]),
-        verifier=SWEBenchVerifier(record["base_commit"], record["test_patch"], f2p, p2p, test_cmd),
+        verifier=SWEBenchVerifier(repo_dir, record["base_commit"], record["test_patch"], f2p, p2p, test_cmd),
         setup=[RunStep(setup_cmd, "/app", {}, f"{where}: setup_cmd")] if setup_cmd else [],
         solution=PatchSolution(patch) if isinstance(patch, str) and patch else None,
         limits=TaskLimits(agent_timeout_s=1800.0, verifier_timeout_s=900.0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -191,18 +192,71 @@ def missing_tool(log: str, what: str = "the verifier", patterns=_MISSING_TOOLS) 
     return None
 
 
-def read_reward_json(raw: str) -> tuple[float, dict]:
-    """Harbor's reward.json: the "reward" key when present, else the mean of all (numeric) keys."""
-    data = json.loads(raw)
+REWARD_FILE_BYTES = 64 * 1024  # a reward file is a number or a small object of numbers
+_DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?", re.ASCII)
+
+
+class RewardError(ValueError):
+    """A reward file that is not a reward; its message is one line saying why."""
+
+
+def _in_range(value: float, what: str, low: float, high: float) -> float:
+    if not math.isfinite(value):
+        raise RewardError(f"{what} is {value!r}, not a finite number")
+    if not low <= value <= high:
+        raise RewardError(f"{what} is {value!r}, outside the task's reward range [{low:g}, {high:g}]")
+    return value
+
+
+def parse_reward(name: str, raw: str, low: float = 0.0, high: float = 1.0) -> tuple[float, dict[str, float]]:
+    """The reward in a verifier's reward file, read strictly, and every number it holds.
+
+    reward.txt: one plain ASCII decimal number (`-?digits[.digits]`, no sign on zero, no exponent, no
+    underscores or other digits), optionally followed by one newline. reward.json: an object of at most
+    REWARD_FILE_BYTES, of finite numbers (no NaN or Infinity, no duplicate keys); its "reward" key when present,
+    else the mean of its values. The reward must lie in [low, high] (the task's declared range). Anything else
+    raises RewardError, whose one-line message the verifier records as its error."""
+    if len(raw) > REWARD_FILE_BYTES:
+        raise RewardError(f"{name} holds {len(raw)} characters; a reward file holds at most {REWARD_FILE_BYTES}")
+    if name.endswith(".txt"):
+        text = raw[:-1] if raw.endswith("\n") else raw
+        if not _DECIMAL.fullmatch(text) or re.fullmatch(r"-0+(?:\.0+)?", text):
+            raise RewardError(f"{name} must hold one plain decimal number (e.g. 1 or 0.25), got {raw[:60]!r}")
+        value = _in_range(float(text), name, low, high)
+        return value, {"reward": value}
+
+    def no_constants(token: str):
+        raise RewardError(f"{name} holds {token}, not a finite number")
+
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise RewardError(f"{name} repeats a key ({sorted(k for k in keys if keys.count(k) > 1)[0]!r})")
+        return dict(pairs)
+
+    try:
+        data = json.loads(raw, parse_constant=no_constants, object_pairs_hook=unique)
+    except RecursionError:
+        raise RewardError(f"{name} is nested too deeply; it must be a flat object of numbers") from None
+    except RewardError:
+        raise
+    except ValueError as e:
+        raise RewardError(f"{name} is not JSON: {str(e).splitlines()[0][:100]}") from None
     if not isinstance(data, dict) or not data:
-        raise ValueError("reward.json must be a non-empty object of numbers")
+        raise RewardError(f"{name} must be a non-empty object of numbers")
     bad = [k for k, v in data.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
     if bad:
-        raise ValueError(f"reward.json values must be numbers; not: {', '.join(bad)}")
-    rewards = {k: float(v) for k, v in data.items()}
-    if "reward" in rewards:
-        return rewards["reward"], rewards
-    return sum(rewards.values()) / len(rewards), rewards
+        raise RewardError(f"{name} values must be numbers; not: {', '.join(bad[:5])}")
+    rewards = {}
+    for k, v in data.items():
+        try:
+            rewards[k] = float(v)
+        except OverflowError:
+            raise RewardError(f"{name}: {k!r} is too large for a number") from None
+        if not math.isfinite(rewards[k]):
+            raise RewardError(f"{name}: {k!r} is {rewards[k]!r}, not a finite number")
+    reward = rewards["reward"] if "reward" in rewards else sum(rewards.values()) / len(rewards)
+    return _in_range(reward, f"{name}'s reward", low, high), rewards
 
 
 # After the verifier ran: the reward folder and files are still the verifier's to write, not links elsewhere (the
@@ -210,6 +264,22 @@ def read_reward_json(raw: str) -> tuple[float, dict]:
 _REWARD_INTACT = ("cd /logs/verifier 2>/dev/null && [ -w . ] && [ ! -L . ] || { ls -ld /logs/verifier; exit 1; }; "
                   "for f in reward.txt reward.json; do if [ -e $f ] || [ -L $f ]; then "
                   "[ -f $f ] && [ ! -L $f ] && [ -w $f ] || { ls -l $f; exit 1; }; fi; done")
+
+
+def verifier_anomaly(res: ExecResult) -> str | None:
+    """What went wrong in a verifier's run that voids its reward, or None. The code under test runs inside the
+    verifier's run; whatever it did to the run's machinery (filled the disk so the honest reward could not be
+    written, left a process that rewrote it, stopped or killed the shell that reports) leaves one of these marks,
+    and a verdict with any of them is not a verdict."""
+    if res.disk_exceeded:
+        return "the sandbox's disk limit was hit"
+    if res.memory_exceeded:
+        return "the sandbox's memory limit was hit"
+    if res.leftover_processes:
+        return f"{res.leftover_processes} process(es) were left running"
+    if not res.reported:
+        return "the verifier's shell did not report its exit status (it could not start, or was stopped or killed)"
+    return None
 
 
 @dataclass
@@ -221,6 +291,7 @@ class ScriptVerifier:
     tests_dir: Path
     command: str = "bash /tests/test.sh"
     env: dict[str, str] = field(default_factory=dict)
+    reward_range: tuple[float, float] = (0.0, 1.0)  # task.toml [verifier].reward_range
 
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
         # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
@@ -241,24 +312,24 @@ class ScriptVerifier:
         if res.exit_code > 128:
             # Killed (by the code it tested, say, after that code wrote a reward): the verifier did not decide.
             return broken(f"the verifier was killed before it finished ({res.describe()}); its reward does not count")
+        if anomaly := verifier_anomaly(res):
+            return broken(f"{anomaly} while the verifier ran ({res.describe()}); its reward does not count")
         tampered = sandbox.exec(_REWARD_INTACT, cwd="/", env={"PATH": BASE_ENV["PATH"]}, timeout=60)
         if tampered.exit_code != 0:
             return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
                           f"(by the code under test?); its reward does not count: {tampered.output.strip()[:200]}")
-        text = sandbox.read_text("/logs/verifier/reward.txt")
-        if text is not None:
-            try:
-                reward = float(text.strip().splitlines()[-1]) if text.strip() else 0.0
-            except ValueError:
-                return broken(f"/logs/verifier/reward.txt must hold a number, got {text[:100]!r}")
+        for name in ("reward.txt", "reward.json"):
+            raw = sandbox.read_text(f"/logs/verifier/{name}")
+            if raw is not None:
+                break
         else:
-            raw = sandbox.read_text("/logs/verifier/reward.json")
-            if raw is None:
-                return broken(f"the verifier wrote no /logs/verifier/reward.txt or reward.json ({res.describe()})")
-            try:
-                reward, details["rewards"] = read_reward_json(raw)
-            except ValueError as e:
-                return broken(f"/logs/verifier/reward.json: {e}: {raw[:200]!r}")
+            return broken(f"the verifier wrote no /logs/verifier/reward.txt or reward.json ({res.describe()})")
+        try:
+            reward, rewards = parse_reward(name, raw, *self.reward_range)
+        except RewardError as e:
+            return broken(f"/logs/verifier/{e}")
+        if name == "reward.json":
+            details["rewards"] = rewards
         missing = missing_tool(res.output) if reward == 0.0 else None
         if missing:  # a zero because the verifier could not run says nothing about the agent's work
             details["error"] = missing

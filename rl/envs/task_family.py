@@ -69,9 +69,11 @@ storage_mb = 64
 """
 
 TEST_SH = """#!/bin/bash
-# Verifier: 1 when the check passes, 0 otherwise.
+# Verifier: 1 when the check passes, 0 otherwise. Code under test runs inside `judge` (the local backend's
+# sandbox nested in this one: rl/sandbox/local.py), out of reach of this script and its reward folder.
 mkdir -p /logs/verifier
 cd /app
+judge=/opt/verifier/bin/judge; [ -x "$judge" ] || judge=
 if {check}; then
   echo 1 > /logs/verifier/reward.txt
 else
@@ -181,8 +183,10 @@ def _fix_test(rng: random.Random) -> TaskSpec:
         f"`python3 -m unittest test_{module}` passes.\n",
         {f"{module}.py": source, f"test_{module}.py": test},
         # the verifier's own copy of the test: editing the agent's copy does not help
-        f"cp /tests/test_{module}.py test_{module}.py && python3 -m unittest test_{module} >/dev/null 2>&1",
-        f"sed -i 's/return a {wrong} b/return a {op} b/' {module}.py\n",
+        # -I and /app last on the path: the work tree cannot shadow unittest or any other standard module
+        f"cp /tests/test_{module}.py test_{module}.py && $judge python3 -I -c 'import sys, unittest; "
+        f"sys.path.append(\"/app\"); unittest.main(module=\"test_{module}\")' >/dev/null 2>&1",
+        f"sed -i 's/return a {wrong.replace('*', chr(92) + '*')} b/return a {op} b/' {module}.py\n",  # sed's regex: * repeats, \\* is a star
         [[{"name": "read_file", "arguments": {"path": f"{module}.py"}}],
          [{"name": "edit_file", "arguments": {"path": f"{module}.py", "old_string": f"a {wrong} b",
                                                "new_string": f"a {op} b"}}], _submit()],

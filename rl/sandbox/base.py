@@ -71,6 +71,7 @@ class ExecResult:
     memory_exceeded: bool = False  # the sandbox's processes together passed memory_mb and were killed
     leftover_processes: int = 0  # processes still alive when the command's shell exited (all killed)
     events: list[str] = field(default_factory=list)
+    reported: bool = True  # the in-sandbox wrapper reported the exit status (False: it was killed or silenced)
 
     @property
     def ok(self) -> bool:
@@ -146,8 +147,15 @@ _WRAPPER = r"""
 status_fd=$1; shift
 exec {err}>&2 2>/dev/null  # the wrapper's own messages (e.g. "Killed") are not the command's output
 ( eval "exec ${status_fd}>&- 2>&${err} ${err}>&-"; exec bash -c "$1" ); rc=$?
-self=$$; n=0
-for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" = 1 ] || [ "$p" = "$self" ] || n=$((n+1)); done
+self=$$
+left() {  # live processes but this shell and the namespace's init (the dead, being reaped, do not count)
+  n=0
+  for p in /proc/[0-9]*; do
+    s=$(< "$p/stat") 2>/dev/null || continue; s=${s##*) }; p=${p#/proc/}
+    [ "$p" = 1 ] || [ "$p" = "$self" ] || [ "${s%% *}" = Z ] || n=$((n+1))
+  done
+}
+left; for i in 1 2 3 4 5 6 7 8 9 10; do [ "$n" = 0 ] && break; sleep 0.05; left; done  # a nested sandbox's teardown
 printf '%s %s\n' "$rc" "$n" >&"$status_fd"
 exit $rc
 """
@@ -266,6 +274,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     duration = time.monotonic() - t0
     events: list[str] = []
     leftover = 0
+    reported = True
     exit_code = rc if rc >= 0 else 128 - rc
     parts = status.decode(errors="replace").split()
     if timed_out:
@@ -279,7 +288,8 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
         if leftover:
             events.append(f"{leftover} background process(es) left running were killed when the command ended")
     elif status_pipe:
-        events.append("the command's shell was killed before it could report (killed its own parent?)")
+        events.append("the command's shell did not report its status (it could not start, or was stopped or killed)")
+        reported = False
     meaning = describe_exit(exit_code) if not (timed_out or stopped) else None
     if meaning:
         events.append(meaning)
@@ -289,7 +299,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                       duration_s=duration, timed_out=timed_out, output_truncated=total > len(kept),
                       disk_exceeded=stopped is not None and stopped[0] == "disk",
                       memory_exceeded=stopped is not None and stopped[0] == "memory", leftover_processes=leftover,
-                      events=events)
+                      events=events, reported=reported)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

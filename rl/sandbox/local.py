@@ -65,7 +65,27 @@ SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (me
 # the sandbox uid, after which the command has none.
 ROOT_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                    "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP")
-RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs")
+RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs",
+                  "/opt/verifier")
+# The verifier phase's own tools, read-only at /opt/verifier/bin. `judge COMMAND...` runs the code under test in a
+# sandbox nested in the verifier's: its own user, pid, ipc, network, uts and mount namespaces, so the verifier's
+# shell and processes do not exist for it (nothing to signal, stop, ptrace or prlimit), /logs is an empty tmpfs
+# (the reward folder is out of its sight and reach), /tmp is a small tmpfs of its own (it cannot fill the
+# verifier's), the system and /tests are read-only, and the work tree /app is as the agent left it. Whatever it
+# leaves running dies with it; its exit status is the command's. Where a sandbox cannot be nested it refuses
+# (status 125) rather than run the code unisolated.
+JUDGE_DIR = "/opt/verifier"
+JUDGE = JUDGE_DIR + "/bin/judge"
+JUDGE_TMP_MB = 64
+_JUDGE_SCRIPT = """#!/bin/bash
+# judge COMMAND [ARG...]: run the code under test in a sandbox nested in the verifier's (rl/sandbox/local.py).
+if [ $# -eq 0 ]; then echo "judge: usage: judge COMMAND [ARG...]" >&2; exit 2; fi
+bwrap --unshare-all --die-with-parent --ro-bind / / true 2>/dev/null || {
+  echo "judge: cannot isolate the code under test: this host cannot nest a sandbox (unprivileged user namespaces)" >&2
+  exit 125; }
+exec bwrap --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
+  --size %d --tmpfs /tmp --tmpfs /logs --tmpfs %s --chdir "$PWD" -- "$@"
+""" % (JUDGE_TMP_MB << 20, JUDGE_DIR)
 
 
 class UnisolatedWarning(UserWarning):
@@ -464,7 +484,12 @@ class LocalSandbox(Sandbox):
         except OSError as e:
             raise SandboxError(f"cannot make the verifier's directories under {root}: {e}") from None
         self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])
-        self._mounts = []
+        tools = root / "tools"
+        (tools / "bin").mkdir(parents=True)
+        (tools / "bin" / "judge").write_text(_JUDGE_SCRIPT)
+        for path in (tools, tools / "bin", tools / "bin" / "judge"):
+            os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
+        self._mounts = [(tools, JUDGE_DIR)]
 
     def _drop_verifier_root(self) -> None:
         if self._verifier_root is not None:

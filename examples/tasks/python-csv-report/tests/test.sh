@@ -1,8 +1,11 @@
 #!/bin/bash
-# Verifier: the task's tests decide the reward (1 when all pass, 0 otherwise).
+# Verifier: the task's tests decide the reward (1 when all pass, 0 otherwise). They run inside `judge`, the local
+# backend's sandbox nested in this one (rl/sandbox/local.py), where the code under test cannot reach this script,
+# its processes or its reward folder; a backend without it runs them here.
 mkdir -p /logs/verifier
 cd /app
-if python3 -m unittest discover -s /tests -p 'test_*.py' -v; then
+judge=/opt/verifier/bin/judge; [ -x "$judge" ] || judge=
+if $judge python3 -I -m unittest discover -s /tests -p 'test_*.py' -v; then
   echo 1 > /logs/verifier/reward.txt
 else
   echo 0 > /logs/verifier/reward.txt

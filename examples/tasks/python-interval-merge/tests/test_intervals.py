@@ -1,5 +1,8 @@
 import random
+import sys
 import unittest
+
+sys.path.append("/app")  # after the standard library: the work tree cannot shadow it
 
 from intervals import merge
 
