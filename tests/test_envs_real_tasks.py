@@ -169,8 +169,10 @@ def test_real_format_task_untouched_zero_solution_one(tmp_path, make):
 
 
 def test_env_path_expands_from_the_base_environment(tmp_path):
-    task = load_harbor_task(path_task(tmp_path))
+    with pytest.warns(TaskFormatWarning, match=r"puts /app/bin on PATH, which the agent can write"):
+        task = load_harbor_task(path_task(tmp_path))
     assert task.env["PATH"] == "/app/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert any("/app/bin on PATH" in note for note in task.notes)
 
 
 def test_reward_json_key_or_mean():

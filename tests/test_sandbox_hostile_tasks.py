@@ -363,3 +363,114 @@ def test_code_under_test_cannot_lock_in_a_reward(attack, sandbox_root):
     finally:
         snapshot.discard()
     assert result.reward == 0.0, (result.details, result.output[-1000:])
+
+
+# The program under test attacks the verifier's own run ----------------------------------------------------------
+# An honest verifier, as docs/SANDBOX.md asks: it runs the agent's program through `judge` (a sandbox nested in
+# its own) and gives 1 only for the right answer. Each attack prints a wrong answer and tries to force a 1.
+JUDGED_VERIFIER = """#!/bin/bash
+mkdir -p /logs/verifier
+out=$(/opt/verifier/bin/judge python3 -I /app/prog.py 2>/dev/null)
+if [ "$out" = 42 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+FORGE = """
+import json, os
+for name, text in (("reward.txt", "1\\n"), ("reward.json", json.dumps({"reward": 1}))):
+    try:
+        open(f"/logs/verifier/{name}", "w").write(text)
+    except OSError:
+        pass
+"""
+VERIFIER_ATTACKS = {
+    # (a) the reward forged, then every process it can see limited to a few open files: the verifier's honest
+    # `echo 0 > reward.txt` would fail
+    "prlimit-the-verifier": FORGE + """
+import subprocess
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        subprocess.run(["prlimit", f"--pid={pid}", "--nofile=3:3"], capture_output=True)
+print("wrong")
+""",
+    # (b) reward.json forged, then the filesystems it can write filled with inodes and bytes, so that no honest
+    # reward.txt can be written and the stale reward.json would be read
+    "fill-the-reward-filesystem": FORGE + """
+for root in ("/tmp", "/app", "/logs"):
+    try:
+        os.makedirs(f"{root}/flood", exist_ok=True)
+        for i in range(5000):
+            open(f"{root}/flood/{i}", "w").close()
+        with open(f"{root}/flood/blob", "wb") as f:
+            while True:
+                f.write(b"x" * (1 << 20))
+    except OSError:
+        pass
+print("wrong")
+""",
+    # (c) a daemon that stops the sandbox's wrapper, waits for the verifier to finish, rewrites the reward and
+    # lets the wrapper go on
+    "stop-the-wrapper-and-rewrite": FORGE + """
+import subprocess
+daemon = r'''
+for p in /proc/[0-9]*; do grep -qa sandbox-wrapper $p/cmdline 2>/dev/null && kill -STOP ${p#/proc/}; done
+for i in $(seq 50); do sleep 0.1; pgrep -f test.sh >/dev/null || break; done
+mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; touch /app/pwned
+for p in /proc/[0-9]*; do grep -qa sandbox-wrapper $p/cmdline 2>/dev/null && kill -CONT ${p#/proc/}; done
+'''
+subprocess.Popen(["setsid", "bash", "-c", daemon], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("wrong")
+""",
+}
+
+
+def _write_prog(code: str) -> str:
+    return f"cat > /app/prog.py <<'MC_EOF'\n{code}\nMC_EOF\n"
+
+
+@pytest.mark.parametrize("attack", sorted(VERIFIER_ATTACKS))
+def test_the_program_under_test_cannot_touch_the_verdict(tmp_path, attack, backend):
+    """Played by the solution script (check_task --oracle) and by a scripted agent episode; the right answer
+    still scores 1 under the same verifier, so the zeros are the attacks' failures, not a broken verifier."""
+    solve = _write_prog(VERIFIER_ATTACKS[attack])
+    task = make_task(tmp_path, attack, solve, verifier=JUDGED_VERIFIER)
+    assert run_attack(task, backend) == 0.0
+    task_def = load_harbor_task(task)
+    snapshot = prepare_task(task_def, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            turns = [format_tool_call("run", {"command": solve}) + format_tool_call("submit", {})]
+            res = run_episode(task_def, sbx, ScriptedPolicy(turns))
+            assert res.reward == 0.0, (res.verify.details, res.verify.output[-500:])
+            assert sbx.read_text("/app/pwned") is None
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file("/app/prog.py", b"print(42)\n")
+            honest = task_def.verifier.verify(sbx, task_def)
+            assert honest.reward == 1.0 and "error" not in honest.details, honest.details
+    finally:
+        snapshot.discard()
+
+
+def test_a_verifier_that_runs_the_code_itself_loses_its_verdict_to_a_full_disk(tmp_path, backend):
+    """Without `judge` the program shares the verifier's filesystems: filling them so that no honest reward can
+    be written is an anomaly that voids the verdict (reward 0, a verifier error), not a stale reward.json."""
+    unjudged = JUDGED_VERIFIER.replace("/opt/verifier/bin/judge ", "")
+    task = make_task(tmp_path, "fill-unjudged", _write_prog(VERIFIER_ATTACKS["fill-the-reward-filesystem"]),
+                     verifier=unjudged)
+    result = check_task(load_harbor_task(task), backend, oracle=True, log=lambda s: None)
+    assert result.reward == 0.0 and "disk limit" in result.details.get("error", ""), result.details
+
+
+@pytest.mark.parametrize("task_name", ["python-csv-report", "python-interval-merge", "python-lru-cache-bug",
+                                       "python-roman-numerals"])
+def test_a_unittest_package_in_the_work_tree_does_not_pass_a_bundled_task(task_name, sandbox_root):
+    """`python3 -m unittest` from /app found /app/unittest first; the bundled verifiers run Python with -I."""
+    task = load_harbor_task(REPO / "examples" / "tasks" / task_name)
+    backend = RecordingBackend(limits=LIMITS, root_parent=sandbox_root)
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file("/app/unittest/__main__.py", b"raise SystemExit(0)\n")
+            sbx.write_file("/app/unittest/__init__.py", b"")
+            result = task.verifier.verify(sbx, task)
+    finally:
+        snapshot.discard()
+    assert result.reward == 0.0, result.output[-500:]

@@ -13,6 +13,7 @@ verifier that wrote no reward or needed a tool the backend lacks.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,20 @@ from rl.envs.harbor import load_harbor_task
 from rl.envs.swebench import load_swebench
 from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
 from rl.sandbox import SandboxError, SandboxLimits
+
+
+# Terminal control the task's programs may print: escape sequences (CSI, OSC and the other ESC forms, including
+# their 8-bit introducers) and every other control character but newline and tab.
+_CONTROL = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"        # CSI ... final byte
+                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d-\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC/DCS/...
+                      r"|\x1b[ -/]*[0-~]?"                           # other ESC sequences
+                      r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with terminal control sequences and characters removed: what a task's programs print reaches the
+    operator's terminal as text, never as commands to it."""
+    return _CONTROL.sub("", text)
 
 
 def make_backend(name: str, limits: SandboxLimits | None = None):
@@ -35,7 +50,7 @@ def make_backend(name: str, limits: SandboxLimits | None = None):
 
 def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
     for note in task.notes:
-        log(f"note: {note}")
+        log(printable(f"note: {note}"))
     snapshot = prepare_task(task, backend)
     try:
         with backend.fork(snapshot) as sandbox:
@@ -43,9 +58,9 @@ def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
                 if task.solution is None:
                     raise TaskError(f"{task.source or task.name} has no reference solution (solution/solve.sh)")
                 res = task.solution.apply(sandbox, task)
-                log(f"solution: {res.describe()}")
+                log(printable(f"solution: {res.describe()}"))
                 if res.output.strip():
-                    log(res.output.rstrip()[-2000:])
+                    log(printable(res.output.rstrip()[-2000:]))
             result = task.verifier.verify(sandbox, task)
     finally:
         snapshot.discard()
@@ -67,15 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         backend = make_backend(args.backend)
         result = check_task(task, backend, args.oracle)
     except (TaskError, SandboxError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(printable(f"error: {e}"), file=sys.stderr)
         return 2
     if result.output.strip():
-        print(result.output.rstrip()[-4000:])
+        print(printable(result.output.rstrip()[-4000:]))
     for key, value in result.details.items():
-        print(f"{key}: {value}")
+        print(printable(f"{key}: {value}"))
     print(f"{result.reward:g}")
     if "error" in result.details:
-        print(f"error: {result.details['error']}", file=sys.stderr)
+        print(printable(f"error: {result.details['error']}"), file=sys.stderr)
         return 2
     return 0
 

@@ -107,6 +107,24 @@ def unknown_keys(data: dict, toml_path: Path) -> list[str]:
     return out
 
 
+AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/var/tmp", "/dev/shm")
+
+
+def writable_search_paths(envs: dict[str, dict[str, str]], task_dir: Path) -> list[str]:
+    """A warning for each search path (PATH, PYTHONPATH, ...) that names a folder the agent can write: a program
+    or module the agent plants there runs in place of the one the verifier means."""
+    out = []
+    for what, env in envs.items():
+        for var in ("PATH", "PYTHONPATH", "NODE_PATH", "PERL5LIB", "RUBYLIB", "LD_LIBRARY_PATH"):
+            bad = [d for d in env.get(var, "").split(":")
+                   if d and any(d == w or d.startswith(w + "/") for w in AGENT_WRITABLE)]
+            if bad:
+                out.append(f"{task_dir}: the {what} puts {', '.join(bad)} on {var}, which the agent can write: what it "
+                           f"plants there runs in the verifier instead of what the verifier means; call programs by "
+                           "absolute path in tests/test.sh and keep work-tree folders off search paths")
+    return out
+
+
 def check_inside(task_dir: Path) -> None:
     """Refuse any file or folder of the task that resolves outside it (symlinks to the host's files)."""
     root = os.path.realpath(task_dir)
@@ -166,7 +184,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         plan = parse_dockerfile(dockerfile, environment_dir)
         setup, workdir, notes = plan.steps, plan.workdir, plan.notes
         env = {**plan.env, **env}
-    for note in unknown_keys(data, toml_path):
+    for note in unknown_keys(data, toml_path) + writable_search_paths(
+            {"task environment": env, "verifier environment": _env(verifier_t, where)}, task_dir):
         warnings.warn(note, TaskFormatWarning, stacklevel=2)
         notes.append(note)
     if env_t.get("allow_internet"):

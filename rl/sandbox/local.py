@@ -105,19 +105,102 @@ class LocalSnapshot:
         force_rmtree(self.path.parent)
 
 
-def force_rmtree(path: Path) -> None:
-    if os.path.ismount(path):  # a sandbox's own tmpfs: detach it, then remove the empty mount point
-        unmount(path)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def onerror(func, p, _exc):
+
+def _open_dir(name: str, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory `name` itself (never through a symlink), made readable and writable for
+    us first if the sandbox took those permissions away."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except PermissionError:
+        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:  # chmod through the O_PATH handle changes this directory, not what any link points to
+            os.chmod(f"/proc/self/fd/{handle}", 0o700)
+        finally:
+            os.close(handle)
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+
+
+def remove_tree(path: Path) -> list[str]:
+    """Remove a tree a sandbox wrote, at any depth, without following any symlink in it and without changing
+    anything outside it: one directory descriptor at a time (no recursion, no path length limit), entries
+    unlinked relative to it, permissions restored only on directories it opened itself. Returns what could not be
+    removed (empty when all went)."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        return []
+    except OSError:  # a file or a link where the tree should be: remove that entry only
         try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
+            os.unlink(path)
+            return []
+        except OSError as e:
+            return [f"{path}: {e.strerror}"]
+    failed: list[str] = []
+    names: list[str] = []  # the directories from `path` down to the one `fd` holds
+    skip: list[set[str]] = [set()]  # per level: directories that could not be removed
+    try:
+        while True:
+            try:
+                os.fchmod(fd, 0o700)  # entries of a directory made read-only by the sandbox can be removed
+            except OSError:
+                pass
+            child = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.name not in skip[-1]:
+                            child = entry.name
+                            break
+                        continue
+                    try:
+                        os.unlink(entry.name, dir_fd=fd)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:
+                        failed.append(f"{'/'.join([str(path), *names, entry.name])}: {e.strerror}")
+            if child is not None:
+                try:
+                    inner = _open_dir(child, fd)
+                except OSError as e:
+                    failed.append(f"{'/'.join([str(path), *names, child])}: {e.strerror}")
+                    skip[-1].add(child)
+                    continue
+                os.close(fd)
+                fd = inner
+                names.append(child)
+                skip.append(set())
+                continue
+            if not names:
+                break
+            name = names.pop()
+            skip.pop()
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)  # nothing in the tree runs any more: '..' is where we came from
+            os.close(fd)
+            fd = parent
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError as e:
+                failed.append(f"{'/'.join([str(path), *names, name])}: {e.strerror}")
+                skip[-1].add(name)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        failed.append(f"{path}: {e.strerror}")
+    return failed
 
-    shutil.rmtree(path, onerror=onerror)
+
+def force_rmtree(path: Path) -> None:
+    """Detach the sandbox's own tmpfs at `path` (if it is one) and remove what is there (remove_tree); what
+    cannot be removed is said in a warning, never raised, so that the caller goes on to release the rest."""
+    if os.path.ismount(path):
+        unmount(path)
+    failed = remove_tree(path)
+    if failed:
+        warnings.warn(f"could not remove {len(failed)} path(s) of a sandbox, e.g. {failed[0]}", stacklevel=2)
 
 
 def copy_tree(src: Path, dest: Path) -> None:
@@ -493,8 +576,8 @@ class LocalSandbox(Sandbox):
 
     def _drop_verifier_root(self) -> None:
         if self._verifier_root is not None:
-            force_rmtree(self._verifier_root)
-            self._verifier_root = None
+            root, self._verifier_root = self._verifier_root, None
+            force_rmtree(root)
 
     # Files
     def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
@@ -540,12 +623,17 @@ class LocalSandbox(Sandbox):
             self._release()
 
     def _release(self) -> None:
+        """Everything the sandbox holds goes, each part whatever happened to the others."""
         self._closed = True
-        self._drop_verifier_root()
-        force_rmtree(self.root)
-        if self._cgroup is not None:
-            self._cgroup.close()
-            self._cgroup = None
+        try:
+            self._drop_verifier_root()
+        finally:
+            try:
+                force_rmtree(self.root)
+            finally:
+                if self._cgroup is not None:
+                    self._cgroup.close()
+                    self._cgroup = None
 
     def __del__(self):
         if not getattr(self, "_closed", True) and hasattr(self, "root"):
