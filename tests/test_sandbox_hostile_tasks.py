@@ -229,6 +229,53 @@ def test_inode_flood_is_bounded(tmp_path, backend):
     assert run_attack(task, backend) == 0.0
 
 
+MEMFD_MEMORY = """\
+python3 - <<'PY'
+import os, time
+held = []
+for i in range(8):  # 8 x 60 MB in memfds (shared memory: in no private resident set); memory_mb is 256
+    fd = os.memfd_create(f"m{i}")
+    for _ in range(60):  # a memfd is a file: each stays under RLIMIT_FSIZE (max_file_mb 64)
+        os.write(fd, b"x" * (1 << 20))
+    held.append(fd)
+    time.sleep(0.3)  # let a polling monitor see the growth
+open("/app/pwned", "w").close()
+PY
+"""
+MAPPED_UNLINKED = """\
+for p in 0 1 2 3; do  # 4 processes x 2 x 40 MB, each file mapped, its descriptor closed and its name unlinked
+  python3 - $p <<'PY' &
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+time.sleep(0.6 * int(sys.argv[1]))  # one file at a time in the folder: its walk never sees more than 40 MB
+for i in range(2):
+    name = f"/tmp/blob{sys.argv[1]}-{i}"
+    with open(name, "wb+") as f:
+        f.write(b"x" * (40 << 20))
+        f.flush()
+        # libc's mmap, not Python's (which keeps a descriptor): only the mapping holds the file
+        assert libc.mmap(None, 40 << 20, 1, 1, f.fileno(), 0) not in (None, ctypes.c_void_p(-1).value)
+    os.unlink(name)
+    time.sleep(0.3)
+open(f"/tmp/mapped{sys.argv[1]}", "w").close()
+time.sleep(4)
+PY
+done
+sleep 4
+[ "$(ls /tmp/mapped* | wc -l)" = 4 ] && touch /app/pwned
+wait
+"""
+
+
+@pytest.mark.parametrize("attack", ["memfd-memory", "mapped-unlinked-files"])
+def test_shared_memory_and_mapped_unlinked_files_count(tmp_path, backend, attack):
+    solve = MEMFD_MEMORY if attack == "memfd-memory" else MAPPED_UNLINKED
+    task = make_task(tmp_path, attack, solve, toml="[environment]\nmemory_mb = 256\n")
+    assert run_attack(task, backend) == 0.0
+
+
 @pytest.mark.parametrize("folder", ["tests", "solution", "environment"])
 def test_symlinked_task_folders_are_refused(tmp_path, folder):
     secret = tmp_path / "host-secrets"
@@ -474,3 +521,19 @@ def test_a_unittest_package_in_the_work_tree_does_not_pass_a_bundled_task(task_n
     finally:
         snapshot.discard()
     assert result.reward == 0.0, result.output[-500:]
+
+
+def test_check_task_echoes_no_terminal_control(tmp_path):
+    """A task's programs print escape sequences (a window title, a screen clear, an OSC 52 clipboard write, a
+    hyperlink) and raw control characters: check_task shows their text only."""
+    import sys
+
+    noise = r"printf '\033]0;pwned\007\033[2J\033]52;c;cm0gLXJmIH4=\007\033]8;;http://x\033\\link\033]8;;\033\\\302\2332J\001done\n'"
+    task = make_task(tmp_path, "escapes", noise + "\n",
+                     verifier="#!/bin/bash\n" + noise + "\necho 0 > /logs/verifier/reward.txt\n")
+    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task), "--oracle"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    shown = res.stdout + res.stderr
+    assert "linkdone" in shown and res.stdout.strip().splitlines()[-1] == "0"
+    assert not any(ch in shown for ch in "\x1b\x07\x9b\x01"), repr(shown)

@@ -7,14 +7,16 @@ process of every command joins it before anything else runs, so the limit holds 
 the kernel's OOM killer ends them when their sum passes memory_mb. Files the sandbox writes to its tmpfs (see
 below) are memory too and count against the same limit.
 Fallback where cgroups are not available (not root, no delegated controllers): while a command runs, a
-monitor sums the private resident memory of all the command's processes every 0.25 s and kills them all when
-the sum passes memory_mb. RLIMIT_AS (per process) and RLIMIT_NPROC stay as bounds between two polls.
+monitor sums the private resident memory of all the command's processes and the shared memory they hold
+(memfds and /dev/shm files, by descriptor or mapping) every 0.25 s and kills them all when the sum passes
+memory_mb. RLIMIT_AS (per process) and RLIMIT_NPROC stay as bounds between two polls.
 
 Disk. Where this process may mount (root), the sandbox's writable directories are one tmpfs of
 size=disk_mb and nr_inodes=max_files: the kernel counts every block and inode, also of files that are
 unlinked but still open, and writes past the limit fail with "No space left on device".
 Fallback: the writable directories are walked every 0.25 s (allocated blocks and the number of entries), and
-deleted files still held open by the command's processes are added; the command is killed past either limit.
+deleted files still held open or mapped by the command's processes are added; the command is killed past
+either limit.
 """
 
 from __future__ import annotations
@@ -231,26 +233,68 @@ def private_memory(pids: list[int]) -> int:
     return total
 
 
-def deleted_open_files(pids: list[int], devices: set[int]) -> int:
-    """Bytes of files on `devices` that the processes hold open after they were unlinked."""
+def _is_shared_memory(path: str) -> bool:
+    """A memory-backed file: a memfd, or a file on the command's own /dev/shm."""
+    return path.startswith("/memfd:") or path.startswith("/dev/shm/")
+
+
+def held_files(pids: list[int], devices: set[int]) -> tuple[int, int]:
+    """(bytes of shared memory, bytes of unlinked files on `devices`) the processes hold: by an open descriptor
+    or only by a mapping (the descriptor closed), each file counted once. Shared memory (memfds, /dev/shm files)
+    is memory that the private resident set does not show; an unlinked file keeps its blocks until the last
+    descriptor and mapping go. SysV shared memory segments are not seen (docs/SANDBOX.md)."""
     seen: set[tuple[int, int]] = set()
-    total = 0
+    shm = disk = 0
+
+    def add(st: os.stat_result, path: str) -> None:
+        nonlocal shm, disk
+        key = (st.st_dev, st.st_ino)
+        if key in seen or not stat.S_ISREG(st.st_mode):
+            return
+        if _is_shared_memory(path):
+            seen.add(key)
+            shm += st.st_blocks * 512
+        elif st.st_nlink == 0 and st.st_dev in devices:
+            seen.add(key)
+            disk += st.st_blocks * 512
+
     for pid in pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            continue
+            fds = []
         for fd in fds:
             try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                add(os.stat(f"/proc/{pid}/fd/{fd}"), os.readlink(f"/proc/{pid}/fd/{fd}"))
             except OSError:
                 continue
-            if st.st_nlink == 0 and stat.S_ISREG(st.st_mode) and st.st_dev in devices:
-                key = (st.st_dev, st.st_ino)
-                if key not in seen:
-                    seen.add(key)
-                    total += st.st_blocks * 512
-    return total
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or fields[4] == "0":
+                continue
+            path = fields[5]
+            if not (_is_shared_memory(path) or path.endswith(" (deleted)")):
+                continue
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            if (os.makedev(major, minor), int(fields[4])) in seen:
+                continue
+            try:  # the mapped file itself (its size, not the mapping's); readable to root
+                add(os.stat(f"/proc/{pid}/map_files/{fields[0]}"), path)
+            except OSError:  # elsewhere the mapping's length stands in for the file's size
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                dev = os.makedev(major, minor)
+                if _is_shared_memory(path) or dev in devices:
+                    seen.add((dev, int(fields[4])))
+                    if _is_shared_memory(path):
+                        shm += end - start
+                    else:
+                        disk += end - start
+    return shm, disk
 
 
 # A filesystem of the sandbox's own ------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ from rl.sandbox.base import (
 from rl.sandbox.limits import (
     SandboxCgroup,
     cgroup_problem,
-    deleted_open_files,
     find_cgroup_parents,
     fs_full,
+    held_files,
     mount_tmpfs,
     private_memory,
     process_tree,
@@ -492,14 +492,15 @@ class LocalSandbox(Sandbox):
 
         def watch(pid: int):
             pids = process_tree(pid)
+            shm, unlinked = held_files(pids, devices)
             if self._cgroup is None:
-                held = private_memory(pids)
+                held = private_memory(pids) + shm
                 if held > lim.memory_mb << 20:
                     return "memory", (f"memory limit exceeded: the sandbox's processes held {held >> 20} MB together "
                                       f"(limit {lim.memory_mb} MB); process tree killed")
             if not self._tmpfs:
                 size, files = dir_usage(dirs)
-                size += deleted_open_files(pids, devices)
+                size += unlinked
                 if (size > lim.disk_mb << 20 and size > size0) or (files > lim.max_files and files > files0):
                     return "disk", (f"disk limit exceeded: the sandbox wrote more than {lim.disk_mb} MB or "
                                     f"{lim.max_files} files; process tree killed")
