@@ -132,3 +132,4 @@ def test_an_unprivileged_host_user_cleans_up_without_touching_its_own_files(tmp_
         assert _state(host_file, host_dir) == before
     finally:
         shutil.rmtree(home, ignore_errors=True)
+

@@ -219,3 +219,21 @@ def test_refuses_without_bwrap_unless_unisolated(monkeypatch, tmp_path):
     with s:
         (s.app_dir / "x.txt").write_text("hello")
         assert s.exec("cat x.txt").output == "hello"
+
+
+def test_judge_refuses_rather_than_run_the_code_unisolated(tmp_path):
+    """Where bubblewrap cannot nest a sandbox (here: not on the PATH at all), judge exits 125 with a one-line
+    reason, and the command never runs; the verifier's error names what the host lacks."""
+    import subprocess
+
+    from rl.envs.task import missing_tool
+    from rl.sandbox.local import _JUDGE_SCRIPT
+
+    judge = tmp_path / "judge"
+    judge.write_text(_JUDGE_SCRIPT)
+    marker = tmp_path / "ran"
+    res = subprocess.run(["/bin/bash", str(judge), "/usr/bin/touch", str(marker)], env={"PATH": str(tmp_path)},
+                         capture_output=True, text=True)
+    assert res.returncode == 125 and not marker.exists()
+    assert res.stderr.startswith("judge: cannot isolate the code under test")
+    assert "unprivileged user namespaces" in missing_tool(res.stderr)

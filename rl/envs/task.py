@@ -171,6 +171,9 @@ _MISSING_TOOLS = (
      "the host"),
     (re.compile(r"Could not resolve host|Temporary failure in name resolution"),
      "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
+    (re.compile(r"^judge: cannot isolate", re.MULTILINE),
+     "a nested sandbox for `judge` (unprivileged user namespaces), which this host lacks: enable them "
+     "(sysctl kernel.unprivileged_userns_clone=1)"),
 )
 
 # A command that installs packages (a Dockerfile RUN line), which cannot work on the local backend.

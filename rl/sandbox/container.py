@@ -202,6 +202,7 @@ class ApptainerSandbox(LocalSandbox):
 
     needs_bwrap = False
     reports_status = False
+    provides_judge = False  # an image has no bubblewrap to nest a sandbox with (docs/SANDBOX.md)
 
     def __init__(self, tree, *, image: str, **kwargs):
         self.image = image

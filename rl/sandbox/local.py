@@ -427,6 +427,7 @@ class LocalSandbox(Sandbox):
 
     needs_bwrap = True
     reports_status = True  # the launcher passes the wrapper's status descriptor through
+    provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
 
     def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
         if self._mode == "root":
@@ -568,12 +569,14 @@ class LocalSandbox(Sandbox):
         except OSError as e:
             raise SandboxError(f"cannot make the verifier's directories under {root}: {e}") from None
         self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])
-        tools = root / "tools"
-        (tools / "bin").mkdir(parents=True)
-        (tools / "bin" / "judge").write_text(_JUDGE_SCRIPT)
-        for path in (tools, tools / "bin", tools / "bin" / "judge"):
-            os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
-        self._mounts = [(tools, JUDGE_DIR)]
+        self._mounts = []
+        if self.provides_judge:
+            tools = root / "tools"
+            (tools / "bin").mkdir(parents=True)
+            (tools / "bin" / "judge").write_text(_JUDGE_SCRIPT)
+            for path in (tools, tools / "bin", tools / "bin" / "judge"):
+                os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
+            self._mounts.append((tools, JUDGE_DIR))
 
     def _drop_verifier_root(self) -> None:
         if self._verifier_root is not None:
