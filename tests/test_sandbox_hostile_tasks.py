@@ -537,3 +537,28 @@ def test_check_task_echoes_no_terminal_control(tmp_path):
     shown = res.stdout + res.stderr
     assert "linkdone" in shown and res.stdout.strip().splitlines()[-1] == "0"
     assert not any(ch in shown for ch in "\x1b\x07\x9b\x01"), repr(shown)
+
+
+LOOSE_REWARDS = {
+    "nan": ("reward.txt", "nan"), "inf": ("reward.txt", "inf"), "1e309": ("reward.txt", "1e309"),
+    "minus-zero": ("reward.txt", "-0"), "underscore": ("reward.txt", "1_0"), "arabic-digit": ("reward.txt", "\u0661"),
+    "two-lines": ("reward.txt", " 1\n1"), "json-nan": ("reward.json", '{"reward": NaN}'),
+    "json-deep": ("reward.json", "[" * 200000 + "]" * 200000), "json-deep-small": ("reward.json", "[" * 30000),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOSE_REWARDS))
+def test_a_loose_reward_is_a_verifier_error_with_a_clean_exit(tmp_path, case):
+    """Whatever the reward file holds, check_task ends with status 2 and one error line, never a traceback, and RL
+    sees reward 0 with the reason (never an exception that re-runs the episode)."""
+    import sys
+
+    name, text = LOOSE_REWARDS[case]
+    task = make_task(tmp_path, f"loose-{case}", "true\n",
+                     verifier=f"#!/bin/bash\ncat > /logs/verifier/{name} <<'MC_EOF'\n{text}\nMC_EOF\n"
+                     if len(text) < 1000 else f"#!/bin/bash\npython3 -c 'print(\"[\" * 200000 + \"]\" * 200000, end=\"\")' "
+                     f"> /logs/verifier/{name}\n")
+    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
+    assert res.stderr.startswith("error: /logs/verifier/" + name) and res.stdout.strip().splitlines()[-1] == "0"
