@@ -25,6 +25,7 @@ setup(
             "pytest",
             "pytest-timeout",
             "transformers>=5,<6",
+            "compressed-tensors>=0.15",  # the peer that writes and reads Kimi K2.5's INT4 experts in tests
             "torchao",
             "triton",
             "sentencepiece",

@@ -92,7 +92,7 @@ def make_checkpoint(args, path: Path) -> tuple[int, int]:
         return torch.randn(shapes[name], generator=g) * 0.02
 
     write_hf_checkpoint(path, cfg, shapes, tensor, torch.bfloat16, max_shard_bytes=args.shard_mb << 20,
-                        progress=False)
+                        progress=False, quantize="int4-experts" if args.int4 else None)
     n = sum(t.numel() for t in model.parameters())
     return n, sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
@@ -283,6 +283,8 @@ def main() -> None:
     ap.add_argument("--moe-ffn", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per sharded run")
     ap.add_argument("--layout", default="fsdp_ep2", choices=sorted(LAYOUTS), help="the sharded runs' layout on 4 ranks")
+    ap.add_argument("--int4", action="store_true", help="the checkpoint's routed experts in Kimi K2.5's INT4 "
+                    "(compressed-tensors pack-quantized), dequantised on each rank's boxes")
     ap.add_argument("--target", type=float, default=1 / 3, help="PASS when the working set is under this share of "
                     "the checkpoint")
     ap.add_argument("--shard-mb", type=int, default=128, help="checkpoint shard file size")
@@ -310,7 +312,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "hf"
         n, ckpt_bytes = make_checkpoint(args, path)
-        print(f"checkpoint: {n / 1e6:.0f}M parameters, {ckpt_bytes / GIB:.3f} GiB bf16 in "
+        print(f"checkpoint: {n / 1e6:.0f}M parameters, {ckpt_bytes / GIB:.3f} GiB "
+              f"{'bf16 with INT4 experts' if args.int4 else 'bf16'} in "
               f"{len(list(path.glob('*.safetensors')))} files; {WORLD} ranks")
         runs = {}
         for mode in wanted:

@@ -1,6 +1,7 @@
 """Sharded Hugging Face import and streaming export on 4 gloo ranks (tests/dist/hf_worker.py): each rank reads
-only its slices of an FP8 DeepSeek-V3 checkpoint; the assembled model equals the one-process load, whose
-logits equal transformers'; the export from the sharded model equals the one-process export."""
+only its slices of an FP8 DeepSeek-V3 checkpoint, and of a Kimi K2.5-layout checkpoint with compressed-tensors
+INT4 experts (fsdp x ep2); the assembled model equals the one-process load, whose logits equal transformers';
+the export from the sharded model equals the one-process export."""
 
 import importlib.util
 from pathlib import Path
@@ -8,12 +9,13 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
 
 _spec = importlib.util.spec_from_file_location("dist_torchrun", Path(__file__).parent / "dist" / "torchrun.py")
 torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
-LAYOUTS = ["tp2_ep2", "fsdp_ep2", "fsdp_tp2_ep2"]
+LAYOUTS = ["tp2_ep2", "fsdp_ep2", "fsdp_tp2_ep2", "int4_fsdp_ep2"]
 
 
 @pytest.fixture(scope="module")

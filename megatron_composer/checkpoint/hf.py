@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from ..model import ModelConfig, ModelConfigError, RopeScaling, Transformer
 from ..model.moe import Router
+from . import int4
 from .errors import CheckpointError
 
 
@@ -338,6 +339,7 @@ class HFReader:
         absent = sorted(k for k in self.files if k not in self.shapes)
         if absent:
             raise CheckpointError(f"{self.path}: the index names '{absent[0]}' but its shard does not hold it")
+        self._add_int4_weights()
         # transformers drops MTP layers on save while keeping num_nextn_predict_layers: count the depths present
         self.mtp_depths = len({int(m.group(1)) for k in self.files
                                if (m := _MTP_KEY.match(k)) and int(m.group(1)) >= hub_cfg.num_layers})
@@ -348,6 +350,34 @@ class HFReader:
         self.config = hub_cfg
         self.bind(cfg or hub_cfg)
 
+    def _add_int4_weights(self) -> None:
+        """Each pack-quantized INT4 weight (`X.weight_packed` + `X.weight_scale` + `X.weight_shape`) becomes the
+        logical `X.weight` [out, in] of dtype "INT4", dequantised on the box when read (checkpoint/int4.py)."""
+        where = str(self.path / "config.json")
+        self.int4 = int4.read_scheme(self.hf_config, where)
+        packed = [k for k in self.shapes if k.endswith(".weight_packed")]
+        other = next((k for k in self.shapes if k.endswith(int4.OTHER_SUFFIXES)), None)
+        if other is not None and (packed or self.int4 is not None):
+            raise CheckpointError(f"{self._where(other)} belongs to a quantization scheme this reader does not "
+                                  f"support (zero points, activation order or activation scales); supported: "
+                                  f"{int4.SUPPORTED}")
+        if packed and self.int4 is None:
+            raise CheckpointError(f"{self._where(packed[0])} is pack-quantized but {where} declares no "
+                                  f"quantization_config; supported: {int4.SUPPORTED}")
+        for key in packed:
+            base = key[:-len("_packed")]
+            scale = base + "_scale"
+            if scale not in self.shapes or self.dtypes[key] != "I32" or len(self.shapes[key]) != 2:
+                raise CheckpointError(f"{self._where(key)} must be a 2-D int32 tensor with '{scale}' group scales "
+                                      f"next to it; supported: {int4.SUPPORTED}")
+            rows, words = self.shapes[key]
+            groups = self.shapes[scale]
+            cols = words * int4.PER_WORD
+            if groups != [rows, cols // int4.GROUP] or cols % int4.GROUP:
+                raise CheckpointError(f"{self._where(scale)} has shape {groups}, expected {[rows, cols // int4.GROUP]} "
+                                      f"(one scale per {int4.GROUP} inputs of a [{rows}, {cols}] weight)")
+            self.files[base], self.shapes[base], self.dtypes[base] = self.files[key], [rows, cols], "INT4"
+
     def bind(self, cfg: ModelConfig) -> "HFReader":
         """Map the checkpoint's names to a model of config `cfg` (headers only; raises for a hub tensor that
         has no place in it)."""
@@ -356,7 +386,7 @@ class HFReader:
         self._plan: list[tuple[str, Target]] = []
         experts: dict[str, dict[int, str]] = {}
         for key in sorted(self.files):
-            if key.endswith(".weight_scale_inv") or _is_ignorable(key):
+            if key.endswith((".weight_scale_inv", *int4.SUFFIXES)) or _is_ignorable(key):
                 continue
             target = hf_to_ours(key, self.cfg)
             if target is None:
@@ -444,6 +474,8 @@ class HFReader:
         return shape
 
     def _read_key(self, key: str, box: tuple[range, ...]) -> torch.Tensor:
+        if self.dtypes[key] == "INT4":
+            return self._read_int4(key, *box)
         with safe_open(str(self.files[key]), "pt") as f:
             t = f.get_slice(key)[tuple(slice(r.start, r.stop) for r in box)]
         if self.dtypes[key] in _FP8_DTYPES:
@@ -455,9 +487,20 @@ class HFReader:
                 t = _dequant_fp8(t, f.get_slice(scale)[blocks], rows, cols)
         return t
 
+    def _read_int4(self, key: str, rows: range, cols: range) -> torch.Tensor:
+        """The box rows x cols of a pack-quantized weight, dequantised in float32: only the words and group
+        scales that cover it are read."""
+        words = slice(cols.start // int4.PER_WORD, -(-cols.stop // int4.PER_WORD))
+        groups = slice(cols.start // int4.GROUP, -(-cols.stop // int4.GROUP))
+        with safe_open(str(self.files[key + "_packed"]), "pt") as f:
+            packed = f.get_slice(key + "_packed")[rows.start:rows.stop, words]
+        with safe_open(str(self.files[key + "_scale"]), "pt") as f:
+            scale = f.get_slice(key + "_scale")[rows.start:rows.stop, groups]
+        return int4.dequantize_box(packed, scale, cols)
+
     def read(self, name: str, box: tuple[slice, ...] = ()) -> torch.Tensor:
         """The box `box` of our full tensor `name` (() for all of it), in the checkpoint's dtype (float32 for
-        dequantised FP8)."""
+        dequantised FP8 and INT4)."""
         src = self.sources.get(name)
         if src is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor for '{name}'")
@@ -542,19 +585,25 @@ def load_hf_checkpoint(path: str | Path, dtype: Optional[torch.dtype] = None, de
 
 
 # ---- writing ------------------------------------------------------------------------------------------
+QUANTIZE = (None, "int4-experts")  # what an export may quantise: nothing, or the routed experts to INT4
+
+
 @dataclass(frozen=True)
 class HubEntry:
-    """One tensor of the hub layout: its name, our tensor it comes from (None: zeros of `shape`) and, for
-    stacked experts, which expert."""
+    """One tensor of the hub layout: its name, our tensor it comes from (None: zeros of `shape`), for stacked
+    experts which expert, and for an INT4 expert which of its three tensors (int4.SUFFIXES: packed, scale,
+    shape)."""
 
     hub: str
     ours: Optional[str]
     shape: tuple[int, ...]
     expert: Optional[int] = None
+    int4_part: Optional[str] = None
 
 
-def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[HubEntry]:
-    """The hub layout of a model with these (full) tensors, in file order: experts split per expert, MTP as
+def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], quantize: Optional[str] = None) -> list[HubEntry]:
+    """The hub layout of a model with these (full) tensors, in file order: experts split per expert (with
+    quantize="int4-experts" each as its pack-quantized weight_packed, weight_scale and weight_shape), MTP as
     extra decoder layers with copies of the embedding and head, a zero routing bias where DeepSeek-V3 needs
     one and we have none."""
     out: list[HubEntry] = []
@@ -583,7 +632,14 @@ def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[Hu
             elif rest.startswith("feed_forward.experts."):
                 w = rest.rsplit(".", 1)[1]
                 for e in range(shape[0]):
-                    out.append(HubEntry(f"{hf}.mlp.experts.{e}.{_FFN_INV[w]}.weight", name, tuple(shape[1:]), e))
+                    hub = f"{hf}.mlp.experts.{e}.{_FFN_INV[w]}.weight"
+                    if quantize is None:
+                        out.append(HubEntry(hub, name, tuple(shape[1:]), e))
+                        continue
+                    rows, cols = shape[1:]
+                    for suffix, part_shape in zip(int4.SUFFIXES, ((rows, cols // int4.PER_WORD),
+                                                                  (rows, cols // int4.GROUP), (2,))):
+                        out.append(HubEntry(hub + suffix[len(".weight"):], name, part_shape, e, suffix))
             elif rest.startswith("feed_forward.shared_experts."):
                 put(f"{hf}.mlp.shared_experts.{_FFN_INV[rest.split('.')[2]]}.weight", name)
             elif rest == "feed_forward.router.weight":
@@ -613,20 +669,42 @@ def hub_entries(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[Hu
 
 def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
                         tensor: Callable[[str], torch.Tensor], dtype: torch.dtype, max_shard_bytes: int = 4 << 30,
-                        progress: bool = True, overwrite: bool = False, main: bool = True) -> None:
+                        progress: bool = True, overwrite: bool = False, main: bool = True,
+                        quantize: Optional[str] = None) -> None:
     """Write a checkpoint directory that `transformers` loads (config.json, safetensors shards, index) for a
     model of config `cfg` with these full tensors (our name -> shape). `tensor(name)` gives our full tensor
     `name`; it is called for one tensor at a time, in the same order on every rank (it may be a collective
     gather). The files are planned from the shapes alone, so each is written (by the `main` process) the moment
-    its last tensor arrives: memory holds one shard file's tensors plus one of our tensors."""
+    its last tensor arrives: memory holds one shard file's tensors plus one of our tensors. quantize=
+    "int4-experts" writes the routed experts pack-quantized in INT4 (checkpoint/int4.py), with the
+    quantization_config the released Kimi K2.5 checkpoints carry; everything else stays in `dtype`."""
+    if quantize not in QUANTIZE:
+        raise CheckpointError(f"quantize={quantize!r} is not an export format; choose one of {list(QUANTIZE)}")
     path = Path(path)
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
-    entries = hub_entries(cfg, shapes)
+    if quantize and cfg.moe_intermediate_size % int4.GROUP or quantize and cfg.hidden_size % int4.GROUP:
+        raise CheckpointError(f"INT4 groups of {int4.GROUP} must divide hidden_size ({cfg.hidden_size}) and "
+                              f"moe_intermediate_size ({cfg.moe_intermediate_size}) to export quantize={quantize!r}")
+    entries = hub_entries(cfg, shapes, quantize)
     router_keys = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    int4_dtypes = {".weight_packed": torch.int32, ".weight_scale": torch.bfloat16, ".weight_shape": torch.int64}
 
     def dtype_of(entry: HubEntry) -> torch.dtype:
+        if entry.int4_part is not None:
+            return int4_dtypes[entry.int4_part]
         return torch.float32 if cfg.attention == "mla" and entry.hub.endswith(router_keys) else dtype
+
+    quantized: dict = {}  # the last expert matrix quantised: (name, expert) -> its three hub tensors
+
+    def int4_tensor(entry: HubEntry, w: torch.Tensor) -> torch.Tensor:
+        key = (entry.ours, entry.expert)
+        if key not in quantized:
+            quantized.clear()
+            q, scale = int4.quantize(w)
+            quantized[key] = {".weight_packed": int4.pack(q), ".weight_scale": scale,
+                              ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+        return quantized[key][entry.int4_part]
 
     file_of, sizes = [], [0]
     for entry in entries:
@@ -651,6 +729,8 @@ def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tu
                 current_name, current = None, None  # drop the last tensor before fetching the next
                 current, current_name = tensor(entry.ours), entry.ours
             t = current if entry.expert is None else current[entry.expert]
+            if entry.int4_part is not None:
+                t = int4_tensor(entry, t)
         if main:
             shard[entry.hub] = t.detach().to("cpu", dtype_of(entry)).contiguous().clone()
             if i + 1 == len(entries) or file_of[i + 1] != file_of[i]:
@@ -664,7 +744,10 @@ def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tu
         weight_map = {e.hub: names[f] for e, f in zip(entries, file_of)}
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+    hf_config = config_to_hf(cfg, dtype)
+    if quantize == "int4-experts":
+        hf_config["quantization_config"] = int4.quantization_config_for_experts()
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     if path.exists():
         for old in path.iterdir():
             old.unlink()
@@ -674,10 +757,11 @@ def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tu
 
 def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes: int = 4 << 30,
                        dtype: Optional[torch.dtype] = None, progress: bool = True, overwrite: bool = False,
-                       groups=None) -> None:
-    """Write `model` (any layout) as a Hugging Face checkpoint directory (`write_hf_checkpoint`). Collective
-    over the model's ranks when `groups` (its ParallelGroups) is given or its parameters are FSDP DTensors:
-    each tensor is gathered whole on its own (`parallel.layers.full_tensor`) and rank 0 writes."""
+                       groups=None, quantize: Optional[str] = None) -> None:
+    """Write `model` (any layout) as a Hugging Face checkpoint directory (`write_hf_checkpoint`; quantize=
+    "int4-experts": routed experts in Kimi K2.5's pack-quantized INT4). Collective over the model's ranks when
+    `groups` (its ParallelGroups) is given or its parameters are FSDP DTensors: each tensor is gathered whole on
+    its own (`parallel.layers.full_tensor`) and rank 0 writes."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -693,7 +777,7 @@ def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes
         raise CheckpointError(f"{path} exists and is not empty; choose a new directory or pass overwrite=True")
     write_hf_checkpoint(path, model.config, {name: tuple(slices.full_shape(t)) for name, t in named.items()},
                         lambda name: full_tensor(named[name], groups), dtype, max_shard_bytes, progress,
-                        overwrite=True, main=main)
+                        overwrite=True, main=main, quantize=quantize)
     if collective:
         dist.barrier()
 

@@ -2,7 +2,9 @@
 
 Rank 0 writes a DeepSeek-V3 checkpoint with transformers, in DeepSeek's FP8 format (e4m3 projections with
 128x128 `weight_scale_inv` blocks; hidden size 192, so tensor-parallel boxes end inside a block), sharded
-over several files, plus its dequantised twin for transformers. Per layout:
+over several files, plus its dequantised twin for transformers; and a Kimi K2.5-layout checkpoint whose routed
+experts compressed-tensors packed in INT4 (the int4 case), with its DeepSeek-layout twin for transformers.
+Per layout:
   load   -- training.core.build_model starts from the FP8 checkpoint (meta build, layout, each rank reading
             only its slices); every piece a rank holds equals the box of the one-process start
             (build_model without a layout), the pieces of all ranks cover every element; the one-process
@@ -81,6 +83,16 @@ def make_checkpoints(root: Path) -> None:
         (out / "config.json").write_text(config)
 
 
+def make_int4_checkpoints(root: Path) -> None:
+    """root/int4: Kimi K2.5's release layout with INT4 experts packed by compressed-tensors; root/int4_plain:
+    the same tensors in DeepSeek-V3's layout, which transformers loads."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from int4_assets import deepseek_model, write_int4_checkpoint
+
+    write_int4_checkpoint(root / "int4", deepseek_model(seed=4, hidden=96, moe_ffn=64), kimi_layout=True)
+    write_int4_checkpoint(root / "int4_plain", deepseek_model(seed=4, hidden=96, moe_ffn=64))
+
+
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -89,11 +101,11 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_case(root: Path, **parallel):
+def make_case(root: Path, ckpt: str = "fp8", **parallel):
     def run():
-        _, hub = read_hf_config(root / "fp8")
+        _, hub = read_hf_config(root / ckpt)
         mc = hub.replace(num_mtp_layers=1)  # the checkpoint holds no MTP layer (transformers drops it)
-        init_hf = InitialWeights(hf=str(root / "fp8"))
+        init_hf = InitialWeights(hf=str(root / ckpt))
         layout = Layout(ParallelConfig(**parallel))
         model = build_model(mc, layout, torch.device("cpu"), FP8Config(), seed=SEED, init=init_hf)
         ref = build_model(mc, Layout(ParallelConfig(), distributed=False), torch.device("cpu"), FP8Config(),
@@ -108,23 +120,29 @@ def make_case(root: Path, **parallel):
                 cover[pc.full] += 1
             dist.all_reduce(cover)
             errs[f"load:{name}"] = bad + float(not bool((cover > 0).all()))
-        out = root / ("export_" + "_".join(f"{k}{v}" for k, v in parallel.items()))
+        out = root / ("export_" + ckpt + "_".join(f"{k}{v}" for k, v in parallel.items()))
         save_hf_checkpoint(model, out, max_shard_bytes=150_000, progress=False, groups=layout.groups)
         if dist.get_rank() == 0:
             # the one-process start is the whole-model load, with transformers' logits
-            whole = load_hf_checkpoint(root / "fp8", dtype=torch.float32, progress=False).state_dict()
+            whole = load_hf_checkpoint(root / ckpt, dtype=torch.float32, progress=False).state_dict()
             for name, t in ref.state_dict().items():  # the MTP depth: only in ref, from the initialisation
                 errs[f"whole:{name}"] = float(name in whole and not torch.equal(t, whole[name])
                                               or name not in whole and not name.startswith("mtp."))
-            from transformers import DeepseekV3ForCausalLM
+            if ckpt == "fp8":
+                from transformers import DeepseekV3ForCausalLM
 
-            peer = DeepseekV3ForCausalLM.from_pretrained(root / "deq", dtype=torch.float32).eval()
+                peer = DeepseekV3ForCausalLM.from_pretrained(root / "deq", dtype=torch.float32).eval()
+            else:  # transformers dequantises the INT4 experts through compressed-tensors
+                from int4_assets import transformers_float32
+
+                peer = transformers_float32(root / "int4_plain")
             ids = torch.randint(0, mc.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
                 errs["logits_vs_transformers"] = (ref.eval()(ids) - peer(ids).logits).abs().max().item()
             # the sharded export holds the one-process export's tensors, over several files with an index
-            save_hf_checkpoint(ref, root / "export_ref", max_shard_bytes=150_000, progress=False, overwrite=True)
-            got, want = _tensors(out), _tensors(root / "export_ref")
+            save_hf_checkpoint(ref, root / f"export_ref_{ckpt}", max_shard_bytes=150_000, progress=False,
+                               overwrite=True)
+            got, want = _tensors(out), _tensors(root / f"export_ref_{ckpt}")
             errs["export_keys"] = float(sorted(got) != sorted(want))
             errs["export_files"] = float(len(list(out.glob("*.safetensors"))) < 3
                                          or not (out / "model.safetensors.index.json").is_file())
@@ -142,9 +160,11 @@ if __name__ == "__main__":
     root = Path(args.out)
     if dist.get_rank() == 0:
         make_checkpoints(root)
+        make_int4_checkpoints(root)
     dist.barrier()
     run_cases(args, {
         "tp2_ep2": make_case(root, tp=2, ep=2),
         "fsdp_ep2": make_case(root, fsdp=True, ep=2),
         "fsdp_tp2_ep2": make_case(root, fsdp=True, tp=2, ep=2),
+        "int4_fsdp_ep2": make_case(root, "int4", fsdp=True, ep=2),
     })

@@ -1,0 +1,140 @@
+"""compressed-tensors "pack-quantized" INT4 weights (W4A16), the format Kimi K2.5 / K2 Thinking ship their routed
+experts in: the format, its reference dequantisation on any box, and the quantiser our export and QAT use.
+
+A quantised `X.weight` [out, in] is stored as three tensors:
+    X.weight_packed  int32 [out, in/8]   eight signed 4-bit values q in [-8, 7] per word, stored as q + 8,
+                                         element j of a row in bits 4*(j % 8) .. 4*(j % 8) + 3 of word j // 8
+    X.weight_scale   bf16  [out, in/32]  one scale per group of 32 consecutive inputs (symmetric: no zero point)
+    X.weight_shape   int32 [2]           [out, in]
+and the weight is q * scale of its group. config.json's `quantization_config` names the scheme
+(quant_method "compressed-tensors", format "pack-quantized", weights: 4-bit int, symmetric, strategy "group",
+group_size 32) and an `ignore` list of modules kept in bf16 (attention, shared experts, the dense layers, the
+head). Only that scheme is read or written here; any other is refused by name.
+
+Our quantiser picks each group's scale as the smallest bf16 number s with max(w) <= 7 s and min(w) >= -8 s, so a
+group already on the grid (w = q s with a 7 or a -8 among its q) quantises to itself exactly: exporting a model
+whose experts are on the grid, or after INT4 QAT (model/qat.py), writes the values it computes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError
+
+GROUP = 32
+BITS = 4
+PER_WORD = 32 // BITS
+SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
+# tensors of other compressed-tensors schemes: their presence means a scheme this reader does not implement
+OTHER_SUFFIXES = (".weight_zero_point", ".weight_g_idx", ".weight_global_scale", ".input_scale")
+SUPPORTED = "compressed-tensors pack-quantized INT4 (4-bit int, symmetric, group 32: W4A16, as Kimi K2.5 ships)"
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """The quantization_config of a checkpoint whose weights (those not ignored) are pack-quantized INT4."""
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+
+
+def quantization_config(hf: dict) -> dict | None:
+    """config.json's quantization_config (at the top, or in a multimodal model's text_config)."""
+    return hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+
+
+def read_scheme(hf: dict, where: str) -> Int4Scheme | None:
+    """The INT4 scheme of a config.json, None when it declares no quantization (or DeepSeek's FP8, which the
+    reader handles by its tensors); a one-line CheckpointError naming any scheme it cannot read."""
+    q = quantization_config(hf)
+    if not q or q.get("quant_method") == "fp8":
+        return None
+    method, fmt = q.get("quant_method"), q.get("format")
+    if method != "compressed-tensors" or fmt != "pack-quantized":
+        raise CheckpointError(f"{where}: quantization {method!r} format {fmt!r} is not supported; supported: "
+                              f"{SUPPORTED}, and DeepSeek's FP8 blocks")
+    targets: list[str] = []
+    for name, group in (q.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        scheme = (f"{w.get('num_bits')}-bit {w.get('type')}, {'symmetric' if w.get('symmetric') else 'asymmetric'}, "
+                  f"strategy {w.get('strategy')}, group {w.get('group_size')}"
+                  + (", dynamic" if w.get("dynamic") else "")
+                  + (", quantised activations" if group.get("input_activations") else ""))
+        ok = (w.get("num_bits") == BITS and w.get("type") == "int" and w.get("symmetric") is True
+              and w.get("strategy") == "group" and w.get("group_size") == GROUP and not w.get("dynamic")
+              and not w.get("actorder") and not group.get("input_activations"))
+        if not ok:
+            raise CheckpointError(f"{where}: quantization_config group {name!r} is {scheme}; supported: {SUPPORTED}")
+        targets.extend(group.get("targets") or [])
+    if not targets:
+        raise CheckpointError(f"{where}: quantization_config has no config_groups with targets; supported: {SUPPORTED}")
+    return Int4Scheme(tuple(targets), tuple(q.get("ignore") or ()))
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., W] -> the signed 4-bit values q [..., 8 W] (int8), element j in bits 4 (j % 8) of word
+    j // 8."""
+    shifts = torch.arange(0, 32, BITS, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.flatten(-2) - 8).to(torch.int8)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The signed 4-bit values q [..., n] (n a multiple of 8, values in [-8, 7]) -> int32 words [..., n / 8]."""
+    if q.shape[-1] % PER_WORD:
+        raise ValueError(f"cannot pack {q.shape[-1]} values per row into int32 words of {PER_WORD}")
+    nibbles = (q.to(torch.int64) + 8).view(*q.shape[:-1], -1, PER_WORD)
+    shifts = torch.arange(0, 32, BITS, dtype=torch.int64, device=q.device)
+    words = (nibbles << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # the bit pattern as int32
+
+
+def dequantize_box(packed: torch.Tensor, scale: torch.Tensor, cols: range) -> torch.Tensor:
+    """The columns `cols` (of the full [out, in] weight) of the rows whose words `packed` [rows, words covering
+    cols] and group scales `scale` [rows, groups covering cols] were read, in float32: q * scale."""
+    first_word, first_group = cols.start // PER_WORD, cols.start // GROUP
+    q = unpack(packed)[:, cols.start - first_word * PER_WORD:cols.stop - first_word * PER_WORD]
+    group = torch.arange(cols.start, cols.stop) // GROUP - first_group
+    return q.float() * scale.float()[:, group]
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., in] (in a multiple of 32) -> (q int8 [..., in], scale bf16 [..., in / 32]) with the smallest bf16
+    scale per group that holds every value without clipping (see the module docstring)."""
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"INT4 groups of {GROUP} do not divide the input dimension {w.shape[-1]}")
+    g = w.float().reshape(*w.shape[:-1], -1, GROUP)
+    need = torch.maximum(g.amax(-1).clamp_min(0) / 7, (-g.amin(-1)).clamp_min(0) / 8)
+    scale = need.to(torch.bfloat16)
+    up = (scale.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 above a positive scale
+    scale = torch.where(scale.float() < need, up, scale)
+    s = scale.float().unsqueeze(-1)
+    q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-8, 7)
+    return q.reshape(w.shape).to(torch.int8), scale
+
+
+def fake_quantize(w: torch.Tensor) -> torch.Tensor:
+    """w on the INT4 grid (q * scale, in w's dtype) -- the weight an INT4 server computes with."""
+    q, scale = quantize(w)
+    groups = q.float().reshape(*w.shape[:-1], -1, GROUP) * scale.float().unsqueeze(-1)
+    return groups.reshape(w.shape).to(w.dtype)
+
+
+EXPERTS_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
+
+def quantization_config_for_experts() -> dict:
+    """The config.json quantization_config of an export whose routed experts (and only they) are INT4."""
+    weights = {"num_bits": BITS, "type": "int", "symmetric": True, "group_size": GROUP, "strategy": "group",
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax"}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": [EXPERTS_TARGET], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+__all__ = ["EXPERTS_TARGET", "GROUP", "Int4Scheme", "OTHER_SUFFIXES", "SUFFIXES", "SUPPORTED", "dequantize_box",
+           "fake_quantize", "pack", "quantization_config", "quantization_config_for_experts", "quantize",
+           "read_scheme", "unpack"]
