@@ -26,7 +26,7 @@ from megatron_composer.model import ModelOutput
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.slices import reshard
 from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
-                                               ParallelConfig, RunConfig, checkpoint_meta, model_config)
+                                               ParallelConfig, QATConfig, RunConfig, checkpoint_meta, model_config)
 from megatron_composer.training.core import TrainingCore, initial_weights, local_device, resume_point, starting_checkpoint
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.layout import Layout
@@ -59,6 +59,7 @@ class PretrainConfig:
     mtp: MTPLossConfig = field(default_factory=MTPLossConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    qat: QATConfig = field(default_factory=QATConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -68,6 +69,7 @@ class PretrainConfig:
         self.mtp.validate()
         self.parallel.validate()
         self.fp8.validate()
+        self.qat.validate()
         if self.train.steps < 1:
             raise ConfigError(f"train.steps={self.train.steps} must be >= 1")
         if self.train.global_batch_tokens % self.data.seq_length:
@@ -187,7 +189,8 @@ class Stage:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir / "config.yaml")
-        self.core = TrainingCore(mc, meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, seed=cfg.train.seed,
+        self.core = TrainingCore(mc, meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, qat=cfg.qat,
+                                 seed=cfg.train.seed,
                                  init=init, max_skipped_steps=cfg.train.max_skipped_steps,
                                  async_save=cfg.checkpoint.async_save)
         self.model = self.core.model

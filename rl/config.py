@@ -14,7 +14,7 @@ from typing import Literal
 from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelDims
 from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
-                                               ParallelConfig, RunConfig)
+                                               ParallelConfig, QATConfig, RunConfig)
 from rl.algorithm import RLObjectiveConfig
 from rl.rollout.worker import RolloutConfig
 from rl.weight_sync import ObjectStore, WeightSyncConfig
@@ -62,6 +62,7 @@ class RLConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    qat: QATConfig = field(default_factory=QATConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: HeldOutEvalConfig = field(default_factory=HeldOutEvalConfig)
@@ -72,6 +73,7 @@ class RLConfig:
         self.rollout.validate()
         self.parallel.validate()
         self.fp8.validate()
+        self.qat.validate()
         if self.trainer_ranks < 1:
             raise ConfigError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
         if self.train.steps < 1 or self.train.groups_per_step < 1 or self.train.micro_batch_size < 1:

@@ -101,7 +101,8 @@ class PolicyLearner:
         # the initial weights start a fresh run and are the reference policy; a resume loads the run's own
         # checkpoint next (load)
         init = initial_weights(init_from, self.meta) if not resuming or cfg.rl.kl_coef > 0 else None
-        self.core = TrainingCore(self.mc, self.meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, seed=cfg.train.seed,
+        self.core = TrainingCore(self.mc, self.meta, layout, device, optim=cfg.optim, fp8=cfg.fp8, qat=cfg.qat,
+                                 seed=cfg.train.seed,
                                  init=None if resuming else init, max_skipped_steps=cfg.train.max_skipped_steps,
                                  async_save=cfg.checkpoint.async_save)
         self.model, self.optimizer = self.core.model, self.core.optimizer

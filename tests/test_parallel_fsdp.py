@@ -9,7 +9,8 @@ in the MXFP8 layout, the quantised grouped GEMM.
 
 Layouts: fsdp (dp4); fsdp x ep2 with 2 experts (expert shards outnumber local experts: dim 1 sharded);
 fsdp x ep2 with the pretraining loss's fused head (the root's weight read after forward); fsdp x tp2 with
-MXFP8; fsdp x tp2 with sequence parallelism; fsdp x cp2 with selective recompute; fsdp x tp2 x ep2; HSDP
+MXFP8; fsdp x tp2 with sequence parallelism; fsdp x cp2 with selective recompute; fsdp x tp2 x ep2; fsdp x ep2
+with INT4 QAT of the experts under MXFP8; HSDP
 (dp_replicate=2) x ep2 with full recompute. One torchrun launch runs them all. Bad FSDP sizes are one-line
 config errors."""
 
@@ -27,7 +28,7 @@ _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
 LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fsdp_tp2_mxfp8", "fsdp_tp2_sp", "fsdp_cp2_selective_ac", "fsdp_tp2_ep2",
-           "hsdp_ep2_full_ac"]
+           "fsdp_ep2_int4_qat_mxfp8", "hsdp_ep2_full_ac"]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ head). Only that scheme is read or written here; any other is refused by name.
 
 Our quantiser picks each group's scale as the smallest bf16 number s with max(w) <= 7 s and min(w) >= -8 s, so a
 group already on the grid (w = q s with a 7 or a -8 among its q) quantises to itself exactly: exporting a model
-whose experts are on the grid, or after INT4 QAT (model/qat.py), writes the values it computes with.
+whose experts are on the grid, or after INT4 QAT (training/qat.py), writes the values it computes with.
 """
 
 from __future__ import annotations

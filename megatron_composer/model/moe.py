@@ -71,23 +71,37 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.grouped_mm = grouped_mm
         self.expert_offset = 0
+        # What the experts compute with in place of their weights (None: the weights): quantisation-aware
+        # training sets it (training/qat.py), each weight [E, out, in] to the grid it will be served on.
+        self.weight_transform = None
 
     @property
     def num_local_experts(self) -> int:
         return self.w1.shape[0]
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) as the experts compute with them."""
+        if self.weight_transform is None:
+            return self.w1, self.w3, self.w2
+        return self.weight_transform(self.w1), self.weight_transform(self.w3), self.weight_transform(self.w2)
+
     def forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """x_TD sorted by (local) expert, offs = cumulative counts per local expert."""
+        return self._sorted(x_TD, offs, self.weights())
+
+    def _sorted(self, x_TD, offs, weights) -> torch.Tensor:
         # The C++ pass (kernels/grouped_mm.py swiglu_experts) where it can run: the default grouped_mm (a
         # quantised replacement takes the reference), CPU, no torch function mode.
-        if self.grouped_mm is grouped_mm and (y := swiglu_experts(x_TD, self.w1, self.w3, self.w2, offs)) is not None:
+        w1, w3, w2 = weights
+        if self.grouped_mm is grouped_mm and (y := swiglu_experts(x_TD, w1, w3, w2, offs)) is not None:
             return y
-        return self.reference_forward(x_TD, offs)
+        return self.reference_forward(x_TD, offs, weights)
 
-    def reference_forward(self, x_TD: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        w13 = torch.cat([self.w1, self.w3], dim=1)  # one grouped matmul for gate and up
+    def reference_forward(self, x_TD: torch.Tensor, offs: torch.Tensor, weights=None) -> torch.Tensor:
+        w1, w3, w2 = weights if weights is not None else self.weights()
+        w13 = torch.cat([w1, w3], dim=1)  # one grouped matmul for gate and up
         gate, up = self.grouped_mm(x_TD, w13, offs).chunk(2, dim=-1)
-        return self.grouped_mm(F.silu(gate) * up, self.w2, offs)
+        return self.grouped_mm(F.silu(gate) * up, w2, offs)
 
     def forward_pairs(self, x_TD: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{indices[t, k]}(x[t]) over experts this module holds all of (no expert
@@ -96,12 +110,12 @@ class GroupedExperts(nn.Module):
         A method of the module rather than a function reading its weights, so that every kernel choice reads
         them inside the module's own call: FSDP registers it as a forward method of the experts' unit
         (parallel/fsdp.py), which gathers the weights before it runs whichever path is taken."""
-        if self.grouped_mm is grouped_mm and (y := pair_swiglu(x_TD, indices_TK, weights_TK, self.w1, self.w3,
-                                                               self.w2)) is not None:
+        weights = self.weights()
+        if self.grouped_mm is grouped_mm and (y := pair_swiglu(x_TD, indices_TK, weights_TK, *weights)) is not None:
             return y  # inference at decode sizes: exactly the chosen (token, expert) pairs in one call
         order, counts = sort_by_expert(indices_TK, self.num_local_experts)
         offs = counts.cumsum(0).to(torch.int32)
-        return dispatch_sorted(x_TD, order, weights_TK, lambda rows: self.forward(rows, offs))
+        return dispatch_sorted(x_TD, order, weights_TK, lambda rows: self._sorted(rows, offs, weights))
 
 
 @dataclass

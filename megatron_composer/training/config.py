@@ -2,7 +2,8 @@
 
 A run's schema (pretrain.trainer.PretrainConfig, rl.config.RLConfig) is built from these sections plus its
 own data and train sections: `run`, `model`, `checkpoint` here, `parallel` (megatron_composer.parallel.dims),
-`optim` (training.optim), `logging` (training.metrics) and `fp8` (megatron_composer.fp8). `model_config`
+`optim` (training.optim), `logging` (training.metrics), `fp8` (megatron_composer.fp8) and `qat`
+(training.qat). `model_config`
 turns the model section into the ModelConfig the trainers, rollout engines and evaluation build; a
 checkpoint's `architecture` is what must match for weights to load.
 """
@@ -18,6 +19,7 @@ from megatron_composer.fp8.config import FP8Config
 from megatron_composer.parallel.dims import ParallelConfig
 from megatron_composer.training.metrics import LoggingConfig
 from megatron_composer.training.optim import OptimizerConfig
+from megatron_composer.training.qat import QATConfig
 
 
 @dataclass
@@ -88,5 +90,5 @@ def checkpoint_meta(mc, tokenizer) -> dict:
     return {"model": architecture(mc), "tokenizer": tokenizer.describe()}
 
 
-__all__ = ["CheckpointConfig", "FP8Config", "LoggingConfig", "ModelSection", "OptimizerConfig", "ParallelConfig",
+__all__ = ["CheckpointConfig", "FP8Config", "LoggingConfig", "ModelSection", "OptimizerConfig", "ParallelConfig", "QATConfig",
            "RunConfig", "architecture", "checkpoint_meta", "model_config"]

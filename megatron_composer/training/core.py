@@ -32,6 +32,7 @@ from megatron_composer.parallel.slices import fill_local, full_shape, named_tens
 from megatron_composer.training.config import architecture
 from megatron_composer.training.layout import Layout
 from megatron_composer.training.optim import OptimizerConfig, set_lr
+from megatron_composer.training.qat import QATConfig, apply_qat
 
 
 def local_device() -> torch.device:
@@ -111,8 +112,10 @@ def load_hf_weights(model, path: str) -> None:
 
 
 def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, seed: int,
-                init: InitialWeights | None = None, meta: dict | None = None) -> torch.nn.Module:
-    """This rank's shard of the model, laid out by `layout`, on `device`, with the FP8 recipe of `fp8`.
+                init: InitialWeights | None = None, meta: dict | None = None,
+                qat: QATConfig | None = None) -> torch.nn.Module:
+    """This rank's shard of the model, laid out by `layout`, on `device`, with the FP8 recipe of `fp8` and the
+    quantisation-aware training of `qat` (training/qat.py).
 
     Built on the meta device, laid out there (TP/SP/EP/CP, then FP8, then FSDP when parallel.fsdp), and only
     then allocated: a rank allocates only its own pieces (parallel/slices.py) and fills them, with the `init`
@@ -125,6 +128,7 @@ def build_model(mc, layout: Layout, device: torch.device, fp8: FP8Config, *, see
     with torch.device("meta"):
         model = Transformer(mc)  # draws model.init_seed from the seeded generator, allocates nothing
     model = layout.parallelize(model)
+    apply_qat(model, qat or QATConfig())
     try:
         # after parallelize: FP8 GEMMs for the replicated linears and the (possibly expert-sharded) grouped
         # experts; before FSDP, which quantises nothing itself: the FP8 layers see the gathered weight
@@ -166,11 +170,11 @@ class TrainingCore:
 
     def __init__(self, mc, meta: dict, layout: Layout, device: torch.device, *, optim: OptimizerConfig,
                  fp8: FP8Config, seed: int, init: InitialWeights | None = None, max_skipped_steps: int = 20,
-                 async_save: bool = False):
+                 async_save: bool = False, qat: QATConfig | None = None):
         self.mc, self.meta, self.layout, self.device = mc, meta, layout, device
         self.async_save, self._async_group, self._pending = async_save, None, None
         self.grad_clip, self.max_skipped_steps = optim.grad_clip, max_skipped_steps
-        self.model = build_model(mc, layout, device, fp8, seed=seed, init=init, meta=meta)
+        self.model = build_model(mc, layout, device, fp8, seed=seed, init=init, meta=meta, qat=qat)
         self.optimizer = layout.build_optimizer(self.model, optim)
         self.skipped_in_a_row = 0
         if init is not None and layout.rank == 0:

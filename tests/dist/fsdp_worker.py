@@ -25,7 +25,7 @@ from common import init, max_rel_err, reduce_max, run_cases  # noqa: E402
 from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
 import megatron_composer.kernels.grouped_mm as G  # noqa: E402
-from megatron_composer.fp8 import FP8Config, FP8LinearFunction  # noqa: E402
+from megatron_composer.fp8 import FP8Config, FP8GroupedMM, FP8Linear, FP8LinearFunction  # noqa: E402
 from megatron_composer.kernels.cpu.grouped_mm import inference_kernel  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
@@ -36,6 +36,7 @@ from megatron_composer.parallel.slices import full_shape, local_pieces, local_te
 from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from megatron_composer.training.optim import OptimizerConfig  # noqa: E402
+from megatron_composer.training.qat import QATConfig  # noqa: E402
 from pretrain.losses import lm_loss_sum_fused_head  # noqa: E402
 
 LR, CLIP, SEED, MICRO = 3e-3, 1.0, 7, 2
@@ -91,7 +92,9 @@ def _eval_loss(model, groups, cfg, use_mtp) -> float:
 
 
 def _quantised(model) -> bool:
-    return any(isinstance(getattr(m, "linear_fn", None), FP8LinearFunction) for m in model.modules())
+    """Whether FP8 GEMMs are in place: FP8 dense layers, tensor-parallel layers' FP8 linear_fn, FP8 experts."""
+    return any(isinstance(m, FP8Linear) or isinstance(getattr(m, "linear_fn", None), FP8LinearFunction)
+               or isinstance(getattr(m, "grouped_mm", None), FP8GroupedMM) for m in model.modules())
 
 
 def _expert_paths(model, ref, groups, cfg, use_mtp) -> tuple[dict, dict]:
@@ -122,19 +125,22 @@ def _expert_paths(model, ref, groups, cfg, use_mtp) -> tuple[dict, dict]:
     return errs, {"few_rows_chosen": sum(chosen), "few_rows_expected": expected}
 
 
-def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, **parallel):
+def make_case(preset: str, overrides=None, steps=5, fused_head=False, fp8=None, qat="none", **parallel):
     def run():
         cfg = tiny_config(preset).replace(**(overrides or {}))
         use_mtp = cfg.num_mtp_layers > 0
-        fp8_cfg = FP8Config(**(fp8 or {}))
+        fp8_cfg, qat_cfg = FP8Config(**(fp8 or {})), QATConfig(experts=qat)
         core = TrainingCore(cfg, {}, Layout(ParallelConfig(**parallel)), torch.device("cpu"), optim=_optim(),
-                            fp8=fp8_cfg, seed=SEED)
+                            fp8=fp8_cfg, seed=SEED, qat=qat_cfg)
         ref = TrainingCore(cfg, {}, Layout(ParallelConfig(), distributed=False), torch.device("cpu"),
-                           optim=_optim(), fp8=fp8_cfg, seed=SEED)
+                           optim=_optim(), fp8=fp8_cfg, seed=SEED, qat=qat_cfg)
         groups = core.layout.groups
         errs = {"is_fsdp": float(is_fsdp(core.model) != bool(parallel.get("fsdp")))}
         if fp8:  # the FP8 GEMMs are in place
             errs["fp8_applied"] = float(not _quantised(core.model))
+        if qat != "none":  # every experts module computes on the INT4 grid
+            experts = [m for m in core.model.modules() if hasattr(m, "weight_transform")]
+            errs["qat_applied"] = float(not experts or any(m.weight_transform is None for m in experts))
         # init: each piece equals the reference's box; the pieces of all ranks cover every element
         ref_t = dict(named_tensors(ref.model))
         for name, t in named_tensors(core.model):
@@ -218,6 +224,9 @@ CASES_4 = {
     "fsdp_tp2_sp": make_case(QW, fsdp=True, tp=2, sequence_parallel=True),
     "fsdp_cp2_selective_ac": make_case(DS, fsdp=True, cp=2, activation_checkpointing="selective"),
     "fsdp_tp2_ep2": make_case(DS, fsdp=True, tp=2, ep=2),
+    # INT4 QAT of the experts on each rank's experts of the gathered unit, under MXFP8 grouped GEMMs
+    "fsdp_ep2_int4_qat_mxfp8": make_case(QW, steps=2, fp8={"recipe": "mxfp8", "wgrad_bf16": True}, qat="int4",
+                                         fsdp=True, ep=2),
     "hsdp_ep2_full_ac": make_case(DS, fsdp=True, dp_replicate=2, ep=2, activation_checkpointing="full"),
 }
 
