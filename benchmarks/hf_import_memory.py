@@ -58,7 +58,10 @@ from megatron_composer.host_memory import malloc_in_use, peak_rss_bytes, reset_p
 
 WORLD = 4
 GIB = 1 << 30
-LAYOUTS = {"fsdp": dict(fsdp=True), "fsdp_ep2": dict(fsdp=True, ep=2), "fsdp_tp2": dict(fsdp=True, tp=2)}
+LAYOUTS = {"fsdp": dict(fsdp=True), "fsdp_ep2": dict(fsdp=True, ep=2), "fsdp_tp2": dict(fsdp=True, tp=2),
+           # FSDP's gathers and gradients in bf16 (what parallel.fsdp_param_dtype=auto picks on a GPU)
+           "fsdp_bf16": dict(fsdp=True, fsdp_param_dtype="bfloat16"),
+           "fsdp_tp2_bf16": dict(fsdp=True, tp=2, fsdp_param_dtype="bfloat16")}
 
 
 def model_config(args):

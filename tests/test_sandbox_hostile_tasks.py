@@ -107,10 +107,22 @@ def host_state(backend: LocalBackend, watched: list[Path]) -> dict:
             "sandbox dirs": sorted(os.listdir(root)), "mounts": mounts, "cgroups": cgroups, "processes": procs}
 
 
-def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = ()) -> float:
+def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False) -> float:
+    """The task's reward when its solution is the attack: played as `check_task --oracle` does (solve.sh), or
+    (episode) by a scripted agent that sends solve.sh through the `run` tool; the host must be unchanged."""
     files_before = host_state(backend, list(watched))["files"]
     task = load_harbor_task(task_dir)
-    result = check_task(task, backend, oracle=True, log=lambda s: None)
+    if episode:
+        snapshot = prepare_task(task, backend)
+        try:
+            with backend.fork(snapshot) as sbx:
+                turns = [format_tool_call("run", {"command": task.solution.as_commands()[0]})
+                         + format_tool_call("submit", {})]
+                result = run_episode(task, sbx, ScriptedPolicy(turns))
+        finally:
+            snapshot.discard()
+    else:
+        result = check_task(task, backend, oracle=True, log=lambda s: None)
     clean = {"files": files_before, "sandbox dirs": [], "mounts": [], "cgroups": [], "processes": []}
     for _ in range(50):  # killed processes may take a moment to be reaped
         after = host_state(backend, list(watched))
@@ -269,11 +281,12 @@ wait
 """
 
 
+@pytest.mark.parametrize("played_by", ["solution", "episode"])
 @pytest.mark.parametrize("attack", ["memfd-memory", "mapped-unlinked-files"])
-def test_shared_memory_and_mapped_unlinked_files_count(tmp_path, backend, attack):
+def test_shared_memory_and_mapped_unlinked_files_count(tmp_path, backend, attack, played_by):
     solve = MEMFD_MEMORY if attack == "memfd-memory" else MAPPED_UNLINKED
     task = make_task(tmp_path, attack, solve, toml="[environment]\nmemory_mb = 256\n")
-    assert run_attack(task, backend) == 0.0
+    assert run_attack(task, backend, episode=played_by == "episode") == 0.0
 
 
 @pytest.mark.parametrize("folder", ["tests", "solution", "environment"])
@@ -480,14 +493,10 @@ def test_the_program_under_test_cannot_touch_the_verdict(tmp_path, attack, backe
     solve = _write_prog(VERIFIER_ATTACKS[attack])
     task = make_task(tmp_path, attack, solve, verifier=JUDGED_VERIFIER)
     assert run_attack(task, backend) == 0.0
+    assert run_attack(task, backend, episode=True) == 0.0
     task_def = load_harbor_task(task)
     snapshot = prepare_task(task_def, backend)
     try:
-        with backend.fork(snapshot) as sbx:
-            turns = [format_tool_call("run", {"command": solve}) + format_tool_call("submit", {})]
-            res = run_episode(task_def, sbx, ScriptedPolicy(turns))
-            assert res.reward == 0.0, (res.verify.details, res.verify.output[-500:])
-            assert sbx.read_text("/app/pwned") is None
         with backend.fork(snapshot) as sbx:
             sbx.write_file("/app/prog.py", b"print(42)\n")
             honest = task_def.verifier.verify(sbx, task_def)
