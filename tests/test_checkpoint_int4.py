@@ -93,6 +93,26 @@ def test_min_max_scales_dequantise_as_compressed_tensors_does(tmp_path):
     assert torch.equal(reader.read(name, (slice(2, 5), slice(3, 40), slice(17, 50))), full[2:5, 3:40, 17:50])
 
 
+def test_an_imported_int4_model_stays_on_its_grid_and_re_exports_the_released_bytes(tmp_path):
+    """compressed-tensors' min/max scales are not ours, yet every group of the imported experts is kept on its own
+    grid: INT4 QAT starts from exactly the released model, and the export writes compressed-tensors' packed words,
+    scales and shapes byte for byte."""
+    from safetensors.torch import load_file
+
+    path = write_int4_checkpoint(tmp_path / "released", pow2_scales=False)
+    model = load_hf_checkpoint(path, dtype=torch.float32, progress=False)
+    for name, p in model.named_parameters():
+        if ".experts.w" in name:
+            assert torch.equal(int4.fake_quantize(p.detach()), p), name
+    save_hf_checkpoint(model, tmp_path / "again", quantize="int4-experts", progress=False)
+    released, again = {}, {}
+    for f in path.glob("*.safetensors"):
+        released.update(load_file(f))
+    again.update(load_file(tmp_path / "again" / "model.safetensors"))
+    packed = [k for k in released if k.endswith(int4.SUFFIXES)]
+    assert len(packed) == 3 * 3 * 8 * 2 and all(torch.equal(released[k], again[k]) for k in packed)
+
+
 @pytest.mark.parametrize("change, named", [
     (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=128), "group 128"),
@@ -149,3 +169,23 @@ def _bf16_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "bf16"
     deepseek_model(seed=3).save_pretrained(path)
     return path
+
+
+def test_convert_hf_rewrites_int4_to_bf16_and_back_without_building_the_model(tmp_path):
+    """HF -> HF tensor by tensor: the INT4 checkpoint dequantised to bf16 holds the grid values (exact in bf16
+    with power-of-two scales), and quantising that again gives back the INT4 checkpoint's own tensors."""
+    from safetensors.torch import load_file
+
+    src = write_int4_checkpoint(tmp_path / "src")
+    for args in ([str(src), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"],
+                 [str(tmp_path / "bf16"), "--out", str(tmp_path / "int4"), "--quantize", "int4-experts"]):
+        res = subprocess.run([sys.executable, "tools/convert_hf.py", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    reader, again = HFReader(src), HFReader(tmp_path / "int4")
+    assert "quantization_config" in json.loads((tmp_path / "int4" / "config.json").read_text())
+    for name in reader.sources:
+        if ".experts.w" in name:
+            assert torch.equal(again.read(name), reader.read(name)), name
+    stored = load_file(next((tmp_path / "bf16").glob("*.safetensors")))
+    assert not any(k.endswith("weight_packed") for k in stored)

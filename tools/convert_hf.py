@@ -1,7 +1,8 @@
 """Convert between Hugging Face checkpoints and this project's model.
 
-    # HF directory -> HF directory in our export's layout (e.g. an FP8 checkpoint to bf16), tensor by tensor
-    python tools/convert_hf.py HF_DIR --out OUT_DIR [--dtype bfloat16] [--shard-gb 4]
+    # HF directory -> HF directory in our export's layout (e.g. an FP8 checkpoint to bf16), tensor by tensor;
+    # --quantize int4-experts writes the routed experts in Kimi K2.5's INT4 (compressed-tensors pack-quantized)
+    python tools/convert_hf.py HF_DIR --out OUT_DIR [--dtype bfloat16] [--shard-gb 4] [--quantize int4-experts]
     # HF directory -> logits parity against transformers on random tokens (float32)
     python tools/convert_hf.py HF_DIR --check
     # one of our training checkpoints (run dir or checkpoint dir) -> HF directory; on several ranks each
@@ -35,12 +36,17 @@ def check_against_transformers(path: Path, ours: Transformer, tokens: int = 32) 
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for module in ref.modules():  # compressed-tensors leaves dequantised INT4 experts in bf16: compute in float32
+        for param in module.parameters(recurse=False):
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
     ids = torch.randint(0, ours.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (ours.float().eval()(ids) - ref(ids).logits).abs().max().item()
 
 
-def export_training_checkpoint(path: str, out: Path, max_shard_bytes: int, dtype, overwrite: bool, parallel: dict) -> int:
+def export_training_checkpoint(path: str, out: Path, max_shard_bytes: int, dtype, overwrite: bool, parallel: dict,
+                               quantize: str | None = None) -> int:
     """Our checkpoint -> HF: the model is built in `parallel`'s layout (torchrun: every rank its shards), loads
     the checkpoint, and is written tensor by tensor. Returns the parameter count."""
     import torch.distributed as dist
@@ -64,7 +70,8 @@ def export_training_checkpoint(path: str, out: Path, max_shard_bytes: int, dtype
     model = build_model(mc, layout, torch.device("cpu"), FP8Config(), seed=0, init=InitialWeights(checkpoint=ckpt),
                         meta={"model": architecture(mc)})
     save_hf_checkpoint(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype, overwrite=overwrite,
-                       groups=layout.groups if layout.world > 1 else None, progress=layout.rank == 0)
+                       groups=layout.groups if layout.world > 1 else None, progress=layout.rank == 0,
+                       quantize=quantize)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -78,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--check", action="store_true", help="compare logits with transformers (float32)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quantize", choices=["int4-experts"], default=None,
+                   help="--out: write the routed experts in INT4 (compressed-tensors pack-quantized, group 32)")
     p.add_argument("--fsdp", action="store_true", help="--checkpoint on several ranks: shard parameters with FSDP")
     p.add_argument("--tp", type=int, default=1, help="--checkpoint on several ranks: tensor-parallel size")
     p.add_argument("--ep", type=int, default=1, help="--checkpoint on several ranks: expert-parallel size")
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
     try:
         if args.checkpoint:
             n = export_training_checkpoint(args.checkpoint, args.out, shard_bytes, dtype, args.overwrite,
-                                           dict(fsdp=args.fsdp, tp=args.tp, ep=args.ep))
+                                           dict(fsdp=args.fsdp, tp=args.tp, ep=args.ep), args.quantize)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"wrote {args.out} ({n / 1e6:.1f}M parameters on rank 0)")
             return 0
@@ -102,7 +111,8 @@ def main(argv=None) -> int:
             model = Transformer(get_preset(args.preset))
             if dtype:
                 model.to(dtype)
-            save_hf_checkpoint(model, args.out, max_shard_bytes=shard_bytes, overwrite=args.overwrite)
+            save_hf_checkpoint(model, args.out, max_shard_bytes=shard_bytes, overwrite=args.overwrite,
+                               quantize=args.quantize)
             print(f"wrote {args.out}")
             return 0
         if args.check:
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
             del model
         if args.out:
             cfg = convert_hf_checkpoint(args.hf_dir, args.out, dtype=dtype, max_shard_bytes=shard_bytes,
-                                        overwrite=args.overwrite)
+                                        overwrite=args.overwrite, quantize=args.quantize)
             print(f"wrote {args.out} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
                   f"{cfg.num_mtp_layers} MTP depth(s))")
     except (CheckpointError, ConfigError, ModelConfigError) as e:

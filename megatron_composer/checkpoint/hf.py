@@ -783,10 +783,11 @@ def save_hf_checkpoint(model: torch.nn.Module, path: str | Path, max_shard_bytes
 
 
 def convert_hf_checkpoint(src: str | Path, out: str | Path, dtype: Optional[torch.dtype] = None,
-                          max_shard_bytes: int = 4 << 30, progress: bool = True, overwrite: bool = False) -> ModelConfig:
-    """Rewrite a Hugging Face checkpoint in our export's layout (e.g. FP8 to bf16, fused experts to per-expert
-    tensors) one tensor at a time, without building the model: memory holds one output shard plus one
-    tensor. Returns the model config."""
+                          max_shard_bytes: int = 4 << 30, progress: bool = True, overwrite: bool = False,
+                          quantize: Optional[str] = None) -> ModelConfig:
+    """Rewrite a Hugging Face checkpoint in our export's layout (e.g. FP8 or INT4 to bf16, fused experts to
+    per-expert tensors, or with quantize="int4-experts" its routed experts to INT4) one tensor at a time, without
+    building the model: memory holds one output shard plus one tensor. Returns the model config."""
     reader = HFReader(src)
     cfg = reader.config
     dtype = dtype or checkpoint_dtype(reader.hf_config)
@@ -803,7 +804,7 @@ def convert_hf_checkpoint(src: str | Path, out: str | Path, dtype: Optional[torc
         name = tied.get(name, name)
         return reader.read(name) if name in reader.sources else torch.zeros(shapes[name])  # a missing routing bias
 
-    write_hf_checkpoint(out, cfg, shapes, tensor, dtype, max_shard_bytes, progress, overwrite)
+    write_hf_checkpoint(out, cfg, shapes, tensor, dtype, max_shard_bytes, progress, overwrite, quantize=quantize)
     return cfg
 
 

@@ -11,9 +11,9 @@ and the weight is q * scale of its group. config.json's `quantization_config` na
 group_size 32) and an `ignore` list of modules kept in bf16 (attention, shared experts, the dense layers, the
 head). Only that scheme is read or written here; any other is refused by name.
 
-Our quantiser picks each group's scale as the smallest bf16 number s with max(w) <= 7 s and min(w) >= -8 s, so a
-group already on the grid (w = q s with a 7 or a -8 among its q) quantises to itself exactly: exporting a model
-whose experts are on the grid, or after INT4 QAT (training/qat.py), writes the values it computes with.
+Our quantiser (`quantize`) keeps every group that is already on an INT4 grid -- ours or another quantiser's -- on
+that grid exactly, and otherwise takes the smallest bf16 scale that clips nothing: an imported INT4 model computes
+what was released under INT4 QAT (training/qat.py), and its export writes the values it computes with.
 """
 
 from __future__ import annotations
@@ -100,19 +100,55 @@ def dequantize_box(packed: torch.Tensor, scale: torch.Tensor, cols: range) -> to
     return q.float() * scale.float()[:, group]
 
 
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 number >= x (x >= 0), as bf16."""
+    b = x.to(torch.bfloat16)
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 above a positive value
+    return torch.where(b.float() < x, up, b)
+
+
+def _exact(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Per group: every value is q * s with an integer q in [-8, 7]."""
+    q = torch.round(g / s.unsqueeze(-1))
+    return ((q * s.unsqueeze(-1) == g) & (q >= -8) & (q <= 7)).all(-1)
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., in] (in a multiple of 32) -> (q int8 [..., in], scale bf16 [..., in / 32]) with the smallest bf16
-    scale per group that holds every value without clipping (see the module docstring)."""
+    """w [..., in] (in a multiple of 32) -> (q int8 [..., in], scale bf16 [..., in / 32]).
+
+    Each group's scale is the smallest bf16 number s >= need = max(max(w) / 7, -min(w) / 8) (so nothing clips)
+    at which the group is exactly q * s, if there is one, else the smallest bf16 number >= need. So a group on any
+    INT4 grid -- ours, or another quantiser's such as compressed-tensors' min/max calibration -- keeps its values
+    (a model imported from an INT4 checkpoint, exported or trained with QAT, computes what was released), and
+    quantising is idempotent. Only the candidates an on-grid group can have are tried (its extreme divided by 1..8),
+    after a per-group test of both extremes, so weights on no grid cost one extra pass."""
     if w.shape[-1] % GROUP:
         raise ValueError(f"INT4 groups of {GROUP} do not divide the input dimension {w.shape[-1]}")
     g = w.float().reshape(*w.shape[:-1], -1, GROUP)
-    need = torch.maximum(g.amax(-1).clamp_min(0) / 7, (-g.amin(-1)).clamp_min(0) / 8)
-    scale = need.to(torch.bfloat16)
-    up = (scale.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 above a positive scale
-    scale = torch.where(scale.float() < need, up, scale)
-    s = scale.float().unsqueeze(-1)
+    top, bottom = g.amax(-1).clamp_min(0), (-g.amin(-1)).clamp_min(0)
+    need = torch.maximum(top / 7, bottom / 8)
+    scale = _bf16_at_least(need).float()
+    done = _exact(g, torch.where(scale > 0, scale, 1.0)) | (need == 0)
+    if not bool(done.all()):
+        steps = torch.arange(1, 9, dtype=torch.float32, device=w.device)
+        cands = torch.cat([top.unsqueeze(-1) / steps[:7], bottom.unsqueeze(-1) / steps], -1)  # [..., G, 15]
+        ok = (cands > 0) & (cands >= need.unsqueeze(-1)) & (cands.to(torch.bfloat16).float() == cands)
+        for extreme in (top, bottom):  # both extremes whole multiples: a per-group test before any full one
+            ratio = extreme.unsqueeze(-1) / torch.where(ok, cands, 1.0)
+            ok &= torch.round(ratio) == ratio
+        cands = torch.where(ok & ~done.unsqueeze(-1), cands, float("inf")).sort(-1).values
+        for j in range(cands.shape[-1]):
+            s = cands[..., j]
+            try_ = torch.isfinite(s) & ~done
+            if not bool(try_.any()):
+                break
+            hit = try_.clone()
+            hit[try_] = _exact(g[try_], s[try_])
+            scale = torch.where(hit, s, scale)
+            done |= hit
+    s = scale.unsqueeze(-1)
     q = torch.where(s > 0, torch.round(g / torch.where(s > 0, s, 1.0)), 0.0).clamp(-8, 7)
-    return q.reshape(w.shape).to(torch.int8), scale
+    return q.reshape(w.shape).to(torch.int8), scale.to(torch.bfloat16)
 
 
 def fake_quantize(w: torch.Tensor) -> torch.Tensor:
