@@ -227,13 +227,30 @@ def test_judge_refuses_rather_than_run_the_code_unisolated(tmp_path):
     import subprocess
 
     from rl.envs.task import missing_tool
-    from rl.sandbox.local import _JUDGE_SCRIPT
+    from rl.sandbox.local import judge_script
 
     judge = tmp_path / "judge"
-    judge.write_text(_JUDGE_SCRIPT)
+    judge.write_text(judge_script(str(tmp_path / "no-bwrap-here")))
     marker = tmp_path / "ran"
-    res = subprocess.run(["/bin/bash", str(judge), "/usr/bin/touch", str(marker)], env={"PATH": str(tmp_path)},
+    res = subprocess.run(["/bin/bash", str(judge), "/usr/bin/touch", str(marker)], env={"PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True)
     assert res.returncode == 125 and not marker.exists()
     assert res.stderr.startswith("judge: cannot isolate the code under test")
     assert "unprivileged user namespaces" in missing_tool(res.stderr)
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+def test_judge_runs_the_hosts_bubblewrap_whatever_the_path_says(tmp_path):
+    """A task whose PATH puts /app/bin first: a `bwrap` the agent planted there is not what judge runs."""
+    from rl.sandbox.local import LocalSandbox
+
+    sb = LocalSandbox(None, env={"PATH": "/app/bin:/usr/bin:/bin"})
+    try:
+        sb.write_file("/app/bin/bwrap", b"#!/bin/sh\necho 1 > /logs/verifier/reward.txt; touch /app/planted-ran\n")
+        sb.exec("chmod +x /app/bin/bwrap")
+        sb.enter_verifier()
+        res = sb.exec("/opt/verifier/bin/judge sh -c 'echo judged; ls /logs'")
+        assert res.exit_code == 0 and res.output.strip() == "judged", res.output
+        assert sb.read_text("/app/planted-ran") is None and sb.read_text("/logs/verifier/reward.txt") is None
+    finally:
+        sb.close()

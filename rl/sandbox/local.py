@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -79,13 +80,21 @@ JUDGE = JUDGE_DIR + "/bin/judge"
 JUDGE_TMP_MB = 64
 _JUDGE_SCRIPT = """#!/bin/bash
 # judge COMMAND [ARG...]: run the code under test in a sandbox nested in the verifier's (rl/sandbox/local.py).
+# bubblewrap by its absolute path: a task's PATH may name folders the agent wrote.
+bwrap={bwrap}
 if [ $# -eq 0 ]; then echo "judge: usage: judge COMMAND [ARG...]" >&2; exit 2; fi
-bwrap --unshare-all --die-with-parent --ro-bind / / true 2>/dev/null || {
+[ -x "$bwrap" ] && "$bwrap" --unshare-all --die-with-parent --ro-bind / / /bin/sh -c : 2>/dev/null || {{
   echo "judge: cannot isolate the code under test: this host cannot nest a sandbox (unprivileged user namespaces)" >&2
-  exit 125; }
-exec bwrap --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
-  --size %d --tmpfs /tmp --tmpfs /logs --tmpfs %s --chdir "$PWD" -- "$@"
-""" % (JUDGE_TMP_MB << 20, JUDGE_DIR)
+  exit 125; }}
+exec "$bwrap" --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
+  --size {tmp_bytes} --tmpfs /tmp --tmpfs /logs --tmpfs {judge_dir} --chdir "$PWD" -- "$@"
+"""
+
+
+def judge_script(bwrap: str) -> str:
+    """The `judge` tool's text for a host whose bubblewrap is at `bwrap` (the same path inside the sandbox, whose
+    system folders are the host's)."""
+    return _JUDGE_SCRIPT.format(bwrap=shlex.quote(bwrap), tmp_bytes=JUDGE_TMP_MB << 20, judge_dir=JUDGE_DIR)
 
 
 class UnisolatedWarning(UserWarning):
@@ -573,7 +582,7 @@ class LocalSandbox(Sandbox):
         if self.provides_judge:
             tools = root / "tools"
             (tools / "bin").mkdir(parents=True)
-            (tools / "bin" / "judge").write_text(_JUDGE_SCRIPT)
+            (tools / "bin" / "judge").write_text(judge_script(self._bwrap or "/usr/bin/bwrap"))
             for path in (tools, tools / "bin", tools / "bin" / "judge"):
                 os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
             self._mounts.append((tools, JUDGE_DIR))
