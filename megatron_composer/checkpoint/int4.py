@@ -18,8 +18,6 @@ what was released under INT4 QAT (training/qat.py), and its export writes the va
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .errors import CheckpointError
@@ -33,21 +31,15 @@ OTHER_SUFFIXES = (".weight_zero_point", ".weight_g_idx", ".weight_global_scale",
 SUPPORTED = "compressed-tensors pack-quantized INT4 (4-bit int, symmetric, group 32: W4A16, as Kimi K2.5 ships)"
 
 
-@dataclass(frozen=True)
-class Int4Scheme:
-    """The quantization_config of a checkpoint whose weights (those not ignored) are pack-quantized INT4."""
-    targets: tuple[str, ...]
-    ignore: tuple[str, ...]
-
-
 def quantization_config(hf: dict) -> dict | None:
     """config.json's quantization_config (at the top, or in a multimodal model's text_config)."""
     return hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
 
 
-def read_scheme(hf: dict, where: str) -> Int4Scheme | None:
-    """The INT4 scheme of a config.json, None when it declares no quantization (or DeepSeek's FP8, which the
-    reader handles by its tensors); a one-line CheckpointError naming any scheme it cannot read."""
+def read_scheme(hf: dict, where: str) -> dict | None:
+    """A config.json's quantization_config once checked to be the INT4 scheme read here; None when it declares no
+    quantization (or DeepSeek's FP8, which the reader handles by its tensors); a one-line CheckpointError naming
+    any scheme it cannot read."""
     q = quantization_config(hf)
     if not q or q.get("quant_method") == "fp8":
         return None
@@ -55,8 +47,8 @@ def read_scheme(hf: dict, where: str) -> Int4Scheme | None:
     if method != "compressed-tensors" or fmt != "pack-quantized":
         raise CheckpointError(f"{where}: quantization {method!r} format {fmt!r} is not supported; supported: "
                               f"{SUPPORTED}, and DeepSeek's FP8 blocks")
-    targets: list[str] = []
-    for name, group in (q.get("config_groups") or {}).items():
+    groups = q.get("config_groups") or {}
+    for name, group in groups.items():
         w = group.get("weights") or {}
         scheme = (f"{w.get('num_bits')}-bit {w.get('type')}, {'symmetric' if w.get('symmetric') else 'asymmetric'}, "
                   f"strategy {w.get('strategy')}, group {w.get('group_size')}"
@@ -67,10 +59,9 @@ def read_scheme(hf: dict, where: str) -> Int4Scheme | None:
               and not w.get("actorder") and not group.get("input_activations"))
         if not ok:
             raise CheckpointError(f"{where}: quantization_config group {name!r} is {scheme}; supported: {SUPPORTED}")
-        targets.extend(group.get("targets") or [])
-    if not targets:
+    if not any(group.get("targets") for group in groups.values()):
         raise CheckpointError(f"{where}: quantization_config has no config_groups with targets; supported: {SUPPORTED}")
-    return Int4Scheme(tuple(targets), tuple(q.get("ignore") or ()))
+    return q
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -171,6 +162,6 @@ def quantization_config_for_experts() -> dict:
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-__all__ = ["EXPERTS_TARGET", "GROUP", "Int4Scheme", "OTHER_SUFFIXES", "SUFFIXES", "SUPPORTED", "dequantize_box",
+__all__ = ["EXPERTS_TARGET", "GROUP", "OTHER_SUFFIXES", "SUFFIXES", "SUPPORTED", "dequantize_box",
            "fake_quantize", "pack", "quantization_config", "quantization_config_for_experts", "quantize",
            "read_scheme", "unpack"]

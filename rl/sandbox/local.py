@@ -76,7 +76,6 @@ RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib",
 # leaves running dies with it; its exit status is the command's. Where a sandbox cannot be nested it refuses
 # (status 125) rather than run the code unisolated.
 JUDGE_DIR = "/opt/verifier"
-JUDGE = JUDGE_DIR + "/bin/judge"
 JUDGE_TMP_MB = 64
 _JUDGE_SCRIPT = """#!/bin/bash
 # judge COMMAND [ARG...]: run the code under test in a sandbox nested in the verifier's (rl/sandbox/local.py).
