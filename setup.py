@@ -13,6 +13,7 @@ setup(
         "pyyaml",
         "tqdm",
         "safetensors",
+        "jinja2>=3.1.6",  # a checkpoint's own chat template (data/chat_format.py), rendered as transformers renders it
         "megatron-core>=0.16,<0.20",
         "tomli>=1.1; python_version < '3.11'",
         "zstandard",

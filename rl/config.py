@@ -24,6 +24,9 @@ from rl.weight_sync import ObjectStore, WeightSyncConfig
 class RLDataConfig:
     tasks: str = field(default="examples/tiny/rl_tasks", metadata={"help": "task directory: tasks.jsonl and/or Harbor task folders"})
     tokenizer: str = field(default="data/tiny/tokenizer", metadata={"help": "tokenizer file or directory"})
+    chat_format: str = field(default="auto", metadata={"help": "how prompts render and turns parse: auto (the tokenizer directory's "
+                                                              "chat template, else chatml), chatml, or the template's tool-call "
+                                                              "family: kimi_k2, deepseek_v3, hermes"})
     seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from; the rope scaling is the "
                                                         "weights' own (inherited from the checkpoint), else YaRN factor = this / "
                                                         "model.yarn_original_length; 0 = rollout.max_seq_len"})
@@ -74,6 +77,10 @@ class RLConfig:
         self.parallel.validate()
         self.fp8.validate()
         self.qat.validate()
+        from megatron_composer.data.chat_format import CHAT_FORMATS
+
+        if self.data.chat_format not in CHAT_FORMATS:
+            raise ConfigError(f"data.chat_format={self.data.chat_format!r} is not known; use one of {list(CHAT_FORMATS)}")
         if self.trainer_ranks < 1:
             raise ConfigError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
         if self.train.steps < 1 or self.train.groups_per_step < 1 or self.train.micro_batch_size < 1:

@@ -43,7 +43,7 @@ def _run_config(ckpt: Path, overrides: list[str]):
     # a pretraining run's config has the same model section; keep only what the RL schema knows
     keep = {k: data[k] for k in ("model",) if k in data}
     if "data" in data:
-        keep["data"] = {k: data["data"][k] for k in ("tokenizer", "seq_length") if k in data["data"]}
+        keep["data"] = {k: data["data"][k] for k in ("tokenizer", "chat_format", "seq_length") if k in data["data"]}
     for k in ("rollout", "weight_sync"):
         if k in data:
             keep[k] = data[k]
@@ -74,12 +74,13 @@ def summarize_groups(tasks, results: list[dict], samples: int, success_reward: f
 
 
 def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,
-                   seed: int = 0, progress: bool = True) -> tuple[dict, list[dict]]:
+                   seed: int = 0, progress: bool = True, chat_format=None) -> tuple[dict, list[dict]]:
     """Run ``samples`` episodes per task with the rollout worker's runners; (summary, transcript rows)."""
     from rl.orchestrator import WorkItem
     from rl.rollout.worker import RolloutWorker
 
-    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed)
+    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed,
+                           chat_format=chat_format)
     results, rows = [], []
     for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
         result = worker.run_group(WorkItem(gid=i, prompt_index=i, samples=samples))
@@ -107,7 +108,10 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
     tasks = load_rl_tasks(tasks_dir)
     model, meta = build_model(cfg, tokenizer)
     load_checkpoint(ckpt, model, None, meta, restore_rng=False)
-    summary, rows = evaluate_model(model, tokenizer, cfg.rollout, tasks, samples, success_reward, seed)
+    from megatron_composer.data.chat_format import load_chat_format
+
+    summary, rows = evaluate_model(model, tokenizer, cfg.rollout, tasks, samples, success_reward, seed,
+                                   chat_format=load_chat_format(cfg.data.chat_format, tokenizer))
     out = Path(output) if output else ckpt / f"eval_{Path(tasks_dir).name}.jsonl"
     with open(out, "w") as fh:
         fh.writelines(json.dumps(row, default=str) + "\n" for row in rows)

@@ -66,12 +66,27 @@ def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:
     return True
 
 
+def check_chat_format(cfg: RLConfig) -> None:
+    """data.chat_format against the tokenizer directory (its template, its end-of-turn token), before any work."""
+    from megatron_composer.data.chat_format import load_chat_format
+    from megatron_composer.data.chat_template import ChatFormatError
+    from megatron_composer.data.tokenizer import load_tokenizer
+
+    if not Path(cfg.data.tokenizer).exists():
+        return  # load_tokenizer's own error comes where the tokenizer is first needed
+    try:
+        load_chat_format(cfg.data.chat_format, load_tokenizer(cfg.data.tokenizer))
+    except ChatFormatError as e:
+        raise ConfigError(f"data.chat_format: {e}") from None
+
+
 def run_rl(cfg: RLConfig) -> Path | None:
     cfg.validate()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg.check_runnable(world)
     check_model_layout(cfg)
+    check_chat_format(cfg)
     if cfg.role == "auto":
         role = "trainer" if rank < cfg.trainer_ranks else "rollout"
     else:

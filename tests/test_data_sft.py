@@ -65,7 +65,7 @@ def test_positions_restart_and_padding_has_no_loss():
     tok = CharTokenizer()
     ds = PackedSFTDataset([conv(0), conv(1)], tok, seq_length=800, seed=0)
     s = ds[0]
-    ids, train = tokenize_conversation(conv(0), tok)
+    ((ids, train),) = tokenize_conversation(conv(0), tok)
     n = len(ids)
     assert s["position_ids"][n] == 0 and s["position_ids"][n - 1] == n - 1
     pad_pos = (s["tokens"] == tok.pad).nonzero().flatten()
@@ -84,3 +84,30 @@ def test_sft_split_and_errors(tmp_path):
         build_sft_datasets(cfg, CharTokenizer(), seed=0)
     with pytest.raises(DataError, match="missing"):
         build_sft_datasets(DataConfig(kind="sft", tokenizer="x", paths=[str(tmp_path / "no.jsonl")]), CharTokenizer(), 0)
+
+
+def test_sft_with_the_models_own_template(tmp_path):
+    """data.chat_format=auto on a checkpoint directory with a chat template (Kimi K2's format): conversations with
+    tools render with it, and the tokens with loss are exactly the assistant turns as the template writes them."""
+    from megatron_composer.data.chat_format import load_chat_format
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from tests.chat_assets import write_family_tokenizer
+
+    directory = write_family_tokenizer(tmp_path, "kimi_k2")
+    tok = load_tokenizer(directory)
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {}}}}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": conv(i), "tools": tools}) for i in range(4)) + "\n")
+    cfg = DataConfig(kind="sft", tokenizer=str(directory), paths=[str(path)], split="1,0,0", seq_length=2048)
+    train, _ = build_sft_datasets(cfg, tok, seed=0)
+    fmt = load_chat_format("auto", tok)
+    row = train[0]
+    trained = tok.decode([t for t, m in zip(row["labels"].tolist(), row["loss_mask"].tolist()) if m])
+    assert trained.count("<|im_end|>") == 2 * 4  # two assistant turns per conversation, each with its end of turn
+    assert trained.count("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>") == 4
+    assert "tool_declare" not in trained and "question" not in trained and "file0.py" not in trained
+    first_turn = next(text for text, train in fmt.render_segments(conv(0), tools=tools)[0] if train)
+    assert fmt.parse(first_turn).tool_calls == [{"name": "run", "arguments": {"cmd": "ls 0"}}]
+    bad = DataConfig(kind="sft", tokenizer=str(directory), paths=[str(path)], chat_format="deepseek_v3")
+    with pytest.raises(DataError, match="data.chat_format: .*no '<｜end▁of▁sentence｜>' token"):
+        build_sft_datasets(bad, tok, seed=0)

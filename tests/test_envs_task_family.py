@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_composer.data.chat_template import parse_assistant, render_segments
+from megatron_composer.data.chat_format import ChatMLFormat
+from megatron_composer.data.chat_template import structured_tool_calls
+from rl.envs.agent import AGENT_TOOLS
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.envs.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns
@@ -44,18 +46,22 @@ def test_every_kind_scores_0_untouched_and_1_solved_and_replays_as_sft(tmp_path)
         assert check_task(task, backend, oracle=True, log=lambda *_: None).reward == 1.0, d.name
     convs = solution_transcripts(dirs, _approx_tokens, backend=backend)  # raises unless each replay scores 1
     assert len(convs) == len(dirs)
-    for d, conv in zip(dirs, convs):
+    for d, record in zip(dirs, convs):
         want = solution_turns(load_harbor_task(d))
-        got = [parse_assistant(m["content"]).tool_calls for m in conv if m["role"] == "assistant"]
+        conv = record["messages"]
+        got = [structured_tool_calls(m)[0] for m in conv if m["role"] == "assistant"]
         assert got == want
         assert [m["role"] for m in conv[:2]] == ["system", "user"] and conv[-1]["content"] == "submitted"
-        trained = "".join(text for text, train in render_segments(conv) if train)
+        assert record["tools"] == AGENT_TOOLS
+        (segments,) = ChatMLFormat().render_segments(conv, tools=record["tools"])
+        trained = "".join(text for text, train in segments if train)
         assert trained.count("<tool_call>") == sum(len(t) for t in want)  # loss only on the assistant's turns
+        assert "- run(command: str, timeout: int (optional))" in segments[0][0]  # the tools, listed in the system prompt
     # a trigger below the fix-test episodes' third context (but above every first context) summarises them only
     fix = [d for d in dirs if d.name.startswith("fix-test")]
-    first = max(_approx_tokens("".join(t for t, _ in render_segments(c[:2]))) for c in convs)
+    first = max(_approx_tokens(ChatMLFormat().render(c["messages"][:2], tools=AGENT_TOOLS)) for c in convs)
     chained = solution_transcripts(fix, _approx_tokens, backend=backend, summary_trigger_tokens=first + 60)
     assert len(chained) == 2 * len(fix)
-    head, tail = chained[0], chained[1]
+    head, tail = chained[0]["messages"], chained[1]["messages"]
     assert head[-2]["content"].startswith("Your context is full") and head[-1]["content"].startswith("Done: read_file")
     assert "Summary of your work so far" in tail[1]["content"]

@@ -144,3 +144,34 @@ def test_bad_requests_get_4xx_and_server_survives(served, path, body, status, ne
     got, out = _call(server, "/v1/completions", raw=b"{not json")
     assert got == 400 and "JSON" in out["error"]["message"]
     assert _call(server, "/health")[0] == 200
+
+
+def test_chat_in_the_models_own_format(tmp_path):
+    """A checkpoint with Kimi K2.5's template: the request's messages and tools render with it (prompt_token_ids),
+    and the model's Kimi-format reply comes back as reasoning_content and tool_calls with the model's own ids."""
+    from megatron_composer.data.chat_format import load_chat_format
+    from tests.chat_assets import KIMI_ARGS, KIMI_REASONING, kimi_scripted_model, kimi_tokenizer
+
+    tok = kimi_tokenizer(tmp_path)
+    fmt = load_chat_format("auto", tok)
+    model, turn_ids = kimi_scripted_model(tok)
+    server = InferenceServer(Engine(model, max_batch_size=4, cache_memory_bytes=8 << 20), tok, "kimi").start()
+    try:
+        tools = [{"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {}}}}]
+        messages = [{"role": "user", "content": "Make hello.py say goodbye."}]
+        status, out = _call(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 20,
+                                                              "temperature": 0})
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["prompt_token_ids"] == tok.encode(fmt.render(messages, tools=tools, add_generation_prompt=True))
+        assert choice["token_ids"] == turn_ids  # stops at (and includes) Kimi's <|im_end|>
+        message = choice["message"]
+        assert message["reasoning_content"] == KIMI_REASONING and message["content"] == ""
+        (call,) = message["tool_calls"]
+        assert call["id"] == "functions.edit_file:0" and call["function"]["name"] == "edit_file"
+        assert json.loads(call["function"]["arguments"]) == json.loads(KIMI_ARGS)
+        assert choice["finish_reason"] == "tool_calls"
+        status, out = _call(server, "/v1/chat/completions", {"messages": messages, "tools": "edit_file"})
+        assert status == 400 and "'tools'" in out["error"]["message"]
+    finally:
+        server.stop()

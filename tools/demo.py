@@ -94,7 +94,7 @@ def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: 
                                  summary_trigger_tokens=AGENT_SUMMARY_TRIGGER, workers=workers)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as fh:
-        fh.writelines(json.dumps({"messages": messages}) + "\n" for messages in convs)
+        fh.writelines(json.dumps(record) + "\n" for record in convs)
     tmp.rename(path)  # only a complete file counts as done on a re-run
     return len(convs)
 

@@ -25,6 +25,8 @@ from megatron_composer.optional import require
 class DataConfig:
     kind: Literal["pretrain", "sft"] = field(default="pretrain", metadata={"help": "pretrain: indexed token data; sft: chat JSONL"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer file or directory (tools/train_tokenizer.py or an HF checkpoint dir)"})
+    chat_format: str = field(default="auto", metadata={"help": "sft: auto (the tokenizer directory's chat template, else chatml), "
+                                                              "chatml, or the template's tool-call family: kimi_k2, deepseek_v3, hermes"})
     paths: list[str] = field(default_factory=list, metadata={"help": "pretrain: indexed dataset prefixes (PREFIX.bin/.idx); sft: chat JSONL files"})
     weights: list[float] = field(default_factory=list, metadata={"help": "blend weights, one per path (empty: proportional to size)"})
     split: str = field(default="98,2,0", metadata={"help": "train,valid,test proportions of documents (conversations for SFT)"})
@@ -41,6 +43,10 @@ class DataConfig:
             raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; give one weight per path or none")
         if self.seq_length < 2:
             raise ConfigError(f"data.seq_length={self.seq_length} is too small; use at least 2")
+        from megatron_composer.data.chat_format import CHAT_FORMATS
+
+        if self.chat_format not in CHAT_FORMATS:
+            raise ConfigError(f"data.chat_format={self.chat_format!r} is not known; use one of {list(CHAT_FORMATS)}")
 
 
 class DataError(ValueError):

@@ -1,10 +1,13 @@
-"""SFT data: chat JSONL conversations rendered by the shared chat template, packed into fixed-length rows.
+"""SFT data: chat JSONL conversations rendered by the run's chat format (`data.chat_format`: the model's own
+template or the project's ChatML), packed into fixed-length rows.
 
-Each JSONL line is {"messages": [...]} (or a bare list of messages) in the schema of
-megatron_composer.data.chat_template. Every rendered segment is tokenized separately so the trainable flag
-of each token is exact; a token carries loss only when it is part of an assistant turn (its content, tool
-calls and closing <|im_end|>). Conversations are packed greedily into rows of seq_length+1 tokens;
-position_ids restart at every conversation so attention stays inside it, and padding carries no loss.
+Each JSONL line is {"messages": [...], "tools": [...]} (tools optional, OpenAI function schemas; or a bare
+list of messages) in the OpenAI message schema. Every rendered segment is tokenized separately so the trainable
+flag of each token is exact; a token carries loss only when it is part of an assistant turn (what the model
+writes after its generation prompt: reasoning, content, tool calls and the closing end of turn). A template that
+renders earlier turns differently later (drops their reasoning) gives one sample per such turn (see
+`ChatFormat.render_segments`). Samples are packed greedily into rows of seq_length+1 tokens; position_ids
+restart at every sample so attention stays inside it, and padding carries no loss.
 """
 
 from __future__ import annotations
@@ -14,25 +17,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_composer.data.chat_template import ChatFormatError, render_segments
+from megatron_composer.data.chat_format import ChatFormat, ChatMLFormat, load_chat_format
+from megatron_composer.data.chat_template import ChatFormatError
 from megatron_composer.data.corpus import iter_jsonl
 from megatron_composer.data.pretrain_data import DataError
 
 
-def tokenize_conversation(messages: list[dict], tokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids of a rendered conversation and, per token, whether it is trained on; ends with EOD."""
-    ids: list[int] = []
-    trainable: list[bool] = []
-    for text, train in render_segments(messages):
-        piece = tokenizer.encode(text)
-        ids.extend(piece)
-        trainable.extend([train] * len(piece))
-    ids.append(tokenizer.eod)
-    trainable.append(False)
-    return ids, trainable
+def tokenize_conversation(messages: list[dict], tokenizer, chat_format: ChatFormat | None = None,
+                          tools: list[dict] | None = None) -> list[tuple[list[int], list[bool]]]:
+    """The SFT samples of a conversation: token ids and, per token, whether it is trained on; each ends with EOD."""
+    samples = []
+    for segments in (chat_format or ChatMLFormat()).render_segments(messages, tools=tools):
+        ids: list[int] = []
+        trainable: list[bool] = []
+        for text, train in segments:
+            piece = tokenizer.encode(text)
+            ids.extend(piece)
+            trainable.extend([train] * len(piece))
+        ids.append(tokenizer.eod)
+        trainable.append(False)
+        samples.append((ids, trainable))
+    return samples
 
 
-def read_conversations(paths: list[str]) -> list[list[dict]]:
+def read_conversations(paths: list[str]) -> list[dict]:
+    """{"messages", "tools"} records of chat JSONL files."""
     conversations = []
     for path in paths:
         if not Path(path).is_file():
@@ -41,7 +50,10 @@ def read_conversations(paths: list[str]) -> list[list[dict]]:
             messages = record.get("messages") if isinstance(record, dict) else record
             if not isinstance(messages, list) or not messages:
                 raise DataError(f"{path}:{lineno} needs a non-empty 'messages' list")
-            conversations.append(messages)
+            tools = record.get("tools") if isinstance(record, dict) else None
+            if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise DataError(f"{path}:{lineno}: 'tools' must be a list of function schemas")
+            conversations.append({"messages": messages, "tools": tools or None})
     if not conversations:
         raise DataError(f"no conversations in {paths}")
     return conversations
@@ -81,11 +93,14 @@ def pack_conversations(tokenized: list[tuple[list[int], list[bool]]], seq_length
 class PackedSFTDataset:
     """Packed rows, reshuffled each epoch with a seed-determined permutation; index i is stable across runs."""
 
-    def __init__(self, conversations: list[list[dict]], tokenizer, seq_length: int, seed: int):
+    def __init__(self, conversations: list, tokenizer, seq_length: int, seed: int,
+                 chat_format: ChatFormat | None = None):
+        """conversations: {"messages", "tools"} records or bare message lists."""
         tokenized = []
         for i, conv in enumerate(conversations):
+            record = conv if isinstance(conv, dict) else {"messages": conv}
             try:
-                tokenized.append(tokenize_conversation(conv, tokenizer))
+                tokenized += tokenize_conversation(record["messages"], tokenizer, chat_format, record.get("tools"))
             except ChatFormatError as e:
                 raise DataError(f"conversation {i}: {e}") from None
         self.truncated = sum(len(ids) > seq_length + 1 for ids, _ in tokenized)
@@ -117,6 +132,10 @@ class PackedSFTDataset:
 
 def build_sft_datasets(cfg, tokenizer, seed: int):
     """Split conversations by cfg.split (train, valid fractions) with a seeded shuffle, then pack each side."""
+    try:
+        chat_format = load_chat_format(cfg.chat_format, tokenizer)
+    except ChatFormatError as e:
+        raise DataError(f"data.chat_format: {e}") from None
     conversations = read_conversations(cfg.paths)
     parts = [float(x) for x in cfg.split.replace("/", ",").split(",")]
     perm = np.random.default_rng(seed).permutation(len(conversations))
@@ -127,6 +146,6 @@ def build_sft_datasets(cfg, tokenizer, seed: int):
         raise DataError(f"only {len(conversations)} conversations: too few for data.split='{cfg.split}'; add data or lower the valid share")
     valid_convs = [conversations[i] for i in perm[:n_valid]]
     train_convs = [conversations[i] for i in perm[n_valid:]]
-    train = PackedSFTDataset(train_convs, tokenizer, cfg.seq_length, seed)
-    valid = PackedSFTDataset(valid_convs, tokenizer, cfg.seq_length, seed + 1) if valid_convs else None
+    train = PackedSFTDataset(train_convs, tokenizer, cfg.seq_length, seed, chat_format)
+    valid = PackedSFTDataset(valid_convs, tokenizer, cfg.seq_length, seed + 1, chat_format) if valid_convs else None
     return train, valid

@@ -43,6 +43,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of a single token (a chat template's markers, e.g. <|im_end|>), None if the vocabulary lacks it."""
         return self.special_tokens.get(token)
 
     # megatron-core's dataset code reads these names.
@@ -90,6 +91,10 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._sp.EncodeAsIds(text)
 
+    def token_to_id(self, token: str) -> int | None:
+        idx = self._sp.PieceToId(token)
+        return None if idx == self._sp.unk_id() and token != self._sp.IdToPiece(idx) else idx
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
@@ -131,6 +136,9 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -227,6 +235,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server over the engine (standard library only).
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
-Chat requests are rendered with the project's chat template (`data.chat_template.render_text`) and the
-reply is parsed with `parse_assistant`, so tool calls come back as OpenAI `tool_calls`. Generation stops at
-the tokenizer's end-of-document token and, for chat, at <|im_end|>.
+Chat requests (`messages`, optional `tools`) are rendered in the server's chat format (`--chat-format`:
+the checkpoint's own template with its tool-call parser, else the project's ChatML; data.chat_format) and the
+reply is parsed by the same format, so reasoning comes back as `reasoning_content` and tool calls as OpenAI
+`tool_calls` (with the ids the model wrote, e.g. Kimi's functions.NAME:IDX). Generation stops at the
+tokenizer's end-of-document token and, for chat, at the format's end of turn.
 
 Beyond the OpenAI fields every choice carries what RL training needs: `token_ids`, `token_logprobs`
 (temperature-1 log-probabilities), `sampling_logprobs` (under the distribution sampled from),
@@ -31,7 +33,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
-from megatron_composer.data.chat_template import IM_END, ChatFormatError, parse_assistant, render_text
+from megatron_composer.data.chat_format import ChatFormat, load_chat_format, new_call_id
+from megatron_composer.data.chat_template import ChatFormatError
 
 import torch.distributed as dist
 
@@ -66,8 +69,9 @@ class InferenceServer:
     """Runs the engine loop in one thread and an HTTP server in another; `start()`, `url`, `stop()`."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str = "megatron-composer", host: str = "127.0.0.1",
-                 port: int = 0, request_timeout_s: float = 600.0, group=None):
+                 port: int = 0, request_timeout_s: float = 600.0, group=None, chat_format: Optional[ChatFormat] = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.format = chat_format or load_chat_format("auto", tokenizer)
         if engine.detokenize is None:
             engine.detokenize = tokenizer.decode
         self.request_timeout_s = request_timeout_s
@@ -233,11 +237,7 @@ class InferenceServer:
         raise RequestError("'prompt' must be a string, a list of token ids, or a list of those")
 
     def _stop_ids(self, chat: bool) -> list[int]:
-        ids = [self.tokenizer.eod]
-        im_end = self.tokenizer.token_to_id(IM_END)
-        if chat and im_end is not None:
-            ids.append(im_end)
-        return ids
+        return self.format.stop_token_ids(self.tokenizer) if chat else [self.tokenizer.eod]
 
     @staticmethod
     def _extras(r: GenerationResult) -> dict:
@@ -279,19 +279,26 @@ class InferenceServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("'messages' must be a non-empty list of message objects")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("'tools' must be a list of function schemas ({\"type\": \"function\", \"function\": {...}})")
         params, n = self._sampling(body, self._stop_ids(chat=True))
         try:
-            prompt = self.tokenizer.encode(render_text(messages, add_generation_prompt=True))
+            prompt = self.tokenizer.encode(self.format.render(messages, tools=tools or None, add_generation_prompt=True))
         except (ChatFormatError, KeyError, TypeError) as e:
             raise RequestError(f"bad 'messages': {e}") from None
         results = self._generate([prompt] * n, params)
         choices = []
         for i, r in enumerate(results):
-            parsed = parse_assistant(self.tokenizer.decode(r.token_ids))
-            tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            parsed = self.format.parse(self.tokenizer.decode(r.token_ids))
+            ids = [(parsed.ids[j] if j < len(parsed.ids) and parsed.ids[j] else new_call_id())
+                   for j in range(len(parsed.tool_calls))]
+            tool_calls = [{"id": call_id, "type": "function",
                            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                          for c in parsed.tool_calls]
+                          for call_id, c in zip(ids, parsed.tool_calls)]
             message = {"role": "assistant", "content": parsed.content}
+            if parsed.reasoning:
+                message["reasoning_content"] = parsed.reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
             finish = "tool_calls" if tool_calls and r.finish_reason == "stop" else r.finish_reason
@@ -367,6 +374,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="megatron-composer")
+    p.add_argument("--chat-format", default="auto", help="auto (the tokenizer directory's chat template, else chatml), chatml, "
+                                                         "or the template's tool-call family: kimi_k2, deepseek_v3, hermes")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--cache-memory-gb", type=float, default=4.0)
     p.add_argument("--batch-invariant", action="store_true", help="bitwise batch-invariant numerics (slower)")
@@ -387,6 +396,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"--tp {tp} x --ep {args.ep} needs as many processes; launch with torchrun "
                          f"--nproc-per-node {tp * args.ep}")
     tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    try:
+        chat_format = load_chat_format(args.chat_format, tokenizer)
+    except ChatFormatError as e:
+        raise SystemExit(f"--chat-format: {e}") from None
     cfg, dtype = hf_config(args.checkpoint)
     tokenizer.check_fits_model(cfg.vocab_size)
     groups = None
@@ -405,7 +418,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         follow(engine, group=group)
         return
     try:
-        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port, group=group)
+        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port, group=group,
+                                 chat_format=chat_format)
     except BaseException:
         if world > 1:
             Lockstep(engine, group=group).stop()  # release the ranks already waiting in follow()

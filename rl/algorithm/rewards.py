@@ -79,13 +79,16 @@ def length_measure(transcript: Transcript, measure: str, num_output_tokens: Opti
 # ---- behaviour rewards ------------------------------------------------------------------------------------
 
 def _assistant_tool_calls(transcript: Transcript) -> Iterable[tuple[list[dict], list[str]]]:
-    """Per assistant message: (well-formed calls as {"name", "arguments"}, errors of malformed ones)."""
+    """Per assistant message: (well-formed calls as {"name", "arguments"}, errors of malformed ones). Calls are
+    read from the message's `tool_calls` (and `tool_call_errors`, as the agent records a turn its chat format
+    parsed) and from ChatML <tool_call> markup left in its content (SFT data written that way)."""
     for message in transcript:
         if message.get("role") != "assistant":
             continue
         parsed = parse_assistant(message.get("content") or "")
         structured, structured_errors = structured_tool_calls(message)
-        yield list(parsed.tool_calls) + structured, list(parsed.errors) + structured_errors
+        recorded = list(message.get("tool_call_errors") or [])
+        yield list(parsed.tool_calls) + structured, list(parsed.errors) + structured_errors + recorded
 
 
 def malformed_tool_calls(transcript: Transcript) -> float:

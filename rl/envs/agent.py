@@ -1,7 +1,10 @@
 """One agentic episode: the model talks, its tool calls run in a sandbox, the task's verifier gives the reward.
 
-The conversation uses the project's chat template (megatron_composer.data.chat_template): the policy sees
-messages and returns the assistant's generated text; tool calls in it are parsed with `parse_assistant`.
+The conversation is rendered and parsed by the run's chat format (megatron_composer.data.chat_format: the
+project's ChatML or the model's own template): the policy sees OpenAI-style messages and returns the assistant's
+generated text; the format parses its reasoning, text and tool calls, which join the conversation as an
+assistant message with `tool_calls` (call ids as the model wrote them, else the format's), and each tool result
+follows as a `tool` message answering its call id. The tools are declared to the template as `AGENT_TOOLS`.
 Budgets: turns, generated tokens and wall-clock time. Self-summarisation: when the context passes a token
 trigger, the `summarize` hook (the rollout, which asks the model) returns a summary and the episode continues
 in a new segment that holds only the system prompt, the task and that summary. The episode's reward applies to
@@ -14,15 +17,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from megatron_composer.data.chat_template import format_tool_call, parse_assistant, render_text
+from megatron_composer.data.chat_format import ChatFormat, ChatMLFormat
 from rl.envs.task import Task, VerifyResult
-from rl.envs.tools import ToolBox, tool_descriptions
+from rl.envs.tools import ToolBox, tool_schemas
 from rl.sandbox.base import Sandbox
 
 SYSTEM_PROMPT = """You are a software engineering agent working in an isolated Linux sandbox without network.
-The task's files are in {workdir}, your working directory. Use the tools below; you may call several per turn.
-{tools}
-When the task is done, call submit."""
+The task's files are in {workdir}, your working directory. When the task is done, call submit.
+Use the tools; you may call several per turn."""
+AGENT_TOOLS = tool_schemas()
 
 SUMMARY_REQUEST = ("Your context is full. Summarise the task, what you have done, what you learned about the code "
                    "and what remains, so that you can continue from the summary alone.")
@@ -71,7 +74,7 @@ class EpisodeResult:
 
 def initial_messages(task: Task, workdir: str) -> list[dict]:
     return [
-        {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir, tools=tool_descriptions())},
+        {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir)},
         {"role": "user", "content": task.instruction},
     ]
 
@@ -79,10 +82,13 @@ def initial_messages(task: Task, workdir: str) -> list[dict]:
 def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeConfig | None = None, *,
                 count_tokens: Callable[[str], int] = approx_tokens,
                 summarize: Callable[[list[dict]], str] | None = None, verify: bool = True,
-                context_tokens: Callable[[list[dict]], int] | None = None) -> EpisodeResult:
+                context_tokens: Callable[[list[dict]], int] | None = None,
+                chat_format: ChatFormat | None = None) -> EpisodeResult:
     """`context_tokens(messages)`: the context size the summary trigger compares (default: count_tokens of the
-    rendered conversation; a policy that holds the token stream answers without re-tokenising it)."""
+    rendered conversation; a policy that holds the token stream answers without re-tokenising it).
+    `chat_format`: parses the policy's turns (default ChatML); the policy renders with the same one."""
     config = config or EpisodeConfig()
+    fmt = chat_format or ChatMLFormat()
     t0 = time.monotonic()
     budget_s = config.time_budget_s if config.time_budget_s is not None else task.limits.agent_timeout_s
     max_turns = min(config.max_turns, task.limits.max_turns)
@@ -90,7 +96,7 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
                     command_timeout_s=config.command_timeout_s)
     messages = initial_messages(task, sandbox.workdir)
     segments, summaries = [messages], []
-    generated = turns = 0
+    generated = turns = calls_made = 0
     stop = "max_turns"
     while turns < max_turns:
         if time.monotonic() - t0 > budget_s:
@@ -102,24 +108,26 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
         text = policy(messages)
         turns += 1
         generated += count_tokens(text)
-        parsed = parse_assistant(text)
-        messages.append({"role": "assistant", "content": text.split("<|im_end|>", 1)[0]})
+        parsed = fmt.parse(text)
+        reply = fmt.assistant_message(parsed, first_call_index=calls_made)
+        calls_made += len(parsed.tool_calls)
+        messages.append(reply)
         for error in parsed.errors:
             messages.append({"role": "tool", "content": tools.malformed(error).text})
         if not parsed.tool_calls and not parsed.errors:
             stop = "no_tool_call"
             break
-        for call in parsed.tool_calls:
+        for call, sent in zip(parsed.tool_calls, reply.get("tool_calls", [])):
             if tools.submitted:
                 break
             obs = tools.call(call["name"], call["arguments"])
-            messages.append({"role": "tool", "content": obs.text})
+            messages.append({"role": "tool", "tool_call_id": sent["id"], "content": obs.text})
         if tools.submitted:
             stop = "submitted"
             break
         more_turns = turns < max_turns and generated < config.max_generated_tokens  # a summary nobody reads is waste
         if (summarize is not None and config.summary_trigger_tokens is not None and more_turns
-                and (context_tokens(messages) if context_tokens else count_tokens(render_text(messages)))
+                and (context_tokens(messages) if context_tokens else count_tokens(fmt.render(messages, tools=AGENT_TOOLS)))
                 >= config.summary_trigger_tokens):
             summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
             generated += count_tokens(summary)
@@ -137,30 +145,40 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
 
 
 class ScriptedPolicy:
-    """Replays fixed assistant turns (then submits). Used for oracle replays, tests and benchmarks."""
+    """Replays fixed assistant turns (then submits). Used for oracle replays, tests and benchmarks.
 
-    def __init__(self, turns: list[str]):
+    A turn is the text the model would write, or {"content", "tool_calls": [{"name", "arguments"}]}, written
+    in `chat_format` (default ChatML) as that format's template renders such a turn."""
+
+    def __init__(self, turns: list, chat_format: ChatFormat | None = None):
         self.turns = list(turns)
+        self.format = chat_format or ChatMLFormat()
         self.i = 0
 
     def __call__(self, messages: list[dict]) -> str:
         self.i += 1
-        if self.i <= len(self.turns):
-            return self.turns[self.i - 1]
-        return format_tool_call("submit", {})
+        turn = self.turns[self.i - 1] if self.i <= len(self.turns) else {"tool_calls": [call("submit")]}
+        if isinstance(turn, str):
+            return turn
+        made = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
+        return self.format.assistant_text(turn.get("content", ""), turn.get("tool_calls"), first_call_index=made)
 
 
-def oracle_policy(task: Task) -> ScriptedPolicy:
+def call(name: str, **arguments) -> dict:
+    return {"name": name, "arguments": arguments}
+
+
+def oracle_policy(task: Task, chat_format: ChatFormat | None = None) -> ScriptedPolicy:
     """An agent that looks around, then replays the task's reference solution through the `run` tool."""
     if task.solution is None:
         raise ValueError(f"task {task.name} has no reference solution to replay")
-    turns = ["Let me look at the task tree." + format_tool_call("list_dir", {"path": "."}),
-             format_tool_call("todo", {"action": "add", "text": "apply the fix"})]
-    turns += [format_tool_call("run", {"command": cmd}) for cmd in task.solution.as_commands()]
-    turns += [format_tool_call("todo", {"action": "complete", "id": 1}),
-              "Done." + format_tool_call("submit", {"summary": "applied the reference solution"})]
-    return ScriptedPolicy(turns)
+    turns = [{"content": "Let me look at the task tree.", "tool_calls": [call("list_dir", path=".")]},
+             {"tool_calls": [call("todo", action="add", text="apply the fix")]}]
+    turns += [{"tool_calls": [call("run", command=cmd)]} for cmd in task.solution.as_commands()]
+    turns += [{"tool_calls": [call("todo", action="complete", id=1)]},
+              {"content": "Done.", "tool_calls": [call("submit", summary="applied the reference solution")]}]
+    return ScriptedPolicy(turns, chat_format)
 
 
-def noop_policy() -> ScriptedPolicy:
-    return ScriptedPolicy([format_tool_call("submit", {"summary": "nothing"})])
+def noop_policy(chat_format: ChatFormat | None = None) -> ScriptedPolicy:
+    return ScriptedPolicy([{"tool_calls": [call("submit", summary="nothing")]}], chat_format)

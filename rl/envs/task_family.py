@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_composer.data.chat_template import format_tool_call
 
 KINDS = ("create_file", "rename_file", "move_file", "replace_word", "fix_test", "command_output")
 
@@ -287,41 +286,44 @@ def solution_turns(task) -> list[list[dict]]:
 
 def progress_summary(messages: list[dict]) -> str:
     """The summary the reference episodes give when asked to summarise: the task's tool calls so far."""
-    from megatron_composer.data.chat_template import parse_assistant
+    from megatron_composer.data.chat_template import structured_tool_calls
 
     done = [f"{c['name']} {c['arguments'].get('path') or c['arguments'].get('command', '')}".strip()
-            for m in messages if m["role"] == "assistant" for c in parse_assistant(m["content"]).tool_calls]
+            for m in messages if m["role"] == "assistant" for c in structured_tool_calls(m)[0]]
     return "Done: " + "; ".join(done) + ". Remaining: check the result and submit."
 
 
-def solution_episode(task, sandbox, *, count_tokens: Callable[[str], int], summary_trigger_tokens: Optional[int] = None):
+def solution_episode(task, sandbox, *, count_tokens: Callable[[str], int], summary_trigger_tokens: Optional[int] = None,
+                     chat_format=None):
     """Replay the task's reference tool calls through `run_episode` in `sandbox` (the real protocol: parser,
     tools, observations, verifier). With a summary trigger, a context that reaches it is summarised by
     `progress_summary` and the episode continues in a new segment, as rollouts do."""
     from rl.envs.agent import EpisodeConfig, ScriptedPolicy, run_episode
 
-    turns = ["".join(format_tool_call(c["name"], c["arguments"]) for c in calls) for calls in solution_turns(task)]
+    turns = [{"tool_calls": calls} for calls in solution_turns(task)]
     cfg = EpisodeConfig(max_turns=len(turns), summary_trigger_tokens=summary_trigger_tokens)
-    return run_episode(task, sandbox, ScriptedPolicy(turns), cfg, count_tokens=count_tokens,
-                       summarize=progress_summary if summary_trigger_tokens else None)
+    return run_episode(task, sandbox, ScriptedPolicy(turns, chat_format), cfg, count_tokens=count_tokens,
+                       summarize=progress_summary if summary_trigger_tokens else None, chat_format=chat_format)
 
 
-def sft_conversations(episode) -> list[list[dict]]:
-    """The SFT conversations of a solved episode: one per segment; a segment that ended in a summary ends with
-    the summary request and the summary as the assistant's turn (what a rollout samples and trains)."""
-    from rl.envs.agent import SUMMARY_REQUEST
+def sft_conversations(episode) -> list[dict]:
+    """The SFT records ({"messages", "tools"}) of a solved episode: one per segment; a segment that ended in a
+    summary ends with the summary request and the summary as the assistant's turn (what a rollout samples and
+    trains). The tools are the agent's, declared as the rollouts declare them."""
+    from rl.envs.agent import AGENT_TOOLS, SUMMARY_REQUEST
 
     out = []
     for i, seg in enumerate(episode.segments):
         conv = list(seg)
         if i < len(episode.summaries):
             conv += [{"role": "user", "content": SUMMARY_REQUEST}, {"role": "assistant", "content": episode.summaries[i]}]
-        out.append(conv)
+        out.append({"messages": conv, "tools": AGENT_TOOLS})
     return out
 
 
 def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], int], *,
-                         summary_trigger_tokens: Optional[int] = None, backend=None, workers: int = 2) -> list[list[dict]]:
+                         summary_trigger_tokens: Optional[int] = None, backend=None, workers: int = 2,
+                         chat_format=None) -> list[dict]:
     """SFT conversations of the reference solutions of generated tasks, each replayed in its own sandbox by
     `solution_episode`; a replay the verifier does not reward 1 is an error (the task family is broken)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -334,13 +336,13 @@ def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], in
 
         backend = LocalBackend()
 
-    def one(d: Path) -> list[list[dict]]:
+    def one(d: Path) -> list[dict]:
         task = load_harbor_task(d)
         snapshot = prepare_task(task, backend)
         try:
             with backend.fork(snapshot) as sandbox:
                 ep = solution_episode(task, sandbox, count_tokens=count_tokens,
-                                      summary_trigger_tokens=summary_trigger_tokens)
+                                      summary_trigger_tokens=summary_trigger_tokens, chat_format=chat_format)
         finally:
             snapshot.discard()
         if ep.reward != 1.0 or ep.stop_reason != "submitted":

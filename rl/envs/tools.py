@@ -2,7 +2,7 @@
 
 Every file tool runs as a command inside the sandbox and first resolves its path there (symlinks included);
 a path that resolves outside the task tree is refused, and even a mistake here could only reach what the
-sandbox itself can see. Calls arrive parsed by megatron_composer.data.chat_template.parse_assistant; calls with
+sandbox itself can see. Calls arrive parsed by the run's chat format (megatron_composer.data.chat_format); calls with
 an unknown tool or wrong arguments become error observations and are counted as malformed.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from megatron_composer.data.chat_template import format_tool_call
 from rl.sandbox.base import Sandbox
 
 # name -> (description, {argument: (type, required, description)})
@@ -75,13 +74,15 @@ def truncate(text: str, limit: int) -> tuple[str, bool]:
     return text[:head] + "\n" + TRUNCATION_MARKER.format(n=cut) + "\n" + text[len(text) - tail:], True
 
 
-def tool_descriptions() -> str:
-    lines = []
-    for name, (desc, params) in TOOL_SPECS.items():
-        args = ", ".join(f"{a}: {t.__name__}{'' if req else ' (optional)'}" for a, (t, req, _) in params.items())
-        lines.append(f"- {name}({args}): {desc}")
-    example = format_tool_call("run", {"command": "ls"})
-    return "\n".join(lines) + f"\nCall a tool by writing, for example: {example}"
+def tool_schemas() -> list[dict]:
+    """The tools as OpenAI function schemas: what a chat template declares (ChatML lists them in the system prompt)."""
+    json_types = {str: "string", int: "integer", bool: "boolean", float: "number"}
+    return [{"type": "function", "function": {
+        "name": name, "description": desc,
+        "parameters": {"type": "object",
+                       "properties": {a: {"type": json_types[t], "description": d} for a, (t, _, d) in params.items()},
+                       "required": [a for a, (_, req, _) in params.items() if req]}}}
+        for name, (desc, params) in TOOL_SPECS.items()]
 
 
 @dataclass

@@ -25,6 +25,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
     """A rollout worker on `model` (default: `rollout_model`'s whole model; a tp / ep shard from it), subscribed
     to the boxes of the weights that shard holds; with eval.interval it also runs the held-out evaluation items
     of eval.tasks."""
+    from megatron_composer.data.chat_format import load_chat_format
     from rl.rollout.tasks import load_rl_tasks
 
     if model is None:
@@ -34,7 +35,8 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue,
                          cfg.weight_sync.shard_subscriber(weight_store(cfg), model), seed=seed,
                          poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl,
-                         engine_group=engine_group, eval_tasks=eval_tasks)
+                         engine_group=engine_group, eval_tasks=eval_tasks,
+                         chat_format=load_chat_format(cfg.data.chat_format, tokenizer))
 
 
 def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:

@@ -9,8 +9,13 @@ and v+1; each token records the version it was sampled under.
 Episodes:
 * single-turn tasks: the G samples of the prompt are generated as one batch and scored by the task's check;
 * agent tasks: `rl.envs.run_episode` in forks of the task's sandbox (`SandboxPool`), the policy being this
-  engine. The policy keeps the exact token ids it generated and appends the rendered tool observations as
-  context tokens (loss mask 0), so the trainer sees the very tokens that were sampled.
+  engine. Token in, token out: the policy keeps the exact token ids it generated and appends only the tokens of
+  what the environment added after them (`ChatFormat.continuation`: the rest of the turn's closing, the tool
+  results, the next generation prompt) as context tokens (loss mask 0); nothing already in the context is
+  re-rendered or re-tokenised, so the trainer sees the very tokens that were sampled, in the context they were
+  sampled in (earlier turns keep their reasoning even where the template, re-rendering, would drop it).
+
+Conversations are rendered in the run's chat format (`data.chat_format`: the model's own template or ChatML).
 
 Several threads may generate at once (one per sandbox of a group): each adds its requests and then helps
 stepping the engine under one lock until its own requests finish, so concurrent episodes share decode steps.
@@ -42,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from megatron_composer.data.chat_template import IM_END, render_text
+from megatron_composer.data.chat_format import ChatFormat, load_chat_format
 from megatron_composer.inference import Engine, Lockstep, follow
 from megatron_composer.inference.lockstep import WeightsRefused
 from megatron_composer.inference.sampling import SamplingParams
@@ -195,8 +200,10 @@ class RolloutWorker:
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
                  queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
                  stops_since: Optional[float] = None, objective=None, engine_group=None,
-                 eval_tasks: Optional[list[RLTask]] = None):
+                 eval_tasks: Optional[list[RLTask]] = None, chat_format: Optional[ChatFormat] = None):
         self.name, self.cfg, self.tokenizer, self.tasks, self.queue = name, cfg, tokenizer, tasks, queue
+        # how prompts are rendered and turns parsed (data.chat_format; default: the tokenizer's template, else ChatML)
+        self.format = chat_format or load_chat_format("auto", tokenizer)
         # held-out tasks (eval.tasks) and their queue; None: this worker takes no evaluation items
         self.eval_tasks = eval_tasks
         self.eval_queue = queue.held_out() if queue is not None and eval_tasks else None
@@ -209,8 +216,8 @@ class RolloutWorker:
         # every call that changes the engine goes through here (the engine's other ranks replay it); engine_group:
         # all of the engine's ranks (default its tensor-parallel group; an expert-parallel engine passes its own)
         self.drive = Lockstep(self.engine, group=engine_group)
-        self.stop_ids = [t for t in (tokenizer.token_to_id(IM_END), tokenizer.eod) if t is not None]
-        self._im_end = tokenizer.token_to_id(IM_END)
+        self.stop_ids = self.format.stop_token_ids(tokenizer)
+        self.end_of_turn_id = tokenizer.token_to_id(self.format.end_of_turn)
         self._drive_lock = threading.Lock()
         self._backend = sandbox_backend
         self._pool = None
@@ -270,8 +277,8 @@ class RolloutWorker:
                     self.drive.step()
         return [results[r] for r in rids]
 
-    def _prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode(render_text(messages, add_generation_prompt=True))
+    def _prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        return self.tokenizer.encode(self.format.render(messages, tools=tools, add_generation_prompt=True))
 
     def _text(self, token_ids: list[int]) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] in self.stop_ids else token_ids
@@ -326,7 +333,8 @@ class RolloutWorker:
         try:
             ep = run_episode(task.harbor, sandbox, policy, cfg,
                              count_tokens=lambda text: len(self.tokenizer.encode(text)),
-                             summarize=policy.summarize if trigger else None, context_tokens=policy.context_tokens)
+                             summarize=policy.summarize if trigger else None, context_tokens=policy.context_tokens,
+                             chat_format=self.format)
         except Exception as e:  # the sandbox or the verifier's machinery broke, not the model
             raise EpisodeCrash(f"{type(e).__name__}: {e}") from e
         segments = policy.all_segments()
@@ -533,31 +541,37 @@ class _Heartbeat:
 class EnginePolicy:
     """`rl.envs.agent.Policy` backed by the worker's engine, recording the exact token stream.
 
-    One `TokenLedger` per segment. ``summarize`` (run_episode's self-summarisation hook) samples the summary
-    as the last turn of the current segment, closes it, and the next call starts a new ledger from the condensed
+    One `TokenLedger` per segment: its prompt is the rendered start of the conversation; after that it only
+    grows, by the tokens sampled (mask 1) and by the tokens of `ChatFormat.continuation` for what run_episode
+    appended since (mask 0). ``summarize`` (run_episode's self-summarisation hook) samples the summary as the
+    last turn of the current segment, closes it, and the next call starts a new ledger from the condensed
     context run_episode hands over (system + task + summary)."""
 
     def __init__(self, worker: RolloutWorker, seed: int):
+        from rl.envs.agent import AGENT_TOOLS
+
         self.worker = worker
+        self.tools = AGENT_TOOLS
         self.seed = seed
         self.ledger: Optional[TokenLedger] = None
         self.finished: list[dict] = []  # closed segments, each ending with its summary
-        self.seen = 0  # messages already in the ledger
+        self.seen = 0  # messages already in the ledger (the last one: our own sampled turn)
         self.turn = 0
         self.overflowed = False
 
+    def _continuation_ids(self, messages: list[dict]) -> list[int]:
+        """Tokens of what run_episode appended after our last sampled turn (messages[seen - 1])."""
+        w = self.worker
+        closed = bool(self.ledger.response_ids) and self.ledger.response_ids[-1] == w.end_of_turn_id
+        text = w.format.continuation(messages[:self.seen], messages[self.seen:], tools=self.tools, closed=closed)
+        return w.tokenizer.encode(text)
+
     def _read(self, messages: list[dict]) -> None:
         """Bring the ledger up to `messages`: a new segment's prompt, or the messages since the last turn."""
-        w = self.worker
         if self.ledger is None:
-            self.ledger = TokenLedger(w._prompt_ids(messages))
+            self.ledger = TokenLedger(self.worker._prompt_ids(messages, self.tools))
         else:
-            # run_episode appended our own assistant message (already in the ledger as sampled tokens), then
-            # the tool observations (and the summary request); those become context tokens.
-            new = [m for m in messages[self.seen:] if m["role"] != "assistant"]
-            last = self.ledger.response_ids[-1] if self.ledger.response_ids else None
-            closing = "\n" if last == w._im_end else IM_END + "\n"
-            self.ledger.add_context(w.tokenizer.encode(closing + render_text(new, add_generation_prompt=True)))
+            self.ledger.add_context(self._continuation_ids(messages))
         self.seen = len(messages)
 
     def _sample(self, max_new_tokens: int) -> Optional[str]:
@@ -584,9 +598,8 @@ class EnginePolicy:
         """Size of the context `messages` makes: the ledger plus what run_episode appended since our last turn
         (only that tail is tokenised)."""
         if self.ledger is None:
-            return len(self.worker._prompt_ids(messages))
-        new = [m for m in messages[self.seen:] if m["role"] != "assistant"]
-        return len(self.ledger.ids) + (len(self.worker.tokenizer.encode(render_text(new))) if new else 0)
+            return len(self.worker._prompt_ids(messages, self.tools))
+        return len(self.ledger.ids) + (len(self._continuation_ids(messages)) if len(messages) > self.seen else 0)
 
     def summarize(self, messages: list[dict]) -> str:
         self._read(messages)  # ends with the summary request
