@@ -74,3 +74,51 @@ def test_plan_parallel_rejects_impossible_layout_in_one_line():
     assert r.returncode != 0
     err = r.stderr.strip()
     assert "\n" not in err and "change parallel.tp" in err
+
+
+def test_rollout_plan_counts_weights_and_cache_of_an_engine():
+    import math
+
+    from megatron_composer.model import get_preset
+    from megatron_composer.parallel.cost import (RolloutEngine, model_params, rollout_kv_bytes_per_token,
+                                                 rollout_plan, rollout_weight_bytes, smallest_rollout_engine)
+
+    for preset in ("tiny-deepseek-v3", "tiny-qwen3-moe"):
+        cfg = get_preset(preset)
+        params = model_params(cfg)
+        main = [(n, s) for n, s in params if not n.startswith("mtp.")]
+        experts = sum(math.prod(s) for n, s in main if ".experts." in n and ".shared_experts." not in n)
+        one = rollout_weight_bytes(cfg, RolloutEngine(gpus=1), params)
+        assert sum(one.values()) == 2 * sum(math.prod(s) for _, s in main)  # bf16 on one GPU: the whole model
+        assert one["routed experts"] == 2 * experts
+        int4 = rollout_weight_bytes(cfg, RolloutEngine(gpus=4, tp=2, weights="int4"), params)
+        assert int4["routed experts"] == experts * (0.5 + 2 / 32) / 4  # packed nibbles + a bf16 scale per 32
+        tp2 = rollout_weight_bytes(cfg, RolloutEngine(gpus=2, tp=2), params)
+        assert tp2["embeddings and head"] == one["embeddings and head"] / 2 and tp2["routed experts"] == one["routed experts"] / 2
+        kv = rollout_kv_bytes_per_token(cfg, RolloutEngine(gpus=2, tp=2))
+        if cfg.attention == "mla":  # the latent row is replicated over tp
+            assert kv == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_layers * 2
+        else:
+            assert kv == 2 * (cfg.num_kv_heads // 2) * cfg.gqa_head_dim * cfg.num_layers * 2
+        engine = RolloutEngine(gpus=4, tp=2)
+        mem = 64 << 20
+        p = rollout_plan(cfg, engine, seq_len=512, concurrency=4, gpu_mem_bytes=mem, params=params)
+        n = p["max_concurrency"]
+        assert n > 0 and n % engine.attention_groups == 0
+        assert rollout_plan(cfg, engine, 512, n, mem, params=params)["fits"]
+        assert not rollout_plan(cfg, engine, 512, n + engine.attention_groups, mem, params=params)["fits"]
+        found = smallest_rollout_engine(cfg, 512, 4 * n, mem, params=params)
+        assert found is not None and found[1]["fits"]
+        smaller = found[0].gpus // 2
+        assert smaller == 0 or all(not rollout_plan(cfg, RolloutEngine(gpus=smaller, tp=t), 512, 4 * n, mem, params=params)["fits"]
+                                   for t in (1, 2, 4, 8) if smaller % t == 0)
+
+
+def test_plan_parallel_rollout_for_kimi_int4():
+    r = _plan("--rollout", "--preset", "kimi-k2.5", "--gpus", "8", "--gpu-mem", "288", "--tp", "8", "--weights", "int4",
+              "--seq", "131072", "--concurrency", "8")
+    assert r.returncode == 0, r.stderr
+    for needle in ("routed experts", "KV cache per token", "fits", "smallest engine for 8 x 131072"):
+        assert needle in r.stdout
+    r = _plan("--rollout", "--preset", "kimi-k2.5", "--gpus", "8", "--gpu-mem", "288", "--tp", "3", "--seq", "4096")
+    assert r.returncode != 0 and "\n" not in r.stderr.strip() and "must divide" in r.stderr

@@ -14,6 +14,13 @@ tiny CPU configs). Communication: collective payload bytes per GPU per optimizer
 expert all-to-all; FSDP's all-gathers and reduce-scatters of every block per micro-batch), and the time they
 take at --link-gbps (ring algorithm factors).
 
+--rollout plans an inference engine instead (rollouts, serving): --gpus GPUs per engine, attention and dense
+weights over --tp, routed experts over --ep (default: all of the engine's GPUs, as vLLM's expert parallelism),
+weights in --weights bf16 | fp8 | int4 (experts), and --concurrency sequences of --seq tokens in flight; it prints
+the weights and KV cache per GPU, the concurrency that fits, and the smallest engine that holds the request:
+
+    python tools/plan_parallel.py --rollout --preset kimi-k2.5 --gpus 8 --gpu-mem 288 --tp 8 --weights int4 --seq 262144 --concurrency 16
+
 --simulate builds the real model in the layout as one rank of the --gpus world on fake tensors and torch's fake
 process group, runs one training step under torch's memory tracker (pretrain/dry_run.py) and prints the
 measured peak by kind next to the estimate.
@@ -31,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import get_preset  # noqa: E402
-from megatron_composer.parallel.cost import (OPS, Layout, activation_bytes, backward_peak,  # noqa: E402
-                                             comm_per_step, memory_per_rank, model_params)
+from megatron_composer.parallel.cost import (OPS, ROLLOUT_WEIGHT_FORMATS, Layout, RolloutEngine,  # noqa: E402
+                                             activation_bytes, backward_peak, comm_per_step, memory_per_rank,
+                                             model_params, rollout_plan, smallest_rollout_engine)
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import validate_layout  # noqa: E402
 
@@ -160,6 +168,37 @@ def print_simulation(cfg, args, p) -> bool:
     return r.peak_bytes <= args.gpu_mem * GiB
 
 
+def print_rollout(cfg, params, args) -> bool:
+    try:
+        engine = RolloutEngine(gpus=args.gpus, tp=args.tp, ep=args.ep if args.ep > 1 or args.gpus == 1 else 0,
+                               weights=args.weights, kv_bytes=1 if args.kv_dtype == "fp8" else 2)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    p = rollout_plan(cfg, engine, args.seq, args.concurrency, args.gpu_mem * GiB, args.utilization, params)
+    print(f"rollout engine: {engine.gpus} GPUs, attention and dense weights over tp={engine.tp} "
+          f"({engine.attention_groups} data-parallel attention group(s)), routed experts over ep={engine.ep}; "
+          f"{engine.weights} weights, {args.kv_dtype} KV cache")
+    for k, v in p["weights"].items():
+        print(f"  {k:22s} {v / GiB:9.2f} GiB per GPU")
+    print(f"  {'weights':22s} {p['weight_bytes'] / GiB:9.2f} GiB per GPU")
+    print(f"  KV cache per token     {p['kv_per_token'] / 2**10:9.1f} KiB per GPU of its attention group "
+          f"({p['kv_per_token'] * args.seq / GiB:.2f} GiB per {args.seq}-token sequence)")
+    print(f"  {args.concurrency} sequences of {args.seq} tokens: {p['seqs_per_group']} per attention group, "
+          f"{p['kv_bytes'] / GiB:.2f} GiB of cache per GPU")
+    print(f"  total {p['total'] / GiB:.2f} GiB of the {p['budget'] / GiB:.1f} GiB usable ({args.utilization:g} x "
+          f"{args.gpu_mem:g}): {'fits' if p['fits'] else 'does NOT fit'}; at most {p['max_concurrency']} sequences "
+          f"of {args.seq} tokens fit this engine")
+    best = smallest_rollout_engine(cfg, args.seq, args.concurrency, args.gpu_mem * GiB, args.weights,
+                                   kv_bytes=engine.kv_bytes, utilization=args.utilization, params=params)
+    if best is None:
+        print("  no engine up to 1024 GPUs holds that; lower --concurrency or --seq")
+    else:
+        e, bp = best
+        print(f"  smallest engine for {args.concurrency} x {args.seq} tokens: {e.gpus} GPUs (tp={e.tp}, ep={e.ep}), "
+              f"{bp['total'] / GiB:.1f} GiB per GPU")
+    return p["fits"]
+
+
 def _divisors(n: int, cap: int) -> list[int]:
     return [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if k <= cap and n % k == 0]
 
@@ -188,6 +227,13 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", action="store_true", help="try every tp/cp/ep and list the layouts that fit")
     ap.add_argument("--simulate", action="store_true", help="dry-run one training step at full size (fake tensors)")
     ap.add_argument("--recompute", choices=["full", "none"], default="full", help="activation checkpointing (--simulate)")
+    ap.add_argument("--rollout", action="store_true", help="plan an inference engine (rollouts) instead of training")
+    ap.add_argument("--weights", choices=sorted(ROLLOUT_WEIGHT_FORMATS), default="bf16",
+                    help="--rollout: weight format (int4: pack-quantized routed experts, the rest bf16)")
+    ap.add_argument("--concurrency", type=int, default=1, help="--rollout: sequences in flight per engine")
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="--rollout: KV cache dtype")
+    ap.add_argument("--utilization", type=float, default=0.9,
+                    help="--rollout: share of GPU memory for weights and cache (the rest: activations, CUDA graphs)")
     ap.add_argument("--sim-layers", type=int, default=None,
                     help="--simulate N and N+1 layers and extrapolate to the model's depth (faster)")
     args = ap.parse_args(argv)
@@ -198,6 +244,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: {e}") from None
     if args.mtp_layers is not None:
         cfg = cfg.replace(num_mtp_layers=args.mtp_layers)
+    if args.rollout:
+        params = model_params(cfg)
+        print(f"{args.preset}: {sum(math.prod(s) for _, s in params) / 1e9:.1f} B parameters, {cfg.num_layers} layers, "
+              f"{cfg.num_experts} experts, {cfg.attention.upper()} attention")
+        print_rollout(cfg, params, args)
+        return
     nbytes = 2 if args.dtype == "bf16" else 4
     params = model_params(cfg)
     common = dict(seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches, sp=not args.no_sp,

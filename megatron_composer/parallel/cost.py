@@ -566,3 +566,115 @@ def saved_tensor_bytes(run, exclude=()) -> int:
 
 
 __all__ += ["activation_bytes", "saved_tensor_bytes", "trainer_loss_bytes"]
+
+
+# ---- rollout engines -------------------------------------------------------------------------------------
+
+# bytes per parameter of each weight format: (routed experts, other matmul weights); embeddings, head, norms
+# and routers stay bf16 in every format (as the released FP8 and INT4 checkpoints keep them)
+ROLLOUT_WEIGHT_FORMATS = {
+    "bf16": (2.0, 2.0),
+    "fp8": (1 + 4 / 128**2, 1 + 4 / 128**2),  # e4m3 with an fp32 scale per 128x128 block (DeepSeek's FP8)
+    "int4": (0.5 + 2 / 32, 2.0),  # pack-quantized experts: 4 bits plus a bf16 scale per group of 32 (Kimi K2.5)
+}
+
+
+@dataclass
+class RolloutEngine:
+    """One inference engine: `gpus` GPUs; attention, dense and vocabulary weights split over `tp` (replicated over
+    gpus / tp data-parallel attention groups, each holding its own sequences' cache); routed experts split over
+    `ep` (replicated gpus / ep times). vLLM's --enable-expert-parallel is ep = gpus."""
+
+    gpus: int
+    tp: int = 1
+    ep: int = 0  # 0: all of the engine's GPUs
+    weights: str = "bf16"
+    kv_bytes: int = 2  # cache dtype: 2 bf16, 1 fp8
+    mtp: bool = False  # the MTP layers are loaded (speculative decoding) and cache too
+
+    def __post_init__(self):
+        self.ep = self.ep or self.gpus
+        if self.weights not in ROLLOUT_WEIGHT_FORMATS:
+            raise ValueError(f"weight format {self.weights!r}: use one of {list(ROLLOUT_WEIGHT_FORMATS)}")
+        if self.gpus % self.tp or self.gpus % self.ep:
+            raise ValueError(f"tp={self.tp} and ep={self.ep} must divide the engine's {self.gpus} GPUs")
+
+    @property
+    def attention_groups(self) -> int:
+        return self.gpus // self.tp
+
+
+def rollout_weight_bytes(cfg, engine: RolloutEngine, params: Optional[list] = None) -> dict[str, float]:
+    """Bytes of weights on one GPU of the engine, by kind."""
+    params = params if params is not None else model_params(cfg)
+    expert_b, dense_b = ROLLOUT_WEIGHT_FORMATS[engine.weights]
+    out = {"routed experts": 0.0, "dense matmuls": 0.0, "embeddings and head": 0.0, "norms and routers": 0.0}
+    for name, shape in params:
+        if name.startswith("mtp.") and not engine.mtp:
+            continue
+        n = math.prod(shape)
+        if ".experts." in name and ".shared_experts." not in name:
+            out["routed experts"] += n * expert_b / engine.ep
+        elif name.split(".")[0] in ("tok_embeddings", "output"):
+            out["embeddings and head"] += n * 2 / engine.tp
+        elif len(shape) == 1 or "router" in name.split("."):
+            out["norms and routers"] += n * 2
+        else:
+            kind = param_kind(name, False, cfg.attention)
+            out["dense matmuls"] += n * dense_b / (engine.tp if kind == "tp_sharded" else 1)
+    return out
+
+
+def rollout_kv_bytes_per_token(cfg, engine: RolloutEngine) -> float:
+    """Cache bytes one token of a sequence takes on each GPU of its attention group (MLA's latent row is
+    replicated over tp; GQA's kv heads are split), from the engine's own cache layout (inference/kv_cache.py)."""
+    from megatron_composer.inference.kv_cache import cache_entries_per_token
+
+    tp = engine.tp
+    kv_heads = cfg.num_kv_heads or cfg.num_heads
+    if cfg.attention == "gqa" and kv_heads % tp and tp % kv_heads == 0:
+        tp = kv_heads  # more ranks than kv heads: each head is replicated, one per rank
+    per_layer = sum(math.prod(shape) for shape in cache_entries_per_token(cfg, tp))
+    layers = cfg.num_layers + (cfg.num_mtp_layers if engine.mtp else 0)
+    return per_layer * layers * engine.kv_bytes
+
+
+def rollout_plan(cfg, engine: RolloutEngine, seq_len: int, concurrency: int, gpu_mem_bytes: float,
+                 utilization: float = 0.9, params: Optional[list] = None) -> dict:
+    """Per-GPU memory of an engine holding `concurrency` sequences of `seq_len` tokens: weights, KV cache and
+    what is left of `utilization` x the GPU's memory (the rest is the runtime's: activations, CUDA graphs)."""
+    weights = rollout_weight_bytes(cfg, engine, params)
+    per_token = rollout_kv_bytes_per_token(cfg, engine)
+    seqs_per_group = math.ceil(concurrency / engine.attention_groups)
+    kv = seqs_per_group * seq_len * per_token
+    budget = utilization * gpu_mem_bytes
+    free_for_kv = budget - sum(weights.values())
+    max_seqs = max(0, int(free_for_kv // (seq_len * per_token))) * engine.attention_groups if free_for_kv > 0 else 0
+    return {"weights": weights, "weight_bytes": sum(weights.values()), "kv_per_token": per_token,
+            "seqs_per_group": seqs_per_group, "kv_bytes": kv, "total": sum(weights.values()) + kv,
+            "budget": budget, "fits": sum(weights.values()) + kv <= budget, "max_concurrency": max_seqs}
+
+
+def smallest_rollout_engine(cfg, seq_len: int, concurrency: int, gpu_mem_bytes: float, weights: str = "bf16",
+                            kv_bytes: int = 2, utilization: float = 0.9, max_gpus: int = 1024,
+                            params: Optional[list] = None) -> Optional[tuple[RolloutEngine, dict]]:
+    """The engine with the fewest GPUs (powers of two, experts over all of them) whose GPUs hold the weights and
+    `concurrency` sequences of `seq_len` tokens; of its tp choices (1..8) the one with the least memory per GPU."""
+    params = params if params is not None else model_params(cfg)
+    gpus = 1
+    while gpus <= max_gpus:
+        fits = []
+        for tp in (1, 2, 4, 8):
+            if gpus % tp == 0:
+                try:
+                    engine = RolloutEngine(gpus=gpus, tp=tp, weights=weights, kv_bytes=kv_bytes)
+                    plan = rollout_plan(cfg, engine, seq_len, concurrency, gpu_mem_bytes, utilization, params)
+                except ValueError:  # e.g. kv heads that do not split over tp
+                    continue
+                if plan["fits"]:
+                    fits.append((plan["total"], tp, engine, plan))
+        if fits:
+            _, _, engine, plan = min(fits, key=lambda f: (f[0], f[1]))
+            return engine, plan
+        gpus *= 2
+    return None
