@@ -54,10 +54,12 @@ from rl.model import build_model_meta
 
 
 def episodes_of(result: dict) -> list[Episode]:
-    """The episodes of one finished group (a rollout worker's result) in the algorithm's types."""
+    """The episodes of one finished group (a rollout worker's result) in the algorithm's types; segments still
+    in their record file (rl.rollout.records.StoredSegment) stay there until a rank trains on them."""
     out = []
     for ep in result["episodes"]:
-        segs = [Segment(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_logprobs=s["response_logprobs"],
+        segs = [s if hasattr(s, "load") else
+                Segment(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_logprobs=s["response_logprobs"],
                         response_mask=s["response_mask"], routed_experts=s["routed_experts"]) for s in ep["segments"]]
         out.append(Episode(segments=segs, reward=float(ep["reward"]), metadata=ep.get("meta", {})))
     return out
@@ -168,8 +170,8 @@ class PolicyLearner:
     def _padding_sample(self, like: TrainingSample) -> TrainingSample:
         """One pad token with loss mask 0 (and routing to experts 0..k-1 when samples carry routing)."""
         routed = None
-        if like.routed_experts is not None:
-            routed = torch.arange(self.top_k).expand(like.routed_experts.shape[0], 1, self.top_k).clone()
+        if like.routing_shape is not None:
+            routed = torch.arange(self.top_k).expand(like.routing_shape[0], 1, self.top_k).clone()
         return TrainingSample(input_ids=[self.pad_id], loss_mask=[0], behaviour_logprobs=[0.0], advantage=0.0,
                               reward=0.0, group=-1, episode=-1, segment=-1, routed_experts=routed)
 
@@ -194,6 +196,7 @@ class PolicyLearner:
         for chunk in dp_share(samples, layout.dp_size, layout.dp_rank, self.cfg.train.micro_batch_size):
             if not chunk:  # a dp rank with fewer samples still takes part in every collective of the step
                 chunk = [self._padding_sample(samples[0])]
+            chunk = [s.load() for s in chunk]  # only this rank's samples are read from their record files
             batch = _pad_to(collate_samples(chunk, pad_id=self.pad_id), self.seq_multiple, self.pad_id, self.top_k)
             local = self._local(batch)
             local["loss_mask"] = shard_sequence(batch["loss_mask"], 1, layout.dims.cp, layout.cp_rank).to(self.device)
@@ -250,7 +253,7 @@ class PolicyLearner:
         parameters, not yet reduced over replicas). Returns step-level metrics (reduced over ranks)."""
         cfg, layout, rl = self.cfg, self.layout, self.cfg.rl
         self.model.train()
-        num_tokens = sum(sum(s.loss_mask) for s in samples)
+        num_tokens = sum(s.loss_tokens for s in samples)
         micro = self._micro_batches(samples)
         old = self._old_policy_pass(micro) if self.needs_old_policy_pass(samples) else None
         threshold = None  # the step's mismatch threshold, over every token of the step on every dp rank

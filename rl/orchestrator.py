@@ -10,7 +10,10 @@ The queue is a directory (local, or any shared filesystem between clusters) with
 
     pending/<gid>.json            issued, waiting for a worker
     claimed/<gid>.<worker>.json   a worker runs it; its mtime is the worker's heartbeat (the lease)
-    done/<gid>.pt                 the finished group (written to a temporary name, then renamed)
+    done/<gid>.group              the finished group, a safetensors record file (rl/rollout/records.py; written
+                                  to a temporary name, then renamed)
+    taken/<gid>.group             a group the trainer took for its current step: every trainer rank reads its own
+                                  samples from it; removed once the step is trained
     workers/<worker>.stop         asks one worker to exit; STOP asks all of them
     eval/                         held-out evaluation: a queue of the same layout (`WorkQueue.held_out`)
 
@@ -38,9 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from rl.algorithm import PromptSampler
+from rl.rollout.records import RecordError, encode_group, read_group, read_group_index
 
 
 class QueueError(RuntimeError):
@@ -83,7 +85,7 @@ class WorkQueue:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        for sub in ("pending", "claimed", "done", "workers"):
+        for sub in ("pending", "claimed", "done", "taken", "workers"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def held_out(self) -> "WorkQueue":
@@ -93,7 +95,7 @@ class WorkQueue:
     def clear(self) -> None:
         """Remove every item and result (the eval queue at a trainer's start: a previous launch's requests are
         not this one's, and a claim removed here cannot be completed)."""
-        for sub in ("pending", "claimed", "done"):
+        for sub in ("pending", "claimed", "done", "taken"):
             for p in (self.root / sub).iterdir():
                 p.unlink(missing_ok=True)
 
@@ -102,19 +104,37 @@ class WorkQueue:
         _atomic_write_bytes(self.root / "pending" / f"{item.gid}.json", item.to_json().encode())
 
     def done_ids(self) -> list[int]:
-        return sorted(int(p.name.split(".")[0]) for p in (self.root / "done").glob("*.pt"))
+        return sorted(int(p.name.split(".")[0]) for p in (self.root / "done").glob("*.group"))
 
     def load_result(self, gid: int) -> dict:
-        return torch.load(self.root / "done" / f"{gid}.pt", weights_only=False)
+        """A finished group's whole record."""
+        return read_group(self.root / "done" / f"{gid}.group")
+
+    def take(self, gid: int) -> dict:
+        """Move a finished group to taken/ and return its record with its segments still in the file
+        (`records.StoredSegment`); `record["path"]` is where every trainer rank reads them."""
+        group = read_group_index(self.root / "done" / f"{gid}.group")
+        path = self.root / "taken" / f"{gid}.group"
+        os.replace(self.root / "done" / f"{gid}.group", path)
+        for ep in group["episodes"]:
+            for seg in ep["segments"]:
+                seg.path = str(path)
+        group["path"] = str(path)
+        return group
+
+    def drop_taken(self, paths: list[str]) -> None:
+        """Remove the record files of a trained step."""
+        for p in paths:
+            Path(p).unlink(missing_ok=True)
 
     def discard(self, gid: int) -> None:
-        """Forget every trace of a group (pending, claimed or done)."""
-        for p in [self.root / "pending" / f"{gid}.json", self.root / "done" / f"{gid}.pt",
-                  *(self.root / "claimed").glob(f"{gid}.*.json")]:
+        """Forget every trace of a group (pending, claimed, done or taken)."""
+        for p in [self.root / "pending" / f"{gid}.json", self.root / "done" / f"{gid}.group",
+                  self.root / "taken" / f"{gid}.group", *(self.root / "claimed").glob(f"{gid}.*.json")]:
             p.unlink(missing_ok=True)
 
     def is_known(self, gid: int) -> bool:
-        return ((self.root / "pending" / f"{gid}.json").exists() or (self.root / "done" / f"{gid}.pt").exists()
+        return ((self.root / "pending" / f"{gid}.json").exists() or (self.root / "done" / f"{gid}.group").exists()
                 or any((self.root / "claimed").glob(f"{gid}.*.json")))
 
     def requeue_expired(self, lease_s: float, now: Optional[float] = None) -> list[int]:
@@ -189,11 +209,7 @@ class WorkQueue:
         claim = self.root / "claimed" / f"{item.gid}.{worker}.json"
         if not claim.exists():
             return False
-        import io
-
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        _atomic_write_bytes(self.root / "done" / f"{item.gid}.pt", buf.getvalue())
+        _atomic_write_bytes(self.root / "done" / f"{item.gid}.group", encode_group(result))
         claim.unlink(missing_ok=True)
         return True
 
@@ -274,15 +290,15 @@ class Orchestrator:
                 if len(out) >= n:
                     continue
                 try:
-                    result = self.queue.load_result(gid)
-                except (EOFError, RuntimeError, FileNotFoundError):
+                    result = self.queue.take(gid)
+                except (RecordError, FileNotFoundError):
                     continue  # partially visible on a non-atomic filesystem; retry next poll
-                self.queue.discard(gid)
                 oldest = result.get("min_weight_version")
                 if oldest is not None and version - oldest > self.max_staleness:
                     self.stats.requeued_stale += 1
                     print(f"orchestrator: group {gid} has tokens of version {oldest}, trainer is at {version} "
                           f"(max_staleness {self.max_staleness}); re-queued", flush=True)
+                    self.queue.drop_taken([result["path"]])
                     self.queue.put(WorkItem(gid, self.inflight[gid], int(result.get("attempt", 0)) + 1))
                     continue
                 del self.inflight[gid]
@@ -317,7 +333,9 @@ class Orchestrator:
         self.sampler.load_state_dict(state["sampler"])
         self.next_gid = int(state["next_gid"])
         self.inflight = {int(g): int(p) for g, p in state["inflight"].items()}
-        for sub, pattern in (("pending", "*.json"), ("claimed", "*.json"), ("done", "*.pt")):
+        for p in (self.queue.root / "taken").glob("*.group"):
+            p.unlink(missing_ok=True)  # a step the checkpoint does not hold: its groups are in inflight again
+        for sub, pattern in (("pending", "*.json"), ("claimed", "*.json"), ("done", "*.group")):
             for p in (self.queue.root / sub).glob(pattern):
                 gid = int(p.name.split(".")[0])
                 if gid not in self.inflight:  # issued after the checkpoint (or already trained before it)
@@ -330,8 +348,9 @@ class Orchestrator:
 class OrchestratorRole:
     """The orchestrator as a role of the RL run: the queue in run_dir/rollouts and the epoch's `Orchestrator`,
     behind what the trainer asks of it -- the next step's groups, the step's queue metrics, its checkpoint
-    state, and stopping the workers. It lives in the process of trainer rank 0, which broadcasts the groups
-    to the other trainer ranks; nothing else of the trainer reaches into it."""
+    state, and stopping the workers. It lives in the process of trainer rank 0, which sends the other trainer
+    ranks only the record files of the step's groups (each reads its own samples from them); nothing else of
+    the trainer reaches into it."""
 
     def __init__(self, run_dir: str | Path, num_prompts: int, rollout, seed: int, state: Optional[dict] = None):
         """`rollout`: the run's rollout section (group_size, max_inflight_groups, max_staleness, lease_s,
@@ -377,7 +396,7 @@ class OrchestratorRole:
             for gid in self.eval_queue.done_ids():
                 try:
                     result = self.eval_queue.load_result(gid)
-                except (EOFError, RuntimeError, FileNotFoundError):
+                except (RecordError, FileNotFoundError):
                     continue  # partially visible on a non-atomic filesystem; retry next poll
                 self.eval_queue.discard(gid)
                 if gid in issued and result.get("eval_version") == version:
@@ -405,6 +424,10 @@ class OrchestratorRole:
 
     def state_dict(self) -> dict:
         return self.orch.state_dict()
+
+    def step_trained(self, groups: list[dict]) -> None:
+        """The step on these groups is trained (every trainer rank has read its samples): drop their files."""
+        self.queue.drop_taken([g["path"] for g in groups if "path" in g])
 
     def stop(self) -> None:
         """Ask every rollout worker of the run to exit."""

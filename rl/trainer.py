@@ -40,6 +40,7 @@ from rl.learner import PolicyLearner
 from rl.model import build_model_meta
 from rl.orchestrator import OrchestratorRole, QueueError
 from rl.rollout.launch import make_worker
+from rl.rollout.records import read_group_index
 from rl.rollout.worker import RolloutWorker
 from rl.weight_sync import ObjectStoreError, WeightSyncError
 
@@ -194,7 +195,9 @@ class Trainer:
         return metrics
 
     def _next_groups(self) -> list[dict]:
-        """Trainer rank 0 collects the step's groups from the orchestrator; every trainer rank gets them."""
+        """Trainer rank 0 collects the step's groups from the orchestrator (their record headers); the other
+        trainer ranks get only the paths of their record files and read the headers themselves -- every rank
+        later reads just the samples it trains on (rl/rollout/records.py)."""
         results, error = None, None
         if self.is_main:
             try:
@@ -203,7 +206,9 @@ class Trainer:
             except QueueError as e:
                 error = str(e)
         if self.layout.world > 1:
-            results, error = self._from_main((results, error))
+            paths, error = self._from_main(([r["path"] for r in results] if results is not None else None, error))
+            if not self.is_main and paths is not None:
+                results = [read_group_index(p) for p in paths]
         if error:
             raise RuntimeError(error)
         return results
@@ -229,6 +234,8 @@ class Trainer:
                 wait_s = time.perf_counter() - t0
                 versions = sorted({int(v) for r in results for v in r["version_counts"]})
                 metrics = self.train_step(results)  # the core stops the run after too many non-finite steps
+                if self.is_main:
+                    self.orchestrator.step_trained(results)  # every rank has read its samples by now
                 self.step += 1
                 self.version += 1
                 metrics.update(self._publish())

@@ -52,17 +52,48 @@ class Episode:
 
 @dataclass
 class TrainingSample:
-    """A token-aligned training sequence (position t holds token t and its log-prob given tokens < t)."""
+    """A token-aligned training sequence (position t holds token t and its log-prob given tokens < t).
 
-    input_ids: list[int]
-    loss_mask: list[int]
-    behaviour_logprobs: list[float]
+    A sample of a stored segment (``stored``: one with ``load()`` and its lengths, e.g. a record file's
+    segment) carries its sizes only until `load()` reads its arrays, so a trainer rank reads just its share."""
+
+    input_ids: Optional[list[int]]
+    loss_mask: Optional[list[int]]
+    behaviour_logprobs: Optional[list[float]]
     advantage: float
     reward: float
     group: int
     episode: int  # index of the episode within its group
     segment: int
     routed_experts: Optional[torch.Tensor] = None
+    stored: Optional[object] = field(default=None, repr=False)
+
+    @property
+    def loaded(self) -> bool:
+        return self.input_ids is not None
+
+    @property
+    def loss_tokens(self) -> int:
+        return int(sum(self.loss_mask)) if self.loaded else self.stored.loss_tokens
+
+    @property
+    def routing_shape(self) -> Optional[tuple[int, int]]:
+        """(layers, top_k) of its recorded routing, None without."""
+        if self.loaded:
+            return None if self.routed_experts is None else (self.routed_experts.shape[0], self.routed_experts.shape[2])
+        shape = self.stored.routing_shape
+        return None if shape is None else (shape[0], shape[2])
+
+    def load(self) -> "TrainingSample":
+        """Read a stored sample's arrays (in place: the sample stays the same object)."""
+        if not self.loaded:
+            seg = self.stored.load()
+            P = len(seg["prompt_ids"])
+            self.input_ids = list(seg["prompt_ids"]) + list(seg["response_ids"])
+            self.loss_mask = [0] * P + [int(m) for m in seg["response_mask"]]
+            self.behaviour_logprobs = [0.0] * P + [float(v) for v in seg["response_logprobs"]]
+            self.routed_experts = seg["routed_experts"]
+        return self
 
 
 def episodes_to_samples(groups: list[list[Episode]], cfg) -> tuple[list[TrainingSample], AdvantageResult]:
@@ -87,6 +118,11 @@ def episodes_to_samples(groups: list[list[Episode]], cfg) -> tuple[list[Training
             if not result.keep[gi, ei]:
                 continue
             for si, seg in enumerate(episode.segments):
+                if hasattr(seg, "load"):  # stored: its arrays are read by the rank that trains on it
+                    samples.append(TrainingSample(None, None, None, advantage=float(result.advantages[gi, ei]),
+                                                  reward=float(episode.reward), group=gi, episode=ei, segment=si,
+                                                  stored=seg))
+                    continue
                 P, n = len(seg.prompt_ids), len(seg.response_ids)
                 resp_mask = seg.response_mask if seg.response_mask is not None else [1] * n
                 resp_logp = seg.response_logprobs if seg.response_logprobs is not None else [0.0] * n

@@ -168,6 +168,50 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
     return run
 
 
+def make_records_case(tmp: Path, name: str, mbs: int = 2, **parallel):
+    """The step's groups as rollout workers store them (rl/rollout/records.py), each rank reading only its own
+    samples from the files: the same loss and gradients as the in-memory groups on one rank, and the bytes each
+    rank read are exactly its data-parallel share's."""
+    def run():
+        from rl.rollout import records
+
+        tok = load_tokenizer(TOK)
+        cpu = torch.device("cpu")
+        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), mbs=mbs, **parallel)
+        ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
+        par = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
+        results = rollout_groups(11, ref.mc, num_groups=3, group_size=3)
+        near_policy(results, ref.model, 21)
+        paths = [str(tmp / f"{name}_g{i}.group") for i in range(len(results))]
+        if dist.get_rank() == 0:
+            for path, group in zip(paths, results):
+                Path(path).write_bytes(records.encode_group(group))
+        dist.barrier()
+        stored = [records.read_group_index(p) for p in paths]
+        samples, _, n_ep = ref.samples(results)
+        m_ref = ref.backward(samples, n_ep)
+        par_samples = par.samples(stored)[0]
+        before = records.bytes_read.bytes
+        m_par = par.backward(par_samples, n_ep)
+        read = records.bytes_read.bytes - before
+        mine = [s for chunk in dp_share(par_samples, par.layout.dp_size, par.layout.dp_rank, mbs) for s in chunk]
+        grads_to_full_shards(par)
+        errs = {"loss": abs(m_par["loss"] - m_ref["loss"]) / abs(m_ref["loss"]),
+                "train_tokens": abs(m_par["train_tokens"] - m_ref["train_tokens"]),
+                "bytes_are_the_share": float(read != sum(s.stored.nbytes for s in mine))}
+        errs.update({f"grad:{k}": v for k, v in compare_grads(dict(par.model.named_parameters()),
+                                                              dict(ref.model.named_parameters())).items()})
+        errs = reduce_max(errs)
+        per_rank = [torch.zeros(3, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        tp_rank = par.layout.dims.coords(dist.get_rank())["tp"]
+        dist.all_gather(per_rank, torch.tensor([float(read), float(par.layout.dp_rank), float(tp_rank)],
+                                               dtype=torch.float64))
+        return {"errs": errs, "n_params": sum(1 for p in ref.model.parameters() if p.grad is not None),
+                "bytes_per_rank": [t.tolist() for t in per_rank],
+                "bytes_total": float(sum(s.stored.nbytes for s in par_samples))}
+    return run
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -192,5 +236,6 @@ if __name__ == "__main__":
             "tp2_sp_cp2_ep2_zero1": make_case(tmp, "tp2_sp_cp2_ep2_zero1", tp=2, sequence_parallel=True, cp=2, ep=2),
             "dp2_tp2_ep4_mbs2": make_case(tmp, "dp2_tp2_ep4_mbs2", mbs=2, tp=2, ep=4),
             "fsdp_ep2": make_case(tmp, "fsdp_ep2", fsdp=True, ep=2),  # dense over dp x cp, experts on their mesh
+            "dp2_tp2_records": make_records_case(tmp, "dp2_tp2_records", tp=2),
         }
     run_cases(args, cases)

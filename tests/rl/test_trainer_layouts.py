@@ -50,6 +50,24 @@ def test_rl_step_on_four_trainer_ranks_equals_one(results4, layout):
 
 
 @pytest.mark.dist
+def test_each_trainer_rank_reads_only_its_own_samples(results4):
+    """dp2 x tp2 from the step's record files: today's loss and gradients, and every rank read exactly its
+    data-parallel share (tp peers the same share; the two dp shares together the whole step, once)."""
+    r = results4["dp2_tp2_records"]
+    assert r["ok"], r.get("error")
+    bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
+    assert not bad and r["n_params"] >= 20, f"errors above {TOL}: {bad}"
+    rows = r["bytes_per_rank"]  # [bytes read, dp rank, tp rank] per rank
+    total = r["bytes_total"]
+    by_dp = {}
+    for read, dp, tp in rows:
+        by_dp.setdefault(int(dp), set()).add(read)
+        assert 0 < read < total
+    assert all(len(v) == 1 for v in by_dp.values())  # tp peers read the same samples
+    assert sum(v.pop() for v in by_dp.values()) == total
+
+
+@pytest.mark.dist
 def test_rl_checkpoints_resume_under_another_layout(rl_assets, tmp_path):
     """An RL checkpoint saved under fsdp x ep2 resumes under tp2 (2 ranks), and one saved there resumes under
     fsdp x ep2 (tests/dist/rl_checkpoint_worker.py): the same weights exactly, and the saver's next optimizer step
