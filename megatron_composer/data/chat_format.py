@@ -179,6 +179,28 @@ class ChatFormat(ABC):
         tail = after[stop + len(self.end_of_turn):]
         return tail if closed else self.end_of_turn + tail
 
+    def continuation_segments(self, history: list[dict], new: list[dict], *, tools: Optional[list[dict]] = None,
+                              closed: bool = True) -> list[tuple[str, bool]]:
+        """`continuation` as (text, is_outside_text) pieces: the content of each `tool` message in `new` (what
+        the environment returned, verbatim as every supported template renders it) is outside text, for the
+        tokenizer's `encode_plain`, so an observation that spells a control token cannot inject it."""
+        text = self.continuation(history, new, tools=tools, closed=closed)
+        pieces, at = [], 0
+        for message in new:
+            content = message.get("content") if message.get("role") == "tool" else None
+            if not content:
+                continue
+            i = text.find(content, at)
+            if i < 0:
+                continue
+            if i > at:
+                pieces.append((text[at:i], False))
+            pieces.append((content, True))
+            at = i + len(content)
+        if at < len(text):
+            pieces.append((text[at:], False))
+        return pieces
+
     def stop_token_ids(self, tokenizer) -> list[int]:
         ids = [tokenizer.token_to_id(self.end_of_turn), tokenizer.eod]
         return list(dict.fromkeys(i for i in ids if i is not None))

@@ -46,6 +46,31 @@ class Tokenizer:
         """The id of a single token (a chat template's markers, e.g. <|im_end|>), None if the vocabulary lacks it."""
         return self.special_tokens.get(token)
 
+    def control_tokens(self) -> list[str]:
+        """The strings `encode` turns into one control token wherever they appear (chat markers, EOD)."""
+        return list(self.special_tokens)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`encode` for text from outside (a tool's output): a control token's spelling inside it is encoded as
+        ordinary text, never as the control token, so an observation cannot close a turn or open a tool call."""
+        controls = sorted((t for t in self.control_tokens() if t and t in text), key=len, reverse=True)
+        if not controls:
+            return self.encode(text)
+        ids: list[int] = []
+        at = 0
+        while at < len(text):
+            hits = [(text.find(t, at), t) for t in controls]
+            hits = [(i, t) for i, t in hits if i >= 0]
+            if not hits:
+                ids += self.encode(text[at:])
+                break
+            i, token = min(hits, key=lambda h: (h[0], -len(h[1])))
+            if i > at:
+                ids += self.encode(text[at:i])
+            ids += self.encode(token[:1]) + self.encode_plain(token[1:])  # split: no longer the control token
+            at = i + len(token)
+        return ids
+
     # megatron-core's dataset code reads these names.
     @property
     def eos(self) -> int:
@@ -139,6 +164,9 @@ class HFTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def control_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values()]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -238,6 +266,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def control_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values()]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -538,6 +538,16 @@ class _Heartbeat:
         self._thread.join()
 
 
+def continuation_ids(worker: RolloutWorker, history: list[dict], new: list[dict], tools, held: list[int]) -> list[int]:
+    """The tokens a rollout appends after its sampled turn `history[-1]` (whose tokens end `held`) when the messages
+    `new` arrive: markup encoded as such, tool outputs with `encode_plain`."""
+    closed = bool(held) and held[-1] == worker.end_of_turn_id
+    ids: list[int] = []
+    for text, outside in worker.format.continuation_segments(history, new, tools=tools, closed=closed):
+        ids += worker.tokenizer.encode_plain(text) if outside else worker.tokenizer.encode(text)
+    return ids
+
+
 class EnginePolicy:
     """`rl.envs.agent.Policy` backed by the worker's engine, recording the exact token stream.
 
@@ -560,11 +570,10 @@ class EnginePolicy:
         self.overflowed = False
 
     def _continuation_ids(self, messages: list[dict]) -> list[int]:
-        """Tokens of what run_episode appended after our last sampled turn (messages[seen - 1])."""
-        w = self.worker
-        closed = bool(self.ledger.response_ids) and self.ledger.response_ids[-1] == w.end_of_turn_id
-        text = w.format.continuation(messages[:self.seen], messages[self.seen:], tools=self.tools, closed=closed)
-        return w.tokenizer.encode(text)
+        """Tokens of what run_episode appended after our last sampled turn (messages[seen - 1]); the tool
+        outputs in it are encoded as plain text (a control token's spelling in them stays text)."""
+        return continuation_ids(self.worker, messages[:self.seen], messages[self.seen:], self.tools,
+                                self.ledger.response_ids)
 
     def _read(self, messages: list[dict]) -> None:
         """Bring the ledger up to `messages`: a new segment's prompt, or the messages since the last turn."""

@@ -39,7 +39,7 @@ def test_kimi_format_episode_is_token_in_token_out(tmp_path, hello_task):
     from rl.envs.agent import AGENT_TOOLS, initial_messages
     from rl.orchestrator import WorkItem
     from rl.rollout.tasks import RLTask
-    from rl.rollout.worker import RolloutConfig, RolloutWorker
+    from rl.rollout.worker import RolloutConfig, RolloutWorker, continuation_ids
     from rl.sandbox import LocalBackend, SandboxError
 
     try:
@@ -85,7 +85,9 @@ def test_kimi_format_episode_is_token_in_token_out(tmp_path, hello_task):
         mask += [1] * len(result.token_ids)
         if k + 1 < len(sampled):
             i, nxt = assistants[k], assistants[k + 1]
-            appended = tok.encode(fmt.continuation(transcript[:i + 1], transcript[i + 1:nxt], tools=AGENT_TOOLS))
+            text = fmt.continuation(transcript[:i + 1], transcript[i + 1:nxt], tools=AGENT_TOOLS)
+            appended = continuation_ids(worker, transcript[:i + 1], transcript[i + 1:nxt], AGENT_TOOLS, ids)
+            assert tok.decode(appended) == text  # the text the template appends, tool outputs encoded as plain text
             assert tok.decode(appended).startswith("<|im_system|>tool<|im_middle|>## Return of functions.edit_file:0\n")
             ids += appended
             mask += [0] * len(appended)
