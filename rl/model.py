@@ -49,8 +49,13 @@ def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     from megatron_composer.inference.loading import engine_model
 
     mc, _ = build_model_meta(cfg, tokenizer)
-    return engine_model(mc, None, groups, dtype=getattr(torch, cfg.weight_sync.dtype), device=local_device(),
-                        seed=cfg.train.seed)
+    dtype = getattr(torch, cfg.weight_sync.dtype)
+    if cfg.rollout.backend == "vllm":  # vLLM holds the weights; this model only names them (no memory)
+        from megatron_composer.model import Transformer
+
+        with torch.device("meta"):
+            return Transformer(mc).to(dtype)
+    return engine_model(mc, None, groups, dtype=dtype, device=local_device(), seed=cfg.train.seed)
 
 
 __all__ = ["build_model", "build_model_meta", "rl_model_config", "rollout_model"]

@@ -67,6 +67,9 @@ class RolloutConfig:
     heartbeat_s: float = field(default=2.0, metadata={"help": "how often a worker renews the lease of its group"})
     embedded_workers: int = field(default=1, metadata={"help": "rollout worker threads inside the trainer when the run has one process"})
     max_batch_size: int = 64
+    backend: str = field(default="engine", metadata={"help": "engine: the project's inference engine (CPU, CI, the bit-exact reference); "
+                                                             "vllm: an in-process vLLM (megatron_composer/inference/vllm_engine.py) "
+                                                             "whose weights come from the same store"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each rollout engine (heads, FFN columns, vocabulary)"})
     ep: int = field(default=1, metadata={"help": "expert-parallel size of each rollout engine (the routed experts); rollout ranks "
                                                  "form consecutive engines of tp x ep processes, whose first rank runs the worker"})
@@ -91,14 +94,17 @@ class RolloutConfig:
 
     @property
     def engine_ranks(self) -> int:
-        """Processes per rollout engine."""
-        return self.tp * self.ep
+        """Processes per rollout engine launched by us (a vLLM engine is one process that starts its own tp x ep
+        workers)."""
+        return 1 if self.backend == "vllm" else self.tp * self.ep
 
     def validate(self) -> "RolloutConfig":
         from megatron_composer.config import ConfigError
 
         if self.group_size < 1:
             raise ConfigError(f"rollout.group_size must be >= 1, got {self.group_size}")
+        if self.backend not in ("engine", "vllm"):
+            raise ConfigError(f"rollout.backend={self.backend!r}: use engine (the project's) or vllm")
         if self.tp < 1 or self.ep < 1:
             raise ConfigError(f"rollout.tp and rollout.ep must be >= 1 (an engine has tp x ep processes), got "
                               f"{self.tp} and {self.ep}")
@@ -144,7 +150,15 @@ class EpisodeCrash(RuntimeError):
 
 def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0) -> Engine:
     """The engine of a rollout worker; every rank of a tensor-parallel group builds it identically (the
-    scheduler's batches and cache blocks must match)."""
+    scheduler's batches and cache blocks must match). rollout.backend=vllm: a vLLM engine for `model`'s config
+    and dtype (`model` then only names the weights the subscriber fetches: rl.model.rollout_model builds it on
+    the meta device)."""
+    if cfg.backend == "vllm":
+        from megatron_composer.inference.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model.config, dtype=next(model.parameters()).dtype, max_batch_size=cfg.max_batch_size,
+                          max_seq_len=cfg.max_seq_len, cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed,
+                          tp=cfg.tp, ep=cfg.ep)
     return Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                   cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
 
