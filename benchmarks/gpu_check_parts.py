@@ -629,9 +629,53 @@ def part_decode(p: Part) -> None:
         p.figure("speculative", spec)
 
 
+def part_vllm(p: Part) -> None:
+    """rollout.backend=vllm where vLLM is installed: its greedy tokens and log-probs against our engine (bf16 on
+    CUDA: token agreement and the log-prob gap are figures, since rounding flips near-ties), then a weight
+    update and the same comparison under the new weights."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        p.skip_part("vLLM is not installed in this environment (pip install 'megatron-composer[vllm]')")
+        return
+    from megatron_composer.inference import Engine
+    from megatron_composer.inference.vllm_engine import VLLMEngine
+
+    dtype = torch.bfloat16 if p.cuda else torch.float32
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-qwen3-moe")
+    model = Transformer(cfg).eval().to(p.device, dtype)
+    engine = VLLMEngine(cfg, dtype=dtype, max_batch_size=8, max_seq_len=256, cache_memory_bytes=256 << 20, seed=0)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
+
+    def compare(label: str, version: int) -> None:
+        ours = Engine(model).generate(prompts, max_new_tokens=8)
+        theirs = engine.generate(prompts, max_new_tokens=8)
+        agree = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x.token_ids, y.token_ids)) / (8 * len(prompts))
+        gaps = []
+        for x, y in zip(ours, theirs):  # log-probs along each shared prefix (after a flip the contexts differ)
+            n = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), len(x.token_ids))
+            gaps += [abs(a - b) for a, b in zip(x.logprobs[:n + 1], y.logprobs[:n + 1])]
+        gap = max(gaps)
+        p.figure(f"{label}_token_agreement", agree)
+        p.figure(f"{label}_logprob_gap", gap)
+        p.check(f"vLLM tokens carry weight version {version} ({label})",
+                all(r.weight_versions == [version] * len(r.token_ids) for r in theirs))
+        if dtype == torch.float32:
+            p.check(f"vLLM greedy == our engine, float32 ({label})", agree == 1.0 and gap <= 1e-5, f"gap {gap:.2e}")
+
+    engine.update_weights({k: t.detach().cpu() for k, t in model.state_dict().items()}, 0)
+    compare("initial", 0)
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(0.01 * torch.randn_like(w))
+    engine.update_weights({k: t.detach().cpu() for k, t in model.state_dict().items()}, 1)
+    compare("after_update", 1)
+
+
 PARTS = {"env": part_env, "model_parity": part_model_parity, "fp8_kernels": part_fp8_kernels,
          "engine_greedy": part_engine_greedy, "train_steps": part_train_steps, "train_speed": part_train_speed,
-         "train_speed_hf": part_train_speed_hf, "decode": part_decode}
+         "train_speed_hf": part_train_speed_hf, "decode": part_decode, "vllm": part_vllm}
 
 
 def main() -> int:
