@@ -26,7 +26,7 @@ class RLDataConfig:
     tokenizer: str = field(default="data/tiny/tokenizer", metadata={"help": "tokenizer file or directory"})
     chat_format: str = field(default="auto", metadata={"help": "how prompts render and turns parse: auto (the tokenizer directory's "
                                                               "chat template, else chatml), chatml, or the template's tool-call "
-                                                              "family: kimi_k2, deepseek_v3, hermes"})
+                                                              "family: kimi_k2, deepseek_v3, deepseek_v31, hermes"})
     seq_length: int = field(default=0, metadata={"help": "context of the stage the weights come from; the rope scaling is the "
                                                         "weights' own (inherited from the checkpoint), else YaRN factor = this / "
                                                         "model.yarn_original_length; 0 = rollout.max_seq_len"})

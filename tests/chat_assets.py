@@ -23,6 +23,12 @@ FAMILIES = {
                      "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
                      "<｜tool▁output▁end｜>", "<think>", "</think>"],
     },
+    "deepseek_v31": {
+        "template": "deepseek_v31.jinja", "bos": "<｜begin▁of▁sentence｜>", "eos": "<｜end▁of▁sentence｜>",
+        "specials": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<think>", "</think>"],
+    },
     "hermes": {
         "template": "qwen3.jinja", "bos": None, "eos": "<|im_end|>",
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",

@@ -6,8 +6,8 @@ and the OpenAI server (the `chat_format` config key).
 * a model's own template: the checkpoint's chat_template.jinja (or tokenizer_config.json's "chat_template")
   rendered with jinja2 exactly as transformers' ``apply_chat_template`` renders it (same sandbox, filters,
   globals and special-token variables), with the tool-call syntax of its family parsed by a `ToolCallParser`
-  named as the serving stacks name them: ``kimi_k2`` (Kimi K2 / K2 Thinking / K2.5), ``deepseek_v3`` and
-  ``hermes`` (Qwen3 and other Hermes-style templates).
+  named as the serving stacks name them: ``kimi_k2`` (Kimi K2 / K2 Thinking / K2.5), ``deepseek_v3``,
+  ``deepseek_v31`` and ``hermes`` (Qwen3 and other Hermes-style templates).
 
 Token-in, token-out: a rollout never re-renders what is already in its context. After a sampled assistant turn,
 `ChatFormat.continuation` gives only the text that follows it (the rest of the turn's closing, the new messages
@@ -31,7 +31,7 @@ from typing import Any, Optional
 from megatron_composer.data import chat_template as chatml
 from megatron_composer.data.chat_template import ChatFormatError, ParsedAssistant, structured_tool_calls
 
-CHAT_FORMATS = ("auto", "chatml", "kimi_k2", "deepseek_v3", "hermes")
+CHAT_FORMATS = ("auto", "chatml", "kimi_k2", "deepseek_v3", "deepseek_v31", "hermes")
 
 Segments = list[tuple[str, bool]]  # (text, trainable)
 
@@ -206,17 +206,22 @@ class ChatFormat(ABC):
         return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def _check_messages(messages: list[dict]) -> None:
+def _check_messages(messages: list[dict], parts: bool = False) -> None:
+    """Roles, tool calls and contents; `parts`: a content may also be a list of {"type": "text", "text"} parts
+    (OpenAI's multi-part content, which model templates render)."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in chatml.ROLES:
             role = message.get("role") if isinstance(message, dict) else message
             raise ChatFormatError(f"message {i} has role {role!r}; use one of {list(chatml.ROLES)}")
+        content = message.get("content")
         if message["role"] == "assistant":
             _, errors = structured_tool_calls(message)
             if errors:
                 raise ChatFormatError(f"message {i}: {errors[0]}")
-        elif not isinstance(message.get("content"), str):
-            raise ChatFormatError(f"message {i} ({message['role']}) needs a string 'content'")
+        elif not (isinstance(content, str) or parts and isinstance(content, list)
+                  and all(isinstance(c, dict) and isinstance(c.get("text", ""), str) for c in content)):
+            raise ChatFormatError(f"message {i} ({message['role']}) needs a string 'content'"
+                                  + (" or a list of text parts" if parts else ""))
 
 
 def _cut(text: str, spans: list[tuple[int, int]]) -> Segments:
@@ -393,6 +398,34 @@ class DeepSeekV3Parser(ToolCallParser):
         return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning)
 
 
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1 / V3.2-Exp: calls as <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜> (no type,
+    no fenced block); reasoning after <think> when thinking is on."""
+
+    name = "deepseek_v31"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+
+    def parse(self, text):
+        text = text.split(self.end_of_turn, 1)[0]
+        if text.startswith(self.OUTPUTS_END):
+            text = text[len(self.OUTPUTS_END):]
+        reasoning, text = _split_reasoning(text)
+        content, calls, errors = text, [], []
+        if self.CALLS_BEGIN in text:
+            content, section = text.split(self.CALLS_BEGIN, 1)
+            if self.CALLS_END not in section:
+                errors.append(f"unterminated tool calls (missing {self.CALLS_END})")
+            section = section.split(self.CALLS_END, 1)[0]
+            for match in self._CALL.finditer(section):
+                name = match.group(1).strip()
+                args = _json_arguments(match.group(2), name, errors)
+                if args is not None:
+                    calls.append({"name": name, "arguments": args})
+            if "<｜tool▁call▁begin｜>" in self._CALL.sub("", section):
+                errors.append("malformed tool call (expected NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>)")
+        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning)
+
+
 class HermesParser(ToolCallParser):
     """Hermes / Qwen3: <think>..</think>, text, then <tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>
     blocks, closed by <|im_end|>."""
@@ -410,7 +443,8 @@ class HermesParser(ToolCallParser):
                           reasoning=reasoning)
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (KimiK2Parser, DeepSeekV3Parser, HermesParser)}
+PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (KimiK2Parser, DeepSeekV3Parser, DeepSeekV31Parser,
+                                                                 HermesParser)}
 
 
 # ---- a model's own template ------------------------------------------------------------------------------
@@ -491,7 +525,7 @@ class TemplateChatFormat(ChatFormat):
     def render(self, messages, *, tools=None, add_generation_prompt=False):
         import jinja2
 
-        _check_messages(messages)
+        _check_messages(messages, parts=True)
         try:
             return _compile(self.template).render(
                 messages=_template_messages(messages, self.call_id), tools=tools, documents=None,
@@ -510,6 +544,8 @@ def detect_parser(template: str) -> Optional[str]:
     """The tool-call family a template writes, from the markers only that family's calls contain."""
     for name in ("kimi_k2", "deepseek_v3", "hermes"):
         if PARSERS[name].marker in template:
+            if name == "deepseek_v3" and "```json" not in template:
+                return "deepseek_v31"  # V3.1 writes the arguments straight after the separator
             return name
     return None
 
@@ -547,8 +583,8 @@ def _special_token_strings(directory: Path) -> dict[str, str]:
 
 def load_chat_format(spec: str, tokenizer=None, template_kwargs: Optional[dict] = None) -> ChatFormat:
     """The run's chat format. `spec`: ``auto`` (the tokenizer directory's template with its detected parser,
-    else chatml), ``chatml``, or a parser name (``kimi_k2``, ``deepseek_v3``, ``hermes``: the tokenizer
-    directory's template, parsed as that family)."""
+    else chatml), ``chatml``, or a parser name (``kimi_k2``, ``deepseek_v3``, ``deepseek_v31``, ``hermes``: the
+    tokenizer directory's template, parsed as that family)."""
     if spec not in CHAT_FORMATS:
         raise ChatFormatError(f"chat_format={spec!r} is not known; use one of {list(CHAT_FORMATS)}")
     if spec == "chatml":

@@ -26,7 +26,7 @@ class DataConfig:
     kind: Literal["pretrain", "sft"] = field(default="pretrain", metadata={"help": "pretrain: indexed token data; sft: chat JSONL"})
     tokenizer: str = field(default="", metadata={"help": "tokenizer file or directory (tools/train_tokenizer.py or an HF checkpoint dir)"})
     chat_format: str = field(default="auto", metadata={"help": "sft: auto (the tokenizer directory's chat template, else chatml), "
-                                                              "chatml, or the template's tool-call family: kimi_k2, deepseek_v3, hermes"})
+                                                              "chatml, or the template's tool-call family: kimi_k2, deepseek_v3, deepseek_v31, hermes"})
     paths: list[str] = field(default_factory=list, metadata={"help": "pretrain: indexed dataset prefixes (PREFIX.bin/.idx); sft: chat JSONL files"})
     weights: list[float] = field(default_factory=list, metadata={"help": "blend weights, one per path (empty: proportional to size)"})
     split: str = field(default="98,2,0", metadata={"help": "train,valid,test proportions of documents (conversations for SFT)"})

@@ -375,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="megatron-composer")
     p.add_argument("--chat-format", default="auto", help="auto (the tokenizer directory's chat template, else chatml), chatml, "
-                                                         "or the template's tool-call family: kimi_k2, deepseek_v3, hermes")
+                                                         "or the template's tool-call family: kimi_k2, deepseek_v3, deepseek_v31, hermes")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--cache-memory-gb", type=float, default=4.0)
     p.add_argument("--batch-invariant", action="store_true", help="bitwise batch-invariant numerics (slower)")
