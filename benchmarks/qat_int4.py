@@ -83,7 +83,7 @@ def main() -> int:
         fig.savefig(out / "loss.png", dpi=100, bbox_inches="tight")
         print(f"curves: {out / 'loss.png'}")
     except ImportError:
-        pass
+        print("matplotlib is not installed: no curves written (pip install matplotlib)")
     return 0
 
 

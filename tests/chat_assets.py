@@ -87,23 +87,17 @@ def kimi_tokenizer(root: Path):
     return load_tokenizer(directory)
 
 
-def kimi_scripted_model(tok):
+def scripted_model(vocab_size: int, ids: list[int], weight: float):
     """A real tiny MoE model whose attention and FFN outputs are zeroed, so each logit depends on the current token
-    only, and whose head maps each token of one Kimi turn (reasoning, an edit_file call) to the next; returns
-    (model, the turn's token ids after the generation prompt, ending with <|im_end|>)."""
+    only, and whose head maps ids[i] to ids[i + 1] with logit weight x the final norm's scale (~8 x weight)."""
     import torch
 
     from megatron_composer.model import Transformer, get_preset
 
     torch.manual_seed(0)
-    cfg = get_preset("tiny-qwen3-moe").replace(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2, head_dim=16,
+    cfg = get_preset("tiny-qwen3-moe").replace(vocab_size=vocab_size, hidden_size=64, num_layers=2, head_dim=16,
                                                intermediate_size=64, moe_intermediate_size=32)
     model = Transformer(cfg).eval()
-    script = ["<|im_middle|>", "<think>", KIMI_REASONING, "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-              "functions.edit_file:0", "<|tool_call_argument_begin|>", KIMI_ARGS, "<|tool_call_end|>",
-              "<|tool_calls_section_end|>", "<|im_end|>"]
-    ids = [tok.token_to_id(t) for t in script]
-    assert None not in ids
     with torch.no_grad():
         for layer in model.layers:
             layer.attention.wo.weight.zero_()
@@ -113,5 +107,17 @@ def kimi_scripted_model(tok):
             model.tok_embeddings.weight[a] = 0.0
             model.tok_embeddings.weight[a, i] = 1.0
             model.output.weight[:, i] = 0.0
-            model.output.weight[b, i] = 6.0  # ~48 after the final norm: sampling at temperature 1 follows the script
-    return model, ids[1:]
+            model.output.weight[b, i] = weight
+    return model
+
+
+def kimi_scripted_model(tok):
+    """`scripted_model` writing one Kimi turn (reasoning, an edit_file call) after the generation prompt; returns
+    (model, the turn's token ids, ending with <|im_end|>)."""
+    script = ["<|im_middle|>", "<think>", KIMI_REASONING, "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+              "functions.edit_file:0", "<|tool_call_argument_begin|>", KIMI_ARGS, "<|tool_call_end|>",
+              "<|tool_calls_section_end|>", "<|im_end|>"]
+    ids = [tok.token_to_id(t) for t in script]
+    assert None not in ids
+    # ~48 after the final norm: sampling at temperature 1 follows the script
+    return scripted_model(tok.vocab_size, ids, 6.0), ids[1:]

@@ -13,7 +13,6 @@ from megatron_composer.data.chat_template import IM_END, IM_START, TOOL_CALL_END
 from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.inference import Engine
 from megatron_composer.inference.server import InferenceServer
-from megatron_composer.model import Transformer, get_preset
 
 TOOL_JSON = '{"name": "ls", "arguments": {"path": "."}}'
 
@@ -38,26 +37,14 @@ def _tokenizer(tmp_path):
 
 
 def _scripted_model(tok):
-    """Attention and FFN outputs zeroed so logits depend on the current token only; the head then maps
-    'assistant\\n' -> <tool_call> -> tool JSON -> </tool_call> -> <|im_end|> (a real model, scripted weights)."""
-    torch.manual_seed(0)
-    cfg = get_preset("tiny-qwen3-moe").replace(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2,
-                                               head_dim=16, intermediate_size=64, moe_intermediate_size=32)
-    model = Transformer(cfg).eval()
+    """Logits depend on the current token only; the head maps 'assistant\\n' -> <tool_call> -> tool JSON ->
+    </tool_call> -> <|im_end|> (a real model, scripted weights: tests/chat_assets.scripted_model)."""
+    from tests.chat_assets import scripted_model
+
     newline = tok.encode("assistant\n")[-1]
     script = [newline, tok.token_to_id(TOOL_CALL_START), tok._tok.token_to_id(TOOL_JSON),
               tok.token_to_id(TOOL_CALL_END), tok.token_to_id(IM_END)]
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.attention.wo.weight.zero_()
-            ff = layer.feed_forward
-            (ff.experts.w2 if hasattr(ff, "experts") else ff.w2.weight).zero_()
-        for i, (a, b) in enumerate(zip(script, script[1:])):
-            model.tok_embeddings.weight[a] = 0.0
-            model.tok_embeddings.weight[a, i] = 1.0
-            model.output.weight[:, i] = 0.0
-            model.output.weight[b, i] = 5.0
-    return model, script
+    return scripted_model(tok.vocab_size, script, 5.0), script
 
 
 @pytest.fixture

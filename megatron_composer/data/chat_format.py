@@ -134,14 +134,8 @@ class ChatFormat(ABC):
         and tests)."""
         message = self.assistant_message(ParsedTurn(content=content, tool_calls=list(tool_calls or []),
                                                     reasoning=reasoning), first_call_index)
-        context = [{"role": "user", "content": "."}]
-        prompt = self.render(context, add_generation_prompt=True)
-        text = self.render(context + [message])
-        if not text.startswith(prompt):
-            raise ChatFormatError(f"{self.name}: an assistant turn does not render after its generation prompt")
-        body = text[len(prompt):]
-        stop = body.find(self.end_of_turn)
-        return body if stop < 0 else body[:stop]
+        _, turn = self._turn([{"role": "user", "content": "."}, message], 1, None)
+        return turn[:-len(self.end_of_turn)]
 
     def assistant_message(self, parsed: ParsedTurn, first_call_index: int = 0) -> dict:
         """The OpenAI message of a parsed turn; calls without an id of the model's get `call_id`s."""
@@ -327,7 +321,46 @@ class ToolCallParser(ABC):
         return f"call_{index}"
 
 
-class KimiK2Parser(ToolCallParser):
+class SectionParser(ToolCallParser):
+    """Families whose calls sit in one section after the turn's text: SECTION_BEGIN, calls matched by _CALL (each
+    opened by CALL_BEGIN), SECTION_END; `_call` reads one match. A turn may open with LEAD (dropped) and with
+    <think> reasoning."""
+
+    SECTION_BEGIN: str
+    SECTION_END: str
+    CALL_BEGIN: str
+    LEAD = ""
+    _CALL: re.Pattern
+    unterminated: str  # the error of a section without its end
+    malformed: str  # the error of a call _CALL does not match
+
+    @abstractmethod
+    def _call(self, match: re.Match, errors: list[str]) -> Optional[tuple[dict, Optional[str]]]:
+        """({"name", "arguments"}, the id the model wrote or None) of one matched call; None (and an error) if bad."""
+
+    def parse(self, text):
+        text = text.split(self.end_of_turn, 1)[0]
+        if self.LEAD and text.startswith(self.LEAD):
+            text = text[len(self.LEAD):]
+        reasoning, text = _split_reasoning(text)
+        content, calls, ids, errors = text, [], [], []
+        if self.SECTION_BEGIN in text:
+            content, section = text.split(self.SECTION_BEGIN, 1)
+            if self.SECTION_END not in section:
+                errors.append(self.unterminated)
+            section = section.split(self.SECTION_END, 1)[0]
+            for match in self._CALL.finditer(section):
+                got = self._call(match, errors)
+                if got is not None:
+                    calls.append(got[0])
+                    ids.append(got[1])
+            if self.CALL_BEGIN in self._CALL.sub("", section):
+                errors.append(self.malformed)
+        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning,
+                          ids=ids if any(ids) else [])
+
+
+class KimiK2Parser(SectionParser):
     """Kimi K2 / K2 Thinking / K2.5: <think>..</think>, then text, then
     <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>...
     <|tool_calls_section_end|>, closed by <|im_end|>."""
@@ -335,38 +368,26 @@ class KimiK2Parser(ToolCallParser):
     name = "kimi_k2"
     end_of_turn = "<|im_end|>"
     marker = "<|tool_call_argument_begin|>"
-    SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    SECTION_BEGIN, SECTION_END, CALL_BEGIN = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>"
     _CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
     _ID = re.compile(r"functions\.(.+):(\d+)")
+    unterminated = f"unterminated tool-calls section (missing {SECTION_END})"
+    malformed = "unterminated tool call (missing <|tool_call_argument_begin|> or <|tool_call_end|>)"
 
-    def parse(self, text):
-        text = text.split(self.end_of_turn, 1)[0]
-        reasoning, text = _split_reasoning(text)
-        content, calls, ids, errors = text, [], [], []
-        if self.SECTION_BEGIN in text:
-            content, section = text.split(self.SECTION_BEGIN, 1)
-            if self.SECTION_END not in section:
-                errors.append(f"unterminated tool-calls section (missing {self.SECTION_END})")
-            section = section.split(self.SECTION_END, 1)[0]
-            for match in self._CALL.finditer(section):
-                call_id, raw = match.group(1), match.group(2).strip()
-                named = self._ID.fullmatch(call_id)
-                if named is None:
-                    errors.append(f"tool call id {call_id[:80]!r} is not functions.NAME:INDEX")
-                    continue
-                args = _json_arguments(raw, named.group(1), errors)
-                if args is not None:
-                    calls.append({"name": named.group(1), "arguments": args})
-                    ids.append(call_id)
-            if "<|tool_call_begin|>" in self._CALL.sub("", section):
-                errors.append("unterminated tool call (missing <|tool_call_argument_begin|> or <|tool_call_end|>)")
-        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning, ids=ids)
+    def _call(self, match, errors):
+        call_id = match.group(1)
+        named = self._ID.fullmatch(call_id)
+        if named is None:
+            errors.append(f"tool call id {call_id[:80]!r} is not functions.NAME:INDEX")
+            return None
+        args = _json_arguments(match.group(2).strip(), named.group(1), errors)
+        return None if args is None else ({"name": named.group(1), "arguments": args}, call_id)
 
     def call_id(self, name, index):
         return f"functions.{name}:{index}"
 
 
-class DeepSeekV3Parser(ToolCallParser):
+class DeepSeekV3Parser(SectionParser):
     """DeepSeek-V3 / R1: text, then <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}
     \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>, closed by <｜end▁of▁sentence｜>. A turn after tool outputs opens
     with <｜tool▁outputs▁end｜> (the model writes it)."""
@@ -374,28 +395,16 @@ class DeepSeekV3Parser(ToolCallParser):
     name = "deepseek_v3"
     end_of_turn = "<｜end▁of▁sentence｜>"
     marker = "<｜tool▁sep｜>"
-    CALLS_BEGIN, CALLS_END, OUTPUTS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁outputs▁end｜>"
+    SECTION_BEGIN, SECTION_END, CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>"
+    LEAD = "<｜tool▁outputs▁end｜>"
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
+    unterminated = f"unterminated tool calls (missing {SECTION_END})"
+    malformed = "malformed tool call (expected TYPE<｜tool▁sep｜>NAME, a ```json block and <｜tool▁call▁end｜>)"
 
-    def parse(self, text):
-        text = text.split(self.end_of_turn, 1)[0]
-        if text.startswith(self.OUTPUTS_END):
-            text = text[len(self.OUTPUTS_END):]
-        reasoning, text = _split_reasoning(text)
-        content, calls, errors = text, [], []
-        if self.CALLS_BEGIN in text:
-            content, section = text.split(self.CALLS_BEGIN, 1)
-            if self.CALLS_END not in section:
-                errors.append(f"unterminated tool calls (missing {self.CALLS_END})")
-            section = section.split(self.CALLS_END, 1)[0]
-            for match in self._CALL.finditer(section):
-                name = match.group(2).strip()
-                args = _json_arguments(match.group(3), name, errors)
-                if args is not None:
-                    calls.append({"name": name, "arguments": args})
-            if "<｜tool▁call▁begin｜>" in self._CALL.sub("", section):
-                errors.append("malformed tool call (expected TYPE<｜tool▁sep｜>NAME, a ```json block and <｜tool▁call▁end｜>)")
-        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning)
+    def _call(self, match, errors):
+        name = match.group(2).strip()
+        args = _json_arguments(match.group(3), name, errors)
+        return None if args is None else ({"name": name, "arguments": args}, None)
 
 
 class DeepSeekV31Parser(DeepSeekV3Parser):
@@ -404,26 +413,12 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
 
     name = "deepseek_v31"
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+    malformed = "malformed tool call (expected NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>)"
 
-    def parse(self, text):
-        text = text.split(self.end_of_turn, 1)[0]
-        if text.startswith(self.OUTPUTS_END):
-            text = text[len(self.OUTPUTS_END):]
-        reasoning, text = _split_reasoning(text)
-        content, calls, errors = text, [], []
-        if self.CALLS_BEGIN in text:
-            content, section = text.split(self.CALLS_BEGIN, 1)
-            if self.CALLS_END not in section:
-                errors.append(f"unterminated tool calls (missing {self.CALLS_END})")
-            section = section.split(self.CALLS_END, 1)[0]
-            for match in self._CALL.finditer(section):
-                name = match.group(1).strip()
-                args = _json_arguments(match.group(2), name, errors)
-                if args is not None:
-                    calls.append({"name": name, "arguments": args})
-            if "<｜tool▁call▁begin｜>" in self._CALL.sub("", section):
-                errors.append("malformed tool call (expected NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>)")
-        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors, reasoning=reasoning)
+    def _call(self, match, errors):
+        name = match.group(1).strip()
+        args = _json_arguments(match.group(2), name, errors)
+        return None if args is None else ({"name": name, "arguments": args}, None)
 
 
 class HermesParser(ToolCallParser):

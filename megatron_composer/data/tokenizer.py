@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -58,18 +59,12 @@ class Tokenizer:
             return self.encode(text)
         ids: list[int] = []
         at = 0
-        while at < len(text):
-            hits = [(text.find(t, at), t) for t in controls]
-            hits = [(i, t) for i, t in hits if i >= 0]
-            if not hits:
-                ids += self.encode(text[at:])
-                break
-            i, token = min(hits, key=lambda h: (h[0], -len(h[1])))
-            if i > at:
-                ids += self.encode(text[at:i])
+        for match in re.finditer("|".join(map(re.escape, controls)), text):  # longest first at each position
+            ids += self.encode(text[at:match.start()]) if match.start() > at else []
+            token = match.group()
             ids += self.encode(token[:1]) + self.encode_plain(token[1:])  # split: no longer the control token
-            at = i + len(token)
-        return ids
+            at = match.end()
+        return ids + (self.encode(text[at:]) if at < len(text) else [])
 
     # megatron-core's dataset code reads these names.
     @property

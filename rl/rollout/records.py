@@ -71,28 +71,24 @@ def encode_group(group: dict) -> bytes:
     for i, ep in enumerate(group["episodes"]):
         segs = []
         for j, seg in enumerate(ep["segments"]):
+            where = f"group {group.get('gid')} episode {i} segment {j}"
+            arrays = {}
             for name, dtype in _ARRAYS.items():
                 values = seg.get(name)
-                if values is None:
-                    values = []
-                t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-                tensors[f"e{i}.s{j}.{name}"] = t.contiguous()
+                values = [] if values is None else values
+                arrays[name] = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
             P, R = len(seg["prompt_ids"]), len(seg["response_ids"])
             if len(seg["response_mask"]) != R or len(seg["response_logprobs"]) != R:
-                raise RecordError(f"group {group.get('gid')} episode {i} segment {j}: response_mask and "
-                                  f"response_logprobs need one entry per response token ({R})")
+                raise RecordError(f"{where}: response_mask and response_logprobs need one entry per response token ({R})")
             routing = seg.get("routed_experts")
-            shape = None
-            first = len(tensors)
             if routing is not None:
                 if routing.dim() != 3 or routing.shape[1] != P + R:
-                    raise RecordError(f"group {group.get('gid')} episode {i} segment {j}: routed_experts must be "
-                                      f"[layers, {P + R}, top_k], got {list(routing.shape)}")
-                tensors[f"e{i}.s{j}.routed_experts"] = routing.to(_routing_dtype(routing)).contiguous()
-                shape = list(routing.shape)
-            arrays = list(tensors.values())[first - len(_ARRAYS):]
-            segs.append({"prompt_len": P, "response_len": R, "loss_tokens": int(sum(int(m) for m in seg["response_mask"])),
-                         "routing_shape": shape, "nbytes": sum(t.numel() * t.element_size() for t in arrays)})
+                    raise RecordError(f"{where}: routed_experts must be [layers, {P + R}, top_k], got {list(routing.shape)}")
+                arrays["routed_experts"] = routing.to(_routing_dtype(routing))
+            tensors.update({f"e{i}.s{j}.{name}": t.contiguous() for name, t in arrays.items()})
+            segs.append({"prompt_len": P, "response_len": R, "loss_tokens": int(arrays["response_mask"].sum()),
+                         "routing_shape": None if routing is None else list(routing.shape),
+                         "nbytes": sum(t.numel() * t.element_size() for t in arrays.values())})
         episodes.append({k: v for k, v in ep.items() if k != "segments"} | {"segments": segs})
     header = {k: v for k, v in group.items() if k != "episodes"} | {"episodes": episodes}
     return save(tensors, metadata={"format": FORMAT, "group": json.dumps(header, default=_json_default)})
@@ -126,7 +122,6 @@ class StoredSegment:
                 bytes_read.add(t.numel() * t.element_size())
                 out[name] = t
         seg = {name: out[name].tolist() for name in _ARRAYS}
-        seg["response_mask"] = [int(m) for m in seg["response_mask"]]
         seg["routed_experts"] = out["routed_experts"].long() if self.routing_shape is not None else None
         return seg
 

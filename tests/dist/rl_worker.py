@@ -98,13 +98,20 @@ def grads_to_full_shards(learner: PolicyLearner) -> None:
         opt.gather_grads()
 
 
+def learners(tmp: Path, name: str, mbs: int, parallel: dict):
+    """(one-rank reference learner, learner in the layout, the layout's config) on the same seed."""
+    tok = load_tokenizer(TOK)
+    cpu = torch.device("cpu")
+    ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), mbs=mbs, **parallel)
+    ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
+    return ref, PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu), par_cfg
+
+
 def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel):
     def run():
         tok = load_tokenizer(TOK)
         cpu = torch.device("cpu")
-        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), mbs=mbs, **parallel)
-        ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
-        par = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
+        ref, par, par_cfg = learners(tmp, name, mbs, parallel)
         results = rollout_groups(11, ref.mc)
         if odd and sum(len(ep["segments"]) for r in results for ep in r["episodes"]) % 2 == 0:
             # an odd number of samples: the dp ranks get unequal shares
@@ -175,11 +182,7 @@ def make_records_case(tmp: Path, name: str, mbs: int = 2, **parallel):
     def run():
         from rl.rollout import records
 
-        tok = load_tokenizer(TOK)
-        cpu = torch.device("cpu")
-        ref_cfg, par_cfg = config(str(tmp / f"{name}_ref")), config(str(tmp / name), mbs=mbs, **parallel)
-        ref = PolicyLearner(ref_cfg, tok, Layout(ref_cfg.parallel, distributed=False), cpu)
-        par = PolicyLearner(par_cfg, tok, Layout(par_cfg.parallel), cpu)
+        ref, par, _ = learners(tmp, name, mbs, parallel)
         results = rollout_groups(11, ref.mc, num_groups=3, group_size=3)
         near_policy(results, ref.model, 21)
         paths = [str(tmp / f"{name}_g{i}.group") for i in range(len(results))]
