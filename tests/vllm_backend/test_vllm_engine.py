@@ -4,7 +4,9 @@ without vLLM these tests are skipped with the reason).
 On a tiny Qwen3-MoE in float32: greedy tokens and log-probs, and the log-probs of tokens vLLM sampled at
 temperature 0.7, equal our engine's (|Δ| <= 1e-5); after each of 5 versions published to the weight store by the
 trainer's publisher (XOR deltas, a snapshot interval of 3) and fetched by a rollout subscriber, vLLM's greedy
-tokens and log-probs equal the trainer's weights'; a rollout worker on vLLM runs a group with per-token versions."""
+tokens and log-probs equal the trainer's weights'; vLLM's routed experts (per MoE layer, prompt and generated
+positions, logical ids) equal our router's choices on the same tokens, before and after an update; an RL run on
+vLLM rollouts with router replay of vLLM's experts (R3) trains on them."""
 
 from __future__ import annotations
 
@@ -56,6 +58,35 @@ def test_greedy_and_sampled_logprobs_equal_our_engine(tiny):
         assert (want - torch.tensor(r.sampling_logprobs)).abs().max().item() <= TOL
 
 
+def _same_routing(model, engine, temperature=0.0):
+    ours = Engine(model).generate(PROMPTS, max_new_tokens=8)
+    theirs = engine.generate(PROMPTS, max_new_tokens=8)
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        assert b.prompt_routed_experts.shape == a.prompt_routed_experts.shape
+        assert b.routed_experts.shape == a.routed_experts.shape == (8, len(model.config.moe_layer_ids),
+                                                                      model.config.num_experts_per_tok)
+        assert torch.equal(a.routing_for_training().sort(-1).values, b.routing_for_training().sort(-1).values)
+
+
+def test_routed_experts_equal_our_router(tiny):
+    cfg, model, engine = tiny
+    engine.update_weights({k: t.detach().clone() for k, t in model.state_dict().items()}, 0)
+    _same_routing(model, engine)
+    with torch.no_grad():  # the routers follow an update of their weights
+        for name, p in model.named_parameters():
+            if "router" in name or "gate" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    engine.update_weights({k: t.detach().clone() for k, t in model.state_dict().items()}, 1)
+    _same_routing(model, engine)
+    # sampled tokens: the routing of the sequence vLLM sampled equals our router's on that sequence
+    for prompt, r in zip(PROMPTS, engine.generate(PROMPTS, max_new_tokens=8, temperature=0.9, seed=3)):
+        with torch.no_grad():
+            out = model(torch.tensor([prompt + r.token_ids[:-1]]), return_routing=True)
+        ours = out.routed_experts[:, 0]  # [layers, S, K]
+        assert torch.equal(ours.sort(-1).values, r.routing_for_training().sort(-1).values)
+
+
 def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
@@ -84,8 +115,8 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
 
 
 def test_rl_run_with_vllm_rollouts(tmp_path):
-    """run_rl with rollout.backend=vllm (an embedded worker): groups come back with tokens of later weight
-    versions, and on the first step (tokens and trainer both at v0) the trainer's log-probs are vLLM's behaviour
+    """run_rl with rollout.backend=vllm (an embedded worker) and R3 (the trainer replays vLLM's routed experts):
+    groups come back with tokens of later weight versions, and on the first step (tokens and trainer both at v0) the trainer's log-probs are vLLM's behaviour
     log-probs (importance ratio 1, mismatch <= 1e-5)."""
     import json
 
@@ -99,7 +130,7 @@ def test_rl_run_with_vllm_rollouts(tmp_path):
                                         (("a letter", "ea"), ("a word", "ti"), ("a line", "or"), ("a name", "sn"))])
     over = {"run.dir": tmp_path / "run", "data.tokenizer": assets / "tok", "data.tasks": assets / "tasks",
             "model.preset": "tiny-qwen3-moe", "model.overrides": "{num_layers: 2}", "rollout.backend": "vllm",
-            "rl.router_replay": "'off'", "train.steps": 4, "train.groups_per_step": 1, "train.micro_batch_size": 8,
+            "rl.router_replay": "r3", "train.steps": 4, "train.groups_per_step": 1, "train.micro_batch_size": 8,
             "rollout.group_size": 4, "rollout.max_new_tokens": 8, "rollout.max_inflight_groups": 2,
             "rollout.max_staleness": 2, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
             "rollout.lease_s": 60, "rollout.heartbeat_s": 1, "rollout.group_timeout_s": 300, "optim.lr": 1e-3,
