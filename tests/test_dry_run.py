@@ -153,12 +153,13 @@ def test_dry_run_peak_agrees_with_the_estimate_at_real_widths():
 
 def test_dry_run_peak_is_affine_in_the_number_of_layers():
     """What simulate_scaled's extrapolation rests on: with identical blocks each added layer adds the same bytes
-    to the peak (its sharded state and one more saved block input)."""
+    to the peak (its sharded state and one more saved block input), once the peak sits in the same block at
+    every depth (for this tiny model from 4 layers on: at 3 the peak is elsewhere)."""
     from pretrain.dry_run import simulate
 
     cfg = get_preset("tiny-kimi-k2.5").replace(num_mtp_layers=0)
     peaks = [simulate(cfg.replace(num_layers=n), _sim_pcfg(cp=2, ep=2), 8, 256, mtp_weight=0.0).peak_bytes
-             for n in (3, 4, 5)]
+             for n in (4, 5, 6)]
     assert peaks[2] - peaks[1] == peaks[1] - peaks[0] > 0, peaks
 
 

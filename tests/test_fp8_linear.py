@@ -106,10 +106,10 @@ def test_fp8_grouped_mm_within_bound_and_backends_agree(cfg):
     assert (results["emulated"][2][1] == 0).all()  # expert without tokens gets a zero gradient
 
 
-def tiny_model(preset):
+def tiny_model(preset, **changes):
     from megatron_composer.model import Transformer, get_preset
     torch.manual_seed(0)
-    return Transformer(get_preset(preset))
+    return Transformer(get_preset(preset).replace(**changes))
 
 
 def test_apply_fp8_to_model():
@@ -143,7 +143,7 @@ def test_apply_fp8_to_model():
 
 
 def test_apply_fp8_rejects_indivisible_layers_by_name():
-    model = tiny_model("tiny-deepseek-v3")  # wkv_a has 32 + 16 = 48 output features
+    model = tiny_model("tiny-deepseek-v3", kv_lora_rank=32, qk_rope_head_dim=16)  # wkv_a: 32 + 16 = 48 outputs
     with pytest.raises(ValueError, match=r"wkv_a.*output dim.*size 48, not divisible by the FP8 block size 32"):
         apply_fp8(model, FP8Config(recipe="mxfp8", backend="emulated"))
     assert not any(isinstance(m, FP8Linear) for m in model.modules())  # nothing changed

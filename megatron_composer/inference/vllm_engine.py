@@ -212,11 +212,12 @@ class VLLMEngine:
             self.weight_version = version
 
     def subscription(self, like) -> "WorkersSubscription":
-        """The rollout worker's subscriber for this engine: every vLLM worker subscribes to the store itself
-        (`like`'s store and settings) for the boxes it loads, prefetches new versions in its own thread, and
-        applies them when the engine tells it to (all workers the same version, between two engine steps)."""
-        return WorkersSubscription(self, like.store, max_refetch=like.max_refetch,
-                                   range_reads=getattr(like, "range_reads", True))
+        """The rollout worker's subscriber for this engine, made from `like` (a ShardSubscriber, of the weight-sync
+        room): every vLLM worker builds one of the same class, store and settings for the boxes it loads,
+        prefetches new versions in its own thread, and applies them when the engine tells it to (all workers the
+        same version, between two engine steps). `like` itself only reads which versions exist."""
+        make = functools.partial(type(like), like.store, max_refetch=like.max_refetch, range_reads=like.range_reads)
+        return WorkersSubscription(self, like, make)
 
 
 class WorkersVersion:
@@ -237,13 +238,11 @@ class WorkersSubscription:
     """Driver side of the workers' own subscribers, with the ShardSubscriber interface the rollout worker uses
     (`latest_version`, `prepare`, `start`, `pop_ready`, `stop`). No weights pass through this process."""
 
-    def __init__(self, engine: VLLMEngine, store, max_refetch: int = 3, range_reads: bool = True):
-        from rl.weight_sync.subscriber import WeightSubscriber
-
-        self.engine, self.store = engine, store
-        self._versions = WeightSubscriber(store)  # reads manifests only (latest_version)
+    def __init__(self, engine: VLLMEngine, versions, make_subscriber):
+        self.engine = engine
+        self._versions = versions  # reads manifests only (latest_version)
         self._poll_s, self._last_poll = 1.0, 0.0
-        engine._on_workers(lambda w: w.subscribe(store, max_refetch, range_reads))
+        engine._on_workers(lambda w: w.subscribe(make_subscriber))
 
     def latest_version(self) -> Optional[int]:
         return self._versions.latest_version()
@@ -316,10 +315,9 @@ class VLLMWorkerWeights:
                    for box in boxes)
 
     # -- the worker's own subscriber --------------------------------------------------------------------
-    def subscribe(self, store, max_refetch: int, range_reads: bool) -> None:
-        from rl.weight_sync.subscriber import ShardSubscriber
-
-        self.subscriber = ShardSubscriber(store, self.wants, max_refetch=max_refetch, range_reads=range_reads)
+    def subscribe(self, make_subscriber) -> None:
+        """make_subscriber(wants) -> a ShardSubscriber of these boxes (VLLMEngine.subscription makes it)."""
+        self.subscriber = make_subscriber(self.wants)
 
     @staticmethod
     def _info(update) -> Optional[dict]:

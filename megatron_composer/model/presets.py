@@ -46,10 +46,11 @@ def _qwen3_30b_a3b() -> ModelConfig:
 
 def _tiny_deepseek_v3() -> ModelConfig:
     # Every DeepSeek-V3 feature at CPU size: compressed q, group-limited sigmoid routing with bias,
-    # a shared expert, a dense first layer, and one MTP depth.
+    # a shared expert, a dense first layer, and one MTP depth. The latent plus rope (256 + 64 = 320) is the
+    # smallest MLA head vLLM serves (its MLA kernels take 320, 512 or 576), so the tiny model runs on vLLM too.
     return ModelConfig(
         vocab_size=4096, hidden_size=128, num_layers=4, attention="mla", num_heads=4,
-        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        q_lora_rank=64, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
         rope_theta=10000.0, max_position_embeddings=4096,
         intermediate_size=384, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         num_shared_experts=1, first_k_dense_replace=1, score_func="sigmoid", n_group=4, topk_group=2,

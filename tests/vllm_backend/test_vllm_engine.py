@@ -147,6 +147,7 @@ def test_a_worker_holds_only_its_experts(tmp_path):
     from megatron_composer.inference.vllm_engine import VLLMWorkerWeights, _ranges
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
+    from rl.weight_sync.subscriber import ShardSubscriber
 
     class Placed(MoERunner):  # the expert placement vLLM gives a worker under EP, without building a layer
         def __init__(self, layer_id, expert_map):
@@ -171,7 +172,7 @@ def test_a_worker_holds_only_its_experts(tmp_path):
     model = Transformer(cfg)
     store = ObjectStore(f"file://{tmp_path}/store")
     WeightSyncConfig(dtype="float32", chunk_mb=1).sharded_publisher(store).publish(model, 1)
-    worker.subscribe(store, max_refetch=0, range_reads=True)
+    worker.subscribe(lambda wants: ShardSubscriber(store, wants, max_refetch=0))
     worker.prepare(1)
     update = worker.staged
     full = model.state_dict()
