@@ -100,6 +100,10 @@ def test_rollout_plan_counts_weights_and_cache_of_an_engine():
             assert kv == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_layers * 2
         else:
             assert kv == 2 * (cfg.num_kv_heads // 2) * cfg.gqa_head_dim * cfg.num_layers * 2
+        # vLLM's decode context parallelism: each token's cache row on one of dcp ranks
+        assert rollout_kv_bytes_per_token(cfg, RolloutEngine(gpus=2, tp=2, dcp=2)) == kv / 2
+        with pytest.raises(ValueError, match="dcp=3 must divide tp=2"):
+            RolloutEngine(gpus=2, tp=2, dcp=3)
         engine = RolloutEngine(gpus=4, tp=2)
         mem = 64 << 20
         p = rollout_plan(cfg, engine, seq_len=512, concurrency=4, gpu_mem_bytes=mem, params=params)

@@ -16,10 +16,14 @@ take at --link-gbps (ring algorithm factors).
 
 --rollout plans an inference engine instead (rollouts, serving): --gpus GPUs per engine, attention and dense
 weights over --tp, routed experts over --ep (default: all of the engine's GPUs, as vLLM's expert parallelism),
-weights in --weights bf16 | fp8 | int4 (experts), and --concurrency sequences of --seq tokens in flight; it prints
+each sequence's cache over --dcp of the tp GPUs (vLLM's decode context parallelism, rollout.dcp), weights in
+--weights bf16 | fp8 | int4 (experts), and --concurrency sequences of --seq tokens in flight; it prints
 the weights and KV cache per GPU, the concurrency that fits, and the smallest engine that holds the request:
 
     python tools/plan_parallel.py --rollout --preset kimi-k2.5 --gpus 8 --gpu-mem 288 --tp 8 --weights int4 --seq 262144 --concurrency 16
+
+rollout.backend=vllm runs all tp x ep GPUs of an engine as vLLM's tensor-parallel ranks: plan it with
+--tp = --gpus (and --dcp, which vLLM needs for MLA's cache not to be replicated over them).
 
 --simulate builds the real model in the layout as one rank of the --gpus world on fake tensors and torch's fake
 process group, runs one training step under torch's memory tracker (pretrain/dry_run.py) and prints the
@@ -171,12 +175,13 @@ def print_simulation(cfg, args, p) -> bool:
 def print_rollout(cfg, params, args) -> bool:
     try:
         engine = RolloutEngine(gpus=args.gpus, tp=args.tp, ep=args.ep if args.ep > 1 or args.gpus == 1 else 0,
-                               weights=args.weights, kv_bytes=1 if args.kv_dtype == "fp8" else 2)
+                               weights=args.weights, kv_bytes=1 if args.kv_dtype == "fp8" else 2, dcp=args.dcp)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     p = rollout_plan(cfg, engine, args.seq, args.concurrency, args.gpu_mem * GiB, args.utilization, params)
     print(f"rollout engine: {engine.gpus} GPUs, attention and dense weights over tp={engine.tp} "
-          f"({engine.attention_groups} data-parallel attention group(s)), routed experts over ep={engine.ep}; "
+          f"({engine.attention_groups} data-parallel attention group(s)), routed experts over ep={engine.ep}"
+          f"{f', cache over dcp={engine.dcp}' if engine.dcp > 1 else ''}; "
           f"{engine.weights} weights, {args.kv_dtype} KV cache")
     for k, v in p["weights"].items():
         print(f"  {k:22s} {v / GiB:9.2f} GiB per GPU")
@@ -231,6 +236,9 @@ def main(argv=None) -> None:
     ap.add_argument("--weights", choices=sorted(ROLLOUT_WEIGHT_FORMATS), default="bf16",
                     help="--rollout: weight format (int4: pack-quantized routed experts, the rest bf16)")
     ap.add_argument("--concurrency", type=int, default=1, help="--rollout: sequences in flight per engine")
+    ap.add_argument("--dcp", type=int, default=1,
+                    help="--rollout: split each sequence's cache over this many of the tp GPUs (vLLM's decode context "
+                         "parallelism)")
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="--rollout: KV cache dtype")
     ap.add_argument("--utilization", type=float, default=0.9,
                     help="--rollout: share of GPU memory for weights and cache (the rest: activations, CUDA graphs)")

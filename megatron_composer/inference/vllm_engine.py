@@ -77,14 +77,22 @@ def require_vllm():
 class VLLMEngine:
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 64,
                  max_seq_len: int = 4096, cache_memory_bytes: int = 1 << 30, seed: int = 0, tp: int = 1,
-                 ep: int = 1, routed_experts: Optional[bool] = None):
+                 ep: int = 1, routed_experts: Optional[bool] = None, quantize_experts: Optional[str] = None,
+                 dcp: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         vllm = require_vllm()
         from megatron_composer.checkpoint.hf import config_to_hf
 
-        self.cfg, self.dtype = cfg, dtype
+        from megatron_composer.checkpoint import int4
+
+        if quantize_experts not in (None, "int4"):
+            raise VLLMError(f"quantize_experts={quantize_experts!r}: serve the routed experts as they are (None) or int4")
+        self.cfg, self.dtype, self.quantize_experts = cfg, dtype, quantize_experts
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-model-")
-        (Path(self._dir.name) / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype)))
+        hf_config = config_to_hf(cfg, dtype)
+        if quantize_experts == "int4":  # Kimi K2.5's released format: pack-quantized INT4 experts (compressed-tensors)
+            hf_config["quantization_config"] = int4.quantization_config_for_experts()
+        (Path(self._dir.name) / "config.json").write_text(json.dumps(hf_config))
         on_cpu = not torch.cuda.is_available()
         self.moe_layers = list(cfg.moe_layer_ids)
         capture = bool(self.moe_layers) if routed_experts is None else routed_experts
@@ -96,6 +104,7 @@ class VLLMEngine:
                             max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
                             kv_cache_memory_bytes=cache_memory_bytes, enforce_eager=on_cpu,
                             tensor_parallel_size=tp * ep, enable_expert_parallel=ep > 1,
+                            decode_context_parallel_size=dcp,
                             logprobs_mode="processed_logprobs", enable_return_routed_experts=native,
                             enable_prefix_caching=not (capture and on_cpu))
         self._vllm = vllm
@@ -107,7 +116,7 @@ class VLLMEngine:
         self._finished: dict[int, GenerationResult] = {}
         self.tp_group = None
         self.detokenize = None
-        self.worker_elements = self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype))
+        self.worker_elements = self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype, quantize_experts))
         self._native_routing = native
         self._capture = None
         if capture and on_cpu:
@@ -285,11 +294,11 @@ class VLLMWorkerWeights:
     into the base, and the changed tensors are handed to vLLM's in-place reload under the Hugging Face names
     (experts one entry per local expert)."""
 
-    def __init__(self, runner, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, runner, cfg: ModelConfig, dtype: torch.dtype, quantize_experts: Optional[str] = None):
         from megatron_composer.model import Transformer
         from megatron_composer.parallel.slices import named_tensors
 
-        self.runner, self.cfg, self.dtype = runner, cfg, dtype
+        self.runner, self.cfg, self.dtype, self.quantize_experts = runner, cfg, dtype, quantize_experts
         self.on_cpu = not torch.cuda.is_available()
         with torch.device("meta"):
             shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg))}
@@ -309,8 +318,8 @@ class VLLMWorkerWeights:
         self.applied = None  # the BoxUpdate applied last, until committed
 
     @classmethod
-    def install(cls, worker, cfg: ModelConfig, dtype: torch.dtype) -> int:
-        worker.mc_weights = cls(worker.model_runner, cfg, dtype)
+    def install(cls, worker, cfg: ModelConfig, dtype: torch.dtype, quantize_experts: Optional[str] = None) -> int:
+        worker.mc_weights = cls(worker.model_runner, cfg, dtype, quantize_experts)
         return sum(math.prod(hi - lo for lo, hi in box) for _, boxes in worker.mc_weights.wants.values()
                    for box in boxes)
 
@@ -365,10 +374,12 @@ class VLLMWorkerWeights:
                 else:
                     held[box] = src.clone()
         changed = set(changed)
-        entries = [e for e in hub_entries(self.cfg, self.shapes) if e.ours in changed or e.ours is None]
-        cpu_experts = self.on_cpu and any(e.expert is not None for e in entries)
+        quantize = "int4-experts" if self.quantize_experts == "int4" else None
+        entries = [e for e in hub_entries(self.cfg, self.shapes, quantize) if e.ours in changed or e.ours is None]
+        # the CPU build's unquantized MoE kernel needs its experts written by hand (see the module's notes)
+        cpu_experts = self.on_cpu and quantize is None and any(e.expert is not None for e in entries)
         dense = [(e.hub, self._hub_tensor(e)) for e in entries
-                 if (e.expert is None or (not self.on_cpu and self._box_of(e) is not None))]
+                 if e.expert is None or (not cpu_experts and self._box_of(e) is not None)]
         model = self.runner.model
         if self.on_cpu:
             _restore_released_mla_weights(model)
@@ -390,7 +401,27 @@ class VLLMWorkerWeights:
         if entry.expert is None:
             return next(iter(self.base[entry.ours].values())).to(self.dtype)
         box, t = self._box_of(entry)
-        return t[entry.expert - box[0][0]].to(self.dtype)
+        w = t[entry.expert - box[0][0]]
+        if entry.int4_part is None:
+            return w.to(self.dtype)
+        return _int4_parts(entry.ours, entry.expert, w)[entry.int4_part]
+
+
+_last_int4: dict = {}
+
+
+def _int4_parts(name: str, expert: int, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An expert matrix as Kimi K2.5's pack-quantized INT4 parts (checkpoint/int4.py: the same rounding as our
+    INT4 export and QAT), quantised once for its three entries."""
+    from megatron_composer.checkpoint import int4
+
+    key = (name, expert, w.data_ptr())
+    if _last_int4.get("key") != key:
+        q, scale = int4.quantize(w.float())
+        _last_int4.clear()
+        _last_int4.update(key=key, parts={".weight_packed": int4.pack(q), ".weight_scale": scale.to(torch.bfloat16),
+                                          ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)})
+    return _last_int4["parts"]
 
 
 def _expert_layer(name: str) -> Optional[int]:

@@ -583,7 +583,9 @@ ROLLOUT_WEIGHT_FORMATS = {
 class RolloutEngine:
     """One inference engine: `gpus` GPUs; attention, dense and vocabulary weights split over `tp` (replicated over
     gpus / tp data-parallel attention groups, each holding its own sequences' cache); routed experts split over
-    `ep` (replicated gpus / ep times). vLLM's --enable-expert-parallel is ep = gpus."""
+    `ep` (replicated gpus / ep times); each sequence's cache split over `dcp` of its group's tp GPUs (vLLM's
+    decode context parallelism, which spares MLA's latent cache its replication over tp). vLLM's
+    --enable-expert-parallel is ep = gpus."""
 
     gpus: int
     tp: int = 1
@@ -591,6 +593,7 @@ class RolloutEngine:
     weights: str = "bf16"
     kv_bytes: int = 2  # cache dtype: 2 bf16, 1 fp8
     mtp: bool = False  # the MTP layers are loaded (speculative decoding) and cache too
+    dcp: int = 1
 
     def __post_init__(self):
         self.ep = self.ep or self.gpus
@@ -598,6 +601,8 @@ class RolloutEngine:
             raise ValueError(f"weight format {self.weights!r}: use one of {list(ROLLOUT_WEIGHT_FORMATS)}")
         if self.gpus % self.tp or self.gpus % self.ep:
             raise ValueError(f"tp={self.tp} and ep={self.ep} must divide the engine's {self.gpus} GPUs")
+        if self.dcp < 1 or self.tp % self.dcp:
+            raise ValueError(f"dcp={self.dcp} must divide tp={self.tp} (it splits a sequence's cache over tp ranks)")
 
     @property
     def attention_groups(self) -> int:
@@ -627,7 +632,8 @@ def rollout_weight_bytes(cfg, engine: RolloutEngine, params: Optional[list] = No
 
 def rollout_kv_bytes_per_token(cfg, engine: RolloutEngine) -> float:
     """Cache bytes one token of a sequence takes on each GPU of its attention group (MLA's latent row is
-    replicated over tp; GQA's kv heads are split), from the engine's own cache layout (inference/kv_cache.py)."""
+    replicated over tp; GQA's kv heads are split; dcp stores each token on one of dcp ranks), from the engine's
+    own cache layout (inference/kv_cache.py)."""
     from megatron_composer.inference.kv_cache import cache_entries_per_token
 
     tp = engine.tp
@@ -636,7 +642,7 @@ def rollout_kv_bytes_per_token(cfg, engine: RolloutEngine) -> float:
         tp = kv_heads  # more ranks than kv heads: each head is replicated, one per rank
     per_layer = sum(math.prod(shape) for shape in cache_entries_per_token(cfg, tp))
     layers = cfg.num_layers + (cfg.num_mtp_layers if engine.mtp else 0)
-    return per_layer * layers * engine.kv_bytes
+    return per_layer * layers * engine.kv_bytes / engine.dcp
 
 
 def rollout_plan(cfg, engine: RolloutEngine, seq_len: int, concurrency: int, gpu_mem_bytes: float,

@@ -73,6 +73,10 @@ class RolloutConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel size of each rollout engine (heads, FFN columns, vocabulary)"})
     ep: int = field(default=1, metadata={"help": "expert-parallel size of each rollout engine (the routed experts); rollout ranks "
                                                  "form consecutive engines of tp x ep processes, whose first rank runs the worker"})
+    dcp: int = field(default=1, metadata={"help": "vllm: split each sequence's KV cache over this many of the engine's GPUs (vLLM's "
+                                                   "decode context parallelism; MLA's latent cache is otherwise on every one)"})
+    quantize_experts: str = field(default="none", metadata={"help": "vllm: none, or int4: serve the routed experts in Kimi K2.5's "
+                                                                    "pack-quantized INT4 (each update quantised as the INT4 export does)"})
     max_seq_len: int = field(default=1024, metadata={"help": "engine context: prompt + all turns of an agent episode"})
     cache_memory_mb: int = 256
     agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
@@ -108,6 +112,13 @@ class RolloutConfig:
         if self.tp < 1 or self.ep < 1:
             raise ConfigError(f"rollout.tp and rollout.ep must be >= 1 (an engine has tp x ep processes), got "
                               f"{self.tp} and {self.ep}")
+        if self.quantize_experts not in ("none", "int4"):
+            raise ConfigError(f"rollout.quantize_experts={self.quantize_experts!r}: use none or int4")
+        if self.backend != "vllm" and (self.dcp != 1 or self.quantize_experts != "none"):
+            raise ConfigError("rollout.dcp and rollout.quantize_experts are vLLM's (rollout.backend=vllm); the "
+                              "project's engine keeps each sequence's cache on its rank and serves the trained weights")
+        if self.dcp < 1 or (self.tp * self.ep) % self.dcp:
+            raise ConfigError(f"rollout.dcp={self.dcp} must divide the engine's tp x ep = {self.tp * self.ep} GPUs")
         if self.max_new_tokens < 1 or self.agent_max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
         if self.temperature <= 0:
@@ -158,7 +169,8 @@ def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0) ->
 
         return VLLMEngine(model.config, dtype=next(model.parameters()).dtype, max_batch_size=cfg.max_batch_size,
                           max_seq_len=cfg.max_seq_len, cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed,
-                          tp=cfg.tp, ep=cfg.ep)
+                          tp=cfg.tp, ep=cfg.ep, dcp=cfg.dcp,
+                          quantize_experts=None if cfg.quantize_experts == "none" else cfg.quantize_experts)
     return Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                   cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
 

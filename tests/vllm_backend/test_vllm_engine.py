@@ -186,6 +186,34 @@ def test_a_worker_holds_only_its_experts(tmp_path):
     assert update.bytes_read < 0.5 * update.version_bytes  # the chunks of only other workers' experts: not fetched
 
 
+def test_int4_experts_reach_vllm_in_the_released_format(tmp_path):
+    """rollout.quantize_experts=int4 (Kimi K2.5 served as released): what a worker hands vLLM's reload is, tensor
+    for tensor, what our INT4 export writes (compressed-tensors pack-quantized experts, the rest in the engine's
+    dtype), which transformers + compressed-tensors read with logits equal to ours (tests/test_int4_checkpoint.py).
+    vLLM's CPU build has no kernel for this scheme (its CPU INT4 MoE takes another), so the reload is captured."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from megatron_composer.checkpoint.hf import save_hf_checkpoint
+    from megatron_composer.inference.vllm_engine import VLLMWorkerWeights, _Tensors
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny-qwen3-moe").replace(num_layers=2)
+    model = Transformer(cfg).to(torch.bfloat16)
+    handed = {}
+    runner = SimpleNamespace(model=torch.nn.Module(),
+                             reload_weights=lambda weights_iterator: handed.update(dict(weights_iterator)))
+    worker = VLLMWorkerWeights(runner, cfg, torch.bfloat16, quantize_experts="int4")
+    worker.apply(_Tensors({k: t.detach() for k, t in model.state_dict().items()}), delta=False)
+    save_hf_checkpoint(model, tmp_path / "export", dtype=torch.bfloat16, quantize="int4-experts", progress=False)
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(handed) == set(exported)
+    assert any(k.endswith(".weight_packed") for k in handed)
+    for k, t in exported.items():
+        assert torch.equal(handed[k].to(t.dtype), t), k
+
+
 def test_a_deepseek_shaped_model_loads_generates_and_updates():
     """MLA, a dense first layer, sigmoid group-limited routing with a bias, a shared expert, MTP weights: on the
     CPU build in bf16 (its MLA kernels take nothing else; latent + rope = 320, the smallest head they serve).
