@@ -631,8 +631,10 @@ def part_decode(p: Part) -> None:
 
 def part_vllm(p: Part) -> None:
     """rollout.backend=vllm where vLLM is installed: its greedy tokens and log-probs against our engine (bf16 on
-    CUDA: token agreement and the log-prob gap are figures, since rounding flips near-ties), then a weight
-    update and the same comparison under the new weights."""
+    CUDA: token agreement and the log-prob gap are figures, since rounding flips near-ties), its routed experts
+    (vLLM's own enable_return_routed_experts on CUDA) against our router on the same tokens, then a weight
+    update and the same comparison under the new weights; last, the experts served in Kimi K2.5's INT4 (Marlin
+    on CUDA) against our model with the same INT4 experts."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -659,6 +661,17 @@ def part_vllm(p: Part) -> None:
         gap = max(gaps)
         p.figure(f"{label}_token_agreement", agree)
         p.figure(f"{label}_logprob_gap", gap)
+        same = total = 0
+        for prompt, r in zip(prompts, theirs):  # our router on vLLM's own tokens
+            with torch.no_grad():
+                out = model(torch.tensor([prompt + r.token_ids[:-1]], device=p.device), return_routing=True)
+            a = out.routed_experts[:, 0].sort(-1).values.cpu()
+            b = r.routing_for_training().sort(-1).values
+            same += int((a == b).all(-1).sum())
+            total += a.shape[0] * a.shape[1]
+        p.figure(f"{label}_routing_agreement", same / total)
+        if dtype == torch.float32:
+            p.check(f"vLLM routed experts == our router, float32 ({label})", same == total, f"{same}/{total}")
         p.check(f"vLLM tokens carry weight version {version} ({label})",
                 all(r.weight_versions == [version] * len(r.token_ids) for r in theirs))
         if dtype == torch.float32:
@@ -671,6 +684,20 @@ def part_vllm(p: Part) -> None:
             w.add_(0.01 * torch.randn_like(w))
     engine.update_weights({k: t.detach().cpu() for k, t in model.state_dict().items()}, 1)
     compare("after_update", 1)
+    if not p.cuda:  # vLLM's CPU build has no kernel for compressed-tensors' symmetric INT4 MoE
+        return
+    from megatron_composer.checkpoint import int4
+
+    del engine
+    engine = VLLMEngine(cfg, dtype=dtype, max_batch_size=8, max_seq_len=256, cache_memory_bytes=256 << 20, seed=0,
+                        quantize_experts="int4")
+    engine.update_weights({k: t.detach().cpu() for k, t in model.state_dict().items()}, 2)
+    with torch.no_grad():  # our model with the experts vLLM serves: on the INT4 grid
+        for name, w in model.named_parameters():
+            if ".experts." in name:
+                for e in range(w.shape[0]):
+                    w[e] = int4.fake_quantize(w[e].float()).to(dtype)
+    compare("int4_experts", 2)
 
 
 PARTS = {"env": part_env, "model_parity": part_model_parity, "fp8_kernels": part_fp8_kernels,
