@@ -10,7 +10,8 @@ ShardSubscriber for the boxes it loads (whole non-expert tensors, and of the exp
 new versions in a thread of its own, and when the engine says so (between two engine steps, all workers the
 same version) XORs the version into its host copy of those boxes and hands the changed tensors to vLLM's
 in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert; the MTP
-layers are not served, vLLM runs without speculative decoding here). Running requests continue; their later tokens carry the new version.
+layers are not served, vLLM runs without speculative decoding here). Running requests continue; their later
+tokens carry the new version.
 
 Routed experts come back as our engine returns them (`prompt_routed_experts` [P-1, moe layers, K] and
 `routed_experts` [T, moe layers, K]: logical ids, dense layers dropped), so R3, R2 and the mismatch filter read
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import tempfile
 import threading
@@ -82,12 +82,12 @@ class VLLMEngine:
                  dcp: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         vllm = require_vllm()
+        from megatron_composer.checkpoint import int4
         from megatron_composer.checkpoint.hf import config_to_hf
 
-        from megatron_composer.checkpoint import int4
-
         if quantize_experts not in (None, "int4"):
-            raise VLLMError(f"quantize_experts={quantize_experts!r}: serve the routed experts as they are (None) or int4")
+            raise VLLMError(f"quantize_experts={quantize_experts!r}: serve the routed experts as they are (None) "
+                            "or int4")
         self.cfg, self.dtype, self.quantize_experts = cfg, dtype, quantize_experts
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-model-")
         hf_config = config_to_hf(cfg, dtype)
@@ -117,7 +117,7 @@ class VLLMEngine:
         self._finished: dict[int, GenerationResult] = {}
         self.tp_group = None
         self.detokenize = None
-        self.worker_elements = self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype, quantize_experts))
+        self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype, quantize_experts))
         self._native_routing = native
         self._capture = None
         if capture and on_cpu:
@@ -262,7 +262,7 @@ class WorkersSubscription:
         infos = self.engine._on_workers(lambda w: w.prepare(version))
         return None if all(i is None for i in infos) else WorkersVersion(self, version, [i for i in infos if i])
 
-    def start(self, poll_seconds: float = 1.0, on_ready=None) -> None:
+    def start(self, poll_seconds: float = 1.0) -> None:
         self._poll_s = poll_seconds
         self.engine._on_workers(lambda w: w.subscriber.start(poll_seconds))
 
@@ -302,7 +302,8 @@ class VLLMWorkerWeights:
         self.runner, self.cfg, self.dtype, self.quantize_experts = runner, cfg, dtype, quantize_experts
         self.on_cpu = not torch.cuda.is_available()
         with torch.device("meta"):  # MTP weights are left out: vLLM serves the model without its draft layers
-            shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg)) if not name.startswith("mtp.")}
+            shapes = {name: tuple(t.shape) for name, t in named_tensors(Transformer(cfg))
+                      if not name.startswith("mtp.")}
         self.shapes, self.served = shapes, cfg.replace(num_mtp_layers=0)
         local = _local_experts(runner.model, cfg)
         self.wants: dict[str, tuple[torch.dtype, list]] = {}
@@ -319,10 +320,8 @@ class VLLMWorkerWeights:
         self.applied = None  # the BoxUpdate applied last, until committed
 
     @classmethod
-    def install(cls, worker, cfg: ModelConfig, dtype: torch.dtype, quantize_experts: Optional[str] = None) -> int:
+    def install(cls, worker, cfg: ModelConfig, dtype: torch.dtype, quantize_experts: Optional[str] = None) -> None:
         worker.mc_weights = cls(worker.model_runner, cfg, dtype, quantize_experts)
-        return sum(math.prod(hi - lo for lo, hi in box) for _, boxes in worker.mc_weights.wants.values()
-                   for box in boxes)
 
     # -- the worker's own subscriber --------------------------------------------------------------------
     def subscribe(self, make_subscriber) -> None:
@@ -379,12 +378,14 @@ class VLLMWorkerWeights:
         entries = [e for e in hub_entries(self.served, self.shapes, quantize) if e.ours in changed or e.ours is None]
         # the CPU build's unquantized MoE kernel needs its experts written by hand (see the module's notes)
         cpu_experts = self.on_cpu and quantize is None and any(e.expert is not None for e in entries)
-        dense = [(e.hub, self._hub_tensor(e)) for e in entries
-                 if e.expert is None or (not cpu_experts and self._box_of(e) is not None)]
+        # lazily, in file order: vLLM's layerwise reload finishes each layer as its last tensor arrives, so one
+        # layer's converted tensors are alive at a time
+        handed = ((e.hub, self._hub_tensor(e)) for e in entries
+                  if e.expert is None or (not cpu_experts and self._box_of(e) is not None))
         model = self.runner.model
         if self.on_cpu:
             _restore_released_mla_weights(model)
-        self.runner.reload_weights(weights_iterator=iter(dense))
+        self.runner.reload_weights(weights_iterator=handed)
         if cpu_experts:
             _write_cpu_experts(model, self.cfg, {n: next(iter(b.values())) for n, b in self.base.items()
                                                  if _expert_layer(n) is not None}, self.dtype)

@@ -22,7 +22,8 @@ def test_vllm_backend_config():
     with pytest.raises(ConfigError, match="rollout.backend='sglang'"):
         _cfg(**{"rollout.backend": "sglang"}).validate()
     # vLLM's own layout knobs: cache split over dcp GPUs, INT4 experts
-    _cfg(**{"rollout.backend": "vllm", "rollout.ep": 8, "rollout.dcp": 8, "rollout.quantize_experts": "int4"}).validate()
+    _cfg(**{"rollout.backend": "vllm", "rollout.ep": 8, "rollout.dcp": 8,
+            "rollout.quantize_experts": "int4"}).validate()
     with pytest.raises(ConfigError, match="rollout.dcp=3 must divide the engine's tp x ep = 8 GPUs"):
         _cfg(**{"rollout.backend": "vllm", "rollout.ep": 8, "rollout.dcp": 3}).validate()
     with pytest.raises(ConfigError, match="rollout.quantize_experts='fp4'"):
