@@ -84,6 +84,7 @@ class Trainer:
 
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        self._refill: dict[str, float] = {}  # the last step's dynamic-sampling counts (rank 0)
         self.layout = Layout(cfg.parallel)
         self.is_main = self.layout.rank == 0
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -201,8 +202,7 @@ class Trainer:
         results, error = None, None
         if self.is_main:
             try:
-                results = self.orchestrator.next_groups(self.cfg.train.groups_per_step, self.version,
-                                                        alive=self._workers_alive)
+                results = self._draw_groups()
             except QueueError as e:
                 error = str(e)
         if self.layout.world > 1:
@@ -211,6 +211,31 @@ class Trainer:
                 results = [read_group_index(p) for p in paths]
         if error:
             raise RuntimeError(error)
+        return results
+
+    def _draw_groups(self) -> list[dict]:
+        """The step's groups (trainer rank 0). With rl.refill_groups (dynamic sampling), groups whose rewards are
+        all equal are replaced by newly drawn ones, at most refill_groups more per step; the replaced groups are
+        released untrained and counted (`refilled_groups`, `equal_reward_groups_replaced`)."""
+        n, budget = self.cfg.train.groups_per_step, self.cfg.rl.refill_groups
+        results = self.orchestrator.next_groups(n, self.version, alive=self._workers_alive)
+        replaced: list[dict] = []
+        drawn = 0
+        while budget > drawn and results:
+            flat = [r for r in results if _equal_rewards(r)]
+            if not flat:
+                break
+            more = self.orchestrator.next_groups(min(len(flat), budget - drawn), self.version,
+                                                 alive=self._workers_alive)
+            if not more:
+                break  # end of the epoch: train on what there is
+            drawn += len(more)
+            out = flat[:len(more)]
+            replaced += out
+            results = [r for r in results if not any(r is o for o in out)] + more
+        if replaced:
+            self.orchestrator.step_trained(replaced)  # their files are released; nobody reads their samples
+        self._refill = {"refilled_groups": float(drawn), "equal_reward_groups_replaced": float(len(replaced))}
         return results
 
     def fit(self) -> Path:
@@ -256,6 +281,7 @@ class Trainer:
     def _log(self, metrics: dict, results: list[dict], versions: list[int], wait_s: float, t0: float, total: int):
         cfg = self.cfg
         metrics.update(weight_version=float(self.version), rollout_wait_s=wait_s, step_time=time.perf_counter() - t0)
+        metrics.update(self._refill)
         metrics.update(self.orchestrator.step_metrics())
         metrics.update(prompts=[int(r["prompt_index"]) for r in results], token_versions=versions)
         if versions and versions[0] < self.version - 1:
@@ -297,3 +323,9 @@ class Trainer:
         if self.is_main:
             state["orchestrator"] = self.orchestrator.state_dict()
         return self.learner.save(self.run_dir, self.step, state, self.cfg.checkpoint.keep_last)
+
+
+def _equal_rewards(group: dict) -> bool:
+    """A group whose episodes all have the same training reward: zero advantages, no signal."""
+    rewards = [float(ep["reward"]) for ep in group["episodes"]]
+    return max(rewards) - min(rewards) <= 1e-6

@@ -28,6 +28,9 @@ class RLObjectiveConfig:
     advantage_std_normalize: bool = _f(False, "divide group advantages by the group std (GRPO); off in the recipe")
     advantage_eps: float = _f(1e-6, "added to the group std before dividing")
     filter_zero_variance_groups: bool = _f(False, "drop groups whose rewards are all equal from the loss")
+    refill_groups: int = _f(
+        0, "dynamic sampling: per step, draw up to this many more groups to replace groups whose rewards are all "
+           "equal (they carry no signal); 0 = train on the groups as drawn")
     advantage_fn: Optional[str] = _f(
         None, "importable 'module:function' (rewards[N,G], cfg) -> advantages[N,G] replacing the built-in")
 
@@ -85,6 +88,7 @@ class RLObjectiveConfig:
                 raise ConfigError(msg)
 
         need(self.advantage_eps >= 0, f"rl.advantage_eps must be >= 0, got {self.advantage_eps}")
+        need(self.refill_groups >= 0, f"rl.refill_groups must be >= 0, got {self.refill_groups}")
         need(self.loss_constant is None or self.loss_constant > 0,
              f"rl.loss_constant must be positive (e.g. max_new_tokens), got {self.loss_constant}")
         need(0 <= self.ppo_clip_low < 1, f"rl.ppo_clip_low must be in [0, 1), got {self.ppo_clip_low}")

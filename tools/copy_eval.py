@@ -1,0 +1,109 @@
+"""Word-copy evaluation: can a checkpoint repeat a list it has just read (an induction / copy circuit)?
+
+    python tools/copy_eval.py --checkpoint runs/tiny/pretrain
+    python tools/copy_eval.py --checkpoint runs/tiny/sft/checkpoints/step_400 --words 6 --trials 128
+    python tools/copy_eval.py --hf /path/to/hf_model --pool alpha,beta,gamma,delta,epsilon,zeta,eta,theta
+
+Each trial samples --words distinct words from the pool (default: the agent task family's names, folders and
+words, the values its tool calls must copy) and scores the text "w1 w2 ... wN w1 w2 ... wN": per word, the
+summed loss of its tokens, in nats. The first copy is what the model guesses without anything to copy (about
+log(pool size) for a uniform guess); the second copy is what it pays with the list in front of it. A model
+that copies pays well under 1 nat per word on the second copy; the gate is that figure below --gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+GATE_NATS = 1.0
+
+
+def default_pool() -> list[str]:
+    from rl.envs.task_family import FOLDERS, MODULES, NAMES, WORDS
+
+    return sorted(set(NAMES) | set(FOLDERS) | set(WORDS) | set(MODULES))
+
+
+def word_spans(tokenizer, words: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of "w1 w2 ... wN w1 ... wN" and, per word occurrence, its [start, end) token span (each word
+    with its leading space is tokenized as the whole text tokenizes it: spans come from encoding prefixes)."""
+    text, ends = "", []
+    for w in words + words:
+        text += (" " if text else "") + w
+        ends.append(len(tokenizer.encode(text)))
+    ids = tokenizer.encode(text)
+    if ends[-1] != len(ids):
+        raise ValueError("the tokenizer merges across words; choose other pool words")
+    starts = [0] + ends[:-1]
+    return ids, list(zip(starts, ends))
+
+
+@torch.no_grad()
+def copy_score(model, tokenizer, pool: list[str], n_words: int = 8, trials: int = 64, seed: int = 0) -> dict:
+    """Mean nats per word on the first and on the second copy of a list of `n_words` pool words."""
+    if n_words > len(pool) or n_words < 1:
+        raise ValueError(f"--words {n_words} must be between 1 and the pool's {len(pool)} words")
+    model.eval()
+    rng = random.Random(seed)
+    first, second = [], []
+    for _ in range(trials):
+        words = rng.sample(pool, n_words)
+        ids, spans = word_spans(tokenizer, words)
+        x = torch.tensor([tokenizer.eod] + ids)[None]  # as a document starts in the pretraining stream
+        out = model(x[:, :-1])
+        logits = out.logits if hasattr(out, "logits") else out
+        nll = F.cross_entropy(logits[0].float(), x[0, 1:], reduction="none")  # nll[i]: loss of ids[i]
+        per_word = [float(nll[a:b].sum()) for a, b in spans]
+        first += per_word[:n_words]
+        second += per_word[n_words:]
+    return {"words": n_words, "trials": trials, "pool": len(pool),
+            "first_copy_nats_per_word": sum(first) / len(first),
+            "second_copy_nats_per_word": sum(second) / len(second)}
+
+
+def main() -> int:
+    from megatron_composer.checkpoint.dcp import CheckpointError
+    from megatron_composer.config import ConfigError
+    from megatron_composer.data.tokenizer import TokenizerError
+    from tools.eval_perplexity import load_hf, load_ours
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="one of our run directories (its latest checkpoint) or a checkpoint in one")
+    src.add_argument("--hf", help="a Hugging Face model directory")
+    ap.add_argument("--pool", help="comma-separated words (default: the agent task family's values)")
+    ap.add_argument("--words", type=int, default=8, help="words per list")
+    ap.add_argument("--trials", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gate", type=float, default=GATE_NATS, help="pass when the second copy costs less (nats/word)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line")
+    args = ap.parse_args()
+    pool = [w for w in args.pool.split(",") if w] if args.pool else default_pool()
+    try:
+        model, tokenizer, where = load_ours(args.checkpoint) if args.checkpoint else load_hf(args.hf)
+        result = copy_score(model, tokenizer, pool, args.words, args.trials, args.seed)
+    except (CheckpointError, ConfigError, TokenizerError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result |= {"checkpoint": where, "gate": args.gate, "passes": result["second_copy_nats_per_word"] < args.gate}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{where}: {args.words} words from a pool of {len(pool)}, {args.trials} trials: first copy "
+              f"{result['first_copy_nats_per_word']:.2f} nats/word, second copy "
+              f"{result['second_copy_nats_per_word']:.2f} nats/word (gate < {args.gate:g}: "
+              f"{'pass' if result['passes'] else 'FAIL'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
