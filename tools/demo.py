@@ -79,56 +79,6 @@ def write_sft(stdlib: Path, path: Path, n: int = 200, seed: int = 0) -> int:
     return n
 
 
-def _identifiers(stdlib: Path, limit: int = 4000, seed: int = 0) -> list[str]:
-    """Distinct names defined in the stdlib's modules (functions, classes, arguments, assignments)."""
-    names: set[str] = set()
-    files = sorted(p for p in stdlib.glob("*.py"))
-    for path in files:
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, ast.arg):
-                names.add(node.arg)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-    out = sorted(n for n in names if 2 < len(n) < 20 and not n.startswith("__"))
-    random.Random(seed).shuffle(out)
-    return out[:limit]
-
-
-def write_copy_corpus(stdlib: Path, path: Path, n_docs: int = 6000, seed: int = 0) -> int:
-    """Copy-heavy documents for the pretraining blend: lists of names, words and numbers written out and then
-    repeated (right after, after a line of code between, or in another rendering of the same tokens), so the
-    base model forms the copy (induction) circuit its tool calls need to repeat values from the instruction."""
-    from rl.envs.task_family import FOLDERS, MODULES, NAMES, WORDS
-
-    rng = random.Random(seed)
-    pool = _identifiers(stdlib) + list(NAMES + FOLDERS + WORDS + MODULES) * 20
-    numbers = [str(rng.randint(0, 999)) for _ in range(200)]
-    with open(path, "w") as fh:
-        for _ in range(n_docs):
-            lines = []
-            for _ in range(rng.randint(3, 6)):
-                k = rng.randint(2, 8)
-                items = rng.sample(pool, k) if rng.random() < 0.85 else rng.sample(numbers, k)
-                form = rng.randrange(4)
-                if form == 0:
-                    lines += [" ".join(items), " ".join(items)]
-                elif form == 1:
-                    lines += [f"names = [{', '.join(items)}]", f"for name in [{', '.join(items)}]:"]
-                elif form == 2:
-                    lines += [f"# {' '.join(items)}", f"{rng.choice(pool)} = {rng.randint(0, 99)}", f"# {' '.join(items)}"]
-                else:
-                    target = rng.choice(items)
-                    lines += [f"keys: {' '.join(items)}", f"use {target} then {target}"]
-            fh.write(json.dumps({"text": "\n".join(lines)}) + "\n")
-    return n_docs
-
-
 def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: int, seed: int = 0) -> int:
     """Generate the agent task splits and write the sft split's reference episodes as SFT conversations."""
     import shutil
