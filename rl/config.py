@@ -96,7 +96,7 @@ class RLConfig:
         configured roles and trainer layout."""
         n = self.trainer_ranks
         tp, ep = self.rollout.tp, self.rollout.ep
-        size = tp * ep
+        size = self.rollout.engine_ranks  # processes we launch per engine (one for vLLM, which starts its workers)
         what = f"rollout.tp x rollout.ep = {tp} x {ep}"
         if self.role == "rollout":
             if world % size:

@@ -44,3 +44,12 @@ def test_missing_vllm_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="needs vLLM: .*make test-vllm") as e:
         run_rl(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_a_vllm_engine_is_one_launched_process():
+    """vLLM starts its own tp x ep workers: a launch needs one rollout process per engine, not tp x ep."""
+    vllm_ep8 = {"rollout.backend": "vllm", "rollout.ep": 8}
+    _cfg(**vllm_ep8).check_runnable(world=2)            # one trainer rank + one vLLM rollout process
+    _cfg(role="rollout", **vllm_ep8).check_runnable(world=3)
+    with pytest.raises(ConfigError, match="8 processes per engine does not divide"):
+        _cfg(**{"rollout.ep": 8}).check_runnable(world=2)  # the project's engine: 8 processes per engine
