@@ -316,3 +316,14 @@ def test_parallel_put_and_get_many(tmp_path):
     assert store.list_dirs("batch")[:2] == ["000.bin", "001.bin"]
     store.delete_prefix("batch")
     assert store.list_dirs("batch") == []
+
+
+def test_a_store_travels_to_another_process_as_its_settings(tmp_path):
+    """vLLM's workers get the rollout worker's store pickled: they open their own, with the same settings."""
+    import pickle
+
+    store = ObjectStore(f"file://{tmp_path}/s", max_retries=2, threads=3)
+    store.put("a/b", b"payload")
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy is not store and (copy.url, copy.max_retries, copy.threads) == (store.url, 2, 3)
+    assert copy.get("a/b") == b"payload"

@@ -204,7 +204,8 @@ class VLLMEngine:
 
     # -- weights ----------------------------------------------------------------------------------------
     def _on_workers(self, fn):
-        """Run fn(worker's VLLMWorkerWeights) in every vLLM worker; their answers in rank order."""
+        """Run fn(worker's VLLMWorkerWeights) in every vLLM worker; their answers in rank order. fn travels
+        pickled to worker processes (cloudpickle): it may capture values and the store, not this engine."""
         return self.llm.collective_rpc(lambda worker: fn(worker.mc_weights))
 
     def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
@@ -214,7 +215,7 @@ class VLLMEngine:
         which each worker reads its boxes of. recompute_cache is not supported (vLLM keeps its cache)."""
         with self._lock:
             if isinstance(weights, WorkersVersion):
-                self._on_workers(lambda w: w.apply_version(weights.version))
+                self._on_workers(lambda w, v=weights.version: w.apply_version(v))
             else:
                 reader = weights if hasattr(weights, "read") else _Tensors(weights)
                 self._on_workers(lambda w: w.apply(reader, delta))
@@ -241,7 +242,7 @@ class WorkersVersion:
         self.version_bytes = max(i["version_bytes"] for i in infos)
 
     def commit(self) -> None:
-        self.subscription.engine._on_workers(lambda w: w.commit(self.version))
+        self.subscription.engine._on_workers(lambda w, v=self.version: w.commit(v))
 
 
 class WorkersSubscription:

@@ -62,7 +62,7 @@ class ObjectStore:
             raise ValueError("ObjectStore url is empty; give a local directory or s3://bucket/prefix")
         if max_retries < 0 or threads < 1:
             raise ValueError(f"ObjectStore needs max_retries >= 0 and threads >= 1, got {max_retries}, {threads}")
-        self.url = url
+        self.url, self.storage_options = url, storage_options
         # A filesystem object of our own (fsspec shares instances by default): its caches and sessions are
         # not disturbed by other users of the same URL.
         if url.startswith(("s3://", "s3a://")):
@@ -82,6 +82,11 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+    def __reduce__(self):
+        # travels to another process (e.g. vLLM's workers) as its settings; that process opens its own
+        return (ObjectStore, (self.url, self.storage_options, self.max_retries, self.retry_base_seconds,
+                              self.retry_max_seconds, self.threads))
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root

@@ -105,12 +105,17 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
 
+    import cloudpickle
+
     cfg, model, engine = tiny
     sync = WeightSyncConfig(dtype="float32", snapshot_interval=3)
     store = ObjectStore(f"file://{tmp_path}/store")
     publisher = sync.sharded_publisher(store)
     with torch.device("meta"):
         names_only = Transformer(cfg)  # what a vLLM rollout worker subscribes with (rl.model.rollout_model)
+    rpc = engine.llm.collective_rpc
+    # as vLLM's multi-process executor sends them: every call to the workers travels pickled
+    engine.llm.collective_rpc = lambda fn, *a, **kw: rpc(cloudpickle.loads(cloudpickle.dumps(fn)), *a, **kw)
     subscription = engine.subscription(sync.shard_subscriber(store, names_only))
     deltas = 0
     for version in _publish_steps(model, publisher, range(1, 4)):
@@ -134,6 +139,7 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
             assert all(r.weight_versions == [version] * len(r.token_ids) for r in out)
     finally:
         subscription.stop()
+        engine.llm.collective_rpc = rpc
     assert deltas >= 3  # most versions arrived as XOR deltas on the held version
 
 
