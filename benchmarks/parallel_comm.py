@@ -128,7 +128,7 @@ def worker(layouts: list[dict], out: str) -> None:
 
     from megatron_composer.model import Transformer, get_preset
     from megatron_composer.parallel import collectives as C
-    from megatron_composer.parallel.cost import (OPS, Layout, comm_per_step, fsdp_comm_per_microbatch, memory_per_rank,
+    from megatron_composer.parallel.cost import (OPS, StepPlan, comm_per_step, fsdp_comm_per_microbatch, memory_per_rank,
                                                  model_params)
     from megatron_composer.parallel.data_parallel import DistributedAdamW
     from megatron_composer.parallel.dims import ParallelDims
@@ -216,7 +216,7 @@ def worker(layouts: list[dict], out: str) -> None:
             dist.barrier()
             times.append(time.perf_counter() - t0)
         opt.zero_grad()
-        lay = Layout(dims=dims, seq_len=S, micro_batch=B // dims.dp, zero1=zero1, mtp=True, cp_attention=cp_attention,
+        lay = StepPlan(dims=dims, seq_len=S, micro_batch=B // dims.dp, zero1=zero1, mtp=True, cp_attention=cp_attention,
                      fsdp=fsdp, dp_replicate=spec.get("dp_replicate", 1), gather_bytes=4)
         params = model_params(cfg)
         n_moe = len(cfg.moe_layer_ids) + cfg.num_mtp_layers  # MTP blocks are MoE in these presets

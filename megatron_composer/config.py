@@ -117,7 +117,7 @@ def _build(cls: type, data: dict, prefix: str = ""):
     return obj
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for p in parts[:-1]:
@@ -169,7 +169,7 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Sequence[s
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping at top level")
     for key, value in parse_overrides(overrides):
-        _set_dotted(data, key, value)
+        set_dotted(data, key, value)
     cfg = _build(cls, data)
     validate = getattr(cfg, "validate", None)
     if callable(validate):

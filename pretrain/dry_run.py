@@ -52,7 +52,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
     from megatron_composer.training.layout import Layout
     from megatron_composer.training.optim import OptimizerConfig
     from pretrain.losses import MTPLossConfig, token_counts
-    from pretrain.trainer import _autocast, _forward_stats
+    from pretrain.trainer import autocast_for, forward_stats
 
     require_fsdp(pcfg, world_size)
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
         device = torch.device("cpu")
         mtp = MTPLossConfig(weight=mtp_weight)
         depths = mc.num_mtp_layers if mtp_weight > 0 else 0
-        autocast = _autocast(precision, device)
+        autocast = autocast_for(precision, device)
         fsdp = bool(getattr(pcfg, "fsdp", False))
         with FakeTensorMode(allow_non_fake_inputs=True), HostReads():
             core = TrainingCore(mc, {}, layout, device, optim=OptimizerConfig(), fp8=FP8Config(), seed=seed)
@@ -83,7 +83,7 @@ def simulate(mc, pcfg, world_size: int, seq_len: int, *, micro_batch: int = 1, m
                 counts = layout.all_reduce_sum(token_counts(batch, depths, layout.shift_left))
 
                 def loss_fn(b):
-                    (loss, stats), _ = _forward_stats(core.model, b, mtp, counts, autocast, False, layout)
+                    (loss, stats), _ = forward_stats(core.model, b, mtp, counts, autocast, False, layout)
                     return loss, stats
 
                 core.accumulate(loss_fn, [batch])

@@ -78,7 +78,8 @@ class PretrainConfig:
             raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
 
 
-def _autocast(precision: str, device: torch.device):
+def autocast_for(precision: str, device: torch.device):
+    """The autocast context of train.precision (bf16, or auto: bf16 on CUDA; otherwise none)."""
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     if use_bf16:
         return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -135,7 +136,9 @@ def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
     return Batches(train, global_seqs, cfg.train.micro_batch_size, layout), valid
 
 
-def _forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout):
+def forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout):
+    """One micro-batch through the model and the pretraining loss: ((loss, stats), model output); the dry run
+    measures exactly this step."""
     fused = fused_head_applies(model, mtp_cfg, layout.vocab_group)  # no [tokens, vocab] logits are made
     with autocast:
         out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing, logits=not fused)
@@ -157,7 +160,7 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
     counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in batches), torch.zeros(1 + depths, device=device)))
     totals: dict[str, torch.Tensor] = {}
     for b in batches:
-        (_, stats), _ = _forward_stats(model, b, cfg.mtp, counts, autocast, False, layout)
+        (_, stats), _ = forward_stats(model, b, cfg.mtp, counts, autocast, False, layout)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.float()
     keys = sorted(totals)
@@ -201,7 +204,7 @@ class Stage:
             self.logger.truncate_after(self.start_step)
             if self.is_main:
                 print(f"resumed from {latest} at step {self.start_step}")
-        self.autocast = _autocast(cfg.train.precision, device)
+        self.autocast = autocast_for(cfg.train.precision, device)
         self.depths = mc.num_mtp_layers if cfg.mtp.weight > 0 else 0
         self.want_routing = cfg.train.expert_bias_update_rate > 0 and mc.expert_bias and mc.num_experts > 0
 
@@ -232,7 +235,7 @@ class Stage:
         routed = []
 
         def loss_fn(batch):
-            (loss, stats), out = _forward_stats(self.model, batch, cfg.mtp, counts, self.autocast, self.want_routing, layout)
+            (loss, stats), out = forward_stats(self.model, batch, cfg.mtp, counts, self.autocast, self.want_routing, layout)
             if self.want_routing:
                 routed.append(out.routed_experts.flatten(1, -1))
             return loss, {k.replace("lm_loss", "loss"): v for k, v in stats.items()}

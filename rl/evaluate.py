@@ -13,26 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+from rl.metrics import pass_at_k, summarize_groups  # noqa: F401 - the CLI's measures, importable from here too
 
 
 def _run_config(ckpt: Path, overrides: list[str]):
     import yaml
 
-    from megatron_composer.config import ConfigError, from_dict, parse_overrides
+    from megatron_composer.config import ConfigError, from_dict, parse_overrides, set_dotted
     from rl.config import RLConfig
 
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
@@ -47,30 +40,9 @@ def _run_config(ckpt: Path, overrides: list[str]):
     for k in ("rollout", "weight_sync"):
         if k in data:
             keep[k] = data[k]
-    from megatron_composer.config import _set_dotted
-
     for key, value in parse_overrides(overrides):
-        _set_dotted(keep, key, value)
+        set_dotted(keep, key, value)
     return from_dict(RLConfig, keep)
-
-
-def summarize_groups(tasks, results: list[dict], samples: int, success_reward: float = 1.0) -> dict:
-    """pass@1, pass@K (K = samples) and the reward mean over one finished group of ``samples`` episodes per
-    task (``results[i]`` is tasks[i]'s, as `RolloutWorker.run_group` returns it). A sample passes when its
-    verifier reward is at least ``success_reward``; the shaping terms of training rewards do not count."""
-    per_task = []
-    for task, result in zip(tasks, results, strict=True):
-        rewards = [float(ep.get("verifier_reward", ep["reward"])) for ep in result["episodes"]]
-        if len(rewards) != samples:
-            raise ValueError(f"task {task.name}: {len(rewards)} episodes, expected {samples}")
-        c = sum(r >= success_reward for r in rewards)
-        per_task.append({"task": task.name, "kind": task.kind, "rewards": rewards, "pass@1": pass_at_k(samples, c, 1),
-                         f"pass@{samples}": pass_at_k(samples, c, samples)})
-    return {"tasks": len(tasks), "samples": samples,
-            "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
-            f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
-            "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
-            "per_task": per_task}
 
 
 def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,

@@ -44,10 +44,9 @@ def check_model_layout(cfg: RLConfig) -> None:
             raise ConfigError(f"rollout.tp={tp}: tensor parallelism does not support tied embeddings "
                               "(model tie_word_embeddings); set rollout.tp=1")
         try:
-            validate_layout(ParallelDims(tp * ep, tp=tp, ep=ep), mc)
+            validate_layout(ParallelDims(tp * ep, tp=tp, ep=ep), mc, section="rollout")
         except ConfigError as e:
-            raise ConfigError(f"rollout.tp={tp} rollout.ep={ep}: {e}".replace("parallel.tp", "rollout.tp")
-                              .replace("parallel.ep", "rollout.ep")) from None
+            raise ConfigError(f"rollout.tp={tp} rollout.ep={ep}: {e}") from None
 
 
 def init_trainer_group(cfg: RLConfig, rank: int, world: int) -> bool:

@@ -37,41 +37,13 @@ from megatron_composer.training.metrics import MetricsLogger
 from megatron_composer.training.optim import lr_at
 from rl.config import RLConfig, weight_store, weights_url
 from rl.learner import PolicyLearner
+from rl.metrics import group_metrics
 from rl.model import build_model_meta
 from rl.orchestrator import OrchestratorRole, QueueError
 from rl.rollout.launch import make_worker
 from rl.rollout.records import read_group_index
 from rl.rollout.worker import RolloutWorker
 from rl.weight_sync import ObjectStoreError, WeightSyncError
-
-
-def group_metrics(results: list[dict]) -> dict:
-    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups.
-
-    ``reward_mean`` is the training reward the advantages use; ``verifier_reward_mean`` the verifier's part and
-    ``<term>_mean`` each shaping term's signed part (``length_penalty_mean``, ``malformed_tool_calls_mean``, ...),
-    so reward_mean = verifier_reward_mean + the sum of the term means."""
-    episodes = [ep for r in results for ep in r["episodes"]]
-    rewards = torch.tensor([[float(ep["reward"]) for ep in r["episodes"]] for r in results])
-    metas = [ep.get("meta", {}) for ep in episodes]
-    q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
-    terms = sorted({t for ep in episodes for t in ep.get("reward_terms", {})})
-    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes) for t in terms}
-    return {
-        "reward_mean": rewards.mean().item(),
-        "verifier_reward_mean": sum(float(ep.get("verifier_reward", ep["reward"])) for ep in episodes) / len(episodes),
-        **shaping,
-        "reward_best_of_k": rewards.max(dim=1).values.mean().item(),
-        "reward_p10": q[0], "reward_p50": q[1], "reward_p90": q[2],
-        "episodes": float(rewards.numel()),
-        "turns": float(sum(m.get("turns", 1) for m in metas)),
-        "segments_per_episode": sum(m.get("segments", 1) for m in metas) / max(len(metas), 1),
-        "summaries": float(sum(m.get("summaries", 0) for m in metas)),
-        "generated_tokens": float(sum(m.get("tokens", 0) for m in metas)),
-        "no_tool_call_episodes": float(sum(m.get("stop_reason") == "no_tool_call" for m in metas)),
-        "verifier_timeouts": float(sum(bool(m.get("verifier_timeout")) for m in metas)),
-        "sandbox_failures": float(sum(r.get("sandbox_failures", 0) for r in results)),
-    }
 
 
 class Trainer:
@@ -299,7 +271,7 @@ class Trainer:
         trainer rank 0 asks the orchestrator role for it and waits until every held-out task's group is back
         (the other trainer ranks wait for the next step; rollout workers not evaluating go on generating
         training groups, which the bounded queue keeps). No trainer rank builds a model for it."""
-        from rl.evaluate import summarize_groups
+        from rl.metrics import summarize_groups
         from rl.rollout.tasks import load_rl_tasks
 
         cfg = self.cfg

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_composer.config import ConfigError
 from megatron_composer.model import Transformer, get_preset
-from megatron_composer.parallel.cost import (Layout, activation_bytes, backward_peak, comm_per_step,
+from megatron_composer.parallel.cost import (StepPlan, activation_bytes, backward_peak, comm_per_step,
                                              fsdp_comm_per_microbatch, fsdp_units, fsdp_working_set, memory_per_rank)
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 
@@ -41,13 +41,13 @@ def test_fsdp_shards_parameters_gradients_and_moments_over_dp_cp_and_expert_data
     cfg = get_preset("tiny-kimi-k2.5")
     dense, expert, _ = _numels(cfg, ep=2)
     dims = ParallelDims(16, cp=2, ep=2)  # dense replicas dp*cp = 16, expert-data-parallel 8
-    replicated = memory_per_rank(cfg, Layout(dims, seq_len=64, micro_batch=1))
-    sharded = memory_per_rank(cfg, Layout(dims, seq_len=64, micro_batch=1, fsdp=True))
+    replicated = memory_per_rank(cfg, StepPlan(dims, seq_len=64, micro_batch=1))
+    sharded = memory_per_rank(cfg, StepPlan(dims, seq_len=64, micro_batch=1, fsdp=True))
     n = math.ceil(dense / 16) + math.ceil(expert / 8)
     assert sharded["params"] == sharded["grads"] == 4 * n and sharded["optimizer"] == 8 * n
     assert replicated["params"] == 4 * (dense + expert)
     # HSDP: two replicas of each shard hold twice as much
-    hsdp = memory_per_rank(cfg, Layout(ParallelDims(16, cp=2, ep=2, dp_replicate=2), 64, 1, fsdp=True,
+    hsdp = memory_per_rank(cfg, StepPlan(ParallelDims(16, cp=2, ep=2, dp_replicate=2), 64, 1, fsdp=True,
                                        dp_replicate=2))
     assert hsdp["params"] == 4 * (math.ceil(dense / 8) + math.ceil(expert / 4))
 
@@ -56,7 +56,7 @@ def test_fsdp_units_working_set_and_collectives_by_hand():
     cfg = get_preset("tiny-kimi-k2.5")
     _, _, units = _numels(cfg, ep=2)
     dims = ParallelDims(8, ep=2)
-    lay = Layout(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2)
+    lay = StepPlan(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2)
     got = {k: sum(v) for k, v in fsdp_units(cfg, lay).items()}
     assert got == units
     dense, experts = fsdp_units(cfg, lay)["mtp.0.block"]  # backward reaches the MTP block first; it prefetches none
@@ -68,7 +68,7 @@ def test_fsdp_units_working_set_and_collectives_by_hand():
     embedding = cfg.vocab_size * cfg.hidden_size  # the root's gradients before the blocks': all but the embedding's
     assert att["root_grads"] == lay.act_bytes * (units["root"] - embedding)  # in the compute dtype
     # without MTP the last layer is first and prefetches the one before it
-    lay_main = Layout(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2, mtp=False)
+    lay_main = StepPlan(dims, seq_len=64, micro_batch=1, fsdp=True, gather_bytes=2, mtp=False)
     work = fsdp_working_set(cfg, lay_main, phase="attention")
     last, prev = cfg.num_layers - 1, cfg.num_layers - 2
     assert work["prefetch"] == 2 * units[f"layers.{prev}"]
@@ -113,7 +113,7 @@ def test_planner_rejects_sizes_that_do_not_divide_in_one_line(args, needle):
 
 
 def _analytic_peak(cfg, dims: ParallelDims, seq: int, fsdp: bool) -> float:
-    lay = Layout(dims, seq_len=seq, micro_batch=1, param_bytes=4, act_bytes=2, fsdp=fsdp,
+    lay = StepPlan(dims, seq_len=seq, micro_batch=1, param_bytes=4, act_bytes=2, fsdp=fsdp,
                  mtp=cfg.num_mtp_layers > 0)
     return backward_peak(cfg, lay, activation_bytes(cfg, lay, "flash", loss="trainer"))["total"]
 
@@ -128,7 +128,7 @@ def test_dry_run_measures_parameters_exactly_and_the_peak_near_the_estimate():
     cfg = get_preset("tiny-kimi-k2.5")
     r = simulate(cfg, _sim_pcfg(cp=2, ep=2), 8, 256, mtp_weight=0.0)
     dims = ParallelDims(8, cp=2, ep=2)
-    lay = Layout(dims, seq_len=256, micro_batch=1, fsdp=True, mtp=False)
+    lay = StepPlan(dims, seq_len=256, micro_batch=1, fsdp=True, mtp=False)
     assert r.by_kind["params"] == pytest.approx(memory_per_rank(cfg, lay)["params"], rel=0.01)
     # the planner's FSDP units are the ones parallel/fsdp.py made (the MTP projections and norms in the root)
     assert r.units == fsdp_units(cfg, lay) and "mtp.0.block" in r.units
@@ -196,7 +196,7 @@ def test_every_kimi_example_layout_dry_runs_at_512_ranks(section):
     pcfg.fsdp_param_dtype = "bfloat16"  # what "auto" picks on the GPUs the examples are for
     cfg = get_preset("kimi-k2.5").replace(num_layers=2, num_mtp_layers=0)
     r = simulate(cfg, pcfg, 512, 2 * pcfg.cp * 8, mtp_weight=0.0)
-    lay = Layout(ParallelDims.from_config(pcfg, 512), seq_len=2 * pcfg.cp * 8, micro_batch=1, fsdp=True)
+    lay = StepPlan(ParallelDims.from_config(pcfg, 512), seq_len=2 * pcfg.cp * 8, micro_batch=1, fsdp=True)
     assert r.by_kind["params"] == pytest.approx(memory_per_rank(cfg, lay)["params"], rel=0.01)
 
 
@@ -227,8 +227,8 @@ def test_fsdp_tp_partial_gradients_all_reduce_only_the_shard():
 
     cfg = get_preset("tiny-kimi-k2.5")
     dims = ParallelDims(8, tp=2, ep=2, sequence_parallel=True)  # dense FSDP shards: dp 4
-    zero1 = comm_per_step(cfg, Layout(dims, seq_len=64, micro_batch=1))
-    fsdp = comm_per_step(cfg, Layout(dims, seq_len=64, micro_batch=1, fsdp=True))
+    zero1 = comm_per_step(cfg, StepPlan(dims, seq_len=64, micro_batch=1))
+    fsdp = comm_per_step(cfg, StepPlan(dims, seq_len=64, micro_batch=1, fsdp=True))
     shapes = [tuple(p.shape) for n, p in Transformer(cfg).named_parameters()
               if param_kind(n, True, cfg.attention) == "tp_partial"]
     assert shapes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_composer.config import load_config
-from megatron_composer.parallel.cost import Layout, memory_per_rank
+from megatron_composer.parallel.cost import StepPlan, memory_per_rank
 from megatron_composer.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def test_rl_step_dry_run_in_the_kimi_rl_layout_runs_the_rl_loss_and_measures_the
     r = simulate_rl(cfg, 512, seq_len=seq)
     mc = policy_model_config(cfg)
     assert mc.num_layers == 2 and mc.num_mtp_layers == 1
-    lay = Layout(ParallelDims.from_config(cfg.parallel, 512), seq_len=seq, micro_batch=1, fsdp=True)
+    lay = StepPlan(ParallelDims.from_config(cfg.parallel, 512), seq_len=seq, micro_batch=1, fsdp=True)
     assert r.by_kind["params"] == pytest.approx(memory_per_rank(mc, lay)["params"], rel=0.01)
     # per micro-batch (2 run): the old-policy pass, the update pass and the free-routing pass of the policy,
     # the reference pass (its log-probs for the KL term)

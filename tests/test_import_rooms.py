@@ -112,3 +112,38 @@ def test_the_model_imports_no_cpu_only_kernel_module():
     bad = [f"{name} -> {dep}" for name, deps in _graph().items() if name.startswith("megatron_composer.model")
            for dep in deps if dep.startswith("megatron_composer.kernels.cpu")]
     assert not bad, bad
+
+
+def _private_imports() -> list[str]:
+    """`from our.module import _name` across modules (within one module it is no import)."""
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base in modules and base != name:
+                bad += [f"{name} imports {base}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+def _entry_modules() -> set[str]:
+    """Command-line programs in the packages: modules with an `if __name__ == "__main__":` block."""
+    return {name for name, path in _modules().items() if '__name__ == "__main__"' in path.read_text()}
+
+
+def test_no_private_name_is_imported_from_another_module():
+    bad = _private_imports()
+    assert not bad, bad
+
+
+def test_library_code_does_not_import_command_line_programs():
+    entries = _entry_modules()
+    bad = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if dep in entries]
+    assert not bad, bad

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_composer.model import Transformer, get_preset
-from megatron_composer.parallel.cost import Layout, activation_bytes, memory_per_rank, saved_tensor_bytes
+from megatron_composer.parallel.cost import StepPlan, activation_bytes, memory_per_rank, saved_tensor_bytes
 from megatron_composer.parallel.dims import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_activation_model_matches_saved_tensors(preset, batch, seq, packed):
     use_grouped_path(model)
     saved, (out, _) = saved_tensor_bytes(run, list(model.parameters()))
     saved += sum(x.numel() * x.element_size() for x in [out.logits, *out.mtp_logits])
-    lay = Layout(ParallelDims(1), seq_len=seq, micro_batch=batch, packed=packed)
+    lay = StepPlan(ParallelDims(1), seq_len=seq, micro_batch=batch, packed=packed)
     acts = activation_bytes(cfg, lay)
     assert 0.85 <= acts["none"] / saved <= 1.15
     assert acts["full"] < acts["none"]
@@ -52,7 +52,7 @@ def test_activation_model_matches_saved_tensors(preset, batch, seq, packed):
 def test_single_process_memory_is_the_whole_model():
     cfg = get_preset("tiny-deepseek-v3")
     n = sum(p.numel() for p in Transformer(cfg).parameters())
-    mem = memory_per_rank(cfg, Layout(ParallelDims(1), seq_len=64, micro_batch=1))
+    mem = memory_per_rank(cfg, StepPlan(ParallelDims(1), seq_len=64, micro_batch=1))
     assert mem["params"] == mem["grads"] == 4 * n and mem["optimizer"] == 8 * n
 
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import get_preset  # noqa: E402
-from megatron_composer.parallel.cost import (OPS, ROLLOUT_WEIGHT_FORMATS, Layout, RolloutEngine,  # noqa: E402
+from megatron_composer.parallel.cost import (OPS, ROLLOUT_WEIGHT_FORMATS, StepPlan, RolloutEngine,  # noqa: E402
                                              activation_bytes, backward_peak, comm_per_step, memory_per_rank,
                                              model_params, rollout_plan, smallest_rollout_engine)
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
@@ -57,7 +57,7 @@ def plan(cfg, params, gpus, tp, cp, ep, seq, micro_batch, micro_batches, sp, zer
         raise ConfigError(f"--dp-replicate {dp_replicate} is HSDP and needs --fsdp")
     dims = ParallelDims(gpus, tp=tp, cp=cp, ep=ep, sequence_parallel=sp, dp_replicate=dp_replicate)
     validate_layout(dims, cfg, seq_len=seq)
-    lay = Layout(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=4,
+    lay = StepPlan(dims=dims, seq_len=seq, micro_batch=micro_batch, zero1=zero1, mtp=mtp, param_bytes=4,
                  act_bytes=act_bytes, cp_attention=cp_attention, fsdp=fsdp, dp_replicate=dp_replicate,
                  gather_bytes=gather_bytes)
     mem = memory_per_rank(cfg, lay, params)

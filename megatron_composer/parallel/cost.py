@@ -22,7 +22,10 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @dataclass
-class Layout:
+class StepPlan:
+    """A training step to estimate: the layout (dims) and the step's sizes and precisions. (Not
+    training.layout.Layout, which is a rank's place in a running job.)"""
+
     dims: ParallelDims
     seq_len: int  # tokens per sequence (global, before context parallelism)
     micro_batch: int  # sequences per data-parallel rank per micro-batch
@@ -87,7 +90,7 @@ def _local_numel(name, shape, kind, dims: ParallelDims) -> int:
     return n
 
 
-def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+def memory_per_rank(cfg, lay: StepPlan, params: Optional[list] = None) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state (AdamW moments, fp32 master when params are not
     fp32) on one rank."""
     dims = lay.dims
@@ -121,7 +124,7 @@ def memory_per_rank(cfg, lay: Layout, params: Optional[list] = None) -> dict[str
     }
 
 
-def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, params: Optional[list] = None,
+def comm_per_step(cfg, lay: StepPlan, offrank_slots: Optional[float] = None, params: Optional[list] = None,
                   micro_batches: int = 1) -> dict[str, float]:
     """Payload bytes per rank of `micro_batches` micro-batch forward+backward passes plus the optimizer step.
 
@@ -235,7 +238,7 @@ def comm_per_step(cfg, lay: Layout, offrank_slots: Optional[float] = None, param
     return vol
 
 
-def fsdp_shards(lay: Layout) -> tuple[int, int]:
+def fsdp_shards(lay: StepPlan) -> tuple[int, int]:
     """How many ranks share one copy of a dense and of an expert parameter under FSDP: the dense replicas
     (dp x cp) and the expert-data-parallel ranks, each over dp_replicate (HSDP)."""
     d = lay.dims
@@ -254,7 +257,7 @@ def _fsdp_unit_of(name: str) -> str:
     return "root"
 
 
-def _local_params(cfg, lay: Layout, params: Optional[list] = None):
+def _local_params(cfg, lay: StepPlan, params: Optional[list] = None):
     """(name, unit, is_expert, elements on this rank after TP/EP, before FSDP) of every parameter."""
     dims = lay.dims
     params = params if params is not None else model_params(cfg)
@@ -265,7 +268,7 @@ def _local_params(cfg, lay: Layout, params: Optional[list] = None):
         yield name, _fsdp_unit_of(name), kind == "expert", _local_numel(name, shape, kind, dims)
 
 
-def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
+def fsdp_units(cfg, lay: StepPlan, params: Optional[list] = None) -> dict[str, tuple[int, int]]:
     """FSDP units as parallel/fsdp.py makes them (_fsdp_unit_of) -> (dense, expert) elements this rank holds of
     them unsharded (after TP/EP, before FSDP)."""
     units: dict[str, list[int]] = {}
@@ -274,7 +277,7 @@ def fsdp_units(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, tup
     return {k: (v[0], v[1]) for k, v in units.items()}
 
 
-def first_backward_units(cfg, lay: Layout) -> tuple[str, Optional[str]]:
+def first_backward_units(cfg, lay: StepPlan) -> tuple[str, Optional[str]]:
     """The block unit backward reaches first (the last MTP block when MTP is trained, else the last layer) and
     the one it prefetches (its predecessor in the same stack: parallel/fsdp.py links the stacks separately)."""
     depths = cfg.num_mtp_layers if lay.mtp else 0
@@ -287,7 +290,7 @@ def first_backward_units(cfg, lay: Layout) -> tuple[str, Optional[str]]:
 FSDP_PHASES = ("loss", "ffn", "attention")
 
 
-def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None, phase: str = "attention") -> dict[str, float]:
+def fsdp_working_set(cfg, lay: StepPlan, params: Optional[list] = None, phase: str = "attention") -> dict[str, float]:
     """Bytes of unsharded FSDP state at one moment of the backward of one micro-batch (FSDP_PHASES; zero without
     FSDP): "loss" (the heads and loss through their backward), "ffn" (the start of the feed-forward backward of
     the first block backward reaches) and "attention" (that block's attention core backward). Terms:
@@ -330,7 +333,7 @@ def fsdp_working_set(cfg, lay: Layout, params: Optional[list] = None, phase: str
     return out
 
 
-def backward_peak(cfg, lay: Layout, acts: dict, params: Optional[list] = None, micro_batches: int = 1) -> dict:
+def backward_peak(cfg, lay: StepPlan, acts: dict, params: Optional[list] = None, micro_batches: int = 1) -> dict:
     """Peak bytes of one rank in a step with full-layer recompute: the largest of the backward moments of
     FSDP_PHASES, each the sharded state (parameters, optimizer; gradients: all of them from the second micro-batch
     on, else those reduce-scattered before that moment), fsdp_working_set at that moment and the activations then
@@ -360,7 +363,7 @@ def backward_peak(cfg, lay: Layout, acts: dict, params: Optional[list] = None, m
     return {"phase": best, "total": phases[best], "terms": terms_of[best], "phases": phases}
 
 
-def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) -> dict[str, float]:
+def fsdp_comm_per_microbatch(cfg, lay: StepPlan, params: Optional[list] = None) -> dict[str, float]:
     """FSDP payload bytes per micro-batch: every unit all-gathered for forward and again for backward (the root
     once: it stays gathered), its gradient reduce-scattered in fp32; with HSDP the fp32 gradient shards are
     all-reduced over the replicas."""
@@ -377,7 +380,7 @@ def fsdp_comm_per_microbatch(cfg, lay: Layout, params: Optional[list] = None) ->
     return vol
 
 
-__all__ = ["Layout", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
+__all__ = ["StepPlan", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
            "fsdp_units", "first_backward_units", "FSDP_PHASES", "fsdp_working_set", "backward_peak",
            "fsdp_comm_per_microbatch"]
 
@@ -398,7 +401,7 @@ def _block_prob_bytes(b: int, heads: int, kv_heads: int, s: int) -> float:
     return 4 * elems if elems <= ka._SAVED_PROB_ELEMENTS else 0.0
 
 
-def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto", loss: str = "reference") -> dict[str, float]:
+def activation_bytes(cfg, lay: StepPlan, attention_backend: str = "auto", loss: str = "reference") -> dict[str, float]:
     """Bytes held for backward by one micro-batch on one rank at the end of the forward pass (logits and
     the loss's softmax included), without recompute, and the backward-time peak with full-layer recompute
     (block inputs plus one recomputed block).
@@ -527,7 +530,7 @@ def activation_bytes(cfg, lay: Layout, attention_backend: str = "auto", loss: st
             "first_block_moe": first_moe}
 
 
-def trainer_loss_bytes(cfg, lay: Layout) -> float:
+def trainer_loss_bytes(cfg, lay: StepPlan) -> float:
     """Peak bytes of the pretraining loss (pretrain/losses.py) beyond the head's input, at its backward.
 
     Fused head (one tp rank, no MTP self-distillation: pretrain.losses.fused_head_applies): no [tokens, vocab]

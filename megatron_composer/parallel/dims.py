@@ -145,23 +145,24 @@ class ParallelDims:
     # -- model checks ------------------------------------------------------------------------------
     def validate_model(self, *, num_heads: int, num_kv_heads: Optional[int] = None, vocab_size: int,
                        num_experts: int = 0, ffn_sizes: tuple[int, ...] = (), seq_len: Optional[int] = None,
-                       batch_size: Optional[int] = None) -> None:
-        """Raise ConfigError (one line, naming the size to change) before any model is built."""
-        _check_divisible(num_heads, "the number of attention heads", self.tp, "parallel.tp")
+                       batch_size: Optional[int] = None, section: str = "parallel") -> None:
+        """Raise ConfigError (one line, naming the size to change: `section`.tp etc., e.g. rollout.tp for a
+        rollout engine's layout) before any model is built."""
+        tp, ep, cp, dp = (f"{section}.{k}" for k in ("tp", "ep", "cp", "dp"))
+        _check_divisible(num_heads, "the number of attention heads", self.tp, tp)
         if num_kv_heads is not None:
-            _check_divisible(num_kv_heads, "the number of key/value heads", self.tp, "parallel.tp")
-        _check_divisible(vocab_size, "the vocabulary size", self.tp, "parallel.tp")
+            _check_divisible(num_kv_heads, "the number of key/value heads", self.tp, tp)
+        _check_divisible(vocab_size, "the vocabulary size", self.tp, tp)
         for f in ffn_sizes:
-            _check_divisible(f, "the FFN hidden size", self.tp, "parallel.tp")
+            _check_divisible(f, "the FFN hidden size", self.tp, tp)
         if num_experts:
-            _check_divisible(num_experts, "the number of routed experts", self.ep, "parallel.ep")
+            _check_divisible(num_experts, "the number of routed experts", self.ep, ep)
         if seq_len is not None:
-            _check_divisible(seq_len, "the sequence length", 2 * self.cp, "2*parallel.cp")
+            _check_divisible(seq_len, "the sequence length", 2 * self.cp, f"2*{cp}")
             if self.sequence_parallel:
-                _check_divisible(seq_len // self.cp, "the per-rank sequence length (seq/cp)", self.tp,
-                                 "parallel.tp")
+                _check_divisible(seq_len // self.cp, "the per-rank sequence length (seq/cp)", self.tp, tp)
         if batch_size is not None:
-            _check_divisible(batch_size, "the global batch size (sequences)", self.dp, "parallel.dp")
+            _check_divisible(batch_size, "the global batch size (sequences)", self.dp, dp)
 
     # -- groups ------------------------------------------------------------------------------------
     def build(self, rank: Optional[int] = None) -> "ParallelGroups":

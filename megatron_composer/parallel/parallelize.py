@@ -34,15 +34,18 @@ from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallel
                                                VocabParallelEmbedding, set_spec, spec_of)
 
 
-def validate_layout(groups_or_dims, cfg, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> None:
-    """Check a model config against a layout before anything is built (raises a one-line ConfigError)."""
+def validate_layout(groups_or_dims, cfg, seq_len: Optional[int] = None, batch_size: Optional[int] = None,
+                    section: str = "parallel") -> None:
+    """Check a model config against a layout before anything is built (raises a one-line ConfigError naming
+    `section`'s setting to change: parallel.tp for the trainer, rollout.tp for a rollout engine)."""
     dims = getattr(groups_or_dims, "dims", groups_or_dims)
     kv = (cfg.num_kv_heads or cfg.num_heads) if cfg.attention == "gqa" else None
     ffn = [cfg.intermediate_size]
     if cfg.num_experts and cfg.num_shared_experts:
         ffn.append(cfg.moe_intermediate_size * cfg.num_shared_experts)
     dims.validate_model(num_heads=cfg.num_heads, num_kv_heads=kv, vocab_size=cfg.vocab_size,
-                        num_experts=cfg.num_experts, ffn_sizes=tuple(ffn), seq_len=seq_len, batch_size=batch_size)
+                        num_experts=cfg.num_experts, ffn_sizes=tuple(ffn), seq_len=seq_len, batch_size=batch_size,
+                        section=section)
 
 
 def shard_batch(groups: ParallelGroups, *tensors_BS: Optional[torch.Tensor], seq_dim: int = 1,

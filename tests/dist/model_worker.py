@@ -20,7 +20,7 @@ from common import compare_grads, init, reduce_max, run_cases  # noqa: E402
 
 from megatron_composer.model import Transformer, get_preset  # noqa: E402
 from megatron_composer.parallel import collectives as C  # noqa: E402
-from megatron_composer.parallel.cost import Layout, activation_bytes, saved_tensor_bytes  # noqa: E402
+from megatron_composer.parallel.cost import StepPlan, activation_bytes, saved_tensor_bytes  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
@@ -103,7 +103,7 @@ def make_case(preset: str, tp=1, cp=1, ep=1, sp=False, zero1=False, replay=False
                         m.grouped_mm = functools.partial(m.grouped_mm)
                 saved, (pout, loss) = saved_tensor_bytes(forward, list(par.parameters()))
                 saved += sum(t.numel() * t.element_size() for t in [pout.logits, *pout.mtp_logits])
-                lay = Layout(dims, seq_len=S, micro_batch=B // dims.dp, mtp=use_mtp, packed=True,
+                lay = StepPlan(dims, seq_len=S, micro_batch=B // dims.dp, mtp=use_mtp, packed=True,
                              cp_attention=cp_attention)
                 ratio = activation_bytes(cfg, lay)["none"] / saved
                 act_ratio = C.all_reduce(torch.tensor([ratio, saved], dtype=torch.float64),

@@ -1,0 +1,64 @@
+"""What a step's or an evaluation's finished groups measure: reward statistics, pass@k. Used by the trainer
+(every step, every held-out evaluation) and by `python -m rl.evaluate` (the command line)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize_groups(tasks, results: list[dict], samples: int, success_reward: float = 1.0) -> dict:
+    """pass@1, pass@K (K = samples) and the reward mean over one finished group of ``samples`` episodes per
+    task (``results[i]`` is tasks[i]'s, as `RolloutWorker.run_group` returns it). A sample passes when its
+    verifier reward is at least ``success_reward``; the shaping terms of training rewards do not count."""
+    per_task = []
+    for task, result in zip(tasks, results, strict=True):
+        rewards = [float(ep.get("verifier_reward", ep["reward"])) for ep in result["episodes"]]
+        if len(rewards) != samples:
+            raise ValueError(f"task {task.name}: {len(rewards)} episodes, expected {samples}")
+        c = sum(r >= success_reward for r in rewards)
+        per_task.append({"task": task.name, "kind": task.kind, "rewards": rewards, "pass@1": pass_at_k(samples, c, 1),
+                         f"pass@{samples}": pass_at_k(samples, c, samples)})
+    return {"tasks": len(tasks), "samples": samples,
+            "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
+            f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
+            "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
+            "per_task": per_task}
+
+
+def group_metrics(results: list[dict]) -> dict:
+    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups.
+
+    ``reward_mean`` is the training reward the advantages use; ``verifier_reward_mean`` the verifier's part and
+    ``<term>_mean`` each shaping term's signed part (``length_penalty_mean``, ``malformed_tool_calls_mean``, ...),
+    so reward_mean = verifier_reward_mean + the sum of the term means."""
+    episodes = [ep for r in results for ep in r["episodes"]]
+    rewards = torch.tensor([[float(ep["reward"]) for ep in r["episodes"]] for r in results])
+    metas = [ep.get("meta", {}) for ep in episodes]
+    q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
+    terms = sorted({t for ep in episodes for t in ep.get("reward_terms", {})})
+    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes) for t in terms}
+    return {
+        "reward_mean": rewards.mean().item(),
+        "verifier_reward_mean": sum(float(ep.get("verifier_reward", ep["reward"])) for ep in episodes) / len(episodes),
+        **shaping,
+        "reward_best_of_k": rewards.max(dim=1).values.mean().item(),
+        "reward_p10": q[0], "reward_p50": q[1], "reward_p90": q[2],
+        "episodes": float(rewards.numel()),
+        "turns": float(sum(m.get("turns", 1) for m in metas)),
+        "segments_per_episode": sum(m.get("segments", 1) for m in metas) / max(len(metas), 1),
+        "summaries": float(sum(m.get("summaries", 0) for m in metas)),
+        "generated_tokens": float(sum(m.get("tokens", 0) for m in metas)),
+        "no_tool_call_episodes": float(sum(m.get("stop_reason") == "no_tool_call" for m in metas)),
+        "verifier_timeouts": float(sum(bool(m.get("verifier_timeout")) for m in metas)),
+        "sandbox_failures": float(sum(r.get("sandbox_failures", 0) for r in results)),
+    }
