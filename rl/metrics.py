@@ -9,6 +9,7 @@ import torch
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of n samples of which c passed: 1 - C(n - c, k) / C(n, k)."""
     if k > n:
         raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
     if n - c < k:
