@@ -35,6 +35,7 @@ from megatron_composer.training.core import local_device, resume_point
 from megatron_composer.training.layout import Layout
 from megatron_composer.training.metrics import MetricsLogger
 from megatron_composer.training.optim import lr_at
+from rl.algorithm import zero_variance_groups
 from rl.config import RLConfig, weight_store, weights_url
 from rl.learner import PolicyLearner
 from rl.metrics import group_metrics
@@ -298,6 +299,6 @@ class Trainer:
 
 
 def _equal_rewards(group: dict) -> bool:
-    """A group whose episodes all have the same training reward: zero advantages, no signal."""
-    rewards = [float(ep["reward"]) for ep in group["episodes"]]
-    return max(rewards) - min(rewards) <= 1e-6
+    """A group whose episodes all have the same training reward: zero advantages, no signal (the same test
+    rl.filter_zero_variance_groups applies in the loss)."""
+    return bool(zero_variance_groups(torch.tensor([[float(ep["reward"]) for ep in group["episodes"]]]))[0])

@@ -20,18 +20,24 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _from_module(node: ast.ImportFrom, name: str, path: Path) -> str:
+    """The absolute module a `from X import ...` in module `name` (file `path`) reads from."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The tree's modules that `name` imports: `from a.b import c` names a.b.c when that is a module, else a.b."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _from_module(node, name, path)
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         else:
             continue
@@ -119,14 +125,10 @@ def _private_imports() -> list[str]:
     modules = _modules()
     bad = []
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
+            base = _from_module(node, name, path)
             if base in modules and base != name:
                 bad += [f"{name} imports {base}.{a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]

@@ -688,11 +688,10 @@ def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tu
                               f"moe_intermediate_size ({cfg.moe_intermediate_size}) to export quantize={quantize!r}")
     entries = hub_entries(cfg, shapes, quantize)
     router_keys = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
-    int4_dtypes = {".weight_packed": torch.int32, ".weight_scale": torch.bfloat16, ".weight_shape": torch.int64}
 
     def dtype_of(entry: HubEntry) -> torch.dtype:
         if entry.int4_part is not None:
-            return int4_dtypes[entry.int4_part]
+            return int4.PART_DTYPES[entry.int4_part]
         return torch.float32 if cfg.attention == "mla" and entry.hub.endswith(router_keys) else dtype
 
     quantized: dict = {}  # the last expert matrix quantised: (name, expert) -> its three hub tensors
@@ -701,9 +700,7 @@ def write_hf_checkpoint(path: str | Path, cfg: ModelConfig, shapes: dict[str, tu
         key = (entry.ours, entry.expert)
         if key not in quantized:
             quantized.clear()
-            q, scale = int4.quantize(w)
-            quantized[key] = {".weight_packed": int4.pack(q), ".weight_scale": scale,
-                              ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+            quantized[key] = int4.hub_parts(w)
         return quantized[key][entry.int4_part]
 
     file_of, sizes = [], [0]

@@ -142,6 +142,17 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(w.shape).to(torch.int8), scale.to(torch.bfloat16)
 
 
+PART_DTYPES = {".weight_packed": torch.int32, ".weight_scale": torch.bfloat16, ".weight_shape": torch.int64}
+
+
+def hub_parts(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One matrix w [out, in] as its pack-quantized checkpoint tensors, by suffix (SUFFIXES), in PART_DTYPES."""
+    q, scale = quantize(w)
+    parts = {".weight_packed": pack(q), ".weight_scale": scale,
+             ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    return {k: t.to(PART_DTYPES[k]) for k, t in parts.items()}
+
+
 def fake_quantize(w: torch.Tensor) -> torch.Tensor:
     """w on the INT4 grid (q * scale, in w's dtype) -- the weight an INT4 server computes with."""
     q, scale = quantize(w)

@@ -400,10 +400,11 @@ class DeepSeekV3Parser(SectionParser):
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
     unterminated = f"unterminated tool calls (missing {SECTION_END})"
     malformed = "malformed tool call (expected TYPE<｜tool▁sep｜>NAME, a ```json block and <｜tool▁call▁end｜>)"
+    NAME_GROUP, ARGS_GROUP = 2, 3  # _CALL's groups holding the function name and its JSON arguments
 
     def _call(self, match, errors):
-        name = match.group(2).strip()
-        args = _json_arguments(match.group(3), name, errors)
+        name = match.group(self.NAME_GROUP).strip()
+        args = _json_arguments(match.group(self.ARGS_GROUP), name, errors)
         return None if args is None else ({"name": name, "arguments": args}, None)
 
 
@@ -414,11 +415,7 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     name = "deepseek_v31"
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
     malformed = "malformed tool call (expected NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>)"
-
-    def _call(self, match, errors):
-        name = match.group(1).strip()
-        args = _json_arguments(match.group(2), name, errors)
-        return None if args is None else ({"name": name, "arguments": args}, None)
+    NAME_GROUP, ARGS_GROUP = 1, 2
 
 
 class HermesParser(ToolCallParser):

@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from megatron_composer.checkpoint import int4
 from megatron_composer.model import ModelConfig
 
 from .engine import GenerationResult
@@ -82,7 +83,6 @@ class VLLMEngine:
                  dcp: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         vllm = require_vllm()
-        from megatron_composer.checkpoint import int4
         from megatron_composer.checkpoint.hf import config_to_hf
 
         if quantize_experts not in (None, "int4"):
@@ -316,6 +316,7 @@ class VLLMWorkerWeights:
                 boxes = [((lo, hi),) + tuple((0, n) for n in shape[1:]) for lo, hi in _ranges(local[layer])]
             self.wants[name] = (dtype, boxes)
         self.base: dict[str, dict[tuple, torch.Tensor]] = {}
+        self._int4_last: tuple = (None, None)  # (our name, expert) -> its INT4 hub parts, the last quantised
         self.subscriber = None
         self.staged = None   # a prepared BoxUpdate not yet applied
         self.applied = None  # the BoxUpdate applied last, until committed
@@ -407,24 +408,10 @@ class VLLMWorkerWeights:
         w = t[entry.expert - box[0][0]]
         if entry.int4_part is None:
             return w.to(self.dtype)
-        return _int4_parts(entry.ours, entry.expert, w)[entry.int4_part]
-
-
-_last_int4: dict = {}
-
-
-def _int4_parts(name: str, expert: int, w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """An expert matrix as Kimi K2.5's pack-quantized INT4 parts (checkpoint/int4.py: the same rounding as our
-    INT4 export and QAT), quantised once for its three entries."""
-    from megatron_composer.checkpoint import int4
-
-    key = (name, expert, w.data_ptr())
-    if _last_int4.get("key") != key:
-        q, scale = int4.quantize(w.float())
-        _last_int4.clear()
-        _last_int4.update(key=key, parts={".weight_packed": int4.pack(q), ".weight_scale": scale.to(torch.bfloat16),
-                                          ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)})
-    return _last_int4["parts"]
+        key = (entry.ours, entry.expert)  # its three parts are asked for one after another: quantise once
+        if self._int4_last[0] != key:
+            self._int4_last = (key, int4.hub_parts(w))
+        return self._int4_last[1][entry.int4_part]
 
 
 def _expert_layer(name: str) -> Optional[int]:
