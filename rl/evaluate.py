@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     k = f"pass@{s['samples']}"
     for t in s["per_task"]:
         print(f"{t['task']:40s} rewards {t['rewards']} pass@1 {t['pass@1']:.2f} {k} {t[k]:.2f}")
+    for tier, t in s["per_tier"].items():
+        print(f"tier {tier}: {t['tasks']} tasks, pass@1 {t['pass@1']:.3f}  {k} {t[k]:.3f}")
     print(f"pass@1 {s['pass@1']:.3f}  {k} {s[k]:.3f}  reward_mean {s['reward_mean']:.3f} over {s['tasks']} tasks; "
           f"transcripts: {s['transcripts']}")
     return 0

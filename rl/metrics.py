@@ -27,12 +27,20 @@ def summarize_groups(tasks, results: list[dict], samples: int, success_reward: f
         if len(rewards) != samples:
             raise ValueError(f"task {task.name}: {len(rewards)} episodes, expected {samples}")
         c = sum(r >= success_reward for r in rewards)
-        per_task.append({"task": task.name, "kind": task.kind, "rewards": rewards, "pass@1": pass_at_k(samples, c, 1),
-                         f"pass@{samples}": pass_at_k(samples, c, samples)})
+        tier = (getattr(getattr(task, "harbor", None), "metadata", None) or {}).get("tier")
+        per_task.append({"task": task.name, "kind": task.kind, "tier": tier, "rewards": rewards,
+                         "pass@1": pass_at_k(samples, c, 1), f"pass@{samples}": pass_at_k(samples, c, samples)})
+    k = f"pass@{samples}"
+    tiers = {}
+    for tier in sorted({t["tier"] for t in per_task if t["tier"] is not None}):
+        rows = [t for t in per_task if t["tier"] == tier]
+        tiers[tier] = {"tasks": len(rows), "pass@1": sum(t["pass@1"] for t in rows) / len(rows),
+                       k: sum(t[k] for t in rows) / len(rows)}
     return {"tasks": len(tasks), "samples": samples,
             "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
-            f"pass@{samples}": sum(t[f"pass@{samples}"] for t in per_task) / len(per_task),
+            k: sum(t[k] for t in per_task) / len(per_task),
             "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
+            "per_tier": tiers,  # tasks whose metadata names a tier (the generated family's)
             "per_task": per_task}
 
 

@@ -285,7 +285,11 @@ class Trainer:
                                              alive=self._workers_alive)
         summary = summarize_groups(self._eval_tasks, results, cfg.eval.samples, cfg.eval.success_reward)
         k = cfg.eval.samples
-        return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"],
+        episodes = [ep for r in results for ep in r["episodes"]]
+        tiers = {f"eval_tier{t}_{m}": v[m] for t, v in summary["per_tier"].items() for m in ("pass@1", f"pass@{k}")}
+        return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"], **tiers,
+                "eval_tool_calls_per_episode": sum(ep.get("meta", {}).get("tool_calls", 0) for ep in episodes)
+                / max(len(episodes), 1),
                 "eval_reward_mean": summary["reward_mean"], "eval_weight_version": float(version),
                 "eval_token_versions": sorted({int(v) for r in results for v in r["version_counts"]}),
                 "eval_workers": sorted({r["worker"] for r in results}), "eval_seconds": time.perf_counter() - t0}

@@ -79,6 +79,35 @@ def write_sft(stdlib: Path, path: Path, n: int = 200, seed: int = 0) -> int:
     return n
 
 
+def write_repeat_corpus(tokenizer_dir: Path, prefix: Path, seq_length: int, n_tokens: int = 2_000_000,
+                        seed: int = 0, alphabet: int = 0) -> dict:
+    """Rows of random tokens written twice ("x1 .. xk x1 .. xk", 2k = seq_length): the second half is
+    predictable only by copying, the cleanest signal for the copy (induction) circuit, which the code corpus
+    alone does not form at the demo's few hundred thousand tokens. Documents are exactly one training row long
+    and carry no end-of-document token, so every row (cut every seq_length tokens) is one whole document that
+    starts at position 0: measured on the tiny MLA preset, rows that start mid-document (packed, position ids
+    reset) did not form the circuit in 300 steps where aligned rows formed it in about 200."""
+    import numpy as np
+
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from tools.preprocess_data import write_indexed_dataset
+
+    if seq_length % 2:
+        raise ValueError(f"seq_length {seq_length} must be even (a row is a list written twice)")
+    tok = load_tokenizer(str(tokenizer_dir))
+    controls = set(tok.special_tokens.values()) | {tok.pad}
+    ordinary = np.array([i for i in range(tok.vocab_size) if i not in controls])
+    if alphabet:  # the first ids of a BPE vocabulary: its earliest, most frequent merges
+        ordinary = ordinary[:alphabet]
+    rng = np.random.default_rng(seed)
+
+    def documents():
+        for _ in range(n_tokens // seq_length):
+            half = rng.choice(ordinary, seq_length // 2).tolist()
+            yield half + half, 0
+
+    return write_indexed_dataset(prefix, tok, documents(), ["random tokens, each row written twice"])
+
 def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: int, seed: int = 0) -> int:
     """Generate the agent task splits and write the sft split's reference episodes as SFT conversations."""
     import shutil

@@ -40,6 +40,38 @@ def _encode(text: str) -> tuple[list[int], int]:
     return ids, len(text.encode("utf-8"))
 
 
+def write_indexed_dataset(prefix: Path, tokenizer, documents, inputs: list) -> dict:
+    """Write PREFIX.bin/.idx/.meta.json from `documents`, an iterable of (token ids ending with EOD, source
+    bytes); under a temporary name, renamed only when complete. Returns the meta (what training checks)."""
+    from megatron_composer.optional import require
+
+    indexed = require("megatron.core.datasets.indexed_dataset", "an indexed dataset", "megatron-core")
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{prefix}.tmp{os.getpid()}")
+    dtype = indexed.DType.optimal_dtype(tokenizer.vocab_size)
+    builder = indexed.IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    n_docs = n_tokens = n_bytes = 0
+    try:
+        for ids, nb in documents:
+            builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+            n_docs += 1
+            n_tokens += len(ids)
+            n_bytes += nb
+        if n_docs == 0:
+            raise CorpusError(f"no documents found in {inputs}")
+        builder.finalize(f"{tmp}.idx")
+        meta = {"tokenizer": tokenizer.describe(), "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                "documents": n_docs, "tokens": n_tokens, "bytes": n_bytes, "inputs": [str(p) for p in inputs]}
+        Path(f"{tmp}.meta.json").write_text(json.dumps(meta, indent=2))
+        for suffix in (".bin", ".idx", ".meta.json"):
+            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    finally:
+        for suffix in (".bin", ".idx", ".meta.json"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+    return meta
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="JSONL files and/or directories of source files")
@@ -55,11 +87,10 @@ def main(argv=None) -> int:
     from megatron_composer.optional import MissingDependency, require
 
     try:
-        indexed = require("megatron.core.datasets.indexed_dataset", "tools/preprocess_data.py", "megatron-core")
+        require("megatron.core.datasets.indexed_dataset", "tools/preprocess_data.py", "megatron-core")
     except MissingDependency as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    DType, IndexedDatasetBuilder = indexed.DType, indexed.IndexedDatasetBuilder
 
     prefix = Path(args.output_prefix)
     outputs = [Path(f"{prefix}{s}") for s in (".bin", ".idx", ".meta.json")]
@@ -73,42 +104,16 @@ def main(argv=None) -> int:
     except (TokenizerError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{prefix}.tmp{os.getpid()}")
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
-    n_docs = n_tokens = n_bytes = 0
     t0 = time.time()
     try:
         with multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(str(tokenizer.path),)) as pool:
             docs = iter_documents(files, args.json_key)
-            for ids, nb in tqdm(pool.imap(_encode, docs, chunksize=16), desc="tokenizing", unit="doc"):
-                builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-                n_docs += 1
-                n_tokens += len(ids)
-                n_bytes += nb
-        if n_docs == 0:
-            raise CorpusError(f"no documents found in {args.input}")
-        builder.finalize(f"{tmp}.idx")
-        meta = {
-            "tokenizer": tokenizer.describe(),
-            "vocab_size": tokenizer.vocab_size,
-            "eod": tokenizer.eod,
-            "documents": n_docs,
-            "tokens": n_tokens,
-            "bytes": n_bytes,
-            "inputs": [str(p) for p in args.input],
-        }
-        Path(f"{tmp}.meta.json").write_text(json.dumps(meta, indent=2))
-        for suffix in (".bin", ".idx", ".meta.json"):
-            os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-    except (CorpusError, KeyboardInterrupt) as e:
-        for suffix in (".bin", ".idx", ".meta.json"):
-            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-        if isinstance(e, KeyboardInterrupt):
-            raise
+            meta = write_indexed_dataset(prefix, tokenizer, tqdm(pool.imap(_encode, docs, chunksize=16),
+                                                                 desc="tokenizing", unit="doc"), args.input)
+    except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    n_docs, n_tokens, n_bytes = meta["documents"], meta["tokens"], meta["bytes"]
     dt = time.time() - t0
     print(
         f"wrote {prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens ({n_bytes / max(n_tokens, 1):.2f} bytes/token) "

@@ -19,13 +19,47 @@ from typing import Callable, Protocol
 
 from megatron_composer.data.chat_format import ChatFormat, ChatMLFormat
 from rl.envs.task import Task, VerifyResult
-from rl.envs.tools import ToolBox, tool_schemas
+from rl.envs.tools import TOOL_SPECS, ToolBox, tool_schemas
 from rl.sandbox.base import Sandbox
 
 SYSTEM_PROMPT = """You are a software engineering agent working in an isolated Linux sandbox without network.
 The task's files are in {workdir}, your working directory. When the task is done, call submit.
 Use the tools; you may call several per turn."""
 AGENT_TOOLS = tool_schemas()
+
+
+@dataclass(frozen=True)
+class AgentProfile:
+    """What the agent is told before the task: a system prompt (with {workdir}) and the tools it may call,
+    declared as `schemas` (what the chat template lists)."""
+
+    name: str
+    system_prompt: str
+    tools: tuple[str, ...]
+    brief: dict | None = None  # tool -> short description: declared with its required arguments only
+
+    @property
+    def schemas(self) -> list[dict]:
+        return tool_schemas(self.tools, brief=self.brief)
+
+
+# `compact`: the file tools, run and submit in a few words each; its episodes of the generated task family fit in
+# about 256 tokens (the full profile's system prompt alone takes ~400 tokens of the demo's tokenizer), what a
+# tiny model with a 1k context trains on and still attends over.
+PROFILES = {
+    "full": AgentProfile("full", SYSTEM_PROMPT, tuple(TOOL_SPECS)),
+    "compact": AgentProfile(
+        "compact", "You are a coding agent. Files are in {workdir}. Use the tools, then call submit.",
+        ("read_file", "write_file", "edit_file", "run", "submit"),
+        brief={"read_file": "read a file", "write_file": "write a file", "edit_file": "replace text in a file",
+               "run": "run a bash command", "submit": "finish the task"}),
+}
+
+
+def agent_profile(name: str) -> AgentProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown agent profile {name!r}; choose one of {sorted(PROFILES)}")
+    return PROFILES[name]
 
 SUMMARY_REQUEST = ("Your context is full. Summarise the task, what you have done, what you learned about the code "
                    "and what remains, so that you can continue from the summary alone.")
@@ -49,6 +83,7 @@ class EpisodeConfig:
     command_timeout_s: float = 120.0
     time_budget_s: float | None = None  # default: the task's agent timeout
     summary_trigger_tokens: int | None = None  # context size that starts self-summarisation (needs a hook)
+    profile: str = "full"  # the system prompt and tools (PROFILES)
 
 
 @dataclass
@@ -72,9 +107,9 @@ class EpisodeResult:
         return self.segments[-1]
 
 
-def initial_messages(task: Task, workdir: str) -> list[dict]:
+def initial_messages(task: Task, workdir: str, profile: str = "full") -> list[dict]:
     return [
-        {"role": "system", "content": SYSTEM_PROMPT.format(workdir=workdir)},
+        {"role": "system", "content": agent_profile(profile).system_prompt.format(workdir=workdir)},
         {"role": "user", "content": task.instruction},
     ]
 
@@ -92,9 +127,10 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
     t0 = time.monotonic()
     budget_s = config.time_budget_s if config.time_budget_s is not None else task.limits.agent_timeout_s
     max_turns = min(config.max_turns, task.limits.max_turns)
+    profile = agent_profile(config.profile)
     tools = ToolBox(sandbox, max_observation_chars=config.max_observation_chars,
-                    command_timeout_s=config.command_timeout_s)
-    messages = initial_messages(task, sandbox.workdir)
+                    command_timeout_s=config.command_timeout_s, tools=profile.tools)
+    messages = initial_messages(task, sandbox.workdir, profile.name)
     segments, summaries = [messages], []
     generated = turns = calls_made = 0
     stop = "max_turns"
@@ -127,12 +163,12 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
             break
         more_turns = turns < max_turns and generated < config.max_generated_tokens  # a summary nobody reads is waste
         if (summarize is not None and config.summary_trigger_tokens is not None and more_turns
-                and (context_tokens(messages) if context_tokens else count_tokens(fmt.render(messages, tools=AGENT_TOOLS)))
+                and (context_tokens(messages) if context_tokens else count_tokens(fmt.render(messages, tools=profile.schemas)))
                 >= config.summary_trigger_tokens):
             summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
             generated += count_tokens(summary)
             summaries.append(summary)
-            messages = initial_messages(task, sandbox.workdir)
+            messages = initial_messages(task, sandbox.workdir, profile.name)
             messages[-1] = {"role": "user", "content": f"{task.instruction}\n\nSummary of your work so far:\n"
                                                        f"{summary}"}
             segments.append(messages)

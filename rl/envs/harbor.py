@@ -208,4 +208,5 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         environment_dir=environment_dir if dockerfile.is_file() else None,
         docker_image=docker_image,
         notes=notes,
+        metadata=dict(data.get("metadata") or {}),
     )

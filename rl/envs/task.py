@@ -394,6 +394,7 @@ class Task:
     environment_dir: Path | None = None
     docker_image: str | None = None
     notes: list[str] = field(default_factory=list)  # what a backend could not honour, said once
+    metadata: dict = field(default_factory=dict)  # free-form (Harbor's [metadata]): e.g. a generated task's tier
 
 
 def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-KINDS = ("create_file", "rename_file", "move_file", "replace_word", "fix_test", "command_output")
+KINDS = ("create_empty", "write_word", "create_file", "rename_file", "move_file", "replace_word", "fix_test",
+         "command_output")
 
 # Small vocabularies of common code words: a tiny model sees each value often enough in SFT to pick it out of
 # the instruction, and each is one token of the demo's tokenizer (BPE on Python sources) both bare (after "`",
@@ -43,6 +44,18 @@ WORDS = ("tree", "star", "color", "left", "right", "top", "group", "order")
 # fix_test: function name -> the operator it should use; the bug is another operator of the table
 FUNCTIONS = {"add": "+", "subtract": "-", "multiply": "*", "plus": "+", "minus": "-", "times": "*"}
 MODULES = ("util", "base", "main")
+SLOT_NAMES = NAMES + FOLDERS + WORDS + MODULES  # the one-slot tiers draw a file name from all 23
+
+# Difficulty tiers and each kind's chance rate: the pass probability of a policy that knows the kind's format and
+# pools but copies nothing, guessing every slot uniformly from its pool (what a group's reward variance rests on
+# before the model copies). 1: one slot; 2: two slots; 3: a lookup (the operator follows from the function's
+# name) and a copy from a tool's output; 4: the multi-value kinds.
+TIERS = {"create_empty": 1, "write_word": 2, "fix_test": 3, "create_file": 4, "rename_file": 4, "move_file": 4,
+         "replace_word": 4, "command_output": 4}
+CHANCE = {"create_empty": 1 / len(SLOT_NAMES), "write_word": 1 / (len(SLOT_NAMES) * len(WORDS)),
+          "fix_test": 1 / (len(MODULES) * 3), "create_file": 1 / (len(FOLDERS) * len(NAMES) * len(WORDS) * (len(WORDS) - 1)),
+          "rename_file": 1 / (len(NAMES) * (len(NAMES) - 1)), "move_file": 1 / (len(NAMES) * len(FOLDERS)),
+          "replace_word": 1 / (len(NAMES) * len(WORDS) * (len(WORDS) - 1)), "command_output": 1 / (len(NAMES) * 3 * 98 * 98)}
 
 TASK_TOML = """version = "1.0"
 
@@ -51,6 +64,7 @@ author_name = "megatron-composer"
 difficulty = "easy"
 category = "generated"
 family = "{kind}"
+tier = {tier}
 solution_turns = {turns}
 
 [verifier]
@@ -93,6 +107,11 @@ class TaskSpec:
     solve: str  # solve.sh body
     turns: list[list[dict]]  # reference solution: per turn, tool calls {"name", "arguments"} (submit last)
     test_files: dict[str, str] = field(default_factory=dict)  # extra files of tests/
+    values: tuple[str, ...] = ()  # what the solution copies from the instruction, rendered there as in the call
+
+    @property
+    def tier(self) -> int:
+        return TIERS[self.kind]
 
     @property
     def name(self) -> str:
@@ -121,10 +140,34 @@ def _create_file(rng: random.Random) -> TaskSpec:
     path, text = f"{folder}/{name}.txt", f"{w1} {w2}"
     return TaskSpec(
         "create_file", (folder, name, w1, w2),
-        f"Create the file `{path}` containing the single line `{text}`.\n", {},
+        f'Create the file "{path}" containing "{text}".\n', {},
         f'[ -f {path} ] && [ "$(cat {path})" = {shlex.quote(text)} ]',
         f"mkdir -p {folder}\nprintf '%s\\n' {shlex.quote(text)} > {path}\n",
-        [[{"name": "write_file", "arguments": {"path": path, "content": text + "\n"}}], _submit()])
+        [[{"name": "write_file", "arguments": {"path": path, "content": text}}], _submit()], values=(path, text))
+
+
+def _create_empty(rng: random.Random) -> TaskSpec:
+    name = rng.choice(SLOT_NAMES)
+    path = f"{name}.txt"
+    return TaskSpec(
+        "create_empty", (name,),
+        f'Create an empty file "{path}".\n', {},
+        f"[ -f {path} ] && [ ! -s {path} ]",
+        f": > {path}\n",
+        [[{"name": "write_file", "arguments": {"path": path, "content": ""}}], _submit()], values=(path,))
+
+
+def _write_word(rng: random.Random) -> TaskSpec:
+    name, word = rng.choice(SLOT_NAMES), rng.choice(WORDS)
+    path = f"{name}.txt"
+    if name == word:
+        word = WORDS[(WORDS.index(word) + 1) % len(WORDS)]
+    return TaskSpec(
+        "write_word", (name, word),
+        f'Create the file "{path}" containing "{word}".\n', {},
+        f'[ "$(cat {path} 2>/dev/null)" = {word} ]',
+        f"printf '%s\\n' {word} > {path}\n",
+        [[{"name": "write_file", "arguments": {"path": path, "content": word}}], _submit()], values=(path, word))
 
 
 def _rename_file(rng: random.Random) -> TaskSpec:
@@ -133,20 +176,21 @@ def _rename_file(rng: random.Random) -> TaskSpec:
     content = f"{word}\n"
     return TaskSpec(
         "rename_file", (a, b, word),
-        f"Rename the file `{a}.txt` to `{b}.txt`.\n", {f"{a}.txt": content},
+        f"Rename the file {a}.txt to {b}.txt.\n", {f"{a}.txt": content},
         f'[ ! -e {a}.txt ] && [ "$(cat {b}.txt)" = {word} ]',
         f"mv {a}.txt {b}.txt\n",
-        [[{"name": "run", "arguments": {"command": f"mv {a}.txt {b}.txt"}}], _submit()])
+        [[{"name": "run", "arguments": {"command": f"mv {a}.txt {b}.txt"}}], _submit()], values=(f"{a}.txt", f"{b}.txt"))
 
 
 def _move_file(rng: random.Random) -> TaskSpec:
     name, folder, word = rng.choice(NAMES), rng.choice(FOLDERS), rng.choice(WORDS)
     return TaskSpec(
         "move_file", (name, folder, word),
-        f"Move the file `{name}.txt` into the folder `{folder}` (create the folder).\n", {f"{name}.txt": f"{word}\n"},
+        f"Move the file {name}.txt into the folder {folder} (create the folder).\n", {f"{name}.txt": f"{word}\n"},
         f'[ ! -e {name}.txt ] && [ "$(cat {folder}/{name}.txt)" = {word} ]',
         f"mkdir -p {folder} && mv {name}.txt {folder}/\n",
-        [[{"name": "run", "arguments": {"command": f"mkdir -p {folder} && mv {name}.txt {folder}/"}}], _submit()])
+        [[{"name": "run", "arguments": {"command": f"mkdir -p {folder} && mv {name}.txt {folder}/"}}], _submit()],
+        values=(f"{name}.txt", folder))
 
 
 def _replace_word(rng: random.Random) -> TaskSpec:
@@ -156,12 +200,12 @@ def _replace_word(rng: random.Random) -> TaskSpec:
     expected = content.replace(old, new)
     return TaskSpec(
         "replace_word", (name, old, new, len(content)),
-        f"In the file `{name}.txt`, replace every `{old}` with `{new}`.\n", {f"{name}.txt": content},
+        f'In the file "{name}.txt", replace every "{old}" with "{new}".\n', {f"{name}.txt": content},
         f"cmp -s {name}.txt /tests/expected.txt",
         f"sed -i 's/{old}/{new}/g' {name}.txt\n",
         [[{"name": "edit_file", "arguments": {"path": f"{name}.txt", "old_string": old, "new_string": new,
                                                "replace_all": True}}], _submit()],
-        test_files={"expected.txt": expected})
+        test_files={"expected.txt": expected}, values=(f"{name}.txt", old, new))
 
 
 def _fix_test(rng: random.Random) -> TaskSpec:
@@ -178,8 +222,8 @@ def _fix_test(rng: random.Random) -> TaskSpec:
             "if __name__ == \"__main__\":\n    unittest.main()\n")
     return TaskSpec(
         "fix_test", (module, fn, wrong, x, y),
-        f"The test `test_{module}.py` fails. Fix the bug in the function `{fn}` of `{module}.py` so that "
-        f"`python3 -m unittest test_{module}` passes.\n",
+        f'The test test_{module}.py fails. Fix the bug in the function {fn} of "{module}.py" so that '
+        f"python3 -m unittest test_{module} passes.\n",
         {f"{module}.py": source, f"test_{module}.py": test},
         # the verifier's own copy of the test: editing the agent's copy does not help
         # -I and /app last on the path: the work tree cannot shadow unittest or any other standard module
@@ -189,7 +233,7 @@ def _fix_test(rng: random.Random) -> TaskSpec:
         [[{"name": "read_file", "arguments": {"path": f"{module}.py"}}],
          [{"name": "edit_file", "arguments": {"path": f"{module}.py", "old_string": f"a {wrong} b",
                                                "new_string": f"a {op} b"}}], _submit()],
-        test_files={f"test_{module}.py": test})
+        test_files={f"test_{module}.py": test}, values=(f"{module}.py",))
 
 
 def _command_output(rng: random.Random) -> TaskSpec:
@@ -209,38 +253,68 @@ def _command_output(rng: random.Random) -> TaskSpec:
         command, expected, key = f"sort {src}.txt", "\n".join(sorted(rows)) + "\n", (src, *rows)
     return TaskSpec(
         "command_output", (out, choice, *key),
-        f"Run the command `{command}` and write its output to the file `{out}.txt`.\n", files,
+        f'Run the command "{command}" and write its output to the file {out}.txt.\n', files,
         f"cmp -s {out}.txt /tests/expected.txt",
         f"{command} > {out}.txt\n",
         [[{"name": "run", "arguments": {"command": f"{command} > {out}.txt"}}], _submit()],
-        test_files={"expected.txt": expected})
+        test_files={"expected.txt": expected}, values=(command, f"{out}.txt"))
 
 
 MAKERS: dict[str, Callable[[random.Random], TaskSpec]] = {
-    "create_file": _create_file, "rename_file": _rename_file, "move_file": _move_file,
+    "create_empty": _create_empty, "write_word": _write_word, "create_file": _create_file, "rename_file": _rename_file, "move_file": _move_file,
     "replace_word": _replace_word, "fix_test": _fix_test, "command_output": _command_output,
 }
 
 
-def sample_specs(n: int, seed: int, kinds: tuple[str, ...] = KINDS, exclude: Optional[set] = None) -> list[TaskSpec]:
-    """n distinct instances (kinds in rotation), none of whose (kind, key) is in `exclude`."""
+def sample_specs(n: int, seed: int, kinds: tuple[str, ...] = KINDS, exclude: Optional[set] = None, *,
+                 at_most: bool = False) -> list[TaskSpec]:
+    """n distinct instances (kinds in rotation; a kind whose instances run out leaves the rotation), none of
+    whose (kind, key) is in `exclude`; fewer when that many do not exist and `at_most`, else an error."""
     unknown = [k for k in kinds if k not in MAKERS]
     if unknown:
         raise ValueError(f"unknown task kind(s) {unknown}; choose from {list(KINDS)}")
     rng = random.Random(seed)
     seen = set(exclude or ())
     out: list[TaskSpec] = []
-    attempts = 0
+    live, misses, turn = list(kinds), dict.fromkeys(kinds, 0), 0
     while len(out) < n:
-        attempts += 1
-        if attempts > 200 * n + 1000:
+        if not live:
+            if at_most:
+                break
             raise ValueError(f"only {len(out)} distinct tasks of kinds {list(kinds)} could be drawn; ask for fewer")
-        spec = MAKERS[kinds[len(out) % len(kinds)]](rng)
+        kind = live[turn % len(live)]
+        spec = MAKERS[kind](rng)
         if (spec.kind, spec.key) in seen:
+            misses[kind] += 1
+            if misses[kind] > 500:  # 500 draws in a row without a new instance: this kind is used up
+                live.remove(kind)
             continue
+        misses[kind] = 0
+        turn += 1
         seen.add((spec.kind, spec.key))
         out.append(spec)
     return out
+
+
+def copy_mismatches(spec: TaskSpec, tokenizer) -> list[str]:
+    """The values of `spec` that a copy head could not copy token for token: those whose tokens in the reference
+    tool calls (as ChatML writes them) are not the same token ids somewhere in the instruction, or that do not
+    start and end on token boundaries in the call. Empty for a well-rendered task."""
+    from megatron_composer.data.chat_template import format_tool_call
+
+    def contains(ids: list[int], part: list[int]) -> bool:
+        return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+    instruction = tokenizer.encode(spec.instruction)
+    call = tokenizer.encode("".join(format_tool_call(c["name"], c["arguments"]) for turn in spec.turns for c in turn))
+    pieces = [tokenizer.decode([i]) for i in call]
+    bad = []
+    for value in spec.values:
+        spans = [call[i:j] for i in range(len(call)) for j in range(i + 1, len(call) + 1)
+                 if "".join(pieces[i:j]) in (value, " " + value)]
+        if not any(contains(instruction, span) for span in spans):
+            bad.append(value)
+    return bad
 
 
 def write_task(spec: TaskSpec, root: Path) -> Path:
@@ -249,7 +323,7 @@ def write_task(spec: TaskSpec, root: Path) -> Path:
     (d / "tests").mkdir(exist_ok=True)
     (d / "solution").mkdir(exist_ok=True)
     (d / "instruction.md").write_text(spec.instruction)
-    (d / "task.toml").write_text(TASK_TOML.format(kind=spec.kind, turns=json.dumps(json.dumps(spec.turns))))
+    (d / "task.toml").write_text(TASK_TOML.format(kind=spec.kind, tier=spec.tier, turns=json.dumps(json.dumps(spec.turns))))
     copies = "".join(f"COPY {shlex.quote(p)} /app/{shlex.quote(p)}\n" for p in sorted(spec.files))
     (d / "environment" / "Dockerfile").write_text(f"FROM python:3.11-slim-bookworm\n\nWORKDIR /app\n{copies}")
     for rel, content in spec.files.items():
@@ -263,14 +337,36 @@ def write_task(spec: TaskSpec, root: Path) -> Path:
 
 def generate_splits(out: str | Path, splits: dict[str, int], seed: int = 0,
                     kinds: tuple[str, ...] = KINDS) -> dict[str, list[Path]]:
-    """Write out/<split>/<task>/ for each split; one seeded stream, so no instance is in two splits."""
+    """Write out/<split>/<task>/ for each split, no instance in two splits. Each kind's distinct instances are
+    shared among the splits in proportion to their sizes (each split gets at least one of every kind that has
+    an instance per split), so a kind with few instances (the one-slot tier) is in every split, not used up by
+    the first; the rest of each split is filled in kind rotation. Seeded: the same call writes the same tasks."""
     out = Path(out)
-    specs = sample_specs(sum(splits.values()), seed, kinds)
-    written, i = {}, 0
-    for split, n in splits.items():
-        (out / split).mkdir(parents=True, exist_ok=True)
-        written[split] = [write_task(s, out / split) for s in specs[i:i + n]]
-        i += n
+    total = sum(splits.values())
+    pools = {k: sample_specs(total, seed + i, (k,), at_most=True) for i, k in enumerate(kinds)}
+    chosen: dict[str, list[TaskSpec]] = {name: [] for name in splits}
+    for kind, pool in pools.items():
+        start = 0
+        for name, n in splits.items():
+            share = max(1, len(pool) * n // total) if len(pool) >= len(splits) else 0
+            share = min(share, max(1, n // len(kinds)), len(pool) - start)
+            chosen[name] += pool[start:start + share]
+            start += share
+        pools[kind] = pool[start:]
+    for name, n in splits.items():  # fill up in rotation from what is left
+        order = [k for k in kinds if pools[k]]
+        while len(chosen[name]) < n and order:
+            kind = order[len(chosen[name]) % len(order)]
+            chosen[name].append(pools[kind].pop(0))
+            order = [k for k in kinds if pools[k]]
+        if len(chosen[name]) < n:
+            raise ValueError(f"only {len(chosen[name])} distinct tasks left for split {name!r}; ask for fewer")
+    written = {}
+    for name, specs in chosen.items():
+        (out / name).mkdir(parents=True, exist_ok=True)
+        rng = random.Random(f"{seed}:{name}")
+        rng.shuffle(specs)
+        written[name] = [write_task(spec, out / name) for spec in specs[:splits[name]]]
     return written
 
 
@@ -294,36 +390,37 @@ def progress_summary(messages: list[dict]) -> str:
 
 
 def solution_episode(task, sandbox, *, count_tokens: Callable[[str], int], summary_trigger_tokens: Optional[int] = None,
-                     chat_format=None):
+                     chat_format=None, profile: str = "full"):
     """Replay the task's reference tool calls through `run_episode` in `sandbox` (the real protocol: parser,
     tools, observations, verifier). With a summary trigger, a context that reaches it is summarised by
     `progress_summary` and the episode continues in a new segment, as rollouts do."""
     from rl.envs.agent import EpisodeConfig, ScriptedPolicy, run_episode
 
     turns = [{"tool_calls": calls} for calls in solution_turns(task)]
-    cfg = EpisodeConfig(max_turns=len(turns), summary_trigger_tokens=summary_trigger_tokens)
+    cfg = EpisodeConfig(max_turns=len(turns), summary_trigger_tokens=summary_trigger_tokens, profile=profile)
     return run_episode(task, sandbox, ScriptedPolicy(turns, chat_format), cfg, count_tokens=count_tokens,
                        summarize=progress_summary if summary_trigger_tokens else None, chat_format=chat_format)
 
 
-def sft_conversations(episode) -> list[dict]:
+def sft_conversations(episode, profile: str = "full") -> list[dict]:
     """The SFT records ({"messages", "tools"}) of a solved episode: one per segment; a segment that ended in a
     summary ends with the summary request and the summary as the assistant's turn (what a rollout samples and
-    trains). The tools are the agent's, declared as the rollouts declare them."""
-    from rl.envs.agent import AGENT_TOOLS, SUMMARY_REQUEST
+    trains). The tools are the agent profile's, declared as the rollouts declare them."""
+    from rl.envs.agent import SUMMARY_REQUEST, agent_profile
 
+    tools = agent_profile(profile).schemas
     out = []
     for i, seg in enumerate(episode.segments):
         conv = list(seg)
         if i < len(episode.summaries):
             conv += [{"role": "user", "content": SUMMARY_REQUEST}, {"role": "assistant", "content": episode.summaries[i]}]
-        out.append({"messages": conv, "tools": AGENT_TOOLS})
+        out.append({"messages": conv, "tools": tools})
     return out
 
 
 def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], int], *,
                          summary_trigger_tokens: Optional[int] = None, backend=None, workers: int = 2,
-                         chat_format=None) -> list[dict]:
+                         chat_format=None, profile: str = "full") -> list[dict]:
     """SFT conversations of the reference solutions of generated tasks, each replayed in its own sandbox by
     `solution_episode`; a replay the verifier does not reward 1 is an error (the task family is broken)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -342,17 +439,18 @@ def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], in
         try:
             with backend.fork(snapshot) as sandbox:
                 ep = solution_episode(task, sandbox, count_tokens=count_tokens,
-                                      summary_trigger_tokens=summary_trigger_tokens, chat_format=chat_format)
+                                      summary_trigger_tokens=summary_trigger_tokens, chat_format=chat_format,
+                                      profile=profile)
         finally:
             snapshot.discard()
         if ep.reward != 1.0 or ep.stop_reason != "submitted":
             raise RuntimeError(f"{d}: the reference tool calls scored {ep.reward} ({ep.stop_reason}); "
                                f"verifier said: {ep.verify.output[-300:] if ep.verify else ''}")
-        return sft_conversations(ep)
+        return sft_conversations(ep, profile)
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return [conv for convs in pool.map(one, task_dirs) for conv in convs]
 
 
-__all__ = ["solution_transcripts", "KINDS", "TaskSpec", "generate_splits", "progress_summary", "sample_specs", "sft_conversations",
+__all__ = ["solution_transcripts", "CHANCE", "KINDS", "TIERS", "TaskSpec", "copy_mismatches", "generate_splits", "progress_summary", "sample_specs", "sft_conversations",
            "solution_episode", "solution_turns", "write_task"]

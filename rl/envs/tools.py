@@ -74,15 +74,22 @@ def truncate(text: str, limit: int) -> tuple[str, bool]:
     return text[:head] + "\n" + TRUNCATION_MARKER.format(n=cut) + "\n" + text[len(text) - tail:], True
 
 
-def tool_schemas() -> list[dict]:
-    """The tools as OpenAI function schemas: what a chat template declares (ChatML lists them in the system prompt)."""
+def tool_schemas(names: tuple[str, ...] | None = None, *, brief: dict[str, str] | None = None) -> list[dict]:
+    """The tools `names` (default: all) as OpenAI function schemas: what a chat template declares (ChatML lists
+    them in the system prompt). `brief`: tool -> short description; such a tool declares its required
+    arguments only (the tool still accepts the optional ones), for a model whose context is small."""
     json_types = {str: "string", int: "integer", bool: "boolean", float: "number"}
-    return [{"type": "function", "function": {
-        "name": name, "description": desc,
-        "parameters": {"type": "object",
-                       "properties": {a: {"type": json_types[t], "description": d} for a, (t, _, d) in params.items()},
-                       "required": [a for a, (_, req, _) in params.items() if req]}}}
-        for name, (desc, params) in TOOL_SPECS.items()]
+    out = []
+    for name in names or tuple(TOOL_SPECS):
+        desc, params = TOOL_SPECS[name]
+        if brief is not None and name in brief:
+            desc, params = brief[name], {a: spec for a, spec in params.items() if spec[1]}
+        out.append({"type": "function", "function": {
+            "name": name, "description": desc,
+            "parameters": {"type": "object",
+                           "properties": {a: {"type": json_types[t], "description": d} for a, (t, _, d) in params.items()},
+                           "required": [a for a, (_, req, _) in params.items() if req]}}})
+    return out
 
 
 @dataclass
@@ -103,7 +110,12 @@ class ToolStats:
 class ToolBox:
     """Executes tool calls against one sandbox and keeps the episode's todo list and submission."""
 
-    def __init__(self, sandbox: Sandbox, *, max_observation_chars: int = 8000, command_timeout_s: float = 120.0):
+    def __init__(self, sandbox: Sandbox, *, max_observation_chars: int = 8000, command_timeout_s: float = 120.0,
+                 tools: tuple[str, ...] | None = None):
+        unknown = sorted(set(tools or ()) - set(TOOL_SPECS))
+        if unknown:
+            raise ValueError(f"unknown tool(s) {unknown}; the tools are {', '.join(TOOL_SPECS)}")
+        self.tools = tuple(tools or TOOL_SPECS)  # the tools the agent was told about: the only ones it may call
         self.sandbox = sandbox
         self.root = getattr(sandbox, "tree_root", "/app")
         self.max_observation_chars = max_observation_chars
@@ -122,9 +134,9 @@ class ToolBox:
         return Observation(f"error: {message}", error=True, malformed=True)
 
     def call(self, name: str, arguments: dict) -> Observation:
-        spec = TOOL_SPECS.get(name)
+        spec = TOOL_SPECS.get(name) if name in self.tools else None
         if spec is None:
-            return self.malformed(f"unknown tool {name!r}; available: {', '.join(TOOL_SPECS)}")
+            return self.malformed(f"unknown tool {name!r}; available: {', '.join(self.tools)}")
         _, params = spec
         for arg, value in arguments.items():
             if arg not in params:

@@ -82,6 +82,8 @@ class RolloutConfig:
     agent_max_turns: int = field(default=4, metadata={"help": "agent tasks: turns per episode"})
     agent_max_new_tokens: int = field(default=96, metadata={"help": "agent tasks: tokens per turn"})
     agent_command_timeout_s: float = 30.0
+    agent_profile: str = field(default="full", metadata={"help": "agent tasks: the system prompt and tools the agent is given "
+                                                               "(rl/envs/agent.py PROFILES: full, or compact for small models)"})
     summary_trigger_tokens: int = field(default=0, metadata={"help": "agent tasks: once an episode's context reaches this many tokens the model "
                                                                      "summarises it and continues in a new segment (system + task + summary); 0 = off"})
     summary_max_new_tokens: int = field(default=0, metadata={"help": "tokens a summary may take (it may think first); 0 = agent_max_new_tokens"})
@@ -119,6 +121,10 @@ class RolloutConfig:
                               "project's engine keeps each sequence's cache on its rank and serves the trained weights")
         if self.dcp < 1 or (self.tp * self.ep) % self.dcp:
             raise ConfigError(f"rollout.dcp={self.dcp} must divide the engine's tp x ep = {self.tp * self.ep} GPUs")
+        from rl.envs.agent import PROFILES
+
+        if self.agent_profile not in PROFILES:
+            raise ConfigError(f"rollout.agent_profile={self.agent_profile!r}: choose one of {sorted(PROFILES)}")
         if self.max_new_tokens < 1 or self.agent_max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens and rollout.agent_max_new_tokens must be >= 1")
         if self.temperature <= 0:
@@ -358,7 +364,7 @@ class RolloutWorker:
         trigger = self.cfg.summary_trigger_tokens
         cfg = EpisodeConfig(max_turns=self.cfg.agent_max_turns, command_timeout_s=self.cfg.agent_command_timeout_s,
                             max_generated_tokens=self.cfg.agent_max_turns * self.cfg.agent_max_new_tokens,
-                            summary_trigger_tokens=trigger or None)
+                            summary_trigger_tokens=trigger or None, profile=self.cfg.agent_profile)
         try:
             ep = run_episode(task.harbor, sandbox, policy, cfg,
                              count_tokens=lambda text: len(self.tokenizer.encode(text)),
@@ -587,10 +593,10 @@ class EnginePolicy:
     context run_episode hands over (system + task + summary)."""
 
     def __init__(self, worker: RolloutWorker, seed: int):
-        from rl.envs.agent import AGENT_TOOLS
+        from rl.envs.agent import agent_profile
 
         self.worker = worker
-        self.tools = AGENT_TOOLS
+        self.tools = agent_profile(worker.cfg.agent_profile).schemas
         self.seed = seed
         self.ledger: Optional[TokenLedger] = None
         self.finished: list[dict] = []  # closed segments, each ending with its summary
