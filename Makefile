@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e test-vllm demo bench gpu-check clean
+.PHONY: install test test-e2e test-vllm demo demo-agent bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test-vllm: $(VLLM_VENV)/.installed
 
 demo: install
 	$(PY) tools/demo.py
+
+# The agentic chain (about 30 minutes on 2 idle cores): a base model that copies, tool-use SFT on tiered tasks,
+# agentic RL in sandboxes (examples/tiny/rl_agent.yaml); prints the copy gate, per-tier pass rates and the RL table.
+demo-agent: install
+	$(PY) tools/demo.py --chain agent
 
 bench: install
 	$(PY) benchmarks/model_forward_backward.py

@@ -68,7 +68,7 @@ def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_r
 
 
 def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
-             overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0) -> dict:
+             overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0, sample_tasks: int = 0) -> dict:
     from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.rollout.tasks import load_rl_tasks
@@ -78,6 +78,10 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
     cfg = _run_config(ckpt, list(overrides))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tasks = load_rl_tasks(tasks_dir)
+    if 0 < sample_tasks < len(tasks):  # a seeded subset, not the first by name (names sort by kind)
+        import random
+
+        tasks = random.Random(seed).sample(tasks, sample_tasks)
     model, meta = build_model(cfg, tokenizer)
     load_checkpoint(ckpt, model, None, meta, restore_rng=False)
     from megatron_composer.data.chat_format import load_chat_format
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None, help="transcripts JSONL (default: CHECKPOINT/eval_<tasks>.jsonl)")
     ap.add_argument("--success-reward", type=float, default=1.0, help="a sample passes when its reward is at least this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sample-tasks", type=int, default=0, help="evaluate a seeded random subset of this many tasks")
+    ap.add_argument("--summary", default=None, help="also write the summary (per tier and per task) to this JSON file")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. rollout.temperature=0.7")
     args = ap.parse_args(argv)
     if args.samples < 1:
@@ -108,10 +114,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
-        s = evaluate(args.tasks, args.checkpoint, args.samples, args.output, args.overrides, args.success_reward, args.seed)
+        s = evaluate(args.tasks, args.checkpoint, args.samples, args.output, args.overrides, args.success_reward,
+                     args.seed, args.sample_tasks)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(s, indent=1, default=str))
     k = f"pass@{s['samples']}"
     for t in s["per_task"]:
         print(f"{t['task']:40s} rewards {t['rewards']} pass@1 {t['pass@1']:.2f} {k} {t[k]:.2f}")

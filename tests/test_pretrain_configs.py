@@ -10,15 +10,15 @@ from megatron_composer.parallel import ParallelDims, validate_layout
 from pretrain.trainer import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLD = {"kimi_k25": 512, "qwen3_30b_a3b": 64, "tiny": 2}
+WORLD = {"kimi_k25": 512, "qwen3_30b_a3b": 64, "tiny": 2, "tiny/agent": 2}
 
 
-@pytest.mark.parametrize("path", sorted(p for d in WORLD for p in (ROOT / "examples" / d).glob("*.yaml") if not p.name.startswith("rl")), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", sorted(p for d in WORLD for p in (ROOT / "examples" / d).glob("*.yaml") if not p.name.startswith("rl")), ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_stage_config_is_valid_for_its_cluster(path):
     cfg = load_config(PretrainConfig, path)
     mc = get_preset(cfg.model.preset)
     mc = mc.replace(vocab_size=cfg.model.vocab_size or mc.vocab_size, **cfg.model.overrides)
-    dims = ParallelDims.from_config(cfg.parallel, WORLD[path.parent.name])
+    dims = ParallelDims.from_config(cfg.parallel, WORLD[str(path.parent.relative_to(ROOT / "examples"))])
     validate_layout(dims, mc, seq_len=cfg.data.seq_length)
     global_seqs = cfg.train.global_batch_tokens // cfg.data.seq_length
     assert global_seqs % (cfg.train.micro_batch_size * dims.dp) == 0

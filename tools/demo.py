@@ -3,12 +3,16 @@
 1. Trains a sentencepiece BPE tokenizer on the Python standard library's .py files found on this machine.
 2. Tokenizes them into a megatron-core indexed dataset (data/tiny/stdlib.bin/.idx).
 3. Writes SFT chat transcripts with tool calls built from real stdlib functions (data/tiny/sft.jsonl).
-4. Generates the easy agent task family (rl/envs/task_family.py) in disjoint splits under
-   data/tiny/agent_tasks/ (sft, train: examples/tiny/rl_agent.yaml's RL prompts, heldout: its evaluation), and
-   replays the sft split's reference solutions as tool calls through the agent protocol in sandboxes: those
-   episodes (summarised where their context reaches the RL run's summary trigger) are the tool-use SFT
-   transcripts (data/tiny/agent_sft.jsonl).
-5. Runs examples/tiny/{pretrain,long_context,sft}.yaml as one chain with torchrun on 2 CPU ranks.
+4. Generates the tiered agent task family (rl/envs/task_family.py) in disjoint splits under
+   data/tiny/agent_tasks/ (sft, train, heldout), and replays the sft split's reference solutions as tool calls
+   through the agent protocol in sandboxes: those episodes (summarised where their context reaches 600 tokens)
+   are the tool-use SFT transcripts (data/tiny/agent_sft.jsonl).
+5. Runs examples/tiny/{pretrain,long_context,sft}.yaml as one chain with torchrun on 2 CPU ranks, then prints
+   each stage's losses and the copy gate (tools/copy_eval.py).
+
+`--chain agent` (`make demo-agent`) is the agentic chain: the same pretraining, tool-use SFT on the tiered tasks
+told the compact agent profile (examples/tiny/agent/sft.yaml, data under data/tiny_agent/), the SFT checkpoint's
+pass@1 / pass@4 per tier on train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table.
 Nothing it writes is committed (data/ and runs/ are git-ignored). Re-running resumes / reuses what exists.
 """
 
@@ -30,7 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = ["examples/tiny/pretrain.yaml", "examples/tiny/long_context.yaml", "examples/tiny/sft.yaml"]
 AGENT_SPLITS = {"sft": 480, "train": 320, "heldout": 18}  # instances per split (one seeded stream: disjoint)
-AGENT_SUMMARY_TRIGGER = 600  # = rollout.summary_trigger_tokens of examples/tiny/rl_agent.yaml
+AGENT_SUMMARY_TRIGGER = 600  # the full agent profile's episodes of examples/tiny/sft.yaml summarise there
+
+# `--chain agent` (make demo-agent): code pretraining, tool-use SFT on the tiered tasks, then agentic RL.
+AGENT_STAGES = ["examples/tiny/pretrain.yaml", "examples/tiny/agent/sft.yaml"]
+AGENT_RL = "examples/tiny/rl_agent.yaml"
+AGENT_CHAIN_SPLITS = {"sft": 480, "train": 320, "heldout": 32}
+AGENT_CHAIN_SUMMARY_TRIGGER = 300  # = rollout.summary_trigger_tokens of examples/tiny/rl_agent.yaml
+AGENT_TRAIN_EVAL_TASKS = 48  # the SFT checkpoint's pass@k on this many train tasks (a seeded sample)
 
 
 def _run(cmd: list[str]) -> None:
@@ -79,37 +90,11 @@ def write_sft(stdlib: Path, path: Path, n: int = 200, seed: int = 0) -> int:
     return n
 
 
-def write_repeat_corpus(tokenizer_dir: Path, prefix: Path, seq_length: int, n_tokens: int = 2_000_000,
-                        seed: int = 0, alphabet: int = 0) -> dict:
-    """Rows of random tokens written twice ("x1 .. xk x1 .. xk", 2k = seq_length): the second half is
-    predictable only by copying, the cleanest signal for the copy (induction) circuit, which the code corpus
-    alone does not form at the demo's few hundred thousand tokens. Documents are exactly one training row long
-    and carry no end-of-document token, so every row (cut every seq_length tokens) is one whole document that
-    starts at position 0: measured on the tiny MLA preset, rows that start mid-document (packed, position ids
-    reset) did not form the circuit in 300 steps where aligned rows formed it in about 200."""
-    import numpy as np
-
-    from megatron_composer.data.tokenizer import load_tokenizer
-    from tools.preprocess_data import write_indexed_dataset
-
-    if seq_length % 2:
-        raise ValueError(f"seq_length {seq_length} must be even (a row is a list written twice)")
-    tok = load_tokenizer(str(tokenizer_dir))
-    controls = set(tok.special_tokens.values()) | {tok.pad}
-    ordinary = np.array([i for i in range(tok.vocab_size) if i not in controls])
-    if alphabet:  # the first ids of a BPE vocabulary: its earliest, most frequent merges
-        ordinary = ordinary[:alphabet]
-    rng = np.random.default_rng(seed)
-
-    def documents():
-        for _ in range(n_tokens // seq_length):
-            half = rng.choice(ordinary, seq_length // 2).tolist()
-            yield half + half, 0
-
-    return write_indexed_dataset(prefix, tok, documents(), ["random tokens, each row written twice"])
-
-def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: int, seed: int = 0) -> int:
-    """Generate the agent task splits and write the sft split's reference episodes as SFT conversations."""
+def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: int, seed: int = 0, *,
+                    splits: dict[str, int] = AGENT_SPLITS, profile: str = "full",
+                    summary_trigger: int = AGENT_SUMMARY_TRIGGER) -> int:
+    """Generate the agent task splits and write the sft split's reference episodes as SFT conversations, told
+    the agent `profile` and summarised where their context reaches `summary_trigger` (as the RL run's are)."""
     import shutil
 
     from megatron_composer.data.tokenizer import load_tokenizer
@@ -117,10 +102,10 @@ def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: 
 
     if tasks_root.exists():
         shutil.rmtree(tasks_root)
-    splits = generate_splits(tasks_root, AGENT_SPLITS, seed=seed)
+    written = generate_splits(tasks_root, splits, seed=seed)
     tok = load_tokenizer(str(tokenizer_dir))
-    convs = solution_transcripts(splits["sft"], lambda text: len(tok.encode(text)),
-                                 summary_trigger_tokens=AGENT_SUMMARY_TRIGGER, workers=workers)
+    convs = solution_transcripts(written["sft"], lambda text: len(tok.encode(text)),
+                                 summary_trigger_tokens=summary_trigger, workers=workers, profile=profile)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as fh:
         fh.writelines(json.dumps(record) + "\n" for record in convs)
@@ -134,6 +119,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default="runs/tiny")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--chain", choices=("cpt", "agent"), default="cpt",
+                    help="cpt: pretraining, long context, SFT (make demo); agent: pretraining, tool-use SFT on the tiered "
+                         "agent tasks, then agentic RL (make demo-agent; --run-dir defaults to runs/tiny_agent)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides passed to every stage, e.g. train.steps=20")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -147,6 +135,8 @@ def main(argv=None) -> int:
         _run([py, "tools/train_tokenizer.py", "--input", str(stdlib), "--output", str(data / "tokenizer"), "--vocab-size", str(args.vocab_size), "--max-lines", "300000"])
     if not (data / "stdlib.idx").exists():
         _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"), "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
+    if args.chain == "agent":
+        return agent_chain(args, py, data, t0)
     if not (data / "sft.jsonl").exists():
         print(f"wrote {write_sft(stdlib, data / 'sft.jsonl')} SFT conversations to {data / 'sft.jsonl'}")
     if not (data / "agent_sft.jsonl").exists():
@@ -156,13 +146,90 @@ def main(argv=None) -> int:
     # One command runs the chain; each stage continues from the previous one (checkpoint.init_from: previous).
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "pretrain_composer.py",
               "--config", *STAGES, f"run.dir={args.run_dir}", *args.overrides], env)
-    _summarise(Path(args.run_dir), time.time() - t0)
+    _summarise(Path(args.run_dir), STAGES, time.time() - t0)
     return 0
 
 
-def _summarise(run_root: Path, seconds: float) -> None:
+def agent_chain(args, py: str, data: Path, t0: float) -> int:
+    """Code pretraining and tool-use SFT (one torchrun chain), the copy gate on both, the SFT checkpoint's
+    pass@1/pass@4 per tier on train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table."""
+    agent = Path("data/tiny_agent")  # where examples/tiny/agent/sft.yaml and rl_agent.yaml read their data
+    run_root = Path("runs/tiny_agent" if args.run_dir == "runs/tiny" else args.run_dir)
+    agent.mkdir(parents=True, exist_ok=True)
+    if not (agent / "agent_sft.jsonl").exists():
+        n = write_agent_sft(agent / "agent_tasks", agent / "agent_sft.jsonl", data / "tokenizer", args.nproc,
+                            splits=AGENT_CHAIN_SPLITS, profile="compact", summary_trigger=AGENT_CHAIN_SUMMARY_TRIGGER)
+        print(f"wrote {n} tool-use SFT conversations (compact agent profile) to {agent / 'agent_sft.jsonl'}")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "pretrain_composer.py",
+              "--config", *AGENT_STAGES, f"run.dir={run_root}", *args.overrides], env)
+    sft = run_root / "sft"
+    tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft, AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
+             for split in ("train", "heldout")}
+    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "rl_composer.py",
+              "--config", AGENT_RL, f"run.dir={run_root / 'rl'}", f"checkpoint.init_from={sft}"], env)
+    _summarise(run_root, AGENT_STAGES, time.time() - t0)
+    print("\nSFT checkpoint, 4 samples per task:")
+    for split, summary in tiers.items():
+        for tier, t in summary["per_tier"].items():
+            print(f"  {split:8s} tier {tier}: {t['tasks']:3d} tasks  pass@1 {t['pass@1']:.3f}  pass@4 {t['pass@4']:.3f}")
+        print(f"  {split:8s} all   : {summary['tasks']:3d} tasks  pass@1 {summary['pass@1']:.3f}  pass@4 {summary['pass@4']:.3f}")
+    _rl_table(run_root / "rl")
+    return 0
+
+
+def _copy_gates(run_root: Path, stages: list[str]) -> None:
+    """tools/copy_eval.py on each stage's last checkpoint: a list of the task family's words repeated after itself."""
+    print("copy gate (second copy of a repeated word list; a model that copies pays < 1 nat/word):")
+    for stage in stages:
+        out = subprocess.run([sys.executable, str(ROOT / "tools" / "copy_eval.py"), "--checkpoint",
+                              str(run_root / Path(stage).stem), "--json"], cwd=ROOT, check=True, capture_output=True,
+                             text=True).stdout
+        g = json.loads(out.strip().splitlines()[-1])
+        print(f"  {Path(stage).stem:13s} first copy {g['first_copy_nats_per_word']:.2f}  second copy "
+              f"{g['second_copy_nats_per_word']:.2f} nats/word  {'pass' if g['passes'] else 'FAIL'}")
+
+
+def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int) -> dict:
+    """rl.evaluate of the SFT checkpoint with the RL run's episode settings (its rollout section: the compact
+    agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not hold."""
+    import yaml
+
+    rollout = yaml.safe_load((ROOT / AGENT_RL).read_text())["rollout"]
+    out = ROOT / checkpoint / f"eval_{tasks.name}.json"
+    cmd = [py, "-m", "rl.evaluate", "--tasks", str(tasks), "--checkpoint", str(checkpoint), "--samples", "4",
+           "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
+    cmd += [f"rollout.{k}={v}" for k, v in rollout.items()]
+    _run(cmd)
+    return json.loads(out.read_text())
+
+
+def _rl_table(rl_dir: Path) -> None:
+    rows = [json.loads(line) for line in (rl_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "verifier_reward_mean" in r]
+    evals = [r for r in rows if "eval_pass@1" in r]
+    fifth = max(1, len(steps) // 5)
+    first, last = steps[:fifth], steps[-fifth:]
+    mean = lambda rs, k: sum(r.get(k, 0.0) for r in rs) / max(len(rs), 1)  # noqa: E731
+    print(f"\nRL ({rl_dir}, {len(steps)} steps):")
+    print(f"  verifier reward, first fifth {mean(first, 'verifier_reward_mean'):.3f} -> last fifth "
+          f"{mean(last, 'verifier_reward_mean'):.3f}")
+    print("  held-out pass@1 by step: " + ", ".join(f"{r['step']}: {r['eval_pass@1']:.3f}" for r in evals))
+    print(f"  tool calls per episode (evaluations) {mean(evals, 'eval_tool_calls_per_episode'):.2f}; chains summarised "
+          f"{sum(r.get('summaries', 0) for r in steps):.0f}; all-equal groups dropped and refilled "
+          f"{sum(r.get('equal_reward_groups_replaced', 0) for r in steps):.0f}")
+    png = rl_dir / "rl.png"
+    try:
+        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(rl_dir), "--output", str(png)],
+                       check=True, capture_output=True)
+        print(f"  curves: {png}")
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        print(f"  (no plot: {e})")
+
+
+def _summarise(run_root: Path, stages: list[str], seconds: float) -> None:
     print(f"\n=== demo finished in {seconds / 60:.1f} min ===")
-    for stage in STAGES:
+    for stage in stages:
         name = Path(stage).stem
         rows = [json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
         vals = [r for r in rows if "val_loss" in r]
@@ -173,9 +240,10 @@ def _summarise(run_root: Path, seconds: float) -> None:
             msg += f" | MTP top-1 agreement {sum(top1[:k]) / k:.3f} -> {sum(top1[-k:]) / k:.3f}"
         print(msg)
         print(f"{'':13s} metrics {run_root / name / 'metrics.jsonl'}  checkpoints {run_root / name / 'checkpoints'}")
+    _copy_gates(run_root, stages)
     png = run_root / "loss.png"
     try:
-        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), *(str(run_root / Path(s).stem) for s in STAGES), "--output", str(png)], check=True, capture_output=True)
+        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), *(str(run_root / Path(s).stem) for s in stages), "--output", str(png)], check=True, capture_output=True)
         print(f"curves: {png}")
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"(no plot: {e})")

@@ -42,8 +42,9 @@ def run(rl_assets, tmp_path_factory):
         "train.steps": 2, "train.groups_per_step": 2, "train.micro_batch_size": 4,
         "rollout.group_size": 3, "rollout.max_seq_len": 2048, "rollout.cache_memory_mb": 64,
         "rollout.agent_max_turns": 3, "rollout.agent_max_new_tokens": 10, "rollout.summary_max_new_tokens": 8,
-        # this byte-level tokenizer makes a first context of ~1000 tokens: a summary after the first turns
-        "rollout.summary_trigger_tokens": 1100, "rollout.sandbox_concurrency": 3, "rollout.group_timeout_s": 300,
+        # this byte-level tokenizer makes a first context of ~600 tokens (compact profile): a summary after the
+        # first turns
+        "rollout.summary_trigger_tokens": 700, "rollout.sandbox_concurrency": 3, "rollout.group_timeout_s": 300,
         "optim.lr": 1e-3, "optim.min_lr": 1e-3, "checkpoint.init_from": root / "init", "checkpoint.keep_last": 0,
     }
     cfg = load_config(RLConfig, str(ROOT / "examples/tiny/rl_agent.yaml"), [f"{k}={v}" for k, v in overrides.items()])
@@ -70,8 +71,12 @@ def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
         assert r["episodes"] == 6 and r["turns"] > r["episodes"]  # more than one turn per episode on average
         assert r["advantage_abs_mean"] > 0 and r["grad_norm"] > 0 and r["loss"] != 0 and r["train_tokens"] > 0
         assert r["length_penalty_mean"] < 0 and r["malformed_tool_calls_mean"] < 0  # the shaping terms are on
+        # dynamic sampling (rl.refill_groups of the config) runs and is counted
+        assert {"refilled_groups", "equal_reward_groups_replaced"} <= set(r)
+        assert r["refilled_groups"] >= r["equal_reward_groups_replaced"] >= 0
     assert sum(r["summaries"] for r in run) > 0 and max(r["segments_per_episode"] for r in run) > 1
     assert {"eval_pass@1", "eval_pass@2"} <= set(run[-1]) and 0 <= run[-1]["eval_pass@1"] <= run[-1]["eval_pass@2"] <= 1
+    assert "eval_tool_calls_per_episode" in start and any(k.startswith("eval_tier") for k in start)  # per tier
     for r in (start, run[-1]):  # run by the embedded rollout worker's engine on the version just published
         assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
     assert start["eval_weight_version"] == 0 and run[-1]["eval_weight_version"] == run[-1]["weight_version"]
