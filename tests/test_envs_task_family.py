@@ -118,7 +118,8 @@ def test_compact_profile_fits_small_contexts_and_limits_the_tools(tmp_path):
         task = load_harbor_task(d)
         full, compact = (ChatMLFormat().render(
             [{"role": "system", "content": agent_profile(p).system_prompt.format(workdir="/app")},
-             {"role": "user", "content": task.instruction}], tools=agent_profile(p).schemas) for p in ("full", "compact"))
+             {"role": "user", "content": task.instruction}], tools=agent_profile(p).schemas)
+            for p in ("full", "compact"))
         assert _approx_tokens(compact) < 0.4 * _approx_tokens(full)
         assert _approx_tokens(compact) <= 150, d.name  # the prompt; an episode's two turns add ~60-120 tokens
     assert [t["function"]["name"] for t in PROFILES["compact"].schemas] == list(PROFILES["compact"].tools)

@@ -163,7 +163,8 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
             break
         more_turns = turns < max_turns and generated < config.max_generated_tokens  # a summary nobody reads is waste
         if (summarize is not None and config.summary_trigger_tokens is not None and more_turns
-                and (context_tokens(messages) if context_tokens else count_tokens(fmt.render(messages, tools=profile.schemas)))
+                and (context_tokens(messages) if context_tokens
+                     else count_tokens(fmt.render(messages, tools=profile.schemas)))
                 >= config.summary_trigger_tokens):
             summary = summarize(messages + [{"role": "user", "content": SUMMARY_REQUEST}])
             generated += count_tokens(summary)

@@ -1,12 +1,18 @@
 """A generated family of easy, verifiable sandboxed tasks in the Harbor layout, sized for a tiny model.
 
-Six kinds, each parameterised by file names, folders and words drawn from small vocabularies of one-token words:
+Eight kinds in four tiers (`TIERS`; `CHANCE`: the pass rate of a policy that guesses every slot from its pool),
+each parameterised by file names, folders and words drawn from small vocabularies of one-token words:
 
-* ``create_file``: create a file with a given one-line content;
-* ``rename_file`` / ``move_file``: rename a file, or move it into a folder;
-* ``replace_word``: replace every occurrence of a word in a file;
-* ``fix_test``: a one-line bug (the wrong operator) makes a unittest fail; fix the function;
-* ``command_output``: run a command and write its output to a file.
+1. ``create_empty``: create an empty file (one slot);
+2. ``write_word``: create a file holding one word (two slots);
+3. ``fix_test``: a one-line bug (the wrong operator) makes a unittest fail; fix the function (a lookup);
+4. ``create_file``: create a file in a folder with a two-word line; ``rename_file`` / ``move_file``: rename a
+   file, or move it into a folder; ``replace_word``: replace every occurrence of a word in a file;
+   ``command_output``: run a command and write its output to a file.
+
+Every value a reference call copies from the instruction is written there as the same tokens as in the call
+(`TaskSpec.values`; `copy_mismatches` checks it against a tokenizer): a JSON string value in double quotes
+(its tokens follow a quote in both), a command's word after a space (as inside the command).
 
 Every task is a plain Harbor folder (instruction.md, task.toml, environment/Dockerfile and its files,
 tests/test.sh, solution/solve.sh), so `rl.envs.load_harbor_task`, `check_task` and the RL loader read it like
@@ -15,9 +21,9 @@ in task.toml's free-form ``[metadata]``, ``solution_turns``: the same solution a
 by turn (a JSON string), which `solution_episode` replays through the real agent protocol (`run_episode`, the
 sandbox, the verifier) to make SFT transcripts in exactly the format rollouts parse.
 
-`generate_splits` draws one deduplicated stream of instances from a seed and cuts it into named splits, so no
-instance is in two splits (SFT, RL train and held-out evaluation differ). ``tools/make_agent_tasks.py`` is the
-command line.
+`generate_splits` shares each kind's distinct instances among named splits in proportion to their sizes, so no
+instance is in two splits (SFT, RL train and held-out evaluation differ) and every split has every kind.
+``tools/make_agent_tasks.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -34,10 +40,8 @@ KINDS = ("create_empty", "write_word", "create_file", "rename_file", "move_file"
          "command_output")
 
 # Small vocabularies of common code words: a tiny model sees each value often enough in SFT to pick it out of
-# the instruction, and each is one token of the demo's tokenizer (BPE on Python sources) both bare (after "`",
-# '"', "/" or a newline) and after a space, so copying a value from the instruction into a tool call is copying
-# one token (or its space-prefixed twin, inside a command), not re-spelling it in other pieces: "alpha" is
-# "`al|p|ha" in an instruction but " al|p|ha" inside `mv ...`, which the tiny model did not learn to bridge.
+# the instruction, and each is one token of the demo's tokenizer (BPE on Python sources) both bare (after '"',
+# "/" or a newline) and after a space, so copying a value is copying one token.
 NAMES = ("data", "config", "index", "cache", "table", "result", "info", "event")
 FOLDERS = ("build", "src", "lib", "temp")
 WORDS = ("tree", "star", "color", "left", "right", "top", "group", "order")
@@ -52,10 +56,16 @@ SLOT_NAMES = NAMES + FOLDERS + WORDS + MODULES  # the one-slot tiers draw a file
 # name) and a copy from a tool's output; 4: the multi-value kinds.
 TIERS = {"create_empty": 1, "write_word": 2, "fix_test": 3, "create_file": 4, "rename_file": 4, "move_file": 4,
          "replace_word": 4, "command_output": 4}
-CHANCE = {"create_empty": 1 / len(SLOT_NAMES), "write_word": 1 / (len(SLOT_NAMES) * len(WORDS)),
-          "fix_test": 1 / (len(MODULES) * 3), "create_file": 1 / (len(FOLDERS) * len(NAMES) * len(WORDS) * (len(WORDS) - 1)),
-          "rename_file": 1 / (len(NAMES) * (len(NAMES) - 1)), "move_file": 1 / (len(NAMES) * len(FOLDERS)),
-          "replace_word": 1 / (len(NAMES) * len(WORDS) * (len(WORDS) - 1)), "command_output": 1 / (len(NAMES) * 3 * 98 * 98)}
+CHANCE = {
+    "create_empty": 1 / len(SLOT_NAMES),
+    "write_word": 1 / (len(SLOT_NAMES) * (len(WORDS) - 1)),
+    "fix_test": 1 / (len(MODULES) * 3),  # the module to read, one of three operators
+    "create_file": 1 / (len(FOLDERS) * len(NAMES) * len(WORDS) * (len(WORDS) - 1)),
+    "rename_file": 1 / (len(NAMES) * (len(NAMES) - 1)),
+    "move_file": 1 / (len(NAMES) * len(FOLDERS)),
+    "replace_word": 1 / (len(NAMES) * len(WORDS) * (len(WORDS) - 1)),
+    "command_output": 1 / (len(NAMES) * 3 * 98 * 98),  # the output file, the command, two operands of 2-99
+}
 
 TASK_TOML = """version = "1.0"
 
@@ -158,10 +168,9 @@ def _create_empty(rng: random.Random) -> TaskSpec:
 
 
 def _write_word(rng: random.Random) -> TaskSpec:
-    name, word = rng.choice(SLOT_NAMES), rng.choice(WORDS)
+    name = rng.choice(SLOT_NAMES)
+    word = rng.choice([w for w in WORDS if w != name])
     path = f"{name}.txt"
-    if name == word:
-        word = WORDS[(WORDS.index(word) + 1) % len(WORDS)]
     return TaskSpec(
         "write_word", (name, word),
         f'Create the file "{path}" containing "{word}".\n', {},
@@ -179,7 +188,8 @@ def _rename_file(rng: random.Random) -> TaskSpec:
         f"Rename the file {a}.txt to {b}.txt.\n", {f"{a}.txt": content},
         f'[ ! -e {a}.txt ] && [ "$(cat {b}.txt)" = {word} ]',
         f"mv {a}.txt {b}.txt\n",
-        [[{"name": "run", "arguments": {"command": f"mv {a}.txt {b}.txt"}}], _submit()], values=(f"{a}.txt", f"{b}.txt"))
+        [[{"name": "run", "arguments": {"command": f"mv {a}.txt {b}.txt"}}], _submit()],
+        values=(f"{a}.txt", f"{b}.txt"))
 
 
 def _move_file(rng: random.Random) -> TaskSpec:
@@ -261,7 +271,8 @@ def _command_output(rng: random.Random) -> TaskSpec:
 
 
 MAKERS: dict[str, Callable[[random.Random], TaskSpec]] = {
-    "create_empty": _create_empty, "write_word": _write_word, "create_file": _create_file, "rename_file": _rename_file, "move_file": _move_file,
+    "create_empty": _create_empty, "write_word": _write_word, "create_file": _create_file,
+    "rename_file": _rename_file, "move_file": _move_file,
     "replace_word": _replace_word, "fix_test": _fix_test, "command_output": _command_output,
 }
 
@@ -323,7 +334,8 @@ def write_task(spec: TaskSpec, root: Path) -> Path:
     (d / "tests").mkdir(exist_ok=True)
     (d / "solution").mkdir(exist_ok=True)
     (d / "instruction.md").write_text(spec.instruction)
-    (d / "task.toml").write_text(TASK_TOML.format(kind=spec.kind, tier=spec.tier, turns=json.dumps(json.dumps(spec.turns))))
+    (d / "task.toml").write_text(TASK_TOML.format(kind=spec.kind, tier=spec.tier,
+                                                  turns=json.dumps(json.dumps(spec.turns))))
     copies = "".join(f"COPY {shlex.quote(p)} /app/{shlex.quote(p)}\n" for p in sorted(spec.files))
     (d / "environment" / "Dockerfile").write_text(f"FROM python:3.11-slim-bookworm\n\nWORKDIR /app\n{copies}")
     for rel, content in spec.files.items():

@@ -87,7 +87,8 @@ def tool_schemas(names: tuple[str, ...] | None = None, *, brief: dict[str, str] 
         out.append({"type": "function", "function": {
             "name": name, "description": desc,
             "parameters": {"type": "object",
-                           "properties": {a: {"type": json_types[t], "description": d} for a, (t, _, d) in params.items()},
+                           "properties": {a: {"type": json_types[t], "description": d}
+                                          for a, (t, _, d) in params.items()},
                            "required": [a for a, (_, req, _) in params.items() if req]}}})
     return out
 
