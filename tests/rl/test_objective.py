@@ -280,7 +280,8 @@ def test_shipped_stages_after_the_long_context_stage_keep_its_rope(family, rope,
 
 def test_shipped_tiny_stages_share_one_rope():
     """The tiny chain: long-context at 256 (YaRN factor 2 over 128); SFT extends to 1024 for the agent episodes
-    (factor 8); both RL runs start from SFT and run with its rope whatever their own sequence length."""
+    (factor 8); its RL run starts from SFT and runs with its rope whatever its own sequence length. The agentic
+    chain's RL starts from that chain's SFT, at its context and plain rope."""
     from megatron_composer.data.tokenizer import load_tokenizer  # noqa: F401  (the tiny tokenizer may be absent)
     from megatron_composer.model.args import RopeScaling, stage_rope_scaling
     from pretrain.trainer import PretrainConfig
@@ -293,11 +294,16 @@ def test_shipped_tiny_stages_share_one_rope():
     sft = load_config(PretrainConfig, ROOT / "examples/tiny/sft.yaml")
     assert rope(lc) == (2.0, 128) and rope(sft) == (8.0, 128)
     sft_rope = RopeScaling(factor=8.0, original_max_position_embeddings=128)
-    for name in ("rl.yaml", "rl_agent.yaml"):
-        rl = load_config(RLConfig, ROOT / "examples/tiny" / name)
-        assert rl.checkpoint.init_from == sft.run.dir
-        configured = RopeScaling(factor=rope(rl)[0], original_max_position_embeddings=128)
-        assert stage_rope_scaling(configured, rl.data.seq_length, sft_rope) == sft_rope, name
+    rl = load_config(RLConfig, ROOT / "examples/tiny/rl.yaml")
+    assert rl.checkpoint.init_from == sft.run.dir
+    configured = RopeScaling(factor=rope(rl)[0], original_max_position_embeddings=128)
+    assert stage_rope_scaling(configured, rl.data.seq_length, sft_rope) == sft_rope
+    # the agentic chain (make demo-agent): pretraining at 128, its SFT at 512 with plain rope, RL as its SFT
+    agent_sft = load_config(PretrainConfig, ROOT / "examples/tiny/agent/sft.yaml")
+    agent_rl = load_config(RLConfig, ROOT / "examples/tiny/rl_agent.yaml")
+    assert agent_rl.checkpoint.init_from == agent_sft.run.dir
+    assert agent_rl.model.yarn_original_length == agent_sft.model.yarn_original_length == 0
+    assert agent_rl.data.seq_length == agent_sft.data.seq_length == agent_rl.rollout.max_seq_len
 
 
 def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
