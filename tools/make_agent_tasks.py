@@ -2,9 +2,10 @@
 
     python tools/make_agent_tasks.py --output data/tiny/agent_tasks --splits sft=480 train=320 heldout=24 --seed 0
 
-Kinds: create a file with given content, rename / move a file, replace a word in a file, make a failing
-one-line unittest pass, run a command and write its output (rl/envs/task_family.py). One seeded stream is cut
-into the splits, so no instance is in two of them. Check one: `python -m rl.envs.check_task DIR/train/<task>
+Kinds in four tiers (rl/envs/task_family.py TIERS): 1 create an empty file; 2 write a word to a file; 3 make a
+failing one-line unittest pass; 4 create a file with given content, rename / move a file, replace a word in a
+file, run a command and write its output. Each kind's instances are shared among the splits in proportion to
+their sizes, so no instance is in two of them. Check one: `python -m rl.envs.check_task DIR/train/<task>
 [--oracle]` (untouched 0, solution 1).
 """
 
