@@ -19,6 +19,7 @@ $(VENV)/.installed: setup.py
 install: $(VENV)/.installed
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not e2e" tests
 
 test-e2e: install

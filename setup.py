@@ -24,6 +24,7 @@ setup(
     extras_require={
         "dev": [
             "pytest",
+            "ruff==0.17.6",  # `make test` runs `ruff check .` (ruff.toml); pinned so its rules do not move under CI
             "pytest-timeout",
             "transformers>=5,<6",
             "compressed-tensors>=0.15",  # the peer that writes and reads Kimi K2.5's INT4 experts in tests

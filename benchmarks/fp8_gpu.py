@@ -30,10 +30,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_composer.fp8 import FP8Config, FP8Ops, fp8_linear, formats  # noqa: E402
+from megatron_composer.fp8 import FP8Config, FP8Ops, formats, fp8_linear  # noqa: E402
 from megatron_composer.fp8.backends import (  # noqa: E402
-    EmulatedBackend, OperandSpec, reference_dequantize, reference_quantize, select_backend, unavailable_reason)
-from megatron_composer.fp8.kernels import gemm, quantize as kq  # noqa: E402
+    OperandSpec,
+    reference_dequantize,
+    reference_quantize,
+    select_backend,
+    unavailable_reason,
+)
+from megatron_composer.fp8.kernels import gemm  # noqa: E402
+from megatron_composer.fp8.kernels import quantize as kq
 
 GEMM_TOL = 2e-3
 LINEAR_TOL = 2e-2  # bf16 outputs of two FP8 GEMM implementations

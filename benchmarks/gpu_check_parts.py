@@ -290,7 +290,8 @@ def part_fp8_kernels(p: Part) -> None:
 
 def hf_copy(model: Transformer, dtype: torch.dtype, device: torch.device):
     """transformers' model with our weights, through the Hugging Face checkpoint export (MTP layers dropped)."""
-    from transformers import AutoModelForCausalLM, logging as hf_logging
+    from transformers import AutoModelForCausalLM
+    from transformers import logging as hf_logging
 
     from megatron_composer.checkpoint.hf import save_hf_checkpoint
 

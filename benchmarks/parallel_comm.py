@@ -128,8 +128,14 @@ def worker(layouts: list[dict], out: str) -> None:
 
     from megatron_composer.model import Transformer, get_preset
     from megatron_composer.parallel import collectives as C
-    from megatron_composer.parallel.cost import (OPS, StepPlan, comm_per_step, fsdp_comm_per_microbatch, memory_per_rank,
-                                                 model_params)
+    from megatron_composer.parallel.cost import (
+        OPS,
+        StepPlan,
+        comm_per_step,
+        fsdp_comm_per_microbatch,
+        memory_per_rank,
+        model_params,
+    )
     from megatron_composer.parallel.data_parallel import DistributedAdamW
     from megatron_composer.parallel.dims import ParallelDims
     from megatron_composer.parallel.expert_parallel import AllToAllDispatcher

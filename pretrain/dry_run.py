@@ -27,9 +27,18 @@ import time
 
 import torch
 
-from megatron_composer.training.dry_run import (KINDS, DryRunResult, HostReads, by_kind, check_sim_layers,
-                                                extrapolate, fake_rank, fsdp_unit_numels, measure_peak,
-                                                require_fsdp)
+from megatron_composer.training.dry_run import (
+    KINDS,
+    DryRunResult,
+    HostReads,
+    by_kind,
+    check_sim_layers,
+    extrapolate,
+    fake_rank,
+    fsdp_unit_numels,
+    measure_peak,
+    require_fsdp,
+)
 
 
 def _batch(mc, layout, seq_len: int, micro_batch: int, device) -> dict[str, torch.Tensor]:

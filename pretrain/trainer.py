@@ -25,9 +25,25 @@ from megatron_composer.data.tokenizer import load_tokenizer
 from megatron_composer.model import ModelOutput
 from megatron_composer.parallel.data_parallel import DistributedAdamW
 from megatron_composer.parallel.slices import reshard
-from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
-                                               ParallelConfig, QATConfig, RunConfig, checkpoint_meta, model_config)
-from megatron_composer.training.core import TrainingCore, initial_weights, local_device, resume_point, starting_checkpoint
+from megatron_composer.training.config import (
+    CheckpointConfig,
+    FP8Config,
+    LoggingConfig,
+    ModelSection,
+    OptimizerConfig,
+    ParallelConfig,
+    QATConfig,
+    RunConfig,
+    checkpoint_meta,
+    model_config,
+)
+from megatron_composer.training.core import (
+    TrainingCore,
+    initial_weights,
+    local_device,
+    resume_point,
+    starting_checkpoint,
+)
 from megatron_composer.training.flops import peak_flops, training_flops_per_token
 from megatron_composer.training.layout import Layout
 from megatron_composer.training.metrics import MetricsLogger, memory_gb

@@ -13,8 +13,16 @@ from typing import Literal
 
 from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelDims
-from megatron_composer.training.config import (CheckpointConfig, FP8Config, LoggingConfig, ModelSection, OptimizerConfig,
-                                               ParallelConfig, QATConfig, RunConfig)
+from megatron_composer.training.config import (
+    CheckpointConfig,
+    FP8Config,
+    LoggingConfig,
+    ModelSection,
+    OptimizerConfig,
+    ParallelConfig,
+    QATConfig,
+    RunConfig,
+)
 from rl.algorithm import RLObjectiveConfig
 from rl.rollout.worker import RolloutConfig
 from rl.weight_sync import ObjectStore, WeightSyncConfig

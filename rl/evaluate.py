@@ -71,8 +71,8 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
              overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0, sample_tasks: int = 0) -> dict:
     from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.rollout.tasks import load_rl_tasks
     from rl.model import build_model
+    from rl.rollout.tasks import load_rl_tasks
 
     ckpt = resolve_checkpoint(checkpoint)
     cfg = _run_config(ckpt, list(overrides))

@@ -251,7 +251,7 @@ class PolicyLearner:
     def backward(self, samples: list[TrainingSample], num_episodes: int) -> dict[str, float]:
         """Forward and backward of this rank's share of the step's samples (gradients accumulate on the
         parameters, not yet reduced over replicas). Returns step-level metrics (reduced over ranks)."""
-        cfg, layout, rl = self.cfg, self.layout, self.cfg.rl
+        layout, rl = self.layout, self.cfg.rl
         self.model.train()
         num_tokens = sum(s.loss_tokens for s in samples)
         micro = self._micro_batches(samples)

@@ -10,8 +10,8 @@ import dataclasses
 
 import torch
 
-from megatron_composer.training.config import checkpoint_meta, model_config
 from megatron_composer.checkpoint.dcp import CheckpointError
+from megatron_composer.training.config import checkpoint_meta, model_config
 from megatron_composer.training.core import local_device, starting_checkpoint
 from rl.config import RLConfig
 

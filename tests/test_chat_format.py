@@ -10,8 +10,7 @@ import shutil
 
 import pytest
 
-from megatron_composer.data.chat_format import (ChatMLFormat, TemplateChatFormat, load_chat_format,
-                                                read_chat_template)
+from megatron_composer.data.chat_format import ChatMLFormat, TemplateChatFormat, load_chat_format, read_chat_template
 from megatron_composer.data.chat_template import ChatFormatError, structured_tool_calls
 from megatron_composer.data.tokenizer import load_tokenizer
 from tests.chat_assets import FAMILIES, hf_tokenizer, write_family_tokenizer

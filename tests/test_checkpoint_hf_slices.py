@@ -11,8 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_composer.checkpoint import hf as hf_mod
-from megatron_composer.checkpoint.hf import (CheckpointError, HFReader, hub_entries, load_hf_checkpoint,
-                                             load_hf_shards, quantize_fp8_blockwise, save_hf_checkpoint)
+from megatron_composer.checkpoint.hf import (
+    CheckpointError,
+    HFReader,
+    hub_entries,
+    load_hf_checkpoint,
+    load_hf_shards,
+    quantize_fp8_blockwise,
+    save_hf_checkpoint,
+)
 from megatron_composer.model import Transformer, get_preset
 
 

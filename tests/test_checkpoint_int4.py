@@ -17,8 +17,7 @@ ct = pytest.importorskip("compressed_tensors")
 from int4_assets import deepseek_model, scheme, transformers_float32, write_int4_checkpoint  # noqa: E402
 
 from megatron_composer.checkpoint import int4  # noqa: E402
-from megatron_composer.checkpoint.hf import (CheckpointError, HFReader, load_hf_checkpoint,  # noqa: E402
-                                             save_hf_checkpoint)
+from megatron_composer.checkpoint.hf import CheckpointError, HFReader, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5

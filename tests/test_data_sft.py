@@ -1,13 +1,10 @@
 """SFT packing: only assistant tokens carry loss, documents restart positions, in multi-conversation rows."""
 
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
-import torch
 
-from megatron_composer.data.chat_template import IM_END, IM_START, render_text
+from megatron_composer.data.chat_template import IM_END, render_text
 from megatron_composer.data.pretrain_data import DataConfig, DataError
 from megatron_composer.data.sft import PackedSFTDataset, build_sft_datasets, tokenize_conversation
 

@@ -11,8 +11,16 @@ import pytest
 
 from megatron_composer.config import ConfigError
 from megatron_composer.model import Transformer, get_preset
-from megatron_composer.parallel.cost import (StepPlan, activation_bytes, backward_peak, comm_per_step,
-                                             fsdp_comm_per_microbatch, fsdp_units, fsdp_working_set, memory_per_rank)
+from megatron_composer.parallel.cost import (
+    StepPlan,
+    activation_bytes,
+    backward_peak,
+    comm_per_step,
+    fsdp_comm_per_microbatch,
+    fsdp_units,
+    fsdp_working_set,
+    memory_per_rank,
+)
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]

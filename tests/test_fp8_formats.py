@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from megatron_composer.fp8.formats import (
-    dequantize_blockwise, dequantize_mx, quantize_blockwise, quantize_mx, special_value_blocks)
+    dequantize_blockwise,
+    dequantize_mx,
+    quantize_blockwise,
+    quantize_mx,
+    special_value_blocks,
+)
 
 torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402

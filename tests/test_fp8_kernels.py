@@ -9,7 +9,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_composer.fp8 import formats  # noqa: E402
-from megatron_composer.fp8.kernels import gemm, quantize as kq  # noqa: E402
+from megatron_composer.fp8.kernels import gemm  # noqa: E402
+from megatron_composer.fp8.kernels import quantize as kq
 
 # NaN/inf edge cases make numpy (the interpreter's engine) warn about invalid operations, as intended
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -5,12 +5,16 @@ decoding (greedy identity and a chi-square test of the sampled distribution), li
 import pytest
 import torch
 
-from megatron_composer.model import Transformer, get_preset
 from megatron_composer.inference import (
-    CacheError, Engine, EngineError, SamplingError, SamplingParams, batch_invariant,
+    CacheError,
+    Engine,
+    EngineError,
+    SamplingError,
+    SamplingParams,
+    batch_invariant,
 )
 from megatron_composer.inference.sampling import sampling_probs
-
+from megatron_composer.model import Transformer, get_preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

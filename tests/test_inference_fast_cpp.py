@@ -10,7 +10,6 @@ from megatron_composer.inference import Engine
 from megatron_composer.kernels.cpu import cpp
 from megatron_composer.model import Transformer, get_preset
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

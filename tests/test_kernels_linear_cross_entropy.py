@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_composer.kernels.cpu import cpp
 from megatron_composer.kernels import linear_cross_entropy as lce
+from megatron_composer.kernels.cpu import cpp
 from megatron_composer.kernels.linear_cross_entropy import linear_cross_entropy_sum, reference_linear_cross_entropy_sum
 from megatron_composer.model import Transformer, get_preset
 from pretrain.losses import MTPLossConfig, fused_head_applies, pretrain_loss, token_counts

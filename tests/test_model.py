@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megatron_composer.model import ModelConfigError, Transformer, count_parameters, get_preset
 from megatron_composer.kernels.grouped_mm import reference_mm_rows
+from megatron_composer.model import ModelConfigError, Transformer, count_parameters, get_preset
 from megatron_composer.model.moe import Router, grouped_mm, local_dispatch
 
 

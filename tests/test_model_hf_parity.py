@@ -10,7 +10,10 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from megatron_composer.checkpoint.hf import (  # noqa: E402
-    CheckpointError, load_hf_checkpoint, quantize_fp8_blockwise, save_hf_checkpoint,
+    CheckpointError,
+    load_hf_checkpoint,
+    quantize_fp8_blockwise,
+    save_hf_checkpoint,
 )
 
 TOL = 1e-4

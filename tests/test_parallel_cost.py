@@ -80,8 +80,14 @@ def test_rollout_plan_counts_weights_and_cache_of_an_engine():
     import math
 
     from megatron_composer.model import get_preset
-    from megatron_composer.parallel.cost import (RolloutEngine, model_params, rollout_kv_bytes_per_token,
-                                                 rollout_plan, rollout_weight_bytes, smallest_rollout_engine)
+    from megatron_composer.parallel.cost import (
+        RolloutEngine,
+        model_params,
+        rollout_kv_bytes_per_token,
+        rollout_plan,
+        rollout_weight_bytes,
+        smallest_rollout_engine,
+    )
 
     for preset in ("tiny-deepseek-v3", "tiny-qwen3-moe"):
         cfg = get_preset(preset)

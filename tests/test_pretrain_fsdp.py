@@ -27,7 +27,7 @@ def _close(a, b, tol):
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.timeout(3600)  # seven 1- to 4-rank runs
-def test_fsdp_expert_parallel_pretraining_matches_one_process_resumes_exactly_and_changes_layout(setup):
+def test_fsdp_expert_parallel_pretraining_matches_one_process_resumes_exactly_and_changes_layout(setup):  # noqa: F811
     cfg = setup / "cfg.yaml"
     ref_dir, fsdp_dir, killed_dir = setup / "fsdp_ref", setup / "fsdp_ep2", setup / "fsdp_killed"
     r = _run(cfg, f"run.dir={ref_dir}", *COMMON)

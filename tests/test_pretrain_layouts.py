@@ -15,7 +15,7 @@ from test_pretrain_resume import _losses, _run, setup  # noqa: E402,F401  (modul
     (2, ["parallel.cp=2"]),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 ])
-def test_layout_gives_the_single_process_loss_sequence(setup, nproc, layout):
+def test_layout_gives_the_single_process_loss_sequence(setup, nproc, layout):  # noqa: F811 (the fixture)
     cfg = setup / "cfg.yaml"
     ref_dir = setup / "layout_ref"
     if not (ref_dir / "metrics.jsonl").exists():

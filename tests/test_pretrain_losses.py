@@ -1,8 +1,9 @@
 """LM + MTP self-distillation losses and their normalisation."""
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
-from types import SimpleNamespace
 
 from pretrain.losses import MTPLossConfig, mtp_self_distillation_sums, mtp_valid_mask, pretrain_loss, token_counts
 

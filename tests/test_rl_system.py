@@ -325,12 +325,12 @@ def test_pass_at_k():
 def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tmp_path):
     """A bundled Harbor task through the rollout worker: sandbox, tool observations as context tokens, verifier."""
     from megatron_composer.data.tokenizer import load_tokenizer
+    from rl.config import RLConfig
+    from rl.model import build_model
     from rl.orchestrator import WorkItem
     from rl.rollout.tasks import load_rl_tasks
     from rl.rollout.worker import RolloutConfig, RolloutWorker
     from rl.sandbox import LocalBackend, SandboxError
-    from rl.config import RLConfig
-    from rl.model import build_model
 
     try:
         backend = LocalBackend()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_composer.data.chat_template import format_tool_call
 from rl.envs.agent import ScriptedPolicy, run_episode
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
@@ -28,7 +29,6 @@ from rl.envs.task import TaskError, prepare_task
 from rl.sandbox import SandboxLimits
 from rl.sandbox.limits import cgroup_problem, find_cgroup_parents, tmpfs_problem
 from rl.sandbox.local import LocalBackend, bwrap_problem
-from megatron_composer.data.chat_template import format_tool_call
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")

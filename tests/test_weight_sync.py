@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from rl.weight_sync import (
-    ObjectStore, ObjectStoreError, WeightPublisher, WeightSubscriber, WeightSyncChecksumError, WeightSyncConfig,
+    ObjectStore,
+    ObjectStoreError,
+    WeightPublisher,
+    WeightSubscriber,
+    WeightSyncChecksumError,
+    WeightSyncConfig,
     WeightSyncError,
 )
 from rl.weight_sync import manifest as mf

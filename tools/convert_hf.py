@@ -26,8 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_composer.checkpoint.hf import (CheckpointError, convert_hf_checkpoint, load_hf_checkpoint,  # noqa: E402
-                                             save_hf_checkpoint)
+from megatron_composer.checkpoint.hf import (  # noqa: E402
+    CheckpointError,
+    convert_hf_checkpoint,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import ModelConfigError, Transformer, get_preset  # noqa: E402
 

@@ -42,9 +42,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_composer.config import ConfigError  # noqa: E402
 from megatron_composer.model import get_preset  # noqa: E402
-from megatron_composer.parallel.cost import (OPS, ROLLOUT_WEIGHT_FORMATS, StepPlan, RolloutEngine,  # noqa: E402
-                                             activation_bytes, backward_peak, comm_per_step, memory_per_rank,
-                                             model_params, rollout_plan, smallest_rollout_engine)
+from megatron_composer.parallel.cost import (  # noqa: E402
+    OPS,
+    ROLLOUT_WEIGHT_FORMATS,
+    RolloutEngine,
+    StepPlan,
+    activation_bytes,
+    backward_peak,
+    comm_per_step,
+    memory_per_rank,
+    model_params,
+    rollout_plan,
+    smallest_rollout_engine,
+)
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import validate_layout  # noqa: E402
 

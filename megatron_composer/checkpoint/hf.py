@@ -32,7 +32,6 @@ from ..model.moe import Router
 from . import int4
 from .errors import CheckpointError
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -20,8 +20,14 @@ from typing import Optional
 
 import torch
 
-from megatron_composer.kernels.paged_attention import (absorbed_attention, absorbed_kernel, causal_bias, expand_bias, grouped_attention,
-                                                       latent_attention)
+from megatron_composer.kernels.paged_attention import (
+    absorbed_attention,
+    absorbed_kernel,
+    causal_bias,
+    expand_bias,
+    grouped_attention,
+    latent_attention,
+)
 
 from .batch_invariant import attend_row
 from .kv_cache import PagedKVCache

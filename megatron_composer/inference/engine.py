@@ -77,7 +77,6 @@ from .context import InferenceContext
 from .kv_cache import CacheError, PagedKVCache
 from .sampling import SamplingParams, accept_drafts, draw_rows, sample_rows, sampling_probs, sampling_probs_rows
 
-
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 

@@ -33,14 +33,14 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+import torch.distributed as dist
+
 from megatron_composer.data.chat_format import ChatFormat, load_chat_format, new_call_id
 from megatron_composer.data.chat_template import ChatFormatError
 
-import torch.distributed as dist
-
 from .engine import Engine, EngineError, GenerationResult
-from .lockstep import Lockstep, follow
 from .kv_cache import CacheError
+from .lockstep import Lockstep, follow
 from .sampling import SamplingError, SamplingParams
 
 

@@ -25,9 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .cpu.grouped_mm import (CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, few_rows_kernel,
-                              matmul_kernel)
-
+from .cpu.grouped_mm import CombineRows, GatherRows, GroupedSwiGLU, autograd_kernel, few_rows_kernel, matmul_kernel
 
 _GROUPED_MM_REJECTED: set = set()  # operand signatures torch._grouped_mm refused once: not tried again
 

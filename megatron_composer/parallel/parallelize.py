@@ -26,12 +26,21 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_composer.parallel import collectives as C
-from megatron_composer.parallel.context_parallel import (ContextParallelAttention, ContextParallelShiftedIds,
-                                                         shard_sequence)
+from megatron_composer.parallel.context_parallel import (
+    ContextParallelAttention,
+    ContextParallelShiftedIds,
+    shard_sequence,
+)
 from megatron_composer.parallel.dims import ParallelGroups
 from megatron_composer.parallel.expert_parallel import AllToAllDispatcher
-from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,
-                                               VocabParallelEmbedding, set_spec, spec_of)
+from megatron_composer.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    set_spec,
+    spec_of,
+)
 
 
 def validate_layout(groups_or_dims, cfg, seq_len: Optional[int] = None, batch_size: Optional[int] = None,

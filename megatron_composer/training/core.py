@@ -20,8 +20,14 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_composer.checkpoint.dcp import (CheckpointError, check_meta, find_latest, load_checkpoint,
-                                              resolve_checkpoint, save_checkpoint)
+from megatron_composer.checkpoint.dcp import (
+    CheckpointError,
+    check_meta,
+    find_latest,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from megatron_composer.config import ConfigError
 from megatron_composer.fp8 import FP8Config, apply_fp8
 from megatron_composer.host_memory import tune_host_allocator

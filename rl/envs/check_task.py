@@ -22,7 +22,6 @@ from rl.envs.swebench import load_swebench
 from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
 from rl.sandbox import SandboxError, SandboxLimits
 
-
 # Terminal control the task's programs may print: escape sequences (CSI, OSC and the other ESC forms, including
 # their 8-bit introducers) and every other control character but newline and tab.
 _CONTROL = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"        # CSI ... final byte

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-
 KINDS = ("create_empty", "write_word", "create_file", "rename_file", "move_file", "replace_word", "fix_test",
          "command_output")
 

@@ -19,8 +19,16 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl.sandbox.base import (BASE_ENV, VERIFIER_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, note_limits,
-                             run_process)
+from rl.sandbox.base import (
+    BASE_ENV,
+    VERIFIER_ENV,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    note_limits,
+    run_process,
+)
 from rl.sandbox.local import LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")

@@ -12,7 +12,15 @@ from typing import Callable
 import torch
 
 from . import manifest as mf
-from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, has_frame_checksum, int_view_dtype, to_bits
+from .codec import (
+    WeightSyncError,
+    decode_chunk,
+    dtype_from_name,
+    from_bits,
+    has_frame_checksum,
+    int_view_dtype,
+    to_bits,
+)
 from .store import ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from rl.algorithm import (
 )
 from rl.algorithm.rewards import shaped_reward_from_config
 
-
 # ---- length penalty ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("x,k,q,expected", [

@@ -18,6 +18,7 @@ from tests.chat_assets import KIMI_ARGS as ARGS
 from tests.chat_assets import KIMI_REASONING as REASONING
 from tests.chat_assets import kimi_scripted_model, kimi_tokenizer
 
+
 @pytest.fixture
 def hello_task(tmp_path):
     from rl.envs.task import DirectoryTree, ScriptVerifier, Task, TaskLimits

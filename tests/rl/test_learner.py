@@ -12,8 +12,8 @@ from megatron_composer.config import load_config
 def _learner(rl_assets, tmp_path, **over):
     from megatron_composer.data.tokenizer import load_tokenizer
     from megatron_composer.training.layout import Layout
-    from rl.learner import PolicyLearner
     from rl.config import RLConfig
+    from rl.learner import PolicyLearner
 
     base = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "data.tokenizer": rl_assets / "tok", "rollout.max_seq_len": 128, "train.seed": 3, "run.dir": tmp_path,

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _learner(rl_assets, tmp_path, **over):
     from megatron_composer.data.tokenizer import load_tokenizer
     from megatron_composer.training.layout import Layout
-    from rl.learner import PolicyLearner
     from rl.config import RLConfig
+    from rl.learner import PolicyLearner
 
     base = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "data.tokenizer": rl_assets / "tok", "rollout.max_seq_len": 128, "train.seed": 3, "run.dir": tmp_path,
@@ -267,8 +267,8 @@ def test_shipped_stages_after_the_long_context_stage_keep_its_rope(family, rope,
     """Kimi K2.5: SFT (128k) and RL run at the 256k stage's factor 64, not 131072 / 4096 = 32."""
     from megatron_composer.training.config import model_config
     from pretrain.trainer import PretrainConfig
-    from rl.model import rl_model_config
     from rl.config import RLConfig
+    from rl.model import rl_model_config
 
     path = ROOT / "examples" / family / name
     if name == "rl.yaml":
@@ -310,13 +310,13 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
     """A long-context stage (YaRN factor 2 over 32 positions) writes a checkpoint; an SFT-like stage at a
     shorter context and an RL run starting from it keep factor 2 instead of recomputing a smaller factor; a
     stage that forces another rope on those weights is refused naming both."""
-    from megatron_composer.checkpoint.dcp import CheckpointError
-    from pretrain.trainer import PretrainConfig, run_stage
-    from rl.model import rl_model_config
-    from rl.config import RLConfig
-    from megatron_composer.data.tokenizer import load_tokenizer
-
     import sys
+
+    from megatron_composer.checkpoint.dcp import CheckpointError
+    from megatron_composer.data.tokenizer import load_tokenizer
+    from pretrain.trainer import PretrainConfig, run_stage
+    from rl.config import RLConfig
+    from rl.model import rl_model_config
 
     sys.path.insert(0, str(ROOT / "tools"))
     import preprocess_data
@@ -348,16 +348,17 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
     stage("sft", 32, str(tmp_path / "long"))  # 32 / 32 would be factor 1
     assert rope("sft") == (2.0, 32)
     stage("sft", 32, "")  # resumes run.dir: its own rope again (no step to take)
-    rl = load_config(RLConfig, None, [f"model.preset=tiny-deepseek-v3", "model.yarn_original_length=32",
+    rl = load_config(RLConfig, None, ["model.preset=tiny-deepseek-v3", "model.yarn_original_length=32",
                                       "model.overrides={num_layers: 2, num_mtp_layers: 0}", f"data.tokenizer={rl_assets / 'tok'}",
                                       "data.seq_length=32", f"run.dir={tmp_path / 'rl'}",
                                       f"checkpoint.init_from={tmp_path / 'sft'}"])
     mc = rl_model_config(rl, load_tokenizer(rl.data.tokenizer))
     assert (mc.rope_scaling.factor, mc.rope_scaling.original_max_position_embeddings) == (2.0, 32)
     # the weights' rope is checked on load: another rope forced on them is an error naming both
+    import dataclasses
+
     from megatron_composer.checkpoint.dcp import check_meta
     from megatron_composer.training.config import architecture
-    import dataclasses
 
     forced = dataclasses.replace(mc, rope_scaling=dataclasses.replace(mc.rope_scaling, factor=1.0))
     with pytest.raises(CheckpointError, match="YaRN factor 2.0 over 32 .* YaRN factor 1.0 over 32"):

@@ -53,8 +53,8 @@ def _tool_calling_model(cfg, tok):
 @pytest.fixture(scope="module")
 def setup(rl_assets, tmp_path_factory):
     from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.sandbox import LocalBackend, SandboxError
     from rl.config import RLConfig
+    from rl.sandbox import LocalBackend, SandboxError
 
     try:
         LocalBackend()

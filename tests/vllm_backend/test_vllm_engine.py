@@ -102,10 +102,10 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
     its own thread, and applies a version when the engine says so; no weights pass through the driver."""
     import time
 
+    import cloudpickle
+
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
-
-    import cloudpickle
 
     cfg, model, engine = tiny
     sync = WeightSyncConfig(dtype="float32", snapshot_interval=3)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from megatron_composer.fp8.kernels.quantize import decode_e4m3, e8m0_to_fp32, round_bf16_bits
 

@@ -14,9 +14,9 @@ Scale kinds (KIND): 0 = MX floor, 1 = MX rceil (E8M0 scales stored as uint8), 2 
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 KIND = {"floor": 0, "rceil": 1, "fp32": 2, "pow2": 3}
 

@@ -22,7 +22,6 @@ import hashlib
 import os
 import shutil
 import sys
-import time
 import warnings
 from pathlib import Path
 from types import ModuleType
