@@ -116,14 +116,15 @@ def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="directory of .py files used as the corpus")
-    ap.add_argument("--run-dir", default="runs/tiny")
+    ap.add_argument("--run-dir", default=None, help="default: runs/tiny (cpt), runs/tiny_agent (agent)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--chain", choices=("cpt", "agent"), default="cpt",
                     help="cpt: pretraining, long context, SFT (make demo); agent: pretraining, tool-use SFT on the tiered "
-                         "agent tasks, then agentic RL (make demo-agent; --run-dir defaults to runs/tiny_agent)")
+                         "agent tasks, then agentic RL (make demo-agent)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides passed to every stage, e.g. train.steps=20")
     args = ap.parse_args(argv)
+    args.run_dir = args.run_dir or ("runs/tiny_agent" if args.chain == "agent" else "runs/tiny")
     t0 = time.time()
     py = sys.executable
     data = Path("data/tiny")  # where examples/tiny/*.yaml read their data
@@ -154,7 +155,7 @@ def agent_chain(args, py: str, data: Path, t0: float) -> int:
     """Code pretraining and tool-use SFT (one torchrun chain), the copy gate on both, the SFT checkpoint's
     pass@1/pass@4 per tier on train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table."""
     agent = Path("data/tiny_agent")  # where examples/tiny/agent/sft.yaml and rl_agent.yaml read their data
-    run_root = Path("runs/tiny_agent" if args.run_dir == "runs/tiny" else args.run_dir)
+    run_root = Path(args.run_dir)
     agent.mkdir(parents=True, exist_ok=True)
     if not (agent / "agent_sft.jsonl").exists():
         n = write_agent_sft(agent / "agent_tasks", agent / "agent_sft.jsonl", data / "tokenizer", args.nproc,

@@ -25,7 +25,6 @@ from rl.sandbox.base import Sandbox
 SYSTEM_PROMPT = """You are a software engineering agent working in an isolated Linux sandbox without network.
 The task's files are in {workdir}, your working directory. When the task is done, call submit.
 Use the tools; you may call several per turn."""
-AGENT_TOOLS = tool_schemas()
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,9 @@ PROFILES = {
         brief={"read_file": "read a file", "write_file": "write a file", "edit_file": "replace text in a file",
                "run": "run a bash command", "submit": "finish the task"}),
 }
+
+
+AGENT_TOOLS = PROFILES["full"].schemas  # what the full profile declares
 
 
 def agent_profile(name: str) -> AgentProfile:
