@@ -11,7 +11,7 @@ import pytest
 from rl.envs.agent import noop_policy, oracle_policy, run_episode
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
-from rl.envs.task import TaskError
+from rl.envs.task import TaskError, prepare_task
 from rl.sandbox.local import LocalBackend, bwrap_problem
 from rl.sandbox.pool import SandboxPool
 
@@ -24,7 +24,7 @@ needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubble
 
 @pytest.fixture(scope="module")
 def pool():
-    with SandboxPool(LocalBackend(), concurrency=2) as p:
+    with SandboxPool(LocalBackend(), prepare_task, concurrency=2) as p:
         yield p
 
 

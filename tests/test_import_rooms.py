@@ -149,3 +149,24 @@ def test_library_code_does_not_import_command_line_programs():
     entries = _entry_modules()
     bad = [f"{name} -> {dep}" for name, deps in _graph().items() for dep in deps if dep in entries]
     assert not bad, bad
+
+
+# Rooms of rl/ that everything else builds on: they import nothing else of rl/ (the sandbox runs commands and
+# knows no task format; weight sync moves tensors and knows no trainer or rollout).
+RL_FOUNDATIONS = ("rl.sandbox", "rl.weight_sync")
+
+
+def _upward_imports() -> list[str]:
+    bad = []
+    for name, deps in _graph().items():
+        room = next((r for r in RL_FOUNDATIONS if name == r or name.startswith(r + ".")), None)
+        if room is None:
+            continue
+        bad += [f"{name} -> {dep}" for dep in deps
+                if dep.startswith("rl.") and not (dep == room or dep.startswith(room + "."))]
+    return bad
+
+
+def test_sandbox_and_weight_sync_import_nothing_above_them():
+    bad = _upward_imports()
+    assert not bad, bad

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rl.envs.harbor import load_harbor_task
-from rl.envs.task import DirectoryTree, RunStep, ScriptVerifier, Task, TaskError
+from rl.envs.task import DirectoryTree, RunStep, ScriptVerifier, Task, TaskError, prepare_task
 from rl.sandbox import LocalBackend, LocalSandbox, SandboxError
 from rl.sandbox.local import bwrap_problem
 from rl.sandbox.pool import SandboxPool
@@ -98,7 +98,7 @@ def test_pool_prepares_once_forks_per_sample_and_runs_concurrently(tree, tmp_pat
         sbx.exec(f"echo sample{i} >> /app/setup_runs")
         return sbx.exec("cat /app/setup_runs").output
 
-    with SandboxPool(LocalBackend(), concurrency=2) as pool:
+    with SandboxPool(LocalBackend(), prepare_task, concurrency=2) as pool:
         outputs = pool.run_group(task, sample, group_size=4)
     assert outputs == [f"ran\nsample{i}\n" for i in range(4)]
 
@@ -112,7 +112,7 @@ def test_failed_setup_names_its_origin(tmp_path):
     (task_dir / "tests" / "test.sh").write_text("exit 0\n")
     (task_dir / "environment" / "Dockerfile").write_text("FROM debian\nWORKDIR /app\nRUN apt-get install -y foo\n")
     task = load_harbor_task(task_dir)
-    with SandboxPool(LocalBackend(), concurrency=1) as pool:
+    with SandboxPool(LocalBackend(), prepare_task, concurrency=1) as pool:
         with pytest.raises(TaskError, match=r"Dockerfile:3: setup command failed"):
             pool.prepare(task)
 

@@ -5,7 +5,7 @@ protocol and episodes.
     from rl.sandbox import LocalBackend, SandboxPool
 
     task = load_harbor_task("examples/tasks/python-lru-cache-bug")
-    with SandboxPool(LocalBackend(), concurrency=4) as pool:
+    with SandboxPool(LocalBackend(), prepare_task, concurrency=4) as pool:
         results = pool.run_group(task, lambda sandbox, i: run_episode(task, sandbox, policy), group_size=8)
     rewards = [r.reward for r in results]
 """

@@ -350,9 +350,10 @@ class RolloutWorker:
 
     def _get_pool(self):
         if self._pool is None:
+            from rl.envs.task import prepare_task
             from rl.sandbox import SandboxPool
 
-            self._pool = SandboxPool(self._get_backend(), concurrency=self.cfg.sandbox_concurrency)
+            self._pool = SandboxPool(self._get_backend(), prepare_task, concurrency=self.cfg.sandbox_concurrency)
         return self._pool
 
     def run_agent_episode(self, task: RLTask, sandbox, seed: int) -> dict:

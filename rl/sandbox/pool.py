@@ -3,6 +3,9 @@
 Preparing (materialising the tree, running setup such as Dockerfile RUN lines) happens once per task; every
 sample of a group then starts from a fork of that snapshot (a reflink copy locally where the filesystem can,
 a committed image for container engines), so setup cost is paid once per group, not once per sample.
+
+The pool knows nothing of task formats: ``prepare(task, backend)`` builds a task's snapshot (for the agentic
+environments, ``rl.envs.task.prepare_task``), so the sandbox room imports nothing above it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,20 @@ T = TypeVar("T")
 
 
 class SandboxPool:
-    def __init__(self, backend, concurrency: int = 4):
+    """Args:
+        backend: creates and forks sandboxes (LocalBackend, a container backend).
+        prepare: ``prepare(task, backend) -> snapshot``, run once per task; the snapshot has ``discard()``
+            and the backend forks it.
+        concurrency: sandboxes alive at once.
+    """
+
+    def __init__(self, backend, prepare: Callable[[Any, Any], Any], concurrency: int = 4):
         if concurrency < 1:
             raise SandboxError(f"SandboxPool concurrency must be at least 1, got {concurrency}")
+        if not callable(prepare):
+            raise SandboxError(f"SandboxPool prepare must be a callable (task, backend) -> snapshot, got {prepare!r}")
         self.backend = backend
+        self._prepare = prepare
         self.concurrency = concurrency
         self._executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="sandbox")
         self._snapshots: dict[int, Any] = {}
@@ -30,14 +43,12 @@ class SandboxPool:
 
     def prepare(self, task) -> Any:
         """Snapshot of the prepared task, built on first use and shared by all later forks."""
-        from rl.envs.task import prepare_task
-
         key = id(task)
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
             if key not in self._snapshots:
-                self._snapshots[key] = prepare_task(task, self.backend)
+                self._snapshots[key] = self._prepare(task, self.backend)
                 self._tasks[key] = task
             return self._snapshots[key]
 
