@@ -1,25 +1,19 @@
 """Evaluate a checkpoint on a task set: K samples per task, pass@1 and pass@K, transcripts.
 
-    python -m rl.evaluate --tasks examples/tasks --checkpoint runs/tiny/rl --samples 4 [--output FILE] [key=value ...]
-
-The model, tokenizer and rollout settings come from the checkpoint's run (run.dir/config.yaml, written by
-rl_composer.py or pretrain_composer.py); key=value overrides apply on top (e.g. rollout.temperature=0.7).
-Episodes run exactly as in RL (the same rollout worker: the inference engine, sandboxes, agent protocol).
-pass@k is the unbiased estimator 1 - C(n - c, k) / C(n, k) over n samples with c successes per task
-(success: reward >= --success-reward), averaged over tasks.
+The command line is tools/evaluate.py. The model, tokenizer and rollout settings come from the checkpoint's run
+(run.dir/config.yaml, written by rl_composer.py or pretrain_composer.py); key=value overrides apply on top.
+Episodes run exactly as in RL (the same rollout worker: the inference engine, sandboxes, agent protocol); the
+measures are rl/metrics.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from rl.metrics import pass_at_k, summarize_groups  # noqa: F401 - the CLI's measures, importable from here too
+from rl.metrics import summarize_groups
 
 
 def _run_config(ckpt: Path, overrides: list[str]):
@@ -69,9 +63,15 @@ def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_r
 
 def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
              overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0, sample_tasks: int = 0) -> dict:
-    from megatron_composer.checkpoint.dcp import load_checkpoint, resolve_checkpoint
+    import torch
+
+    from megatron_composer.checkpoint.dcp import resolve_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.model import build_model
+    from megatron_composer.fp8 import FP8Config
+    from megatron_composer.parallel.dims import ParallelConfig
+    from megatron_composer.training.core import InitialWeights, build_model
+    from megatron_composer.training.layout import Layout
+    from rl.model import build_model_meta
     from rl.rollout.tasks import load_rl_tasks
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -82,8 +82,10 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
         import random
 
         tasks = random.Random(seed).sample(tasks, sample_tasks)
-    model, meta = build_model(cfg, tokenizer)
-    load_checkpoint(ckpt, model, None, meta, restore_rng=False)
+    mc, meta = build_model_meta(cfg, tokenizer)
+    # the whole model in one process, in the checkpoint's weights (training's one model builder)
+    model = build_model(mc, Layout(ParallelConfig(), distributed=False), torch.device("cpu"), FP8Config(),
+                        seed=cfg.train.seed, init=InitialWeights(checkpoint=ckpt), meta=meta)
     from megatron_composer.data.chat_format import load_chat_format
 
     summary, rows = evaluate_model(model, tokenizer, cfg.rollout, tasks, samples, success_reward, seed,
@@ -93,43 +95,3 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
         fh.writelines(json.dumps(row, default=str) + "\n" for row in rows)
     summary.update(checkpoint=str(ckpt), transcripts=str(out))
     return summary
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", required=True, help="task directory (tasks.jsonl and/or Harbor task folders)")
-    ap.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or checkpoint directory")
-    ap.add_argument("--samples", type=int, default=4, help="samples per task (K of pass@K)")
-    ap.add_argument("--output", default=None, help="transcripts JSONL (default: CHECKPOINT/eval_<tasks>.jsonl)")
-    ap.add_argument("--success-reward", type=float, default=1.0, help="a sample passes when its reward is at least this")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sample-tasks", type=int, default=0, help="evaluate a seeded random subset of this many tasks")
-    ap.add_argument("--summary", default=None, help="also write the summary (per tier and per task) to this JSON file")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. rollout.temperature=0.7")
-    args = ap.parse_args(argv)
-    if args.samples < 1:
-        ap.error("--samples must be >= 1")
-    from megatron_composer.checkpoint.dcp import CheckpointError
-    from megatron_composer.config import ConfigError
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    try:
-        s = evaluate(args.tasks, args.checkpoint, args.samples, args.output, args.overrides, args.success_reward,
-                     args.seed, args.sample_tasks)
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.summary:
-        Path(args.summary).write_text(json.dumps(s, indent=1, default=str))
-    k = f"pass@{s['samples']}"
-    for t in s["per_task"]:
-        print(f"{t['task']:40s} rewards {t['rewards']} pass@1 {t['pass@1']:.2f} {k} {t[k]:.2f}")
-    for tier, t in s["per_tier"].items():
-        print(f"tier {tier}: {t['tasks']} tasks, pass@1 {t['pass@1']:.3f}  {k} {t[k]:.3f}")
-    print(f"pass@1 {s['pass@1']:.3f}  {k} {s[k]:.3f}  reward_mean {s['reward_mean']:.3f} over {s['tasks']} tasks; "
-          f"transcripts: {s['transcripts']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

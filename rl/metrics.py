@@ -1,5 +1,5 @@
 """What a step's or an evaluation's finished groups measure: reward statistics, pass@k. Used by the trainer
-(every step, every held-out evaluation) and by `python -m rl.evaluate` (the command line)."""
+(every step, every held-out evaluation) and by `tools/evaluate.py` (the command line)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def group_metrics(results: list[dict]) -> dict:
     metas = [ep.get("meta", {}) for ep in episodes]
     q = torch.quantile(rewards.flatten(), torch.tensor([0.1, 0.5, 0.9])).tolist()
     terms = sorted({t for ep in episodes for t in ep.get("reward_terms", {})})
-    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes) for t in terms}
+    shaping = {f"{t}_mean": sum(ep.get("reward_terms", {}).get(t, 0.0) for ep in episodes) / len(episodes)
+               for t in terms}
     return {
         "reward_mean": rewards.mean().item(),
         "verifier_reward_mean": sum(float(ep.get("verifier_reward", ep["reward"])) for ep in episodes) / len(episodes),

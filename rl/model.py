@@ -1,4 +1,6 @@
-"""The RL run's model as the trainer, rollout workers and evaluation build it.
+"""The RL run's model config as the trainer, rollout workers and evaluation read it, and a rollout engine's model.
+Models are built by megatron_composer.training.core.build_model (the trainer, evaluation) and
+inference.loading.engine_model (rollout engines).
 
 The model section is the pretraining one (megatron_composer.training.config.model_config); its context for
 YaRN is data.seq_length, or rollout.max_seq_len when that is 0.
@@ -34,14 +36,6 @@ def build_model_meta(cfg: RLConfig, tokenizer):
     return mc, checkpoint_meta(mc, tokenizer)
 
 
-def build_model(cfg: RLConfig, tokenizer):
-    """The full (unsharded) model of the run, as rollout workers and evaluation hold it, and its meta."""
-    from megatron_composer.model import Transformer
-
-    mc, meta = build_model_meta(cfg, tokenizer)
-    return Transformer(mc), meta
-
-
 def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     """This rank's shard of a rollout engine's model (the whole model without `groups`), built on the meta device,
     laid out and allocated in weight_sync.dtype on this process's device, holding no weights yet: the worker
@@ -58,4 +52,4 @@ def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     return engine_model(mc, None, groups, dtype=dtype, device=local_device(), seed=cfg.train.seed)
 
 
-__all__ = ["build_model", "build_model_meta", "rl_model_config", "rollout_model"]
+__all__ = ["build_model_meta", "rl_model_config", "rollout_model"]

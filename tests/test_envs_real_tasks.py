@@ -221,7 +221,7 @@ def test_a_declared_reward_range_is_honoured():
 def test_broken_reward_json_is_an_error_and_exit_2(tmp_path):
     task_dir = hello_world(tmp_path)
     (task_dir / "tests" / "test.sh").write_text('echo \'{"score": "high"}\' > /logs/verifier/reward.json\n')
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task_dir)], cwd=REPO,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "reward.json values must be numbers; not: score" in res.stderr
 
@@ -232,7 +232,7 @@ def test_verifier_that_cannot_run_is_an_error(tmp_path):
     task_dir = hello_world(tmp_path)
     with open(task_dir / "environment" / "Dockerfile", "a") as f:
         f.write('ENV PATH="/nowhere"\n')
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task_dir)], cwd=REPO,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "the verifier's shell did not report its exit status (it could not start" in res.stderr
 
@@ -268,7 +268,7 @@ def test_missing_pytest_is_named_with_its_fix(tmp_path):
         "cd /app\nif python3 -m pytest /tests/test_outputs.py -rA; then echo 1; else echo 0; fi "
         "> /logs/verifier/reward.txt\n")
     for flag in ([], ["--oracle"]):  # both would score a silent 0
-        res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task_dir), *flag], cwd=REPO,
+        res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir), *flag], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 2, res.stdout
         error = res.stderr.strip().splitlines()[-1]

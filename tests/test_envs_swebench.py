@@ -155,7 +155,7 @@ def test_check_task_reads_a_swebench_jsonl(instance, tmp_path):
     repo_root = Path(__file__).resolve().parents[1]
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(jsonl), "--repos", str(repos), *args],
+        return subprocess.run([sys.executable, "tools/check_task.py", str(jsonl), "--repos", str(repos), *args],
                               cwd=repo_root, capture_output=True, text=True, timeout=300)
 
     for flags, want in ((["--instance", "acme__calc-1"], "0"), (["--instance", "acme__calc-1", "--oracle"], "1")):

@@ -62,7 +62,7 @@ def test_task_untouched_zero_oracle_one_scripted_agent_one(task_dir, pool):
 def test_check_task_cli_prints_reward_last(tmp_path):
     task = REPO / "examples" / "tasks" / "python-roman-numerals"
     for flag, want in (([], "0"), (["--oracle"], "1")):
-        res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task), *flag], cwd=REPO,
+        res = subprocess.run([sys.executable, "tools/check_task.py", str(task), *flag], cwd=REPO,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip().splitlines()[-1] == want
@@ -89,7 +89,7 @@ def test_missing_verifier_is_named(tmp_path):
     (task / "tests" / "test.sh").unlink()
     with pytest.raises(TaskError, match=r"has no verifier: expected tests/test.sh"):
         load_harbor_task(task)
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task)], cwd=REPO, capture_output=True,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task)], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "no verifier" in res.stderr
 

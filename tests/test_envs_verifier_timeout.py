@@ -24,7 +24,7 @@ def test_hanging_verifier_scores_zero_with_the_reason(tmp_path):
     (task / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\nsleep 1000\n")
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task), "--oracle"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task), "--oracle"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert time.monotonic() - t0 < 60
     lines = res.stdout.strip().splitlines()

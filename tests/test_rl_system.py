@@ -136,7 +136,7 @@ def test_held_out_items_wait_for_the_version_and_never_reach_training(tmp_path):
     role.stop()
     t.join(5)
     assert [r["prompt_index"] for r in results] == [0, 1] and {r["min_weight_version"] for r in results} == {3}
-    from rl.evaluate import summarize_groups
+    from rl.metrics import summarize_groups
 
     tasks = [SimpleNamespace(name=f"t{i}", kind="single_turn") for i in range(2)]
     summary = summarize_groups(tasks, results, samples=3)   # the verifier reward decides, not the shaped one
@@ -314,7 +314,7 @@ def test_bad_task_files_are_named(tmp_path):
 
 
 def test_pass_at_k():
-    from rl.evaluate import pass_at_k
+    from rl.metrics import pass_at_k
 
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)

@@ -540,7 +540,7 @@ def test_check_task_echoes_no_terminal_control(tmp_path):
     noise = r"printf '\033]0;pwned\007\033[2J\033]52;c;cm0gLXJmIH4=\007\033]8;;http://x\033\\link\033]8;;\033\\\302\2332J\001done\n'"
     task = make_task(tmp_path, "escapes", noise + "\n",
                      verifier="#!/bin/bash\n" + noise + "\necho 0 > /logs/verifier/reward.txt\n")
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task), "--oracle"], cwd=REPO,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task), "--oracle"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     shown = res.stdout + res.stderr
@@ -567,7 +567,7 @@ def test_a_loose_reward_is_a_verifier_error_with_a_clean_exit(tmp_path, case):
                      verifier=f"#!/bin/bash\ncat > /logs/verifier/{name} <<'MC_EOF'\n{text}\nMC_EOF\n"
                      if len(text) < 1000 else f"#!/bin/bash\npython3 -c 'print(\"[\" * 200000 + \"]\" * 200000, end=\"\")' "
                      f"> /logs/verifier/{name}\n")
-    res = subprocess.run([sys.executable, "-m", "rl.envs.check_task", str(task)], cwd=REPO, capture_output=True,
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task)], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
     assert res.stderr.startswith("error: /logs/verifier/" + name) and res.stdout.strip().splitlines()[-1] == "0"

@@ -81,7 +81,8 @@ def write_sft(stdlib: Path, path: Path, n: int = 200, seed: int = 0) -> int:
             messages = [{"role": "system", "content": "You are a coding agent. Use tools to read files."}]
             messages.append({"role": "user", "content": f"Show me `{name}` from {module}."})
             if rng.random() < 0.5:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": module, "symbol": name}}]})
+                call = {"name": "read_file", "arguments": {"path": module, "symbol": name}}
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 messages.append({"role": "tool", "content": body})
                 messages.append({"role": "assistant", "content": f"`{name}`: {doc}\n{body}"})
             else:
@@ -115,13 +116,14 @@ def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="directory of .py files used as the corpus")
+    ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"],
+                    help="directory of .py files used as the corpus")
     ap.add_argument("--run-dir", default=None, help="default: runs/tiny (cpt), runs/tiny_agent (agent)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--chain", choices=("cpt", "agent"), default="cpt",
-                    help="cpt: pretraining, long context, SFT (make demo); agent: pretraining, tool-use SFT on the tiered "
-                         "agent tasks, then agentic RL (make demo-agent)")
+                    help="cpt: pretraining, long context, SFT (make demo); "
+                         "agent: pretraining, tool-use SFT on the tiered agent tasks, then agentic RL (make demo-agent)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides passed to every stage, e.g. train.steps=20")
     args = ap.parse_args(argv)
     args.run_dir = args.run_dir or ("runs/tiny_agent" if args.chain == "agent" else "runs/tiny")
@@ -130,23 +132,27 @@ def main(argv=None) -> int:
     data = Path("data/tiny")  # where examples/tiny/*.yaml read their data
     stdlib = Path(args.stdlib)
     if not any(stdlib.glob("*.py")):
-        print(f"error: {stdlib} has no .py files; pass --stdlib DIR with a directory of Python sources", file=sys.stderr)
+        print(f"error: {stdlib} has no .py files; pass --stdlib DIR with a directory of Python sources",
+              file=sys.stderr)
         return 1
     if not (data / "tokenizer" / "tokenizer.model").exists():
-        _run([py, "tools/train_tokenizer.py", "--input", str(stdlib), "--output", str(data / "tokenizer"), "--vocab-size", str(args.vocab_size), "--max-lines", "300000"])
+        _run([py, "tools/train_tokenizer.py", "--input", str(stdlib), "--output", str(data / "tokenizer"),
+              "--vocab-size", str(args.vocab_size), "--max-lines", "300000"])
     if not (data / "stdlib.idx").exists():
-        _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"), "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
+        _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"),
+              "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
     if args.chain == "agent":
         return agent_chain(args, py, data, t0)
     if not (data / "sft.jsonl").exists():
         print(f"wrote {write_sft(stdlib, data / 'sft.jsonl')} SFT conversations to {data / 'sft.jsonl'}")
     if not (data / "agent_sft.jsonl").exists():
         n = write_agent_sft(data / "agent_tasks", data / "agent_sft.jsonl", data / "tokenizer", args.nproc)
-        print(f"wrote {n} tool-use SFT conversations (reference solutions replayed in sandboxes) to {data / 'agent_sft.jsonl'}")
+        print(f"wrote {n} tool-use SFT conversations (reference solutions replayed in sandboxes) "
+              f"to {data / 'agent_sft.jsonl'}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # One command runs the chain; each stage continues from the previous one (checkpoint.init_from: previous).
-    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "pretrain_composer.py",
-              "--config", *STAGES, f"run.dir={args.run_dir}", *args.overrides], env)
+    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+              "pretrain_composer.py", "--config", *STAGES, f"run.dir={args.run_dir}", *args.overrides], env)
     _summarise(Path(args.run_dir), STAGES, time.time() - t0)
     return 0
 
@@ -162,10 +168,11 @@ def agent_chain(args, py: str, data: Path, t0: float) -> int:
                             splits=AGENT_CHAIN_SPLITS, profile="compact", summary_trigger=AGENT_CHAIN_SUMMARY_TRIGGER)
         print(f"wrote {n} tool-use SFT conversations (compact agent profile) to {agent / 'agent_sft.jsonl'}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "pretrain_composer.py",
-              "--config", *AGENT_STAGES, f"run.dir={run_root}", *args.overrides], env)
+    _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+              "pretrain_composer.py", "--config", *AGENT_STAGES, f"run.dir={run_root}", *args.overrides], env)
     sft = run_root / "sft"
-    tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft, AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
+    tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft,
+                               AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
              for split in ("train", "heldout")}
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "rl_composer.py",
               "--config", AGENT_RL, f"run.dir={run_root / 'rl'}", f"checkpoint.init_from={sft}"], env)
@@ -173,8 +180,10 @@ def agent_chain(args, py: str, data: Path, t0: float) -> int:
     print("\nSFT checkpoint, 4 samples per task:")
     for split, summary in tiers.items():
         for tier, t in summary["per_tier"].items():
-            print(f"  {split:8s} tier {tier}: {t['tasks']:3d} tasks  pass@1 {t['pass@1']:.3f}  pass@4 {t['pass@4']:.3f}")
-        print(f"  {split:8s} all   : {summary['tasks']:3d} tasks  pass@1 {summary['pass@1']:.3f}  pass@4 {summary['pass@4']:.3f}")
+            print(f"  {split:8s} tier {tier}: {t['tasks']:3d} tasks  "
+                  f"pass@1 {t['pass@1']:.3f}  pass@4 {t['pass@4']:.3f}")
+        print(f"  {split:8s} all   : {summary['tasks']:3d} tasks  "
+              f"pass@1 {summary['pass@1']:.3f}  pass@4 {summary['pass@4']:.3f}")
     _rl_table(run_root / "rl")
     return 0
 
@@ -192,14 +201,15 @@ def _copy_gates(run_root: Path, stages: list[str]) -> None:
 
 
 def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int) -> dict:
-    """rl.evaluate of the SFT checkpoint with the RL run's episode settings (its rollout section: the compact
-    agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not hold."""
+    """tools/evaluate.py on the SFT checkpoint with the RL run's episode settings (its rollout section: the
+    compact agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not
+    hold."""
     import yaml
 
     rollout = yaml.safe_load((ROOT / AGENT_RL).read_text())["rollout"]
     out = ROOT / checkpoint / f"eval_{tasks.name}.json"
-    cmd = [py, "-m", "rl.evaluate", "--tasks", str(tasks), "--checkpoint", str(checkpoint), "--samples", "4",
-           "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
+    cmd = [py, str(ROOT / "tools" / "evaluate.py"), "--tasks", str(tasks), "--checkpoint", str(checkpoint),
+           "--samples", "4", "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
     cmd += [f"rollout.{k}={v}" for k, v in rollout.items()]
     _run(cmd)
     return json.loads(out.read_text())
@@ -232,10 +242,12 @@ def _summarise(run_root: Path, stages: list[str], seconds: float) -> None:
     print(f"\n=== demo finished in {seconds / 60:.1f} min ===")
     for stage in stages:
         name = Path(stage).stem
-        rows = [json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in (run_root / name / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
         vals = [r for r in rows if "val_loss" in r]
         top1 = [r["mtp1_top1"] for r in rows if "mtp1_top1" in r]
-        msg = f"{name:13s} val_loss {vals[0]['val_loss']:.3f} (step {vals[0]['step']}) -> {vals[-1]['val_loss']:.3f} (step {vals[-1]['step']})"
+        msg = (f"{name:13s} val_loss {vals[0]['val_loss']:.3f} (step {vals[0]['step']}) -> "
+               f"{vals[-1]['val_loss']:.3f} (step {vals[-1]['step']})")
         if top1:
             k = max(1, len(top1) // 10)
             msg += f" | MTP top-1 agreement {sum(top1[:k]) / k:.3f} -> {sum(top1[-k:]) / k:.3f}"
@@ -244,7 +256,9 @@ def _summarise(run_root: Path, stages: list[str], seconds: float) -> None:
     _copy_gates(run_root, stages)
     png = run_root / "loss.png"
     try:
-        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), *(str(run_root / Path(s).stem) for s in stages), "--output", str(png)], check=True, capture_output=True)
+        subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"),
+                        *(str(run_root / Path(s).stem) for s in stages), "--output", str(png)],
+                       check=True, capture_output=True)
         print(f"curves: {png}")
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"(no plot: {e})")

@@ -5,7 +5,7 @@
 Kinds in four tiers (rl/envs/task_family.py TIERS): 1 create an empty file; 2 write a word to a file; 3 make a
 failing one-line unittest pass; 4 create a file with given content, rename / move a file, replace a word in a
 file, run a command and write its output. Each kind's instances are shared among the splits in proportion to
-their sizes, so no instance is in two of them. Check one: `python -m rl.envs.check_task DIR/train/<task>
+their sizes, so no instance is in two of them. Check one: `python tools/check_task.py DIR/train/<task>
 [--oracle]` (untouched 0, solution 1).
 """
 

@@ -1,26 +1,18 @@
 """Check a task: run its verifier on the untouched task, or after its reference solution.
 
-    python -m rl.envs.check_task TASK_DIR            # a valid task prints reward 0 (nothing solved yet)
-    python -m rl.envs.check_task TASK_DIR --oracle   # after solution/solve.sh it prints reward 1
-    python -m rl.envs.check_task INSTANCES.jsonl --instance ID [--repos DIR] [--oracle]   # SWE-bench
-
-A SWE-bench JSONL needs local clones of its repositories under --repos (default: the JSONL's folder) named
-owner__name or name; --oracle applies the instance's gold patch. The reward is the last line of output. Exit
-status 2: the task, its verifier or the sandbox backend is broken (the message says which), for example a
-verifier that wrote no reward or needed a tool the backend lacks.
+The command line is tools/check_task.py (``python tools/check_task.py TASK [--oracle]``); `check_task` here is
+what it runs, and what the tests and the generated task family are checked with.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from pathlib import Path
 
 from rl.envs.harbor import load_harbor_task
 from rl.envs.swebench import load_swebench
 from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
-from rl.sandbox import SandboxError, SandboxLimits
+from rl.sandbox import SandboxLimits
 
 # Terminal control the task's programs may print: escape sequences (CSI, OSC and the other ESC forms, including
 # their 8-bit introducers) and every other control character but newline and tab.
@@ -66,34 +58,6 @@ def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rl.envs.check_task", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", help="a Harbor/Terminal-Bench task folder, or a SWE-bench JSONL file")
-    parser.add_argument("--oracle", action="store_true",
-                        help="apply the reference solution (solution/solve.sh, the gold patch) before verifying")
-    parser.add_argument("--instance", help="the instance_id to check in a SWE-bench JSONL")
-    parser.add_argument("--repos", help="folder with the SWE-bench repositories' clones (default: the JSONL's)")
-    parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
-    args = parser.parse_args(argv)
-    try:
-        task = load_task(args.task, args.instance, args.repos)
-        backend = make_backend(args.backend)
-        result = check_task(task, backend, args.oracle)
-    except (TaskError, SandboxError) as e:
-        print(printable(f"error: {e}"), file=sys.stderr)
-        return 2
-    if result.output.strip():
-        print(printable(result.output.rstrip()[-4000:]))
-    for key, value in result.details.items():
-        print(printable(f"{key}: {value}"))
-    print(f"{result.reward:g}")
-    if "error" in result.details:
-        print(printable(f"error: {result.details['error']}"), file=sys.stderr)
-        return 2
-    return 0
-
-
 def load_task(path: str, instance: str | None = None, repos: str | None = None) -> Task:
     """A Harbor task folder, or one instance of a SWE-bench JSONL (the only one, or the one named)."""
     p = Path(path)
@@ -111,6 +75,3 @@ def load_task(path: str, instance: str | None = None, repos: str | None = None) 
         raise TaskError(f"{p} holds {len(tasks)} instances ({names}); choose one with --instance ID")
     return tasks[0]
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Check a task: run its verifier on the untouched task, or after its reference solution.
+
+    python tools/check_task.py TASK_DIR            # a valid task prints reward 0 (nothing solved yet)
+    python tools/check_task.py TASK_DIR --oracle   # after solution/solve.sh it prints reward 1
+    python tools/check_task.py INSTANCES.jsonl --instance ID [--repos DIR] [--oracle]   # SWE-bench
+
+A SWE-bench JSONL needs local clones of its repositories under --repos (default: the JSONL's folder) named
+owner__name or name; --oracle applies the instance's gold patch. The reward is the last line of output. Exit
+status 2: the task, its verifier or the sandbox backend is broken (the message says which), for example a
+verifier that wrote no reward or needed a tool the backend lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rl.envs.check_task import check_task, load_task, make_backend, printable  # noqa: E402
+from rl.envs.task import TaskError  # noqa: E402
+from rl.sandbox import SandboxError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("task", help="a Harbor/Terminal-Bench task folder, or a SWE-bench JSONL file")
+    parser.add_argument("--oracle", action="store_true",
+                        help="apply the reference solution (solution/solve.sh, the gold patch) before verifying")
+    parser.add_argument("--instance", help="the instance_id to check in a SWE-bench JSONL")
+    parser.add_argument("--repos", help="folder with the SWE-bench repositories' clones (default: the JSONL's)")
+    parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
+    args = parser.parse_args(argv)
+    try:
+        task = load_task(args.task, args.instance, args.repos)
+        backend = make_backend(args.backend)
+        result = check_task(task, backend, args.oracle)
+    except (TaskError, SandboxError) as e:
+        print(printable(f"error: {e}"), file=sys.stderr)
+        return 2
+    if result.output.strip():
+        print(printable(result.output.rstrip()[-4000:]))
+    for key, value in result.details.items():
+        print(printable(f"{key}: {value}"))
+    print(f"{result.reward:g}")
+    if "error" in result.details:
+        print(printable(f"error: {result.details['error']}"), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
