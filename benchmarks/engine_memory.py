@@ -1,14 +1,15 @@
 """Resident memory of an inference engine: the model's parameters once, plus the KV cache, plus the process.
 
 A rollout process is run as a fresh subprocess: it imports the library, builds the C++ kernels and builds the
-model once on the meta device (which imports torch's meta machinery, ~150 MiB): the baseline RSS. It then builds a ~120M-parameter DeepSeek-V3-style model (float32) the way rollout workers do
-(rl/model.py rollout_model: inference.loading.engine_model on the meta device, allocated, no weights), wraps it
-in an Engine, loads its first weights through Engine.update_weights from a reader of boxes (what a weight-sync
-version is; here the model's own seeded initialisation, model/init.py, drawn one box at a time, so the source
-holds no copy of the weights), and generates for a batch of prompts (prefill and decode, every kernel path),
-then a speculative request. Its peak RSS is compared with baseline + parameter bytes + KV-cache bytes: the
-engine keeps no second copy of any weight, so the ratio should be ~1 (within 10%; activations of a step and
-one box being loaded are small next to the weights).
+model once on the meta device (which imports torch's meta machinery, ~150 MiB): the baseline RSS. It then builds
+a ~120M-parameter DeepSeek-V3-style model (float32) the way rollout workers do (rl/model.py rollout_model:
+inference.loading.engine_model on the meta device, allocated, no weights), wraps it in an Engine, loads its
+first weights through Engine.update_weights from a reader of boxes (what a weight-sync version is; here the
+model's own seeded initialisation, model/init.py, drawn one box at a time, so the source holds no copy of the
+weights), and generates for a batch of prompts (prefill and decode, every kernel path), then a speculative
+request. Its peak RSS is compared with baseline + parameter bytes + KV-cache bytes: the engine keeps no second
+copy of any weight, so the ratio should be ~1 (within 10%; activations of a step and one box being loaded are
+small next to the weights).
 
 `--build full` instead builds the model as one process does (`Transformer(cfg)` on the CPU): its initialisation
 draws each tensor into a temporary and copies it, so the peak also holds the largest tensor twice (the
@@ -124,7 +125,8 @@ def main() -> None:
     print(f"model: {r['params'] / 1e6:.1f}M parameters, {r['param_bytes'] / mib:.1f} MiB; KV cache "
           f"{r['cache_bytes'] / mib:.1f} MiB; process baseline {r['baseline'] / mib:.1f} MiB")
     print(f"peak RSS {r['peak'] / mib:.1f} MiB vs baseline + parameters + cache {expected / mib:.1f} MiB: "
-          f"{r['peak'] / expected:.3f}x (weights beyond one copy would show as +{r['param_bytes'] / expected:.0%} per copy)")
+          f"{r['peak'] / expected:.3f}x "
+          f"(weights beyond one copy would show as +{r['param_bytes'] / expected:.0%} per copy)")
 
 
 if __name__ == "__main__":

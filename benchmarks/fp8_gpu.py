@@ -271,7 +271,8 @@ def bench_gemms(shapes) -> None:
             sa_spec, sb_spec = OperandSpec((1, 128), "fp32"), OperandSpec((128, 128), "fp32")
             qa, sa, _, _ = kq.quantize(a, (1, 128), "fp32")
             qb, sb, _, _ = kq.quantize(b, (128, 128), "fp32")
-            cases.append(("cuBLAS scaled_mm blockwise", lambda: be.mm(qa, sa, qb, sb, sa_spec, sb_spec, torch.bfloat16)))
+            cases.append(("cuBLAS scaled_mm blockwise",
+                          lambda: be.mm(qa, sa, qb, sb, sa_spec, sb_spec, torch.bfloat16)))
         if scaled_mx_why is None:
             be = select_backend(cfg_mx.replace(backend="scaled_mm"))
             spec = OperandSpec((1, 32), "rceil")
@@ -321,7 +322,8 @@ def main() -> None:
         sys.exit("unset TRITON_INTERPRET: this script checks compiled kernels on the GPU")
     import triton
     cap = torch.cuda.get_device_capability()
-    print(f"{torch.cuda.get_device_name()} (sm{cap[0]}{cap[1]}), torch {torch.__version__}, triton {triton.__version__}")
+    print(f"{torch.cuda.get_device_name()} (sm{cap[0]}{cap[1]}), "
+          f"torch {torch.__version__}, triton {triton.__version__}")
     t0 = time.time()
     run_correctness()
     print(f"correctness: {len(FAILURES)} failure(s) in {time.time() - t0:.0f} s", flush=True)
@@ -333,7 +335,8 @@ def main() -> None:
         bench_quantisation(8192, 8192)
         bench_gemms([(8192, 8192, 8192), (16384, 2048, 7168), (16384, 7168, 2048)])
         bench_grouped(8, 32768, 4096, 1536)
-    print(f"\ntotal {time.time() - t0:.0f} s; {len(FAILURES)} failure(s){': ' + ', '.join(FAILURES) if FAILURES else ''}")
+    failed = ': ' + ', '.join(FAILURES) if FAILURES else ''
+    print(f"\ntotal {time.time() - t0:.0f} s; {len(FAILURES)} failure(s){failed}")
     sys.exit(1 if FAILURES else 0)
 
 

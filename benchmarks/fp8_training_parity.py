@@ -63,8 +63,8 @@ def main() -> None:
     (b_train, b_val), (f_train, f_val) = results["baseline"], results["mxfp8"]
     print(f"\n{args.steps} steps of {args.config}")
     print(f"  baseline (no fp8)        train loss {b_train:.4f}  val loss {b_val:.4f}  ({seconds['baseline']:.0f} s)")
-    print(f"  mxfp8/{args.block_size} {args.rounding} ({args.backend})  train loss {f_train:.4f}  val loss {f_val:.4f}  "
-          f"({seconds['mxfp8']:.0f} s)")
+    print(f"  mxfp8/{args.block_size} {args.rounding} ({args.backend})  "
+          f"train loss {f_train:.4f}  val loss {f_val:.4f}  ({seconds['mxfp8']:.0f} s)")
     ratios = (f_train / b_train, f_val / b_val)
     ok = all(abs(r - 1) <= args.tolerance for r in ratios)
     print(f"  ratio vs baseline: train x{ratios[0]:.4f}, val x{ratios[1]:.4f} -> "

@@ -105,7 +105,8 @@ def experts_implementations(ref) -> tuple[list[str], dict[str, str]]:
     where the build has no switch (set_experts_implementation)."""
     impls, missing = [], {}
     if not hasattr(ref, "set_experts_implementation"):
-        return ["default"], {"eager/grouped_mm/batched_mm": f"transformers {transformers_version()} has no set_experts_implementation"}
+        why = f"transformers {transformers_version()} has no set_experts_implementation"
+        return ["default"], {"eager/grouped_mm/batched_mm": why}
     for impl in ("eager", "grouped_mm", "batched_mm"):
         try:
             ref.set_experts_implementation(impl)
@@ -182,7 +183,8 @@ def compare_speculative(engine, prompts_all: list[list[int]], batches, new_token
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pretrain-run", default="runs/tiny/pretrain" if Path("runs/tiny/pretrain/latest").is_file() else None,
+    default_run = "runs/tiny/pretrain" if Path("runs/tiny/pretrain/latest").is_file() else None
+    p.add_argument("--pretrain-run", default=default_run,
                    help="run dir of pretrain_composer.py (MTP heads trained by self-distillation); default "
                         "runs/tiny/pretrain when `make demo` has made it")
     p.add_argument("--preset", default="tiny-deepseek-v3", help="model when no --pretrain-run is given")
@@ -195,7 +197,8 @@ def main() -> None:
                    help="cpu: process CPU time (auto's choice with --threads 1 on the CPU: robust to other jobs on a "
                         "shared machine); wall: wall clock (auto's choice with several threads or a GPU)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both contenders")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations, both sides")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations, both sides")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -210,7 +213,8 @@ def main() -> None:
         source = f"random {args.preset} (MTP head untrained)"
         g = torch.Generator().manual_seed(0)
         n = max(int(b) for b in args.batches.split(","))
-        prompts_all = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+        prompts_all = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+                       for _ in range(n)]
     cfg = model.config
     dtype = getattr(torch, args.dtype)
     print(f"model: {source}; layers={cfg.num_layers} hidden={cfg.hidden_size} experts={cfg.num_experts} "

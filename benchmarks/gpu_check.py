@@ -53,7 +53,8 @@ PARTS = [
 def part_status(data: dict | None, rc: int | None, timed_out: bool) -> tuple[str, str | None]:
     """(status, reason) of a part from its JSON and how its process ended."""
     if data is None:
-        return ("timeout" if timed_out else "error"), "the part wrote no report" + (" before its budget ran out" if timed_out else f" (exit {rc})")
+        why = " before its budget ran out" if timed_out else f" (exit {rc})"
+        return ("timeout" if timed_out else "error"), "the part wrote no report" + why
     checks = data.get("checks", [])
     if timed_out:
         return "timeout", f"stopped at its budget after {len(checks)} verdict(s)"
@@ -128,7 +129,8 @@ def summary_table(report: dict) -> str:
             continue
         c = d.get("checks", [])
         n = {s: sum(x["status"] == s for x in c) for s in ("pass", "fail", "skipped")}
-        lines.append(f"{name:16} {d['status']:8} {d['wall_s']:5.0f}s  {n['pass']:>3}/{n['fail']}/{n['skipped']:<9} {title}")
+        lines.append(f"{name:16} {d['status']:8} {d['wall_s']:5.0f}s  "
+                     f"{n['pass']:>3}/{n['fail']}/{n['skipped']:<9} {title}")
         if d["status"] in ("skipped", "error", "timeout") and d.get("reason"):
             lines.append(f"{'':16}   reason: {d['reason'][:150]}")
     failed = [(name, x) for name, d in report["parts"].items() for x in d.get("checks", []) if x["status"] == "fail"]
@@ -143,16 +145,19 @@ def summary_table(report: dict) -> str:
     hf = report["parts"].get("train_speed_hf", {}).get("figures", {})
     if ours.get("config"):
         c = ours["config"]
-        lines.append(f"training fwd+bwd, {c['total_params'] / 1e9:.2f}B total / {c['active_params'] / 1e9:.2f}B active, "
-                     f"batch {c['batch']} x seq {c['seq']}, MFU vs bf16 peak {c['bf16_matmul_peak_tflops']:.0f} TFLOP/s:")
+        lines.append(f"training fwd+bwd, {c['total_params'] / 1e9:.2f}B total / "
+                     f"{c['active_params'] / 1e9:.2f}B active, batch {c['batch']} x seq {c['seq']}, "
+                     f"MFU vs bf16 peak {c['bf16_matmul_peak_tflops']:.0f} TFLOP/s:")
     hf_best = hf.get("transformers", {}).get(hf.get("fastest")) if hf.get("fastest") else None
     for label, row in ours.get("ours", {}).items():
-        extra = f"  x{row['speedup_vs_bf16']:.2f} vs ours bf16 ({row.get('backend')})" if "speedup_vs_bf16" in row else ""
+        extra = (f"  x{row['speedup_vs_bf16']:.2f} vs ours bf16 ({row.get('backend')})"
+                 if "speedup_vs_bf16" in row else "")
         if hf_best:
             extra += f"  x{row['tokens_per_s'] / hf_best['tokens_per_s']:.2f} vs transformers[{hf['fastest']}]"
         lines.append(f"  ours {label:30} {row['tokens_per_s']:10.0f} tok/s  MFU {row['mfu']:6.1%}{extra}")
     for impl, row in hf.get("transformers", {}).items():
-        lines.append(f"  transformers[{impl}]{'':{max(0, 22 - len(impl))}} {row['tokens_per_s']:10.0f} tok/s  MFU {row['mfu']:6.1%}")
+        lines.append(f"  transformers[{impl}]{'':{max(0, 22 - len(impl))}} "
+                     f"{row['tokens_per_s']:10.0f} tok/s  MFU {row['mfu']:6.1%}")
     dec = report["parts"].get("decode", {}).get("figures", {})
     for r in dec.get("decode", []):
         if r["contender"] == "ours (Engine)":
@@ -161,8 +166,9 @@ def summary_table(report: dict) -> str:
             lines.append(f"decode batch {r['batch']:3}: ours {r['tokens_per_s']:9.1f} tok/s{vs}")
     for r in dec.get("speculative", []):
         if r["draft_tokens"]:
-            lines.append(f"speculative batch {r['batch']:3}, {r['draft_tokens']} draft(s): acceptance {r['acceptance']:.1%}, "
-                         f"x{r['speedup']:.2f} vs plain, {r['same_tokens']}/{r['batch']} equal to plain")
+            lines.append(f"speculative batch {r['batch']:3}, {r['draft_tokens']} draft(s): "
+                         f"acceptance {r['acceptance']:.1%}, x{r['speedup']:.2f} vs plain, "
+                         f"{r['same_tokens']}/{r['batch']} equal to plain")
     return "\n".join(lines)
 
 

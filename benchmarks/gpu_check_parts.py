@@ -148,7 +148,8 @@ def part_env(p: Part) -> None:
                    gpu_memory_gib=round(props.total_memory / 2**30, 1))
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,"
-                                  "temperature.gpu", "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+                                  "temperature.gpu", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=15)
             env["nvidia_smi"] = smi.stdout.strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             env["nvidia_smi"] = f"unavailable: {e}"
@@ -157,7 +158,8 @@ def part_env(p: Part) -> None:
     from megatron_composer.training.flops import measure_matmul_peak
 
     n = 8192 if p.cuda else 256
-    p.figure("bf16_matmul_tflops", measure_matmul_peak(p.device, torch.bfloat16, seconds=1.0 if p.cuda else 0.2, n=n) / 1e12)
+    peak = measure_matmul_peak(p.device, torch.bfloat16, seconds=1.0 if p.cuda else 0.2, n=n)
+    p.figure("bf16_matmul_tflops", peak / 1e12)
     p.figure("bf16_matmul_n", n)
     if p.cuda:
         x = torch.randn(512 << 20, device=p.device, dtype=torch.bfloat16)  # 1 GiB, far past the L2
@@ -332,7 +334,8 @@ def part_engine_greedy(p: Part) -> None:
     ref16 = hf_copy(model16, torch.bfloat16, p.device)
     ours16 = Engine(model16, max_batch_size=8, cache_memory_bytes=64 << 20).generate(prompts, max_new_tokens=N)
     with torch.no_grad():
-        theirs16 = ref16.generate(torch.tensor(prompts, device=p.device), max_new_tokens=N, do_sample=False)[:, P:].tolist()
+        theirs16 = ref16.generate(torch.tensor(prompts, device=p.device), max_new_tokens=N,
+                                  do_sample=False)[:, P:].tolist()
     agree = sum(sum(a == b for a, b in zip(r.token_ids, t)) for r, t in zip(ours16, theirs16)) / (B * N)
     p.figure("bf16_token_agreement_vs_transformers", agree)
 
@@ -397,7 +400,8 @@ def _train_steps(p: Part, work: Path) -> None:
     import train_tokenizer
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    if train_tokenizer.main(["--input", str(stdlib / "json"), "--output", str(work / "tok"), "--vocab-size", "512"]) != 0:
+    tok_argv = ["--input", str(stdlib / "json"), "--output", str(work / "tok"), "--vocab-size", "512"]
+    if train_tokenizer.main(tok_argv) != 0:
         return p.check("tokenizer for the training run", False, "tools/train_tokenizer.py failed")
     _sft_corpus(work / "chat.jsonl", 64)
     seq = 64 if p.reduced else 256
@@ -414,7 +418,8 @@ def _train_steps(p: Part, work: Path) -> None:
     }))
     steps = 3 if p.reduced else 6
     backend = "nccl" if p.cuda else "gloo"  # pretrain_composer.py's choice
-    _train_run(p, work, f"default data-parallel path, {backend}, {p.device.type}", [], steps, max(10.0, p.time_left() - 5))
+    _train_run(p, work, f"default data-parallel path, {backend}, {p.device.type}", [], steps,
+               max(10.0, p.time_left() - 5))
     p.skip("training steps under FSDP", "this part runs one rank; parallel.fsdp is proven against one process on "
            "gloo ranks by tests/test_parallel_fsdp.py")
     if p.reduced:
@@ -470,7 +475,8 @@ def _peak(p: Part) -> float:
     return measure_matmul_peak(p.device, torch.bfloat16, seconds=1.0 if p.cuda else 0.2, n=8192 if p.cuda else 256)
 
 
-def _speed_figures(p: Part, label: str, times: list[float], tokens: int, flops_tok: float, peak: float, **extra) -> dict:
+def _speed_figures(p: Part, label: str, times: list[float], tokens: int, flops_tok: float, peak: float,
+                   **extra) -> dict:
     tps = tokens / statistics.median(times)
     row = {"tokens_per_s": tps, "mfu": tps * flops_tok / peak, "step_s": statistics.median(times),
            "step_s_all": times, **extra}
@@ -520,8 +526,9 @@ def part_train_speed(p: Part) -> None:
             p.check(f"ours {label}: training loss vs bf16 on the same batch", d < FP8_LOSS_TOL,
                     f"{loss:.5f} vs {loss_bf16:.5f}, relative {d:.1e} (< {FP8_LOSS_TOL:g}); backend {backend}")
             times = time_rounds({label: run}, rounds)[label]
+            speedup = statistics.median(rows["bf16"]["step_s_all"]) / statistics.median(times)
             rows[label] = _speed_figures(p, f"ours {label}", times, B * S, flops_tok, peak, loss=loss, backend=backend,
-                                         speedup_vs_bf16=statistics.median(rows["bf16"]["step_s_all"]) / statistics.median(times))
+                                         speedup_vs_bf16=speedup)
             p.figure("ours", rows)
             del model
         p.attempt(f"ours {label}", one)
@@ -594,7 +601,8 @@ def part_decode(p: Part) -> None:
             model = Transformer(bench_config(p.reduced, mtp=1)).eval()
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(0, model.config.vocab_size, (P,), generator=g).tolist() for _ in range(max(batches))]
-        source = "random weights: the MTP head is untrained, so acceptance is near zero and speculative speedup is a lower bound"
+        source = ("random weights: the MTP head is untrained, so acceptance is near zero "
+                  "and speculative speedup is a lower bound")
     p.note(f"model: {source}; {count_parameters(model.config, include_mtp=True)['total'] / 1e9:.2f}B parameters, bf16, "
            f"prompt {P} + {N} new tokens, greedy")
     model = model.to(p.device, torch.bfloat16)
@@ -717,7 +725,8 @@ def main() -> int:
     try:
         PARTS[args.part](p)
     except Exception as e:  # noqa: BLE001 - recorded, then the process fails
-        p.check(f"{args.part} raised", False, f"{type(e).__name__}: {str(e)[:400]}", traceback=traceback.format_exc()[-3000:])
+        p.check(f"{args.part} raised", False, f"{type(e).__name__}: {str(e)[:400]}",
+                traceback=traceback.format_exc()[-3000:])
         traceback.print_exc()
         return 1
     p.flush()

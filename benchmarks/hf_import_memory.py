@@ -261,7 +261,8 @@ def phase_peaks(rank: dict) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for p in rank["phases"]:
         rss, live = out.get(p["phase"], (0, 0))
-        out[p["phase"]] = (max(rss, p["peak_rss"] - rank["baseline"]), max(live, p["peak_live"] - rank["live_baseline"]))
+        out[p["phase"]] = (max(rss, p["peak_rss"] - rank["baseline"]),
+                           max(live, p["peak_live"] - rank["live_baseline"]))
     return out
 
 
@@ -359,7 +360,8 @@ def main() -> None:
         def per_step(ranks, key):  # summed over the ranks, median over the steps after the first (warm)
             steps = range(1, args.steps) if args.steps > 1 else range(1)
             return statistics.median(sum(m[key][i] for m in ranks) for i in steps)
-        for key, what in (("step_cpu", "CPU time (user + system, 4 ranks)"), ("step_times", "wall time (sum of ranks)")):
+        for key, what in (("step_cpu", "CPU time (user + system, 4 ranks)"),
+                          ("step_times", "wall time (sum of ranks)")):
             base = per_step(runs["sharded-glibc"], key)
             for mode in runs:
                 if mode.startswith("sharded") and mode != "sharded-glibc":

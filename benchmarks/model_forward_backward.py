@@ -55,7 +55,8 @@ def transformers_model(cfg, dtype: torch.dtype, device: torch.device, attn_imple
     from megatron_composer.checkpoint.hf import config_to_hf
 
     hf = config_to_hf(cfg, dtype)
-    config_cls = getattr(transformers, {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig"}[hf["model_type"]])
+    config_name = {"deepseek_v3": "DeepseekV3Config", "qwen3_moe": "Qwen3MoeConfig"}[hf["model_type"]]
+    config_cls = getattr(transformers, config_name)
     model_cls = getattr(transformers, hf["architectures"][0])
     config = config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type", "dtype")})
     config._attn_implementation = attn_implementation
@@ -141,7 +142,8 @@ def main() -> None:
     loss_ours, loss_ref = step_fn(ours, ids, hf=False)(), step_fn(ref, ids, hf=True)()
     print(f"float32 training loss: ours {loss_ours:.6f}, transformers {loss_ref:.6f}")
     if abs(loss_ours - loss_ref) > 1e-4 * abs(loss_ref):
-        raise SystemExit("the two sides do not compute the same loss: the timings below would not compare like with like")
+        raise SystemExit("the two sides do not compute the same loss: "
+                         "the timings below would not compare like with like")
     flops_tok = training_flops_per_token(ours.config, args.seq, include_mtp=False)
     tokens = args.batch * args.seq
     impls = ["eager", "grouped_mm"]
@@ -159,7 +161,8 @@ def main() -> None:
         times = time_rounds(runners, args.steps, set_impl)
         if args.batched_steps > 0:
             impl_of["transformers[batched_mm]"] = "batched_mm"
-            times.update(time_rounds({"transformers[batched_mm]": step_fn(ref, ids, hf=True)}, args.batched_steps, set_impl))
+            times.update(time_rounds({"transformers[batched_mm]": step_fn(ref, ids, hf=True)}, args.batched_steps,
+                                     set_impl))
         tps = {k: tokens / statistics.median(v) for k, v in times.items()}
         fastest_hf = max((k for k in tps if k != "ours"), key=tps.get)
         for name, value in tps.items():

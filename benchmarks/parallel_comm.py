@@ -207,7 +207,8 @@ def worker(layouts: list[dict], out: str) -> None:
         if fsdp:  # this rank's shards: parameters as stored (FSDP pads each to an equal size per rank)
             mem = {"params": sum(p.to_local().untyped_storage().nbytes() for p in model.parameters()),
                    "grads": sum(_nbytes(p.grad.to_local()) for p in model.parameters() if p.grad is not None),
-                   "optimizer": sum(_nbytes(t.to_local()) for st in opt.state.values() for t in st.values() if t.ndim > 0)}
+                   "optimizer": sum(_nbytes(t.to_local()) for st in opt.state.values() for t in st.values()
+                                    if t.ndim > 0)}
         else:
             mem = {"params": sum(_nbytes(p) for p in model.parameters()),
                    "grads": sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None),
@@ -238,7 +239,8 @@ def worker(layouts: list[dict], out: str) -> None:
         calls = [float(counter.calls.get(k, 0)) for k in keys]
         vec = torch.tensor([float(measured.get(k, 0)) for k in keys] + [analytic.get(k, 0.0) for k in keys] + calls
                            + [mem[k] for k in ("params", "grads", "optimizer")]
-                           + [mem_analytic[k] for k in ("params", "grads", "optimizer")] + [statistics.median(times) if times else 0.0],
+                           + [mem_analytic[k] for k in ("params", "grads", "optimizer")]
+                           + [statistics.median(times) if times else 0.0],
                            dtype=torch.float64)
         n = len(keys)
         key_lists = [None] * world
@@ -247,7 +249,8 @@ def worker(layouts: list[dict], out: str) -> None:
         dist.all_reduce(vec)
         vec /= world  # mean per rank
         v = vec.tolist()
-        results.append({"name": spec["name"], "measured": dict(zip(keys, v[0:n])), "analytic": dict(zip(keys, v[n:2 * n])),
+        results.append({"name": spec["name"], "measured": dict(zip(keys, v[0:n])),
+                        "analytic": dict(zip(keys, v[n:2 * n])),
                         "calls": dict(zip(keys, v[2 * n:3 * n])),
                         "memory": dict(zip(("params", "grads", "optimizer"), v[3 * n:3 * n + 3])),
                         "memory_analytic": dict(zip(("params", "grads", "optimizer"), v[3 * n + 3:3 * n + 6])),

@@ -81,11 +81,13 @@ def main(argv=None) -> None:
     new_rank0 = G * (header + len(str(path)) * (args.trainer_ranks - 1)) + G * arrays * scale / args.dp
     print(f"step: {G} groups x {args.episodes} episodes x {args.tokens} tokens; {args.trainer_ranks} trainer ranks, "
           f"dp {args.dp}; routing over {args.layers} MoE layers, top-{args.top_k} of {args.experts} experts")
-    print(f"  per token stored: before {old_file / (args.episodes * args.measure_tokens):.0f} B (torch.save, int64 routing), "
+    print(f"  per token stored: before {old_file / (args.episodes * args.measure_tokens):.0f} B "
+          f"(torch.save, int64 routing), "
           f"after {arrays / (args.episodes * args.measure_tokens):.0f} B (records, "
           f"{'uint8' if args.experts <= 256 else 'int16'} routing; file {new_file / old_file:.2f}x the pickle's size)")
     print(f"  before: rank 0 reads every group ({G * old_file * scale / GiB:,.1f} GiB) and broadcasts them to "
-          f"{args.trainer_ranks - 1} ranks ({G * old_broadcast * scale * (args.trainer_ranks - 1) / GiB:,.1f} GiB sent); "
+          f"{args.trainer_ranks - 1} ranks "
+          f"({G * old_broadcast * scale * (args.trainer_ranks - 1) / GiB:,.1f} GiB sent); "
           f"every rank receives {G * old_broadcast * scale / GiB:,.1f} GiB")
     print(f"  after:  rank 0 reads {G} headers ({G * header / 2**20:.2f} MiB) and sends {G} paths; every rank reads "
           f"its dp share, {G * arrays * scale / args.dp / GiB:,.2f} GiB")

@@ -2,10 +2,11 @@
 
 Compares LocalSandbox (bubblewrap: fresh namespaces, private tree copy, rlimits, per-command pid namespace,
 whole-sandbox limits by a cgroup and a tmpfs of its own where the host allows) with the named baseline "plain
-subprocess": a temporary copy of the same tree and `subprocess.run(bash -c)` without any isolation, measured
-in the same run. The latency table also shows LocalSandbox with the polling monitor in place of the cgroup and
-tmpfs (what a host without them gets), so the cost of the kernel's limits reads off as a ratio. The episode is fixed: the agent protocol's tools (list, write,
-edit, read, search, run the tests) on a small Python project, ending with submit, 8 tool calls in 6 turns.
+subprocess": a temporary copy of the same tree and `subprocess.run(bash -c)` without any isolation, measured in
+the same run. The latency table also shows LocalSandbox with the polling monitor in place of the cgroup and
+tmpfs (what a host without them gets), so the cost of the kernel's limits reads off as a ratio. The episode is
+fixed: the agent protocol's tools (list, write, edit, read, search, run the tests) on a small Python project,
+ending with submit, 8 tool calls in 6 turns.
 
     python benchmarks/sandbox_throughput.py [--samples 40] [--episodes 16]
 """

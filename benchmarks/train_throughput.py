@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(B, S, device=device),
              "position_ids": torch.arange(S, device=device).expand(B, S)}
     counts = token_counts(batch, cfg.num_mtp_layers if mtp_cfg.weight else 0).to(device)
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast(device.type, enabled=False)
+    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16
+           else torch.autocast(device.type, enabled=False))
 
     def step():
         with ctx:
@@ -67,8 +68,10 @@ def main(argv=None) -> int:
     tok_s = B * S / dt
     model_flops = training_flops_per_token(cfg, S, include_mtp=mtp_cfg.weight > 0) * tok_s
     peak = measure_matmul_peak(device, dtype, n=4096 if device.type == "cuda" else 1024)
-    print(f"{args.preset} on {device.type} ({dtype}): batch {B} x seq {S}, {dt * 1e3:.1f} ms/step, {tok_s:.0f} tokens/s")
-    print(f"model FLOP/s {model_flops / 1e9:.2f} G vs measured matmul peak {peak / 1e9:.2f} G -> MFU {model_flops / peak:.1%}")
+    print(f"{args.preset} on {device.type} ({dtype}): batch {B} x seq {S}, {dt * 1e3:.1f} ms/step, "
+          f"{tok_s:.0f} tokens/s")
+    print(f"model FLOP/s {model_flops / 1e9:.2f} G vs measured matmul peak {peak / 1e9:.2f} G "
+          f"-> MFU {model_flops / peak:.1%}")
     return 0
 
 
