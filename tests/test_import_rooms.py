@@ -170,3 +170,9 @@ def _upward_imports() -> list[str]:
 def test_sandbox_and_weight_sync_import_nothing_above_them():
     bad = _upward_imports()
     assert not bad, bad
+
+
+def test_command_line_programs_live_outside_the_library_packages():
+    """A program's argument parsing is in tools/ (or the root entrypoints); the packages keep what it calls."""
+    entries = sorted(_entry_modules())
+    assert not entries, entries

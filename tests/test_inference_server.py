@@ -162,3 +162,41 @@ def test_chat_in_the_models_own_format(tmp_path):
         assert status == 400 and "'tools'" in out["error"]["message"]
     finally:
         server.stop()
+
+
+def test_the_command_line_serves_a_hugging_face_checkpoint(tmp_path):
+    """tools/serve.py: a saved checkpoint with its tokenizer answers /health and a completion over HTTP; a
+    layout the launch cannot hold is a one-line error with status 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_composer.checkpoint.hf import save_hf_checkpoint
+    from megatron_composer.model import Transformer, get_preset
+
+    serve = Path(__file__).resolve().parents[1] / "tools" / "serve.py"
+    (tmp_path / "tok").mkdir()
+    tok = _tokenizer(tmp_path / "tok")
+    torch.manual_seed(0)
+    mc = get_preset("tiny-deepseek-v3").replace(num_layers=2, vocab_size=tok.vocab_size, num_mtp_layers=0)
+    save_hf_checkpoint(Transformer(mc), tmp_path / "hf", progress=False)
+    bad = subprocess.run([sys.executable, str(serve), "--checkpoint", str(tmp_path / "hf"), "--tp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--nproc-per-node 2" in bad.stderr
+    proc = subprocess.Popen([sys.executable, str(serve), "--checkpoint", str(tmp_path / "hf"), "--tokenizer",
+                             str(tmp_path / "tok"), "--port", "0", "--cache-memory-gb", "0.01"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving megatron-composer on http://"), (line, proc.stderr.read())
+        url = line.split(" on ")[1].split()[0]
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            assert r.status == 200
+        body = json.dumps({"prompt": "hello world", "max_tokens": 3, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            choice = json.loads(r.read())["choices"][0]
+        assert len(choice["token_ids"]) == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

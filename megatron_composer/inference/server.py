@@ -13,18 +13,17 @@ Beyond the OpenAI fields every choice carries what RL training needs: `token_ids
 carry `tool_call_errors`. Extra request fields: `top_k`, `stop_token_ids`, `seed`, `speculative`,
 `num_draft_tokens`. Malformed requests get a 4xx JSON error naming the field; the server keeps serving.
 
-    python -m megatron_composer.inference.server --checkpoint DIR [--tokenizer PATH] [--port 8000]
+    python tools/serve.py --checkpoint DIR [--tokenizer PATH] [--port 8000]     (the command line of `serve`)
 
-Tensor / expert parallel: `torchrun --nproc-per-node 4 -m megatron_composer.inference.server --checkpoint DIR
---tp 2 --ep 2`. Every rank builds the model on the meta device in its layout and reads only its slices of
-the checkpoint (inference/loading.py); rank 0 serves HTTP, and before each engine step it broadcasts the
-requests added since the last one, so every rank's engine admits the same requests and steps together
-(inference.lockstep: `Lockstep` on rank 0, `follow` on the others, over all the engine's ranks).
+Tensor / expert parallel: `torchrun --nproc-per-node 4 tools/serve.py --checkpoint DIR --tp 2 --ep 2`. Every
+rank builds the model on the meta device in its layout and reads only its slices of the checkpoint
+(inference/loading.py); rank 0 serves HTTP, and before each engine step it broadcasts the requests added since
+the last one, so every rank's engine admits the same requests and steps together (inference.lockstep:
+`Lockstep` on rank 0, `follow` on the others, over all the engine's ranks).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import threading
@@ -281,10 +280,12 @@ class InferenceServer:
             raise RequestError("'messages' must be a non-empty list of message objects")
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise RequestError("'tools' must be a list of function schemas ({\"type\": \"function\", \"function\": {...}})")
+            raise RequestError("'tools' must be a list of function schemas "
+                               "({\"type\": \"function\", \"function\": {...}})")
         params, n = self._sampling(body, self._stop_ids(chat=True))
         try:
-            prompt = self.tokenizer.encode(self.format.render(messages, tools=tools or None, add_generation_prompt=True))
+            text = self.format.render(messages, tools=tools or None, add_generation_prompt=True)
+            prompt = self.tokenizer.encode(text)
         except (ChatFormatError, KeyError, TypeError) as e:
             raise RequestError(f"bad 'messages': {e}") from None
         results = self._generate([prompt] * n, params)
@@ -367,22 +368,11 @@ class InferenceServer:
         return Handler
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory (config.json + safetensors)")
-    p.add_argument("--tokenizer", help="tokenizer file or directory (default: the checkpoint directory)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name", default="megatron-composer")
-    p.add_argument("--chat-format", default="auto", help="auto (the tokenizer directory's chat template, else chatml), chatml, "
-                                                         "or the template's tool-call family: kimi_k2, deepseek_v3, deepseek_v31, hermes")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--cache-memory-gb", type=float, default=4.0)
-    p.add_argument("--batch-invariant", action="store_true", help="bitwise batch-invariant numerics (slower)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the torchrun world size / --ep)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (routed experts split over the ranks)")
-    args = p.parse_args(argv)
-
+def serve(checkpoint: str, tokenizer: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+          model_name: str = "megatron-composer", chat_format: str = "auto", max_batch_size: int = 64,
+          cache_memory_gb: float = 4.0, batch_invariant: bool = False, tp: int | None = None, ep: int = 1) -> None:
+    """Serve a Hugging Face checkpoint until interrupted, on every rank of a torchrun launch (rank 0 answers HTTP,
+    the others follow its engine steps). A layout or chat format that cannot serve raises ValueError."""
     import torch
 
     from megatron_composer.data.tokenizer import load_tokenizer
@@ -391,17 +381,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     from .loading import HFWeights, engine_model, hf_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = args.tp or max(world // args.ep, 1)
-    if tp * args.ep != world:
-        raise SystemExit(f"--tp {tp} x --ep {args.ep} needs as many processes; launch with torchrun "
-                         f"--nproc-per-node {tp * args.ep}")
-    tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+    tp = tp or max(world // ep, 1)
+    if tp * ep != world:
+        raise ValueError(f"--tp {tp} x --ep {ep} needs as many processes; launch with torchrun "
+                         f"--nproc-per-node {tp * ep}")
+    tok = load_tokenizer(tokenizer or checkpoint)
     try:
-        chat_format = load_chat_format(args.chat_format, tokenizer)
+        fmt = load_chat_format(chat_format, tok)
     except ChatFormatError as e:
-        raise SystemExit(f"--chat-format: {e}") from None
-    cfg, dtype = hf_config(args.checkpoint)
-    tokenizer.check_fits_model(cfg.vocab_size)
+        raise ValueError(f"--chat-format: {e}") from None
+    cfg, dtype = hf_config(checkpoint)
+    tok.check_fits_model(cfg.vocab_size)
     groups = None
     if world > 1:
         from megatron_composer.parallel.dims import ParallelDims
@@ -409,25 +399,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        groups = ParallelDims(world, tp=tp, ep=args.ep).build()
-    model = engine_model(cfg, HFWeights(args.checkpoint), groups, dtype=dtype, device=local_device(), float32_router=True)
-    engine = Engine(model, max_batch_size=args.max_batch_size, cache_memory_bytes=int(args.cache_memory_gb * 2**30),
-                    batch_invariant=args.batch_invariant, detokenize=tokenizer.decode)
+        groups = ParallelDims(world, tp=tp, ep=ep).build()
+    model = engine_model(cfg, HFWeights(checkpoint), groups, dtype=dtype, device=local_device(),
+                         float32_router=True)
+    engine = Engine(model, max_batch_size=max_batch_size, cache_memory_bytes=int(cache_memory_gb * 2**30),
+                    batch_invariant=batch_invariant, detokenize=tok.decode)
     group = dist.group.WORLD if world > 1 else None  # every rank of the engine makes the same calls
     if world > 1 and dist.get_rank() != 0:
         follow(engine, group=group)
         return
     try:
-        server = InferenceServer(engine, tokenizer, args.model_name, args.host, args.port, group=group,
-                                 chat_format=chat_format)
+        server = InferenceServer(engine, tok, model_name, host, port, group=group, chat_format=fmt)
     except BaseException:
         if world > 1:
             Lockstep(engine, group=group).stop()  # release the ranks already waiting in follow()
         raise
-    print(f"serving {args.model_name} on {server.url}" + (f" (tensor-parallel over {world} ranks)" if world > 1 else ""),
-          flush=True)
+    where = f" (tensor-parallel over {world} ranks)" if world > 1 else ""
+    print(f"serving {model_name} on {server.url}{where}", flush=True)
     server.serve_forever()
-
-
-if __name__ == "__main__":
-    main()
