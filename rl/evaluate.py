@@ -63,15 +63,9 @@ def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_r
 
 def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None = None,
              overrides: list[str] = (), success_reward: float = 1.0, seed: int = 0, sample_tasks: int = 0) -> dict:
-    import torch
-
     from megatron_composer.checkpoint.dcp import resolve_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
-    from megatron_composer.fp8 import FP8Config
-    from megatron_composer.parallel.dims import ParallelConfig
-    from megatron_composer.training.core import InitialWeights, build_model
-    from megatron_composer.training.layout import Layout
-    from rl.model import build_model_meta
+    from rl.model import full_model
     from rl.rollout.tasks import load_rl_tasks
 
     ckpt = resolve_checkpoint(checkpoint)
@@ -82,10 +76,7 @@ def evaluate(tasks_dir: str, checkpoint: str, samples: int, output: str | None =
         import random
 
         tasks = random.Random(seed).sample(tasks, sample_tasks)
-    mc, meta = build_model_meta(cfg, tokenizer)
-    # the whole model in one process, in the checkpoint's weights (training's one model builder)
-    model = build_model(mc, Layout(ParallelConfig(), distributed=False), torch.device("cpu"), FP8Config(),
-                        seed=cfg.train.seed, init=InitialWeights(checkpoint=ckpt), meta=meta)
+    model, _ = full_model(cfg, tokenizer, seed=cfg.train.seed, checkpoint=ckpt)
     from megatron_composer.data.chat_format import load_chat_format
 
     summary, rows = evaluate_model(model, tokenizer, cfg.rollout, tasks, samples, success_reward, seed,

@@ -1,6 +1,6 @@
-"""The RL run's model config as the trainer, rollout workers and evaluation read it, and a rollout engine's model.
-Models are built by megatron_composer.training.core.build_model (the trainer, evaluation) and
-inference.loading.engine_model (rollout engines).
+"""The RL run's model config as the trainer, rollout workers and evaluation read it, and the models built from
+it: by training's one builder (megatron_composer.training.core.build_model: the trainer's shards, `full_model`)
+or the inference engine's loader (inference.loading.engine_model: `rollout_model`).
 
 The model section is the pretraining one (megatron_composer.training.config.model_config); its context for
 YaRN is data.seq_length, or rollout.max_seq_len when that is 0.
@@ -36,6 +36,22 @@ def build_model_meta(cfg: RLConfig, tokenizer):
     return mc, checkpoint_meta(mc, tokenizer)
 
 
+def full_model(cfg: RLConfig, tokenizer, seed: int = 0, checkpoint=None) -> tuple[torch.nn.Module, dict]:
+    """The whole model of the run in one process (evaluation, tools, tests) and its checkpoint meta: the weights of
+    `checkpoint` (a checkpoint directory) when given, else the seeded initialisation (= torch.manual_seed(seed);
+    Transformer(mc))."""
+    from megatron_composer.fp8 import FP8Config
+    from megatron_composer.parallel.dims import ParallelConfig
+    from megatron_composer.training.core import InitialWeights, build_model
+    from megatron_composer.training.layout import Layout
+
+    mc, meta = build_model_meta(cfg, tokenizer)
+    init = InitialWeights(checkpoint=checkpoint) if checkpoint is not None else None
+    model = build_model(mc, Layout(ParallelConfig(), distributed=False), torch.device("cpu"), FP8Config(), seed=seed,
+                        init=init, meta=meta)
+    return model, meta
+
+
 def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     """This rank's shard of a rollout engine's model (the whole model without `groups`), built on the meta device,
     laid out and allocated in weight_sync.dtype on this process's device, holding no weights yet: the worker
@@ -52,4 +68,4 @@ def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     return engine_model(mc, None, groups, dtype=dtype, device=local_device(), seed=cfg.train.seed)
 
 
-__all__ = ["build_model_meta", "rl_model_config", "rollout_model"]
+__all__ = ["build_model_meta", "full_model", "rl_model_config", "rollout_model"]

@@ -11,8 +11,8 @@ from megatron_composer.data.chat_template import structured_tool_calls
 from rl.envs.agent import AGENT_TOOLS
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
-from rl.envs.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns
 from rl.sandbox.local import LocalBackend, bwrap_problem
+from tools.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
@@ -68,7 +68,7 @@ def test_every_kind_scores_0_untouched_and_1_solved_and_replays_as_sft(tmp_path)
 
 
 def test_splits_share_every_kind_and_record_tiers(tmp_path):
-    from rl.envs.task_family import CHANCE, TIERS
+    from tools.task_family import CHANCE, TIERS
 
     splits = generate_splits(tmp_path, {"sft": 120, "train": 80, "heldout": 16}, seed=2)
     for name, dirs in splits.items():
@@ -92,7 +92,7 @@ def test_instruction_values_are_the_calls_tokens(tmp_path):
     from train_tokenizer import main as train_tokenizer
 
     from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.envs.task_family import copy_mismatches
+    from tools.task_family import copy_mismatches
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     assert train_tokenizer(["--input", str(stdlib / "json"), str(stdlib / "email"), str(stdlib / "unittest"),

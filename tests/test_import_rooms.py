@@ -176,3 +176,14 @@ def test_command_line_programs_live_outside_the_library_packages():
     """A program's argument parsing is in tools/ (or the root entrypoints); the packages keep what it calls."""
     entries = sorted(_entry_modules())
     assert not entries, entries
+
+
+def test_the_library_packages_import_no_tool():
+    """tools/ holds programs and generators (the task family); the packages never import them."""
+    bad = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{name} -> {m}" for m in mods if m == "tools" or m.startswith("tools.")]
+    assert not bad, bad

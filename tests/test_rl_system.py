@@ -326,7 +326,7 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
     """A bundled Harbor task through the rollout worker: sandbox, tool observations as context tokens, verifier."""
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.config import RLConfig
-    from rl.model import build_model
+    from rl.model import full_model
     from rl.orchestrator import WorkItem
     from rl.rollout.tasks import load_rl_tasks
     from rl.rollout.worker import RolloutConfig, RolloutWorker
@@ -344,7 +344,7 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
     cfg = load_config(RLConfig, None, _overrides(assets, tmp_path / "run", **{"rollout.max_seq_len": 4096}))
     tok = load_tokenizer(cfg.data.tokenizer)
     torch.manual_seed(0)
-    model, _ = build_model(cfg, tok)
+    model, _ = full_model(cfg, tok)
     rollout = RolloutConfig(group_size=2, agent_max_turns=2, agent_max_new_tokens=24, max_seq_len=4096,
                             cache_memory_mb=128)
     worker = RolloutWorker("t", rollout, model, tok, load_rl_tasks(task_dir), queue=None, subscriber=None,

@@ -28,7 +28,7 @@ GATE_NATS = 1.0
 
 
 def default_pool() -> list[str]:
-    from rl.envs.task_family import FOLDERS, MODULES, NAMES, WORDS
+    from tools.task_family import FOLDERS, MODULES, NAMES, WORDS
 
     return sorted(set(NAMES) | set(FOLDERS) | set(WORDS) | set(MODULES))
 

@@ -3,7 +3,7 @@
 1. Trains a sentencepiece BPE tokenizer on the Python standard library's .py files found on this machine.
 2. Tokenizes them into a megatron-core indexed dataset (data/tiny/stdlib.bin/.idx).
 3. Writes SFT chat transcripts with tool calls built from real stdlib functions (data/tiny/sft.jsonl).
-4. Generates the tiered agent task family (rl/envs/task_family.py) in disjoint splits under
+4. Generates the tiered agent task family (tools/task_family.py) in disjoint splits under
    data/tiny/agent_tasks/ (sft, train, heldout), and replays the sft split's reference solutions as tool calls
    through the agent protocol in sandboxes: those episodes (summarised where their context reaches 600 tokens)
    are the tool-use SFT transcripts (data/tiny/agent_sft.jsonl).
@@ -99,7 +99,7 @@ def write_agent_sft(tasks_root: Path, path: Path, tokenizer_dir: Path, workers: 
     import shutil
 
     from megatron_composer.data.tokenizer import load_tokenizer
-    from rl.envs.task_family import generate_splits, solution_transcripts
+    from tools.task_family import generate_splits, solution_transcripts
 
     if tasks_root.exists():
         shutil.rmtree(tasks_root)
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--chain", choices=("cpt", "agent"), default="cpt",
-                    help="cpt: pretraining, long context, SFT (make demo); "
-                         "agent: pretraining, tool-use SFT on the tiered agent tasks, then agentic RL (make demo-agent)")
+                    help="cpt: pretraining, long context, SFT (make demo); agent: pretraining, "
+                         "tool-use SFT on the tiered agent tasks, then agentic RL (make demo-agent)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides passed to every stage, e.g. train.steps=20")
     args = ap.parse_args(argv)
     args.run_dir = args.run_dir or ("runs/tiny_agent" if args.chain == "agent" else "runs/tiny")

@@ -2,7 +2,7 @@
 
     python tools/make_agent_tasks.py --output data/tiny/agent_tasks --splits sft=480 train=320 heldout=24 --seed 0
 
-Kinds in four tiers (rl/envs/task_family.py TIERS): 1 create an empty file; 2 write a word to a file; 3 make a
+Kinds in four tiers (tools/task_family.py TIERS): 1 create an empty file; 2 write a word to a file; 3 make a
 failing one-line unittest pass; 4 create a file with given content, rename / move a file, replace a word in a
 file, run a command and write its output. Each kind's instances are shared among the splits in proportion to
 their sizes, so no instance is in two of them. Check one: `python tools/check_task.py DIR/train/<task>
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.envs.task_family import KINDS, generate_splits  # noqa: E402
+from tools.task_family import KINDS, generate_splits  # noqa: E402
 
 
 def parse_splits(items: list[str]) -> dict[str, int]:

@@ -24,10 +24,10 @@ def run(rl_assets, tmp_path_factory):
     from megatron_composer.checkpoint.dcp import save_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.config import RLConfig
-    from rl.envs.task_family import generate_splits
     from rl.launch import run_rl
-    from rl.model import build_model
+    from rl.model import full_model
     from rl.sandbox import LocalBackend, SandboxError
+    from tools.task_family import generate_splits
 
     try:
         LocalBackend()
@@ -50,7 +50,7 @@ def run(rl_assets, tmp_path_factory):
     cfg = load_config(RLConfig, str(ROOT / "examples/tiny/rl_agent.yaml"), [f"{k}={v}" for k, v in overrides.items()])
     tok = load_tokenizer(cfg.data.tokenizer)
     torch.manual_seed(0)
-    model, meta = build_model(cfg, tok)
+    model, meta = full_model(cfg, tok)
     with torch.no_grad():
         model.tok_embeddings.weight[:, 0] += 50.0  # a residual direction present at every position
         d = model.config.hidden_size

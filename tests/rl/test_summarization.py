@@ -39,10 +39,10 @@ def _overrides(rl_assets: Path, tasks: Path, run_dir: Path, **extra) -> list[str
 
 def _tool_calling_model(cfg, tok):
     """The tiny model with its output head leaning to <tool_call> (about even odds at every position)."""
-    from rl.model import build_model
+    from rl.model import full_model
 
     torch.manual_seed(0)
-    model, meta = build_model(cfg, tok)
+    model, meta = full_model(cfg, tok)
     with torch.no_grad():
         model.tok_embeddings.weight[:, 0] += 50.0  # a residual direction present at every position
         d = model.config.hidden_size
