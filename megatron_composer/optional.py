@@ -26,4 +26,5 @@ def require(module: str, feature: str, package: str | None = None) -> ModuleType
         if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
             raise  # the package is there but one of its own dependencies is missing: show that error as it is
         pkg = package or module.split(".")[0]
-        raise MissingDependency(f"{feature} needs the '{pkg}' package, which is not installed: pip install {pkg}") from None
+        raise MissingDependency(f"{feature} needs the '{pkg}' package, which is not installed: "
+                                f"pip install {pkg}") from None

@@ -71,7 +71,8 @@ def find_latest(run_dir: str | Path) -> Path | None:
         return None
     ckpt = run_dir / marker.read_text().strip()
     if not (ckpt / "trainer_state.json").is_file():
-        raise CheckpointError(f"{marker} names '{ckpt}', which is not a complete checkpoint; restore it or start a fresh run.dir")
+        raise CheckpointError(f"{marker} names '{ckpt}', which is not a complete checkpoint; "
+                              "restore it or start a fresh run.dir")
     return ckpt
 
 
@@ -82,7 +83,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = find_latest(path) if path.is_dir() else None
     if latest is None:
-        raise CheckpointError(f"'{path}' is neither a checkpoint directory nor a run directory with a 'latest' checkpoint")
+        raise CheckpointError(f"'{path}' is neither a checkpoint directory "
+                              "nor a run directory with a 'latest' checkpoint")
     return latest
 
 
@@ -122,8 +124,9 @@ class _Views:
             for r, c in enumerate(coords):
                 ranks[c] = r
             if (ranks < 0).any() or len(set(map(tuple, coords))) != len(coords):
-                raise CheckpointError(f"the {kind} group and the FSDP mesh {tuple(fsdp_mesh.mesh.shape)} do not tile the "
-                                      f"{dist.get_world_size()} ranks; this layout cannot be checkpointed")
+                raise CheckpointError(f"the {kind} group and the FSDP mesh {tuple(fsdp_mesh.mesh.shape)} "
+                                      f"do not tile the {dist.get_world_size()} ranks; "
+                                      "this layout cannot be checkpointed")
             fsdp_groups = [fsdp_mesh.get_group(i) for i in range(fsdp_mesh.ndim)]
             names = (kind, *(f"fsdp{i}" for i in range(fsdp_mesh.ndim)))
             self._composed[key] = DeviceMesh.from_group([group, *fsdp_groups], fsdp_mesh.device_type, mesh=ranks,
@@ -136,7 +139,8 @@ class _Views:
 
         sharded = spec is not None and spec.kind in ("tp_sharded", "expert") and spec.size > 1
         if sharded and spec.blocks != 1:
-            raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; save with parallel.tp=1")
+            raise CheckpointError(f"cannot checkpoint a parameter sharded in {spec.blocks} interleaved blocks; "
+                                  "save with parallel.tp=1")
         if not sharded:
             return t  # a plain tensor, or an FSDP DTensor whose global shape is the full shape
         if isinstance(t, DTensor):
@@ -145,7 +149,8 @@ class _Views:
             mesh = self.composed(spec.kind, spec, t.device_mesh)
             return DTensor.from_local(t.to_local(), mesh, [Shard(spec.dim), *t.placements], run_check=False,
                                       shape=torch.Size(full), stride=_contiguous_strides(full))
-        return DTensor.from_local(t, self.flat(spec.kind, "cuda" if t.is_cuda else "cpu"), [Shard(spec.dim)], run_check=False)
+        flat = self.flat(spec.kind, "cuda" if t.is_cuda else "cpu")
+        return DTensor.from_local(t, flat, [Shard(spec.dim)], run_check=False)
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -281,7 +286,8 @@ def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int) -> None:
             os.fsync(fh.fileno())
         os.replace(marker_tmp, run_dir / "latest")
         if keep_last > 0:
-            steps = sorted(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if p.name.split("_")[1].isdigit())
+            steps = sorted(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*")
+                           if p.name.split("_")[1].isdigit())
             for old in steps[:-keep_last]:
                 shutil.rmtree(ckpt_root / f"step_{old}", ignore_errors=True)
     _barrier()
@@ -302,9 +308,10 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the final checkpoint directory.
 
     With `async_save` (on several ranks give `async_group`, a gloo process group of all ranks used only by
-    checkpoint writes, so the writer thread's collectives never interleave with training's), DCP copies the state to host memory and writes it
-    in the background; the call returns a PendingCheckpoint once the copy is taken, and training may change
-    the weights. Call its finish() before the next save and before the process ends."""
+    checkpoint writes, so the writer thread's collectives never interleave with training's), DCP copies the
+    state to host memory and writes it in the background; the call returns a PendingCheckpoint once the copy
+    is taken, and training may change the weights. Call its finish() before the next save and before the
+    process ends."""
     run_dir = Path(run_dir)
     ckpt_root = run_dir / "checkpoints"
     final = ckpt_root / f"step_{step}"
@@ -381,7 +388,8 @@ def check_meta(ckpt: Path, expected: dict) -> None:
             "data.seq_length of their stage) or extend it deliberately beyond their context")
     checked_above = "rope_scaling" not in saved or "rope_scaling" in want
     keys = (set(saved) | set(want)) - ({"rope_scaling"} if checked_above else set())
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}" for k in sorted(keys) if saved.get(k) != want.get(k)]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {want.get(k)!r}"
+             for k in sorted(keys) if saved.get(k) != want.get(k)]
     if diffs:
         raise CheckpointError(
             f"checkpoint '{ckpt}' was saved for a different model architecture ({'; '.join(diffs[:3])}); "
@@ -389,8 +397,8 @@ def check_meta(ckpt: Path, expected: dict) -> None:
         )
 
 
-def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, expected_meta: dict | None = None,
-                    restore_rng: bool = True, groups=None) -> dict:
+def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    expected_meta: dict | None = None, restore_rng: bool = True, groups=None) -> dict:
     """Load model (+ optimizer, RNG) in place; returns the trainer_state dict saved with it."""
     ckpt = Path(ckpt)
     if expected_meta is not None:

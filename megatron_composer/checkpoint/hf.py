@@ -105,7 +105,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
                 num_experts=hf.get("n_routed_experts") or 0, num_shared_experts=hf.get("n_shared_experts") or 0,
                 first_k_dense_replace=hf.get("first_k_dense_replace") or 0, moe_layer_freq=hf.get("moe_layer_freq", 1),
                 score_func=scoring, n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
-                expert_bias=topk_method == "noaux_tc", routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                expert_bias=topk_method == "noaux_tc",
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                 num_mtp_layers=hf.get("num_nextn_predict_layers", 0) or 0,
             )
         return cfg.validate()
@@ -547,7 +548,8 @@ def load_hf_weights(model: Transformer, path: str | Path, progress: bool = True)
 def checkpoint_dtype(hf: dict) -> torch.dtype:
     """The dtype a model loaded from a checkpoint with this config.json gets: the one it declares (bfloat16 for
     FP8 weights, which are dequantised), float32 when it declares none."""
-    name = hf.get("dtype") or hf.get("torch_dtype") or text_config(hf).get("dtype") or text_config(hf).get("torch_dtype")
+    name = (hf.get("dtype") or hf.get("torch_dtype")
+            or text_config(hf).get("dtype") or text_config(hf).get("torch_dtype"))
     if name in ("float8_e4m3fn", None):
         return torch.bfloat16 if name else torch.float32
     dtype = getattr(torch, str(name), None)

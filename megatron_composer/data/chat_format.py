@@ -46,7 +46,8 @@ class ParsedTurn(ParsedAssistant):
 
 
 def openai_tool_calls(calls: list[dict], ids: list[str]) -> list[dict]:
-    """{"name", "arguments"} calls as OpenAI message `tool_calls` (arguments as a JSON string, as the API sends them)."""
+    """{"name", "arguments"} calls as OpenAI message `tool_calls` (arguments as a JSON string, as the API sends
+    them)."""
     return [{"id": i, "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
             for c, i in zip(calls, ids)]
@@ -116,10 +117,12 @@ class ChatFormat(ABC):
             before = self.render(messages[:i], tools=tools)
             n = before.count(self.end_of_turn)
             at = (_nth(whole, self.end_of_turn, n) + len(self.end_of_turn)) if n else 0
-            header = (before[before.rfind(self.end_of_turn) + len(self.end_of_turn):] if n else before) + prompt[len(before):]
-            if not prompt.startswith(before) or at < len(self.end_of_turn) * bool(n) or not whole.startswith(header, at):
-                raise ChatFormatError(f"{self.name}: cannot find assistant message {i} in the template's rendering after "
-                                      "its generation prompt; this template cannot be trained turn by turn")
+            last_turn = before[before.rfind(self.end_of_turn) + len(self.end_of_turn):] if n else before
+            header = last_turn + prompt[len(before):]
+            if (not prompt.startswith(before) or at < len(self.end_of_turn) * bool(n)
+                    or not whole.startswith(header, at)):
+                raise ChatFormatError(f"{self.name}: cannot find assistant message {i} in the template's rendering "
+                                      "after its generation prompt; this template cannot be trained turn by turn")
             start = at + len(header)
         stop = whole.find(self.end_of_turn, start)
         if stop < 0:
@@ -143,7 +146,8 @@ class ChatFormat(ABC):
         if parsed.reasoning:
             message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
-            ids = [(parsed.ids[j] if j < len(parsed.ids) and parsed.ids[j] else self.call_id(c["name"], first_call_index + j))
+            ids = [(parsed.ids[j] if j < len(parsed.ids) and parsed.ids[j]
+                    else self.call_id(c["name"], first_call_index + j))
                    for j, c in enumerate(parsed.tool_calls)]
             message["tool_calls"] = openai_tool_calls(parsed.tool_calls, ids)
         if parsed.errors:
@@ -250,7 +254,8 @@ def describe_tools(tools: list[dict]) -> str:
         fn = tool.get("function", tool)
         params = fn.get("parameters") or {}
         required = set(params.get("required") or [])
-        args = ", ".join(f"{a}: {types.get(p.get('type'), p.get('type', 'any'))}{'' if a in required else ' (optional)'}"
+        args = ", ".join(f"{a}: {types.get(p.get('type'), p.get('type', 'any'))}"
+                         f"{'' if a in required else ' (optional)'}"
                          for a, p in (params.get("properties") or {}).items())
         lines.append(f"- {fn['name']}({args}): {fn.get('description', '')}")
     example = chatml.format_tool_call(tools[0].get("function", tools[0])["name"], {}) if tools else ""
@@ -368,8 +373,10 @@ class KimiK2Parser(SectionParser):
     name = "kimi_k2"
     end_of_turn = "<|im_end|>"
     marker = "<|tool_call_argument_begin|>"
-    SECTION_BEGIN, SECTION_END, CALL_BEGIN = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>"
-    _CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
+    SECTION_BEGIN, SECTION_END, CALL_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                              "<|tool_call_begin|>")
+    _CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>"
+                       r"(.*?)<\|tool_call_end\|>", re.DOTALL)
     _ID = re.compile(r"functions\.(.+):(\d+)")
     unterminated = f"unterminated tool-calls section (missing {SECTION_END})"
     malformed = "unterminated tool call (missing <|tool_call_argument_begin|> or <|tool_call_end|>)"
@@ -388,16 +395,17 @@ class KimiK2Parser(SectionParser):
 
 
 class DeepSeekV3Parser(SectionParser):
-    """DeepSeek-V3 / R1: text, then <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}
-    \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>, closed by <｜end▁of▁sentence｜>. A turn after tool outputs opens
-    with <｜tool▁outputs▁end｜> (the model writes it)."""
+    """DeepSeek-V3 / R1: text, then <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    \\n```json\\n{json}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>, closed by <｜end▁of▁sentence｜>. A turn
+    after tool outputs opens with <｜tool▁outputs▁end｜> (the model writes it)."""
 
     name = "deepseek_v3"
     end_of_turn = "<｜end▁of▁sentence｜>"
     marker = "<｜tool▁sep｜>"
     SECTION_BEGIN, SECTION_END, CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>"
     LEAD = "<｜tool▁outputs▁end｜>"
-    _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)"
+                       r"\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.DOTALL)
     unterminated = f"unterminated tool calls (missing {SECTION_END})"
     malformed = "malformed tool call (expected TYPE<｜tool▁sep｜>NAME, a ```json block and <｜tool▁call▁end｜>)"
     NAME_GROUP, ARGS_GROUP = 2, 3  # _CALL's groups holding the function name and its JSON arguments
@@ -495,7 +503,8 @@ def _template_messages(messages: list[dict], call_id) -> list[dict]:
                                       "function": {"name": c.get("name"), "arguments": c.get("arguments", {})}}
                                      for j, c in enumerate(message["tool_calls"])]
             calls += len(message["tool_calls"])
-        reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning") if message.get(k) is not None), None)
+        reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
+                          if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
@@ -599,8 +608,9 @@ def load_chat_format(spec: str, tokenizer=None, template_kwargs: Optional[dict] 
     fmt = TemplateChatFormat(template, parser, _special_token_strings(directory), source=str(directory),
                              template_kwargs=template_kwargs)
     if tokenizer is not None and tokenizer.token_to_id(parser.end_of_turn) is None:
-        raise ChatFormatError(f"chat_format={name}: the tokenizer '{tokenizer.path}' has no {parser.end_of_turn!r} token "
-                              "that ends an assistant turn; the template and the tokenizer do not belong together")
+        raise ChatFormatError(f"chat_format={name}: the tokenizer '{tokenizer.path}' has no "
+                              f"{parser.end_of_turn!r} token that ends an assistant turn; "
+                              "the template and the tokenizer do not belong together")
     return fmt
 
 

@@ -2,10 +2,10 @@
 
 A conversation renders as ChatML-style turns::
 
-    <|im_start|>system\n...<|im_end|>\n
-    <|im_start|>user\n...<|im_end|>\n
-    <|im_start|>assistant\nthinking and text<tool_call>{"name": "run", "arguments": {"cmd": "ls"}}</tool_call><|im_end|>\n
-    <|im_start|>tool\n...observation...<|im_end|>\n
+  <|im_start|>system\n...<|im_end|>\n
+  <|im_start|>user\n...<|im_end|>\n
+  <|im_start|>assistant\nthinking and text<tool_call>{"name": "run", "arguments": {"cmd": "ls"}}</tool_call><|im_end|>\n
+  <|im_start|>tool\n...observation...<|im_end|>\n
 
 Tool calls are JSON objects with "name" and "arguments" between <tool_call> and </tool_call>. Only the
 assistant's content and its closing <|im_end|> are trained on (SFT) or sampled (RL); everything else is

@@ -11,7 +11,8 @@ class CorpusError(ValueError):
     """An input path or record cannot be read as training text."""
 
 
-def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py",), exclude: Sequence[str] = ()) -> list[Path]:
+def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py",),
+                exclude: Sequence[str] = ()) -> list[Path]:
     """Expand files and directories into a sorted, deterministic list of files to read.
 
     Directories contribute files with the given extensions (and .jsonl files), skipping any path that has a
@@ -24,7 +25,8 @@ def list_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".py"
         if p.is_dir():
             found = sorted(
                 f for f in p.rglob("*")
-                if (f.suffix in extensions or f.suffix == ".jsonl") and not skip.intersection(f.relative_to(p).parts) and f.is_file()
+                if (f.suffix in extensions or f.suffix == ".jsonl")
+                and not skip.intersection(f.relative_to(p).parts) and f.is_file()
             )
             files.extend(found)
         elif p.is_file():

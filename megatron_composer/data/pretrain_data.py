@@ -23,16 +23,26 @@ from megatron_composer.optional import require
 
 @dataclass
 class DataConfig:
-    kind: Literal["pretrain", "sft"] = field(default="pretrain", metadata={"help": "pretrain: indexed token data; sft: chat JSONL"})
-    tokenizer: str = field(default="", metadata={"help": "tokenizer file or directory (tools/train_tokenizer.py or an HF checkpoint dir)"})
-    chat_format: str = field(default="auto", metadata={"help": "sft: auto (the tokenizer directory's chat template, else chatml), "
-                                                              "chatml, or the template's tool-call family: kimi_k2, deepseek_v3, deepseek_v31, hermes"})
-    paths: list[str] = field(default_factory=list, metadata={"help": "pretrain: indexed dataset prefixes (PREFIX.bin/.idx); sft: chat JSONL files"})
-    weights: list[float] = field(default_factory=list, metadata={"help": "blend weights, one per path (empty: proportional to size)"})
-    split: str = field(default="98,2,0", metadata={"help": "train,valid,test proportions of documents (conversations for SFT)"})
+    kind: Literal["pretrain", "sft"] = field(
+        default="pretrain", metadata={"help": "pretrain: indexed token data; sft: chat JSONL"})
+    tokenizer: str = field(
+        default="", metadata={"help": "tokenizer file or directory (tools/train_tokenizer.py or an HF checkpoint dir)"})
+    chat_format: str = field(
+        default="auto",
+        metadata={"help": "sft: auto (the tokenizer directory's chat template, else chatml), chatml, "
+                          "or the template's tool-call family: kimi_k2, deepseek_v3, deepseek_v31, hermes"})
+    paths: list[str] = field(
+        default_factory=list,
+        metadata={"help": "pretrain: indexed dataset prefixes (PREFIX.bin/.idx); sft: chat JSONL files"})
+    weights: list[float] = field(
+        default_factory=list, metadata={"help": "blend weights, one per path (empty: proportional to size)"})
+    split: str = field(
+        default="98,2,0", metadata={"help": "train,valid,test proportions of documents (conversations for SFT)"})
     seq_length: int = 256
-    eod_mask_loss: bool = field(default=False, metadata={"help": "do not train on predicting the token after an end-of-document"})
-    cache_dir: str = field(default="", metadata={"help": "where shuffled index files are cached; default <run.dir>/data_cache"})
+    eod_mask_loss: bool = field(
+        default=False, metadata={"help": "do not train on predicting the token after an end-of-document"})
+    cache_dir: str = field(
+        default="", metadata={"help": "where shuffled index files are cached; default <run.dir>/data_cache"})
 
     def validate(self) -> None:
         if not self.tokenizer:
@@ -40,7 +50,8 @@ class DataConfig:
         if not self.paths:
             raise ConfigError("data.paths is empty; list indexed dataset prefixes (pretrain) or chat JSONL files (sft)")
         if self.weights and len(self.weights) != len(self.paths):
-            raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; give one weight per path or none")
+            raise ConfigError(f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; "
+                              "give one weight per path or none")
         if self.seq_length < 2:
             raise ConfigError(f"data.seq_length={self.seq_length} is too small; use at least 2")
         from megatron_composer.data.chat_format import CHAT_FORMATS
@@ -60,22 +71,27 @@ def check_indexed_dataset(prefix: str, vocab_size: int, eod: int) -> dict:
 
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
-            raise DataError(f"dataset file '{prefix}{suffix}' is missing; build it with tools/preprocess_data.py --output-prefix {prefix}")
+            raise DataError(f"dataset file '{prefix}{suffix}' is missing; "
+                            f"build it with tools/preprocess_data.py --output-prefix {prefix}")
     try:
         ds = IndexedDataset(prefix, mmap=True)
         n_tokens = int(ds.sequence_lengths.sum())
         itemsize = ds.index.dtype_size
     except Exception as e:  # megatron-core raises AssertionError/ValueError on a corrupt index
-        raise DataError(f"dataset '{prefix}' is corrupt ({type(e).__name__}: {e}); rebuild it with tools/preprocess_data.py --overwrite") from None
+        raise DataError(f"dataset '{prefix}' is corrupt ({type(e).__name__}: {e}); "
+                        "rebuild it with tools/preprocess_data.py --overwrite") from None
     bin_bytes = Path(prefix + ".bin").stat().st_size
     if bin_bytes != n_tokens * itemsize:
-        raise DataError(f"dataset '{prefix}.bin' has {bin_bytes} bytes but its index describes {n_tokens * itemsize}; rebuild it with tools/preprocess_data.py --overwrite")
+        raise DataError(f"dataset '{prefix}.bin' has {bin_bytes} bytes but its index describes "
+                        f"{n_tokens * itemsize}; rebuild it with tools/preprocess_data.py --overwrite")
     meta_path = Path(prefix + ".meta.json")
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta.get("vocab_size", 0) > vocab_size:
-        raise DataError(f"dataset '{prefix}' was tokenized with a {meta['vocab_size']}-token vocabulary but the tokenizer/model has {vocab_size}; use the same tokenizer")
+        raise DataError(f"dataset '{prefix}' was tokenized with a {meta['vocab_size']}-token vocabulary "
+                        f"but the tokenizer/model has {vocab_size}; use the same tokenizer")
     if "eod" in meta and meta["eod"] != eod:
-        raise DataError(f"dataset '{prefix}' uses end-of-document id {meta['eod']} but the tokenizer's is {eod}; use the tokenizer the data was built with")
+        raise DataError(f"dataset '{prefix}' uses end-of-document id {meta['eod']} but the tokenizer's is {eod}; "
+                        "use the tokenizer the data was built with")
     return meta
 
 
@@ -91,7 +107,8 @@ class _CoreTokenizerView:
         self.unique_identifiers = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod}
 
 
-def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, num_valid_samples: int, seed: int, cache_dir: str):
+def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, num_valid_samples: int, seed: int,
+                            cache_dir: str):
     """Return (train, valid) GPTDataset-like objects: len() and [i] -> dict of tokens/labels/loss_mask/position_ids."""
     for p in cfg.paths:
         check_indexed_dataset(p, tokenizer.vocab_size, tokenizer.eod)
@@ -126,14 +143,17 @@ def build_pretrain_datasets(cfg: DataConfig, tokenizer, num_train_samples: int, 
     try:
         train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, core_cfg).build()
     except AssertionError as e:
-        raise DataError(f"cannot build datasets from {cfg.paths} with split '{cfg.split}': {e or 'a split is empty'}; use more data or a different data.split") from None
+        raise DataError(f"cannot build datasets from {cfg.paths} with split '{cfg.split}': "
+                        f"{e or 'a split is empty'}; use more data or a different data.split") from None
     finally:
         if private_group:
             torch.distributed.destroy_process_group()
     if train is None or len(train) == 0:
-        raise DataError(f"training split of {cfg.paths} is empty; use more data or raise the first number of data.split")
+        raise DataError(f"training split of {cfg.paths} is empty; "
+                        "use more data or raise the first number of data.split")
     if num_valid_samples and (valid is None or len(valid) == 0):
-        raise DataError(f"validation split of {cfg.paths} is empty; raise the second number of data.split='{cfg.split}'")
+        raise DataError(f"validation split of {cfg.paths} is empty; "
+                        f"raise the second number of data.split='{cfg.split}'")
     return train, valid
 
 

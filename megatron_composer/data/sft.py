@@ -59,7 +59,8 @@ def read_conversations(paths: list[str]) -> list[dict]:
     return conversations
 
 
-def pack_conversations(tokenized: list[tuple[list[int], list[bool]]], seq_length: int, pad_id: int) -> dict[str, np.ndarray]:
+def pack_conversations(tokenized: list[tuple[list[int], list[bool]]], seq_length: int,
+                       pad_id: int) -> dict[str, np.ndarray]:
     """Greedy packing into rows of seq_length+1 tokens; returns arrays tokens/trainable/position_ids [N, L+1]."""
     row_len = seq_length + 1
     rows_tok, rows_train, rows_pos = [], [], []
@@ -143,7 +144,8 @@ def build_sft_datasets(cfg, tokenizer, seed: int):
     if parts[1:2] and parts[1] > 0:
         n_valid = max(1, n_valid)
     if n_valid >= len(conversations):
-        raise DataError(f"only {len(conversations)} conversations: too few for data.split='{cfg.split}'; add data or lower the valid share")
+        raise DataError(f"only {len(conversations)} conversations: too few for data.split='{cfg.split}'; "
+                        "add data or lower the valid share")
     valid_convs = [conversations[i] for i in perm[:n_valid]]
     train_convs = [conversations[i] for i in perm[n_valid:]]
     train = PackedSFTDataset(train_convs, tokenizer, cfg.seq_length, seed, chat_format)

@@ -80,7 +80,8 @@ class Tokenizer:
         if self.vocab_size > model_vocab_size:
             raise TokenizerError(
                 f"tokenizer '{self.path}' has {self.vocab_size} tokens but the model's vocab_size is "
-                f"{model_vocab_size}; use the tokenizer the data was built with or set model.vocab_size>={self.vocab_size}"
+                f"{model_vocab_size}; use the tokenizer the data was built with "
+                f"or set model.vocab_size>={self.vocab_size}"
             )
 
     def describe(self) -> dict:
@@ -100,7 +101,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = self._sp.GetPieceSize()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise TokenizerError(f"sentencepiece model '{self.path}' has no end-of-document (eos) piece; retrain with tools/train_tokenizer.py")
+            raise TokenizerError(f"sentencepiece model '{self.path}' has no end-of-document (eos) piece; "
+                                 "retrain with tools/train_tokenizer.py")
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
         self.special_tokens = {EOD_TOKEN: self.eod}
         for piece in CHAT_SPECIAL_TOKENS:
@@ -143,7 +145,8 @@ class HFTokenizer(Tokenizer):
         candidates = [_name(config.get("eos_token"))] + list(_HF_EOD_CANDIDATES)
         eod = next((self._tok.token_to_id(c) for c in candidates if c and self._tok.token_to_id(c) is not None), None)
         if eod is None:
-            raise TokenizerError(f"HF tokenizer '{self.path}' has no end-of-document token; set eos_token in tokenizer_config.json")
+            raise TokenizerError(f"HF tokenizer '{self.path}' has no end-of-document token; "
+                                 "set eos_token in tokenizer_config.json")
         self.eod = eod
         pad_name = _name(config.get("pad_token"))
         pad = self._tok.token_to_id(pad_name) if pad_name else None
@@ -174,7 +177,8 @@ def _pattern_from_python(directory: Path) -> str | None:
     """
     for py in sorted(directory.glob("tokenization*.py")):
         for node in ast.walk(ast.parse(py.read_text(encoding="utf-8"))):
-            targets = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", None) for t in getattr(node, "targets", [])]
+            targets = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", None)
+                       for t in getattr(node, "targets", [])]
             if not isinstance(node, ast.Assign) or "pat_str" not in targets:
                 continue
             value = node.value
@@ -210,11 +214,13 @@ class TiktokenTokenizer(Tokenizer):
         except (ValueError, OSError) as e:
             raise TokenizerError(f"'{model_file}' is not a tiktoken BPE file (line {lineno}: {e})") from None
         directory = model_file.parent
-        config = json.loads((directory / "tokenizer_config.json").read_text()) if (directory / "tokenizer_config.json").is_file() else {}
+        config_file = directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         pattern = config.get("pat_str") or _pattern_from_python(directory)
         if not pattern:
             raise TokenizerError(
-                f"tiktoken tokenizer '{model_file}' needs its split regex: add \"pat_str\" to {directory / 'tokenizer_config.json'} "
+                f"tiktoken tokenizer '{model_file}' needs its split regex: "
+                f"add \"pat_str\" to {directory / 'tokenizer_config.json'} "
                 "(as in the model's tokenization_*.py)"
             )
         byte_chars = _bytes_to_unicode()
@@ -238,7 +244,9 @@ class TiktokenTokenizer(Tokenizer):
         for idx in sorted(specials):
             tok.add_special_tokens([AddedToken(specials[idx], normalized=False, special=True)])
             if tok.token_to_id(specials[idx]) != idx:
-                raise TokenizerError(f"special token {specials[idx]!r} of '{model_file}' would get id {tok.token_to_id(specials[idx])}, not {idx}; the added_tokens_decoder ids must follow the BPE ranks")
+                raise TokenizerError(f"special token {specials[idx]!r} of '{model_file}' would get id "
+                                     f"{tok.token_to_id(specials[idx])}, not {idx}; "
+                                     "the added_tokens_decoder ids must follow the BPE ranks")
         self._tok = tok
         self.vocab_size = max([len(ranks)] + [i + 1 for i in specials])
         eos = config.get("eos_token")
@@ -246,7 +254,8 @@ class TiktokenTokenizer(Tokenizer):
         candidates = [eos] + list(_HF_EOD_CANDIDATES) + ["[EOS]", "<|im_end|>"]
         eod = next((tok.token_to_id(c) for c in candidates if c and tok.token_to_id(c) is not None), None)
         if eod is None:
-            raise TokenizerError(f"tiktoken tokenizer '{model_file}' has no end-of-document token; set eos_token in tokenizer_config.json")
+            raise TokenizerError(f"tiktoken tokenizer '{model_file}' has no end-of-document token; "
+                                 "set eos_token in tokenizer_config.json")
         self.eod = eod
         pad = config.get("pad_token")
         pad = pad.get("content") if isinstance(pad, dict) else pad
@@ -287,12 +296,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     holding one of them (tokenizer.json preferred)."""
     path = Path(path)
     if path.is_dir():
-        for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer), ("tokenizer.model", SentencePieceTokenizer)):
+        for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer),
+                          ("tokenizer.model", SentencePieceTokenizer)):
             if (path / name).is_file():
                 return cls(path / name)
-        raise TokenizerError(f"directory '{path}' has no tokenizer.json, tiktoken.model or tokenizer.model; point data.tokenizer at a tokenizer file")
+        raise TokenizerError(f"directory '{path}' has no tokenizer.json, tiktoken.model or tokenizer.model; "
+                             "point data.tokenizer at a tokenizer file")
     if not path.is_file():
-        raise TokenizerError(f"tokenizer '{path}' does not exist; train one with tools/train_tokenizer.py or point at a checkpoint directory")
+        raise TokenizerError(f"tokenizer '{path}' does not exist; "
+                             "train one with tools/train_tokenizer.py or point at a checkpoint directory")
     if path.suffix == ".json":
         return HFTokenizer(path)
     if path.name == "tiktoken.model" or path.suffix == ".tiktoken":

@@ -14,5 +14,5 @@ from megatron_composer.fp8.formats import (
 )
 from megatron_composer.fp8.linear import FP8GroupedMM, FP8Linear, FP8LinearFunction, FP8Ops, apply_fp8, fp8_linear
 
-__all__ = ["FP8Config", "FP8Ops", "FP8Linear", "FP8LinearFunction", "FP8GroupedMM", "apply_fp8", "fp8_linear", "quantize_mx",
-           "dequantize_mx", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["FP8Config", "FP8Ops", "FP8Linear", "FP8LinearFunction", "FP8GroupedMM", "apply_fp8", "fp8_linear",
+           "quantize_mx", "dequantize_mx", "quantize_blockwise", "dequantize_blockwise"]

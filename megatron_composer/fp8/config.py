@@ -15,7 +15,9 @@ BLOCKWISE_BLOCK = 128
 class FP8Config:
     recipe: Literal["none", "mxfp8", "blockwise"] = field(
         default="none", metadata={"help": "none | mxfp8 (E8M0 scales per block) | blockwise (DeepSeek-V3 FP32 tiles)"})
-    block_size: int = field(default=32, metadata={"help": "MX block length along the reduction dim: 32 (OCP) or 16; blockwise always uses 128"})
+    block_size: int = field(
+        default=32,
+        metadata={"help": "MX block length along the reduction dim: 32 (OCP) or 16; blockwise always uses 128"})
     rounding: Literal["rceil", "floor"] = field(
         default="rceil", metadata={"help": "MX scale rounding: rceil (no saturation) or floor (OCP)"})
     pow2_scale: bool = field(default=False, metadata={"help": "blockwise: round FP32 scales up to powers of two"})

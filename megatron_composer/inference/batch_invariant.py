@@ -10,9 +10,9 @@ log-softmax, for rows below ~32k elements), arithmetic, top-k, gathers and `inde
 independent of the batch.
 
 The approach: run every shape-sensitive op with one fixed shape per token.
-- `F.linear`, `torch.matmul` / `mm` / `bmm` (functions and tensor methods) and `torch._grouped_mm` are computed as a batch of independent one-row
-  products (a bmm whose entries are all [1, K] x [K, N]), so a token's projection is the same whether it
-  is alone, in a batch of 16, or one of 500 prompt tokens.
+- `F.linear`, `torch.matmul` / `mm` / `bmm` (functions and tensor methods) and `torch._grouped_mm` are
+  computed as a batch of independent one-row products (a bmm whose entries are all [1, K] x [K, N]), so a
+  token's projection is the same whether it is alone, in a batch of 16, or one of 500 prompt tokens.
 - Transcendental elementwise ops run on inputs padded to whole SIMD vectors (`_pointwise`).
 - Attention is computed one query at a time over exactly the keys it may see (`attend_row`): scores
   [H, 1, L], a float32 softmax over L, and [H, 1, L] x [H, L, Dv]; a decode step with a KV cache of length
@@ -21,7 +21,8 @@ The approach: run every shape-sensitive op with one fixed shape per token.
 `batch_invariant()` is a torch function mode, so the same model code runs invariantly on both sides:
 the inference engine enters it for its forward passes, and the training forward pass does
 `with batch_invariant(): model(ids, routed_experts=...)` to get log-probabilities bit-identical to the
-engine's. It is slower (one-row products, a Python loop over attention rows): a correctness mode for RL numerics and tests, not for speed.
+engine's. It is slower (one-row products, a Python loop over attention rows): a correctness mode for RL
+numerics and tests, not for speed.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class InferenceContext:
         for b in range(B):  # one query row at a time over exactly its keys, as the training forward in this mode
             for r in range(self.lengths[b]):
                 stop = self.starts[b] + r + 1
-                o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop], v_BHLD[b, :, :stop], scale)
+                o_BHND[b, :, r:r + 1] = attend_row(q_BHND[b, :, r:r + 1], k_BHLD[b, :, :stop], v_BHLD[b, :, :stop],
+                                                   scale)
         return o_BHND.transpose(1, 2)
 
     def attend_absorbed(self, layer: int, q_BNHD: torch.Tensor, kv_new_BNX: torch.Tensor, w_kv_HDC: torch.Tensor,

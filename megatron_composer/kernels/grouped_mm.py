@@ -44,8 +44,8 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> Optiona
     except RuntimeError as e:  # alignment or layout torch does not take: per-group matmuls instead, said once
         _GROUPED_MM_REJECTED.add(key)
         import warnings
-        warnings.warn(f"torch._grouped_mm refused operands {tuple(a.shape)} x {tuple(b.shape)} ({str(e).splitlines()[0]}); "
-                      "using per-group matmuls for them")
+        warnings.warn(f"torch._grouped_mm refused operands {tuple(a.shape)} x {tuple(b.shape)} "
+                      f"({str(e).splitlines()[0]}); using per-group matmuls for them")
         return None
 
 

@@ -2,8 +2,9 @@
 inference (through the engine's inference context, inference/context.py).
 
 `absorbed_attention` wraps the first with MLA's query absorption and value expansion (the whole attention of
-a decode step between the projections, one C++ call on the CPU). Two forms, each a reference in torch (any device; on CUDA SDPA with the mask) and, on the CPU, a C++ kernel
-that reads the cache rows where they lie (kernels/cpu/csrc/decode.cpp) where it applies:
+a decode step between the projections, one C++ call on the CPU). Two forms, each a reference in torch (any
+device; on CUDA SDPA with the mask) and, on the CPU, a C++ kernel that reads the cache rows where they lie
+(kernels/cpu/csrc/decode.cpp) where it applies:
 - `latent_attention`: MLA in the latent space (DeepSeek's absorbed decoding form). Query rows [B, M, C + R]
   (latent query q_nope W_uk, then the rotated rope query) score against cache rows [C + R] (normed latent,
   rotated rope key); the output is p . latent [B, M, C], to be expanded by W_uv.
@@ -53,7 +54,8 @@ def latent_attention(q_BMX: torch.Tensor, cache_SX: torch.Tensor, slots_BL: torc
             and N <= 4 and not torch._C._is_torch_function_mode_enabled()):
         kernel = cpp.load("decode")
         if kernel is not None and kernel.has_avx2():
-            return kernel.paged_latent_attention(q_BMX.contiguous(), cache_SX, slots_BL, pos_BN, float(scale), latent_dim)
+            return kernel.paged_latent_attention(q_BMX.contiguous(), cache_SX, slots_BL, pos_BN, float(scale),
+                                                 latent_dim)
     if bias_BML is None:
         bias_BML = expand_bias(causal_bias(pos_BN, slots_BL.shape[1], q_BMX.dtype), q_BMX.shape[1] // N)
     return latent_attention_reference(q_BMX, cache_SX, slots_BL, bias_BML, scale, latent_dim)
@@ -109,4 +111,5 @@ def grouped_attention(q_BNHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.
     return o.view(B, KV, rep, N, -1).permute(0, 3, 1, 2, 4).reshape(B, N, H, -1)
 
 
-__all__ = ["absorbed_attention", "absorbed_kernel", "causal_bias", "expand_bias", "grouped_attention", "latent_attention", "latent_attention_reference"]
+__all__ = ["absorbed_attention", "absorbed_kernel", "causal_bias", "expand_bias", "grouped_attention",
+           "latent_attention", "latent_attention_reference"]

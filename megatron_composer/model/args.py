@@ -128,7 +128,8 @@ class ModelConfig:
                  "model.q_lora_rank must be positive, or null for uncompressed queries")
         if self.num_experts > 0:
             need(0 < self.num_experts_per_tok <= self.num_experts,
-                 f"model.num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+                 f"model.num_experts_per_tok ({self.num_experts_per_tok}) "
+                 f"must be in 1..num_experts ({self.num_experts})")
             need(self.num_experts % self.n_group == 0,
                  f"model.num_experts ({self.num_experts}) must be divisible by model.n_group ({self.n_group})")
             need(1 <= self.topk_group <= self.n_group,
@@ -143,7 +144,8 @@ class ModelConfig:
             need(self.moe_layer_freq >= 1, "model.moe_layer_freq must be >= 1")
         need(self.num_mtp_layers >= 0, "model.num_mtp_layers must be >= 0")
         if self.rope_scaling is not None:
-            need(self.rope_scaling.factor >= 1.0, f"model.rope_scaling.factor must be >= 1, got {self.rope_scaling.factor}")
+            need(self.rope_scaling.factor >= 1.0,
+                 f"model.rope_scaling.factor must be >= 1, got {self.rope_scaling.factor}")
         return self
 
 

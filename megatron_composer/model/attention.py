@@ -66,11 +66,13 @@ class MLAttention(nn.Module):
     def project_q(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries [B, S, H, qk_nope + qk_rope] with rope applied."""
         B, S, _ = x_BSD.shape
-        q = self.wq(x_BSD) if "wq" in self._modules else self.wq_b(self.q_norm(self.wq_a(x_BSD)))  # not hasattr: a miss raises inside Module.__getattr__
+        # not hasattr: a miss raises inside Module.__getattr__
+        q = self.wq(x_BSD) if "wq" in self._modules else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
         q_BSHD = q.view(B, S, -1, self.qk_nope_head_dim + self.qk_rope_head_dim)
         return apply_rope_tail(q_BSHD, cos, sin, self.rope_interleave, self.qk_rope_head_dim)
 
-    def compress_kv(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress_kv(self, x_BSD: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-token cache content: normed latent [B, S, kv_lora_rank] and rotated rope key [B, S, rope]."""
         c_kv, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_rope = apply_rope_tail(k_rope.unsqueeze(2), cos, sin, self.rope_interleave, self.qk_rope_head_dim).squeeze(2)

@@ -169,7 +169,8 @@ class Transformer(nn.Module):
         main_logits = self.output(h) if logits else None
         if not (return_routing or mtp or return_hidden or not logits):
             return main_logits
-        out = ModelOutput(logits=main_logits, aux_loss=aux_total, hidden_states=h if return_hidden or not logits else None)
+        out = ModelOutput(logits=main_logits, aux_loss=aux_total,
+                          hidden_states=h if return_hidden or not logits else None)
         if return_routing and chosen:
             out.routed_experts = torch.stack(chosen)
         if mtp:

@@ -24,7 +24,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn_correction_range(s: RopeScaling, dim: int, base: float) -> tuple[float, float]:
     def correction_dim(num_rotations: float) -> float:
-        return (dim * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+        return ((dim * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi)))
+                / (2 * math.log(base)))
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
     if s.truncate:

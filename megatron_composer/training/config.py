@@ -24,14 +24,19 @@ from megatron_composer.training.qat import QATConfig
 
 @dataclass
 class RunConfig:
-    dir: str = field(default="runs/default", metadata={"help": "outputs; running again with the same dir resumes from its latest checkpoint"})
+    dir: str = field(
+        default="runs/default",
+        metadata={"help": "outputs; running again with the same dir resumes from its latest checkpoint"})
 
 
 @dataclass
 class ModelSection:
     preset: str = field(default="tiny-deepseek-v3", metadata={"help": "megatron_composer.model preset name"})
-    vocab_size: int = field(default=0, metadata={"help": "0: the tokenizer's vocab size rounded up to a multiple of 64"})
-    yarn_original_length: int = field(default=0, metadata={"help": ">0 turns on YaRN with factor data.seq_length / this (the previous stage's context)"})
+    vocab_size: int = field(
+        default=0, metadata={"help": "0: the tokenizer's vocab size rounded up to a multiple of 64"})
+    yarn_original_length: int = field(
+        default=0,
+        metadata={"help": ">0 turns on YaRN with factor data.seq_length / this (the previous stage's context)"})
     overrides: dict = field(default_factory=dict, metadata={"help": "any ModelConfig field, e.g. {num_layers: 2}"})
 
 
@@ -39,8 +44,12 @@ class ModelSection:
 class CheckpointConfig:
     interval: int = field(default=100, metadata={"help": "save every N steps (and at the end)"})
     keep_last: int = field(default=3, metadata={"help": "checkpoints kept (0 keeps all)"})
-    init_from: str = field(default="", metadata={"help": "fresh runs load model weights from this run dir or checkpoint; 'previous' = the previous stage of a chain"})
-    async_save: bool = field(default=False, metadata={"help": "write checkpoints in the background (DCP async save after a host copy); each becomes `latest` at the next save or at the end of the run"})
+    init_from: str = field(
+        default="", metadata={"help": "fresh runs load model weights from this run dir or checkpoint; "
+                                      "'previous' = the previous stage of a chain"})
+    async_save: bool = field(
+        default=False, metadata={"help": "write checkpoints in the background (DCP async save after a host copy); "
+                                         "each becomes `latest` at the next save or at the end of the run"})
 
 
 # Fields that do not change parameter shapes: a stage may change them and still load the previous weights.
@@ -68,7 +77,8 @@ def model_config(cfg, tokenizer, weights=None):
         base = mc.rope_scaling or RopeScaling()
         mc = dataclasses.replace(
             mc,
-            rope_scaling=dataclasses.replace(base, factor=cfg.data.seq_length / old, original_max_position_embeddings=old),
+            rope_scaling=dataclasses.replace(base, factor=cfg.data.seq_length / old,
+                                             original_max_position_embeddings=old),
             max_position_embeddings=max(mc.max_position_embeddings, cfg.data.seq_length),
         )
     saved = saved_architecture(weights) if weights is not None else None
@@ -90,5 +100,5 @@ def checkpoint_meta(mc, tokenizer) -> dict:
     return {"model": architecture(mc), "tokenizer": tokenizer.describe()}
 
 
-__all__ = ["CheckpointConfig", "FP8Config", "LoggingConfig", "ModelSection", "OptimizerConfig", "ParallelConfig", "QATConfig",
-           "RunConfig", "architecture", "checkpoint_meta", "model_config"]
+__all__ = ["CheckpointConfig", "FP8Config", "LoggingConfig", "ModelSection", "OptimizerConfig", "ParallelConfig",
+           "QATConfig", "RunConfig", "architecture", "checkpoint_meta", "model_config"]

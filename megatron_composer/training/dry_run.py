@@ -113,7 +113,8 @@ def peak_tracker(fsdp: bool):
                 def run(*args, **kwargs):
                     group = fsdp_mod._get_fsdp_state()._fsdp_param_group
                     if group is not None and not all(hasattr(p, "_unsharded_param") for p in group.fsdp_params):
-                        return orig(*args, **kwargs)  # a unit that never ran (an untrained MTP depth): nothing to attribute
+                        # a unit that never ran (an untrained MTP depth): nothing to attribute
+                        return orig(*args, **kwargs)
                     return tracked(*args, **kwargs)
 
                 return run

@@ -27,7 +27,8 @@ def training_flops_per_token(cfg, seq_length: int, include_mtp: bool = True) -> 
     return 6 * matmul_params + 3 * attn
 
 
-_KNOWN_PEAKS_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12, "GH200": 989e12}
+_KNOWN_PEAKS_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12,
+                     "GH200": 989e12}
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0, n: int = 1024) -> float:

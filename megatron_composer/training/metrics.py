@@ -17,7 +17,8 @@ class LoggingConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "megatron-composer"
-    wandb_mode: str = field(default="offline", metadata={"help": "offline unless you set online and have a key configured"})
+    wandb_mode: str = field(
+        default="offline", metadata={"help": "offline unless you set online and have a key configured"})
 
 
 def memory_gb() -> float:
@@ -50,7 +51,8 @@ class MetricsLogger:
 
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
-                print("logging.tensorboard=true but tensorboard is not installed (pip install tensorboard); skipping it")
+                print("logging.tensorboard=true but tensorboard is not installed (pip install tensorboard); "
+                      "skipping it")
         if cfg.wandb:
             try:
                 import wandb
@@ -79,7 +81,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict, console: bool = False) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: (float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v)
+                                   for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in record.items():
@@ -106,8 +109,9 @@ def format_console(r: dict) -> str:
 
     parts = [f"step {r['step']}"]
     for key, label, fmt in (
-        ("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("grad_norm", "gnorm", "{:.3f}"),
-        ("tokens_per_s", "tok/s", "{:.0f}"), ("mfu", "mfu", "{:.2%}"), ("mtp1_top1", "mtp1@1", "{:.3f}"), ("memory_gb", "mem", "{:.2f}GB"),
+        ("loss", "loss", "{:.4f}"), ("val_loss", "val", "{:.4f}"), ("lr", "lr", "{:.2e}"),
+        ("grad_norm", "gnorm", "{:.3f}"), ("tokens_per_s", "tok/s", "{:.0f}"), ("mfu", "mfu", "{:.2%}"),
+        ("mtp1_top1", "mtp1@1", "{:.3f}"), ("memory_gb", "mem", "{:.2f}GB"),
     ):
         s = f(key, fmt)
         if s is not None:

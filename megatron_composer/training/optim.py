@@ -21,9 +21,11 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm (0 disables clipping)"})
-    schedule: Literal["cosine", "wsd", "constant"] = field(default="cosine", metadata={"help": "after warmup: cosine decay, warmup-stable-decay, or constant"})
+    schedule: Literal["cosine", "wsd", "constant"] = field(
+        default="cosine", metadata={"help": "after warmup: cosine decay, warmup-stable-decay, or constant"})
     warmup_steps: int = 100
-    decay_fraction: float = field(default=0.2, metadata={"help": "wsd: fraction of steps spent in the final linear decay"})
+    decay_fraction: float = field(
+        default=0.2, metadata={"help": "wsd: fraction of steps spent in the final linear decay"})
     fused: bool = field(default=True, metadata={"help": "use torch's fused AdamW when the device supports it"})
 
     def validate(self) -> None:

@@ -120,7 +120,8 @@ def _launch(a, sa, b, sb, out, offs, M, N, K, G, grid_m, grid_z, KB, A_RB, B_RB,
         return out  # nothing to compute; a fake tensor (the dry run) has no values, only the output's allocation
     as_u8 = (lambda s: s.view(torch.uint8)) if mx else (lambda s: s)
     _scaled_mm_kernel[grid](
-        a.view(torch.uint8), as_u8(sa), b.view(torch.uint8), as_u8(sb), out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
+        a.view(torch.uint8), as_u8(sa), b.view(torch.uint8), as_u8(sb),
+        out.view(torch.int16) if out.dtype == torch.bfloat16 else out,
         offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a.device), M, N, K, G,
         BM=BM, BN=BN, KB=KB, A_RB=A_RB, B_RB=B_RB, MX=mx, MODE=mode, UPCAST=upcast,
         OUT_BF16=out.dtype == torch.bfloat16, num_warps=8 if BM * BN >= 128 * 128 else 4, num_stages=3)

@@ -213,7 +213,8 @@ def quantize(x: torch.Tensor, block: tuple[int, int], kind: str, rowwise: bool =
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN), B)
     if M and N and B and not is_fake(x):  # a fake tensor (the dry run) has no values: only the allocations
         _quantize_kernel[grid](
-            x.view(torch.int16) if x.dtype == torch.bfloat16 else x, q if q is not None else dummy, s if s is not None else dummy,
+            x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+            q if q is not None else dummy, s if s is not None else dummy,
             qt if qt is not None else dummy, st if st is not None else dummy, M, N,
             BM=BM, BN=BN, RB=RB, CB=CB, KIND=KIND[kind], ROWWISE=rowwise, COLWISE=colwise,
             IN_BF16=x.dtype == torch.bfloat16, num_warps=8)

@@ -91,7 +91,8 @@ def load(name: str) -> Optional[ModuleType]:
     source = _CSRC / f"{name}.cpp"
     flags = ["-O3", *_FLAGS.get(name, ())]
     headers = b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))  # shared by the kernels' sources
-    key = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
+    key = hashlib.sha1(source.read_bytes() + headers + " ".join(flags).encode()
+                       + torch.__version__.encode()).hexdigest()
     _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as build

@@ -3,8 +3,9 @@ pass each way (csrc/rope.cpp), as an autograd Function.
 
 Its reference is `torch.cat([x[..., :P], apply_rope(x[..., P:], cos, sin, interleaved)], -1)` with
 apply_rope from kernels/rope.py (the entry point `apply_rope_tail`): the kernel rounds as those separate
-multiplies do, so float32 results are equal bit for bit. The reference runs instead on other devices and dtypes, when cos/sin need gradients,
-under a torch function mode (which must see each op), or where the C++ module cannot be built.
+multiplies do, so float32 results are equal bit for bit. The reference runs instead on other devices and
+dtypes, when cos/sin need gradients, under a torch function mode (which must see each op), or where the C++
+module cannot be built.
 """
 
 from __future__ import annotations
