@@ -21,7 +21,8 @@ Arms (each one switch away from the config's recipe):
   r2             replay the trainer's own old-policy routing          rl.router_replay=r2
   replay_off     route freely in training                             rl.router_replay=off
   summarisation  self-summarisation chains (agent tasks only)         rollout.summary_trigger_tokens=...
-  shaping        length penalty and malformed-tool-call penalty on    rl.length_penalty_weight=... rl.behaviour_rewards=...
+  shaping        length penalty and malformed-tool-call penalty on    rl.length_penalty_weight=...
+                                                                      rl.behaviour_rewards=...
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 def run_one(config: str, overrides: list[str], run_dir: Path, log: Path) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                         if p]))
     cmd = [sys.executable, str(ROOT / "rl_composer.py"), "--config", config, *overrides, f"run.dir={run_dir}"]
     with open(log, "w") as fh:
         return subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode

@@ -7,7 +7,8 @@
     python tools/convert_hf.py HF_DIR --check
     # one of our training checkpoints (run dir or checkpoint dir) -> HF directory; on several ranks each
     # holds its shards of the model in the given layout and the export gathers one tensor at a time
-    [torchrun --nproc-per-node N] python tools/convert_hf.py --checkpoint RUN_DIR --out OUT_DIR [--fsdp] [--tp T] [--ep E]
+    [torchrun --nproc-per-node N] python tools/convert_hf.py --checkpoint RUN_DIR --out OUT_DIR \
+        [--fsdp] [--tp T] [--ep E]
     # a fresh model of a preset -> HF directory (e.g. to start from random weights)
     python tools/convert_hf.py --preset tiny-deepseek-v3 --out OUT_DIR
 

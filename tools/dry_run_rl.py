@@ -61,7 +61,8 @@ def main(argv=None) -> int:
           f"tp={p.tp} cp={p.cp} ep={p.ep} fsdp={p.fsdp} recompute={p.activation_checkpointing}, fp8 {cfg.fp8.recipe}; "
           f"{args.gpus} trainer ranks x {args.gpu_mem:g} GiB")
     print(f"  step: {cfg.train.groups_per_step} groups x {cfg.rollout.group_size} episodes = "
-          f"{r.extra['samples_per_rank']} samples per data-parallel rank, {n_micro} micro-batches of {cfg.train.micro_batch_size} x {seq} tokens")
+          f"{r.extra['samples_per_rank']} samples per data-parallel rank, "
+          f"{n_micro} micro-batches of {cfg.train.micro_batch_size} x {seq} tokens")
     print(f"  RL loss: pg_loss={rl.pg_loss}, kl_coef={rl.kl_coef} ({rl.kl_estimator}, {rl.kl_placement}), "
           f"router_replay={rl.router_replay}, mismatch_mask={rl.mismatch_mask} (quantile {rl.mismatch_quantile}, "
           f"bound {rl.mismatch_bound}); forward passes measured: "
@@ -82,11 +83,12 @@ def main(argv=None) -> int:
                                                           and k not in ESTIMATED) + " GiB")
     total = est["total_full"] if p.activation_checkpointing == "full" else est["total_none"]
     ratio = r.peak_bytes / total
-    print(f"  {'peak':22s} {total / GiB:13.2f} {r.peak_bytes / GiB:14.2f}   (sim/est {ratio:.2f}, {(ratio - 1) * 100:+.1f}%)")
+    print(f"  {'peak':22s} {total / GiB:13.2f} {r.peak_bytes / GiB:14.2f}   "
+          f"(sim/est {ratio:.2f}, {(ratio - 1) * 100:+.1f}%)")
     fits = r.peak_bytes <= args.gpu_mem * GiB
     print(f"  estimate {total / GiB:.2f} GiB: {fit_text(total, args.gpu_mem)}")
-    print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: {fit_text(r.peak_bytes, args.gpu_mem)}; "
-          f"{r.seconds:.0f} s")
+    print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: "
+          f"{fit_text(r.peak_bytes, args.gpu_mem)}; {r.seconds:.0f} s")
     print("  assumptions:")
     for a in r.assumptions:
         print(f"    - {a}")

@@ -84,7 +84,8 @@ def score(model, tokenizer, docs, seq_length: int, max_tokens: int) -> dict:
             break
     bar.close()
     loss = nll / max(tokens, 1)
-    return {"tokens": tokens, "loss": loss, "perplexity": math.exp(loss), "bits_per_byte": nll / math.log(2) / max(nbytes, 1)}
+    return {"tokens": tokens, "loss": loss, "perplexity": math.exp(loss),
+            "bits_per_byte": nll / math.log(2) / max(nbytes, 1)}
 
 
 def main(argv=None) -> int:
@@ -104,8 +105,8 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError, TokenizerError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{name}: {result['tokens']} tokens, loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.2f}, "
-          f"{result['bits_per_byte']:.4f} bits/byte")
+    print(f"{name}: {result['tokens']} tokens, loss {result['loss']:.4f} nats/token, "
+          f"perplexity {result['perplexity']:.2f}, {result['bits_per_byte']:.4f} bits/byte")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Evaluate a checkpoint on a task set: K samples per task, pass@1 and pass@K, transcripts (rl/evaluate.py).
 
-    python tools/evaluate.py --tasks examples/tasks --checkpoint runs/tiny/rl --samples 4 [--output FILE] [key=value ...]
+    python tools/evaluate.py --tasks examples/tasks --checkpoint runs/tiny/rl --samples 4 [--output FILE] \
+        [key=value ...]
 
 The model, tokenizer and rollout settings come from the checkpoint's run (run.dir/config.yaml, written by
 rl_composer.py or pretrain_composer.py); key=value overrides apply on top (e.g. rollout.temperature=0.7).
@@ -29,11 +30,13 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="run directory (its latest checkpoint) or checkpoint directory")
     ap.add_argument("--samples", type=int, default=4, help="samples per task (K of pass@K)")
     ap.add_argument("--output", default=None, help="transcripts JSONL (default: CHECKPOINT/eval_<tasks>.jsonl)")
-    ap.add_argument("--success-reward", type=float, default=1.0, help="a sample passes when its reward is at least this")
+    ap.add_argument("--success-reward", type=float, default=1.0,
+                    help="a sample passes when its reward is at least this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sample-tasks", type=int, default=0, help="evaluate a seeded random subset of this many tasks")
     ap.add_argument("--summary", default=None, help="also write the summary (per tier and per task) to this JSON file")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of the run's config, e.g. rollout.temperature=0.7")
+    ap.add_argument("overrides", nargs="*",
+                    help="key=value overrides of the run's config, e.g. rollout.temperature=0.7")
     args = ap.parse_args(argv)
     if args.samples < 1:
         ap.error("--samples must be >= 1")

@@ -3,7 +3,8 @@
     python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --tp 8 --ep 64 --cp 8 --seq 262144
     python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --seq 262144 --sweep
 
-    python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --tp 1 --ep 8 --cp 8 --fsdp --seq 262144 --simulate
+    python tools/plan_parallel.py --preset kimi-k2.5 --gpus 512 --gpu-mem 288 --tp 1 --ep 8 --cp 8 --fsdp \
+        --seq 262144 --simulate
 
 Memory: parameters and gradients (fp32: the trainer computes in bf16 under autocast), optimizer state (AdamW
 moments; ZeRO-1 sharded over data-parallel replicas, or with --fsdp parameters, gradients and moments all
@@ -20,7 +21,8 @@ each sequence's cache over --dcp of the tp GPUs (vLLM's decode context paralleli
 --weights bf16 | fp8 | int4 (experts), and --concurrency sequences of --seq tokens in flight; it prints
 the weights and KV cache per GPU, the concurrency that fits, and the smallest engine that holds the request:
 
-    python tools/plan_parallel.py --rollout --preset kimi-k2.5 --gpus 8 --gpu-mem 288 --tp 8 --weights int4 --seq 262144 --concurrency 16
+    python tools/plan_parallel.py --rollout --preset kimi-k2.5 --gpus 8 --gpu-mem 288 --tp 8 --weights int4 \
+        --seq 262144 --concurrency 16
 
 rollout.backend=vllm runs all tp x ep GPUs of an engine as vLLM's tensor-parallel ranks: plan it with
 --tp = --gpus (and --dcp, which vLLM needs for MLA's cache not to be replicated over them).
@@ -128,7 +130,8 @@ def advise(cfg, params, args, common, p) -> str:
     for size in ("ep", "cp", "tp"):
         tries.append((f"--{size} {base[size] * 2}", dict(base, **{size: base[size] * 2}), common))
     if common["micro_batch"] > 1:
-        tries.append((f"--micro-batch {common['micro_batch'] // 2}", base, dict(common, micro_batch=common["micro_batch"] // 2)))
+        half = common["micro_batch"] // 2
+        tries.append((f"--micro-batch {half}", base, dict(common, micro_batch=half)))
     fits = []
     for label, sizes, kw in tries:
         try:
@@ -174,8 +177,8 @@ def print_simulation(cfg, args, p) -> bool:
     print(f"  {'':18s} {total_est / GiB:13.2f} {r.peak_bytes / GiB:14.2f} {ratio:8.2f}")
     print(f"  estimate and dry run {'agree within' if abs(ratio - 1) <= 0.15 else 'differ by more than'} 15% "
           f"({(ratio - 1) * 100:+.1f}%)")
-    print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: {fit_text(r.peak_bytes, args.gpu_mem)}; "
-          f"{r.seconds:.0f} s")
+    print(f"  measured peak {r.peak_bytes / GiB:.2f} GiB of {args.gpu_mem:g} GiB: "
+          f"{fit_text(r.peak_bytes, args.gpu_mem)}; {r.seconds:.0f} s")
     print("  assumptions:")
     for a in r.assumptions:
         print(f"    - {a}")
@@ -241,7 +244,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8-gather", action="store_true", help="FSDP gathers FP8 weights (1 byte + scales)")
     ap.add_argument("--sweep", action="store_true", help="try every tp/cp/ep and list the layouts that fit")
     ap.add_argument("--simulate", action="store_true", help="dry-run one training step at full size (fake tensors)")
-    ap.add_argument("--recompute", choices=["full", "none"], default="full", help="activation checkpointing (--simulate)")
+    ap.add_argument("--recompute", choices=["full", "none"], default="full",
+                    help="activation checkpointing (--simulate)")
     ap.add_argument("--rollout", action="store_true", help="plan an inference engine (rollouts) instead of training")
     ap.add_argument("--weights", choices=sorted(ROLLOUT_WEIGHT_FORMATS), default="bf16",
                     help="--rollout: weight format (int4: pack-quantized routed experts, the rest bf16)")
@@ -286,7 +290,8 @@ def main(argv=None) -> None:
         print_plan(p, args.gpu_mem, dp * args.micro_batch * args.micro_batches * args.seq)
         fits = p["total_full"] <= args.gpu_mem * GiB
         if not fits:
-            print(f"  with full recompute: {fit_text(p['total_full'], args.gpu_mem)}; {advise(cfg, params, args, common, p)}")
+            print(f"  with full recompute: {fit_text(p['total_full'], args.gpu_mem)}; "
+                  f"{advise(cfg, params, args, common, p)}")
         if args.simulate:
             try:
                 sim_fits = print_simulation(cfg, args, p)

@@ -1,6 +1,7 @@
 """Plot loss curves (and validation loss / MTP agreement when present) of one or more runs to a PNG.
 For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group, the held-out pass@1 where the
-run evaluated one (eval_pass@1), and, when the rows carry staleness_hist, how many trained tokens were 0, 1, 2, ... weight versions old at each step.
+run evaluated one (eval_pass@1), and, when the rows carry staleness_hist, how many trained tokens were 0, 1, 2,
+... weight versions old at each step.
 
     python tools/plot_metrics.py runs/tiny/pretrain runs/tiny/long_context --output loss.png
     python tools/plot_metrics.py runs/tiny/rl --output rl.png

@@ -75,10 +75,12 @@ def write_indexed_dataset(prefix: Path, tokenizer, documents, inputs: list) -> d
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="JSONL files and/or directories of source files")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer file or directory (see megatron_composer.data.load_tokenizer)")
+    ap.add_argument("--tokenizer", required=True,
+                    help="tokenizer file or directory (see megatron_composer.data.load_tokenizer)")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json")
     ap.add_argument("--json-key", default="text")
-    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib", help="comma-separated directory names skipped inside input directories")
+    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib",
+                    help="comma-separated directory names skipped inside input directories")
     ap.add_argument("--extensions", default=".py", help="comma-separated source extensions read from directories")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
     ap.add_argument("--overwrite", action="store_true")
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     n_docs, n_tokens, n_bytes = meta["documents"], meta["tokens"], meta["bytes"]
     dt = time.time() - t0
     print(
-        f"wrote {prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens ({n_bytes / max(n_tokens, 1):.2f} bytes/token) "
+        f"wrote {prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens "
+        f"({n_bytes / max(n_tokens, 1):.2f} bytes/token) "
         f"from {len(files)} files in {dt:.1f}s with {args.workers} workers"
     )
     return 0

@@ -26,9 +26,11 @@ def main(argv=None) -> int:
     ap.add_argument("--input", nargs="+", required=True, help="JSONL files and/or directories of source files")
     ap.add_argument("--output", required=True, help="output directory (gets tokenizer.model)")
     ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--extensions", default=".py", help="comma-separated source file extensions to read from directories")
+    ap.add_argument("--extensions", default=".py",
+                    help="comma-separated source file extensions to read from directories")
     ap.add_argument("--json-key", default="text")
-    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib", help="comma-separated directory names skipped inside input directories")
+    ap.add_argument("--exclude", default="site-packages,test,tests,idlelib",
+                    help="comma-separated directory names skipped inside input directories")
     ap.add_argument("--max-lines", type=int, default=2_000_000, help="lines sampled for training")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
