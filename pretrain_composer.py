@@ -50,7 +50,8 @@ def load_stages(configs: list[str], overrides: list[str]) -> list[PretrainConfig
         cfg = load_config(PretrainConfig, path, extra)
         if cfg.checkpoint.init_from == "previous":
             if i == 0:
-                raise ConfigError(f"{path}: checkpoint.init_from is 'previous' but it is the first stage; give a run dir or checkpoint path")
+                raise ConfigError(f"{path}: checkpoint.init_from is 'previous' but it is the first stage; "
+                                  "give a run dir or checkpoint path")
             cfg.checkpoint.init_from = stages[-1].run.dir
         stages.append(cfg)
     dirs = [s.run.dir for s in stages]

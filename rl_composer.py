@@ -5,9 +5,10 @@
 Ranks 0 .. trainer_ranks-1 train in the configured parallel layout (rank 0 also owns the orchestrator and
 publishes the weights); the other ranks are rollout workers, one per process or, with rollout.tp=N, one per N
 consecutive processes (a tensor-parallel engine). When no rank is left for rollouts (one process, or
-trainer_ranks = the number of processes) the workers run as threads inside trainer rank 0. On clusters, launch
-the trainer with role=trainer and the workers with role=rollout against the same run.dir (shared filesystem) and weight_sync.url; see docs/RL_DEPLOYMENT.md. Running the same
-command again with the same run.dir resumes from run.dir/latest and continues the epoch.
+trainer_ranks = the number of processes) the workers run as threads inside trainer rank 0. On clusters, launch the
+trainer with role=trainer and the workers with role=rollout against the same run.dir (shared filesystem) and
+weight_sync.url; see docs/RL_DEPLOYMENT.md. Running the same command again with the same run.dir resumes from
+run.dir/latest and continues the epoch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-composer",
     version="0.1.0",
-    description="Megatron-style continued pretraining and asynchronous agentic RL for DeepSeek-V3/Kimi-style MoE models",
+    description=("Megatron-style continued pretraining and asynchronous agentic RL "
+                 "for DeepSeek-V3/Kimi-style MoE models"),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
     package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"]},  # C++ kernels are compiled on first use

@@ -30,9 +30,12 @@ from megatron_composer.training.layout import shift_left_local
 
 @dataclass
 class MTPLossConfig:
-    weight: float = field(default=0.2, metadata={"help": "weight of the MTP loss relative to the LM loss (0 disables MTP)"})
-    divergence: Literal["forward_kl", "reverse_kl"] = field(default="forward_kl", metadata={"help": "forward_kl = KL(main || mtp)"})
-    ce_weight: float = field(default=0.0, metadata={"help": "extra cross-entropy on the true token, mixed into each depth's loss"})
+    weight: float = field(
+        default=0.2, metadata={"help": "weight of the MTP loss relative to the LM loss (0 disables MTP)"})
+    divergence: Literal["forward_kl", "reverse_kl"] = field(
+        default="forward_kl", metadata={"help": "forward_kl = KL(main || mtp)"})
+    ce_weight: float = field(
+        default=0.0, metadata={"help": "extra cross-entropy on the true token, mixed into each depth's loss"})
     temperature: float = field(default=1.0, metadata={"help": "softmax temperature of both distributions in the KL"})
 
     def validate(self) -> None:
@@ -42,7 +45,8 @@ class MTPLossConfig:
             raise ConfigError(f"mtp.temperature={self.temperature} must be > 0")
 
 
-def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int, shift_left=shift_left_local) -> torch.Tensor:
+def mtp_valid_mask(loss_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor, depth: int,
+                   shift_left=shift_left_local) -> torch.Tensor:
     """[B, S] bool: position t has a depth-`depth` target inside its own document with loss on it.
 
     `shift_left(x, k, fill)` returns x[t + k] for this rank's positions; with context parallelism it is
@@ -98,7 +102,8 @@ def _argmax(logits_NV: torch.Tensor, vocab_group) -> torch.Tensor:
     return indices_NR.gather(1, values_NR.argmax(1, keepdim=True)).squeeze(1)
 
 
-def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor, vocab_group=None) -> torch.Tensor:
+def lm_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, loss_mask_BS: torch.Tensor,
+                vocab_group=None) -> torch.Tensor:
     losses = _cross_entropy(logits_BSV.flatten(0, 1), labels_BS.flatten(), vocab_group)
     return (losses * loss_mask_BS.flatten()).sum()
 
@@ -154,8 +159,8 @@ def mtp_self_distillation_sums(
     return out
 
 
-def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor, shift_left=shift_left_local,
-                  vocab_group=None, head_weight=None):
+def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig, global_counts: torch.Tensor,
+                  shift_left=shift_left_local, vocab_group=None, head_weight=None):
     """Loss to backpropagate for one micro-batch (already divided by global counts) and detached stats.
 
     `output` is the model's ModelOutput (logits, mtp_logits, aux_loss); `global_counts` is the sum over the
@@ -166,7 +171,8 @@ def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig
     """
     if output.logits is None:
         if head_weight is None or output.hidden_states is None:
-            raise ValueError("pretrain_loss: the model output has no logits; pass head_weight and the output's hidden_states "
+            raise ValueError("pretrain_loss: the model output has no logits; "
+                             "pass head_weight and the output's hidden_states "
                              "(model(..., logits=False)) or run the model with its head")
         lm_sum = lm_loss_sum_fused_head(output.hidden_states, head_weight, batch["labels"], batch["loss_mask"])
     else:
@@ -178,7 +184,8 @@ def pretrain_loss(output, batch: dict[str, torch.Tensor], mtp_cfg: MTPLossConfig
     if mtp_logits and mtp_cfg.weight > 0:
         if output.logits is None:
             raise ValueError("MTP self-distillation needs the main logits as its teacher: run the model with its head")
-        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"], batch["position_ids"], mtp_cfg, shift_left, vocab_group)
+        per_depth = mtp_self_distillation_sums(output.logits, mtp_logits, batch["labels"], batch["loss_mask"],
+                                               batch["position_ids"], mtp_cfg, shift_left, vocab_group)
         mtp_total = 0.0
         for k, d in enumerate(per_depth, start=1):
             n = global_counts[k].clamp(min=1)

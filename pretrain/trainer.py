@@ -55,13 +55,20 @@ from pretrain.losses import MTPLossConfig, fused_head_applies, pretrain_loss, to
 class TrainConfig:
     steps: int = 100
     seed: int = 1234
-    global_batch_tokens: int = field(default=4096, metadata={"help": "tokens per optimizer step, over all data-parallel ranks"})
+    global_batch_tokens: int = field(
+        default=4096, metadata={"help": "tokens per optimizer step, over all data-parallel ranks"})
     micro_batch_size: int = field(default=4, metadata={"help": "sequences per forward pass per rank"})
-    precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={"help": "auto: bf16 autocast on CUDA, fp32 on CPU; master weights are fp32"})
-    eval_interval: int = field(default=50, metadata={"help": "validation loss every N steps (0: only at start and end)"})
+    precision: Literal["auto", "bf16", "fp32"] = field(
+        default="auto", metadata={"help": "auto: bf16 autocast on CUDA, fp32 on CPU; master weights are fp32"})
+    eval_interval: int = field(
+        default=50, metadata={"help": "validation loss every N steps (0: only at start and end)"})
     eval_samples: int = field(default=32, metadata={"help": "validation sequences per evaluation"})
-    expert_bias_update_rate: float = field(default=1e-3, metadata={"help": "aux-loss-free balancing: bias step toward uniform expert load (0 disables)"})
-    peak_flops: float = field(default=0.0, metadata={"help": "per-device peak FLOP/s for MFU; 0: datasheet for known GPUs, else measured matmul peak"})
+    expert_bias_update_rate: float = field(
+        default=1e-3,
+        metadata={"help": "aux-loss-free balancing: bias step toward uniform expert load (0 disables)"})
+    peak_flops: float = field(
+        default=0.0, metadata={"help": "per-device peak FLOP/s for MFU; "
+                                       "0: datasheet for known GPUs, else measured matmul peak"})
     max_skipped_steps: int = field(default=20, metadata={"help": "abort after this many consecutive non-finite steps"})
 
 
@@ -89,7 +96,8 @@ class PretrainConfig:
         if self.train.steps < 1:
             raise ConfigError(f"train.steps={self.train.steps} must be >= 1")
         if self.train.global_batch_tokens % self.data.seq_length:
-            raise ConfigError(f"train.global_batch_tokens={self.train.global_batch_tokens} is not a multiple of data.seq_length={self.data.seq_length}")
+            raise ConfigError(f"train.global_batch_tokens={self.train.global_batch_tokens} "
+                              f"is not a multiple of data.seq_length={self.data.seq_length}")
         if self.checkpoint.interval < 1:
             raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
 
@@ -123,7 +131,8 @@ class Batches:
     def __init__(self, dataset, global_seqs: int, micro_batch_size: int, layout: Layout):
         if global_seqs % (micro_batch_size * layout.dp_size):
             raise ConfigError(
-                f"global batch of {global_seqs} sequences is not divisible by micro_batch_size ({micro_batch_size}) x data-parallel size "
+                f"global batch of {global_seqs} sequences is not divisible by "
+                f"micro_batch_size ({micro_batch_size}) x data-parallel size "
                 f"({layout.dp_size}); change train.global_batch_tokens or train.micro_batch_size"
             )
         self.dataset = dataset
@@ -138,7 +147,8 @@ class Batches:
 
     def step(self, step: int) -> list[dict[str, torch.Tensor]]:
         base = step * self.global_seqs + self.rank_offset
-        return [collate([self.dataset[base + m * self.mbs + i] for i in range(self.mbs)]) for m in range(self.accumulation_steps)]
+        return [collate([self.dataset[base + m * self.mbs + i] for i in range(self.mbs)])
+                for m in range(self.accumulation_steps)]
 
 
 def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
@@ -148,7 +158,8 @@ def build_data(cfg: PretrainConfig, tokenizer, layout: Layout):
         train, valid = build_sft_datasets(cfg.data, tokenizer, cfg.train.seed)
     else:
         cache = cfg.data.cache_dir or str(Path(cfg.run.dir) / "data_cache")
-        train, valid = build_pretrain_datasets(cfg.data, tokenizer, cfg.train.steps * global_seqs, eval_samples, cfg.train.seed, cache)
+        train, valid = build_pretrain_datasets(cfg.data, tokenizer, cfg.train.steps * global_seqs, eval_samples,
+                                               cfg.train.seed, cache)
     return Batches(train, global_seqs, cfg.train.micro_batch_size, layout), valid
 
 
@@ -157,7 +168,8 @@ def forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout)
     measures exactly this step."""
     fused = fused_head_applies(model, mtp_cfg, layout.vocab_group)  # no [tokens, vocab] logits are made
     with autocast:
-        out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing, logits=not fused)
+        out = model(batch["tokens"], batch["position_ids"], mtp=mtp_cfg.weight > 0, return_routing=want_routing,
+                    logits=not fused)
         if torch.is_tensor(out):  # the model returns bare logits when nothing else was asked for
             out = ModelOutput(logits=out)
         return pretrain_loss(out, batch, mtp_cfg, counts, layout.shift_left, layout.vocab_group,
@@ -170,10 +182,12 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
         return {}
     model.eval()
     idx = list(range(layout.dp_rank, min(cfg.train.eval_samples, len(valid)), layout.dp_size))
-    batches = [collate([valid[i] for i in idx[j: j + cfg.train.micro_batch_size]]) for j in range(0, len(idx), cfg.train.micro_batch_size)]
+    mbs = cfg.train.micro_batch_size
+    batches = [collate([valid[i] for i in idx[j: j + mbs]]) for j in range(0, len(idx), mbs)]
     batches = [layout.shard({k: v.to(device) for k, v in b.items()}) for b in batches]
     depths = model.config.num_mtp_layers if cfg.mtp.weight > 0 else 0
-    counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in batches), torch.zeros(1 + depths, device=device)))
+    counts = layout.all_reduce_sum(sum((token_counts(b, depths, layout.shift_left) for b in batches),
+                                       torch.zeros(1 + depths, device=device)))
     totals: dict[str, torch.Tensor] = {}
     for b in batches:
         (_, stats), _ = forward_stats(model, b, cfg.mtp, counts, autocast, False, layout)
@@ -198,7 +212,8 @@ class Stage:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        # the rope scaling of the weights the stage resumes or starts from (megatron_composer.model.args.stage_rope_scaling)
+        # the rope scaling of the weights the stage resumes or starts from
+        # (megatron_composer.model.args.stage_rope_scaling)
         self.mc = mc = model_config(cfg, tokenizer, weights=starting_checkpoint(self.run_dir, init_from or ""))
         layout.validate(mc, cfg.data.seq_length)
         meta = checkpoint_meta(mc, tokenizer)
@@ -226,20 +241,23 @@ class Stage:
 
     def describe(self) -> None:
         cfg, layout, optimizer = self.cfg, self.layout, self.core.optimizer
-        train_dtype = torch.bfloat16 if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and self.device.type == "cuda") else torch.float32
+        bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and self.device.type == "cuda")
+        train_dtype = torch.bfloat16 if bf16 else torch.float32
         self.flops_per_token = training_flops_per_token(self.mc, cfg.data.seq_length, include_mtp=cfg.mtp.weight > 0)
         self.peak, peak_source = peak_flops(self.device, train_dtype, cfg.train.peak_flops)
         if not self.is_main:
             return
         print(
-            f"stage {self.run_dir}: {cfg.train.steps} steps x {cfg.train.global_batch_tokens} tokens, seq {cfg.data.seq_length}, "
+            f"stage {self.run_dir}: {cfg.train.steps} steps x {cfg.train.global_batch_tokens} tokens, "
+            f"seq {cfg.data.seq_length}, "
             f"dp={layout.dp_size} accum={self.batches.accumulation_steps} mbs={cfg.train.micro_batch_size}, "
             f"{self.flops_per_token / 1e6:.1f} MFLOP/token, peak {self.peak / 1e12:.3f} TFLOP/s/device ({peak_source})"
         )
         if isinstance(optimizer, DistributedAdamW):
             replicas = f"dp x cp {layout.groups.size('dp_cp')}, expert-dp {layout.groups.size('edp')}"
             sharding = "ZeRO-1 sharded" if optimizer.zero1 else "replicated"
-            print(f"optimizer: AdamW, {sharding} over {replicas} replicas, {optimizer.state_bytes() / 2**20:.1f} MiB of state on rank 0")
+            print(f"optimizer: AdamW, {sharding} over {replicas} replicas, "
+                  f"{optimizer.state_bytes() / 2**20:.1f} MiB of state on rank 0")
 
     def train_step(self, step: int) -> dict:
         """Optimizer step `step` (0-based) on its fixed micro-batches: the LM + MTP loss over the core's step,
@@ -247,18 +265,21 @@ class Stage:
         cfg, layout, device = self.cfg, self.layout, self.device
         t0 = time.perf_counter()
         micro = [layout.shard({k: v.to(device) for k, v in b.items()}) for b in self.batches.step(step)]
-        counts = layout.all_reduce_sum(sum((token_counts(b, self.depths, layout.shift_left) for b in micro), torch.zeros(1 + self.depths, device=device)))
+        counts = layout.all_reduce_sum(sum((token_counts(b, self.depths, layout.shift_left) for b in micro),
+                                           torch.zeros(1 + self.depths, device=device)))
         routed = []
 
         def loss_fn(batch):
-            (loss, stats), out = forward_stats(self.model, batch, cfg.mtp, counts, self.autocast, self.want_routing, layout)
+            (loss, stats), out = forward_stats(self.model, batch, cfg.mtp, counts, self.autocast, self.want_routing,
+                                               layout)
             if self.want_routing:
                 routed.append(out.routed_experts.flatten(1, -1))
             return loss, {k.replace("lm_loss", "loss"): v for k, v in stats.items()}
 
         metrics = self.core.step(loss_fn, micro, lr_at(step, cfg.train.steps, cfg.optim))
         if not metrics["skipped"]:
-            update_expert_bias(self.model, torch.cat(routed, dim=1) if routed else None, cfg.train.expert_bias_update_rate, layout)
+            update_expert_bias(self.model, torch.cat(routed, dim=1) if routed else None,
+                               cfg.train.expert_bias_update_rate, layout)
         dt = time.perf_counter() - t0
         tokens = cfg.train.global_batch_tokens
         metrics.update(
@@ -271,14 +292,16 @@ class Stage:
         cfg = self.cfg
         self.describe()
         if self.start_step == 0:
-            self.logger.log(0, evaluate(self.model, self.valid, cfg, self.layout, self.device, self.autocast), console=True)
+            self.logger.log(0, evaluate(self.model, self.valid, cfg, self.layout, self.device, self.autocast),
+                            console=True)
         self.model.train()
         for step in range(self.start_step, cfg.train.steps):
             metrics = self.train_step(step)
             done = step + 1
             if (cfg.train.eval_interval and done % cfg.train.eval_interval == 0) or done == cfg.train.steps:
                 metrics.update(evaluate(self.model, self.valid, cfg, self.layout, self.device, self.autocast))
-            console = done % cfg.logging.interval == 0 or done == cfg.train.steps or metrics["skipped"] or "val_loss" in metrics
+            console = (done % cfg.logging.interval == 0 or done == cfg.train.steps or metrics["skipped"]
+                       or "val_loss" in metrics)
             self.logger.log(done, metrics, console=console)
             if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps:
                 state = {"step": done, "consumed_samples": done * self.batches.global_seqs, "lr": metrics["lr"]}

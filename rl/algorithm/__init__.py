@@ -38,7 +38,8 @@ __all__ = [
     "Episode", "Segment", "TrainingSample", "collate_samples", "episodes_to_samples",
     "RLObjectiveConfig", "kl_estimate", "reward_to_go",
     "PolicyGradientLoss", "aggregate_loss", "importance_weight", "mismatch_mask", "token_logprobs",
-    "episode_reward", "length_measure", "length_penalty", "malformed_tool_calls", "reasoning_in_code_comments", "resolve_function", "reward_term_name",
+    "episode_reward", "length_measure", "length_penalty", "malformed_tool_calls", "reasoning_in_code_comments",
+    "resolve_function", "reward_term_name",
     "shaped_reward", "shaped_reward_from_config", "single_tool_collapse", "unfinished_todos",
     "replay_routing", "routing_mismatch", "PromptSampler",
 ]
