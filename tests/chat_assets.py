@@ -56,7 +56,8 @@ def write_family_tokenizer(root: Path, family: str, corpus: list[str] = (), voca
     if spec["bos"]:
         config["bos_token"] = spec["bos"]
     (out / "tokenizer_config.json").write_text(json.dumps(config))
-    (out / "chat_template.jinja").write_text((TEMPLATES / spec["template"]).read_text(encoding="utf-8"), encoding="utf-8")
+    template = (TEMPLATES / spec["template"]).read_text(encoding="utf-8")
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     return out
 
 
@@ -82,7 +83,8 @@ def kimi_tokenizer(root: Path):
 
     directory = write_family_tokenizer(root, "kimi_k2", corpus=["print('hello')\n", "Make hello.py say goodbye."])
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.add_tokens(["functions.edit_file:0", KIMI_ARGS, KIMI_REASONING])  # one token each, so one logit row scripts them
+    # one token each, so one logit row scripts them
+    tok.add_tokens(["functions.edit_file:0", KIMI_ARGS, KIMI_REASONING])
     tok.save(str(directory / "tokenizer.json"))
     return load_tokenizer(directory)
 
@@ -114,9 +116,9 @@ def scripted_model(vocab_size: int, ids: list[int], weight: float):
 def kimi_scripted_model(tok):
     """`scripted_model` writing one Kimi turn (reasoning, an edit_file call) after the generation prompt; returns
     (model, the turn's token ids, ending with <|im_end|>)."""
-    script = ["<|im_middle|>", "<think>", KIMI_REASONING, "</think>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-              "functions.edit_file:0", "<|tool_call_argument_begin|>", KIMI_ARGS, "<|tool_call_end|>",
-              "<|tool_calls_section_end|>", "<|im_end|>"]
+    script = ["<|im_middle|>", "<think>", KIMI_REASONING, "</think>", "<|tool_calls_section_begin|>",
+              "<|tool_call_begin|>", "functions.edit_file:0", "<|tool_call_argument_begin|>", KIMI_ARGS,
+              "<|tool_call_end|>", "<|tool_calls_section_end|>", "<|im_end|>"]
     ids = [tok.token_to_id(t) for t in script]
     assert None not in ids
     # ~48 after the final norm: sampling at temperature 1 follows the script

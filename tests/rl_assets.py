@@ -15,12 +15,14 @@ def write_rl_assets(root: Path, prompts: list[tuple[str, str]]) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
-    corpus = [p for p, _ in prompts] * 20 + ["def f(x):\n    return x\nimport os\nclass A:\n    pass\nfor i in range(3):"] * 20
+    code = "def f(x):\n    return x\nimport os\nclass A:\n    pass\nfor i in range(3):"
+    corpus = [p for p, _ in prompts] * 20 + [code] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     (root / "tok").mkdir()
     tok.save(str(root / "tok" / "tokenizer.json"))
     (root / "tasks").mkdir()
     (root / "tasks" / "tasks.jsonl").write_text(
-        "".join(json.dumps({"id": f"t{i}", "prompt": p, "check": {"regex": r}}) + "\n" for i, (p, r) in enumerate(prompts)))
+        "".join(json.dumps({"id": f"t{i}", "prompt": p, "check": {"regex": r}}) + "\n"
+                for i, (p, r) in enumerate(prompts)))
     return root

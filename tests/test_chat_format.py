@@ -99,7 +99,8 @@ def test_sft_samples_train_each_assistant_turn_once_and_it_parses_back(family):
 
 def test_assistant_text_parses_back_and_malformed_calls_are_reported(family):
     name, fmt, _, _ = family
-    calls = [{"name": "run", "arguments": {"command": "echo 'hi' > x"}}, {"name": "read_file", "arguments": {"path": "x"}}]
+    calls = [{"name": "run", "arguments": {"command": "echo 'hi' > x"}},
+             {"name": "read_file", "arguments": {"path": "x"}}]
     text = fmt.assistant_text("Two calls.", calls, first_call_index=5)
     parsed = fmt.parse(text)
     assert parsed.tool_calls == calls and parsed.content == "Two calls." and not parsed.errors
@@ -113,7 +114,8 @@ def test_assistant_text_parses_back_and_malformed_calls_are_reported(family):
                     "<|tool_calls_section_begin|><|tool_call_begin|>run<|tool_call_argument_begin|>{}<|tool_call_end|>"
                     "<|tool_calls_section_end|>",
                     "<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>{}"],
-        "deepseek_v31": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>[1]<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "deepseek_v31": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"
+                         "<｜tool▁calls▁end｜>",
                          "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>run<｜tool▁sep｜>{\"a\": 1}"],
         "deepseek_v3": ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>run\n```json\n[1]\n```"
                         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
@@ -153,7 +155,8 @@ def test_continuation_appends_only_what_follows_the_sampled_turn(family):
         assert "List the files first." in held and "List the files first." not in rerendered
     # a turn cut by the token budget (no end of turn sampled) gets the end of turn as context
     tail = fmt.continuation(messages[:3], messages[3:5], tools=TOOLS, closed=False)
-    assert tail.startswith(fmt.end_of_turn) and tail[len(fmt.end_of_turn):] == fmt.continuation(messages[:3], messages[3:5], tools=TOOLS)
+    assert (tail.startswith(fmt.end_of_turn)
+            and tail[len(fmt.end_of_turn):] == fmt.continuation(messages[:3], messages[3:5], tools=TOOLS))
 
 
 def test_format_errors_are_one_line(tmp_path, family):

@@ -218,7 +218,8 @@ def test_bad_checkpoint_one_line_before_any_weight_is_read(tmp_path, monkeypatch
         match = r"lacks experts \[3\] of 'layers.1.feed_forward.experts.w3'"
     else:
         def fp8_without_scale(s):
-            s["model.layers.0.self_attn.o_proj.weight"] = s["model.layers.0.self_attn.o_proj.weight"].to(torch.float8_e4m3fn)
+            name = "model.layers.0.self_attn.o_proj.weight"
+            s[name] = s[name].to(torch.float8_e4m3fn)
         _break(tmp_path / "hf", fp8_without_scale)
         match = r"o_proj.weight' is FP8 \(F8_E4M3\) but not a 2-D weight with .*weight_scale_inv"
     counting = _CountingOpen(hf_mod.safe_open)
@@ -239,7 +240,8 @@ def test_training_start_from_hf_keeps_fresh_mtp_and_checks_architecture(tmp_path
     save_hf_checkpoint(source, tmp_path / "hf", progress=False, max_shard_bytes=400_000)
     mc = source.config.replace(num_mtp_layers=1)
     layout = Layout(ParallelConfig(), distributed=False)
-    model = build_model(mc, layout, torch.device("cpu"), FP8Config(), seed=5, init=InitialWeights(hf=str(tmp_path / "hf")))
+    model = build_model(mc, layout, torch.device("cpu"), FP8Config(), seed=5,
+                        init=InitialWeights(hf=str(tmp_path / "hf")))
     torch.manual_seed(5)
     fresh = Transformer(mc)
     for name, t in model.state_dict().items():

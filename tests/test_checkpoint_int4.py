@@ -87,7 +87,8 @@ def test_min_max_scales_dequantise_as_compressed_tensors_does(tmp_path):
     full = reader.read(name)
     for e in range(full.shape[0]):
         base = f"model.layers.1.mlp.experts.{e}.down_proj."
-        theirs = PackedQuantizationCompressor.decompress({k: stored[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")}, sch)
+        packed = {k: stored[base + k] for k in ("weight_packed", "weight_scale", "weight_shape")}
+        theirs = PackedQuantizationCompressor.decompress(packed, sch)
         assert torch.equal(full[e].to(theirs["weight"].dtype), theirs["weight"])
     assert torch.equal(reader.read(name, (slice(2, 5), slice(3, 40), slice(17, 50))), full[2:5, 3:40, 17:50])
 

@@ -26,7 +26,8 @@ def test_checkpoints_load_across_every_layout(tmp_path):
     another tp, another ep, other world sizes (uneven FSDP chunks included)."""
     def launch(nproc, name, *sources):
         dirs = ",".join(str(tmp_path / s / "ckpts") for s in sources)
-        return run_worker("checkpoint_worker.py", nproc, ["--cases", "save_load", f"--ckpt-dir={dirs}"], tmp_path / name)
+        return run_worker("checkpoint_worker.py", nproc, ["--cases", "save_load", f"--ckpt-dir={dirs}"],
+                          tmp_path / name)
 
     launches = [launch(1, "one"), launch(4, "four", "one"), launch(2, "two", "one", "four"),
                 launch(1, "one_again", "one", "four", "two")]

@@ -51,7 +51,8 @@ def test_a_tensor_stored_with_another_shape_or_missing_is_refused_before_anythin
     other = Transformer(cfg.replace(vocab_size=320))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(CheckpointError, match=r"saved under 1 rank\) stores 'model.tok_embeddings.weight' as "
-                                              r"\(256, 128\), but this run \(1 rank\) needs the full tensor \(320, 128\)"):
+                                              r"\(256, 128\), but this run \(1 rank\) needs the full tensor "
+                                              r"\(320, 128\)"):
         load_checkpoint(ckpt, other, torch.optim.AdamW(other.parameters()))
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
 

@@ -34,9 +34,11 @@ def _tool(name, *args, capsys=None):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
-    r = _tool("train_tokenizer.py", "--input", STDLIB / "json", STDLIB / "email", "--output", d / "tok", "--vocab-size", 1024)
+    r = _tool("train_tokenizer.py", "--input", STDLIB / "json", STDLIB / "email", "--output", d / "tok",
+              "--vocab-size", 1024)
     assert r.returncode == 0, r.stderr
-    r = _tool("preprocess_data.py", "--input", STDLIB / "json", STDLIB / "email", "--tokenizer", d / "tok", "--output-prefix", d / "code", "--workers", 2)
+    r = _tool("preprocess_data.py", "--input", STDLIB / "json", STDLIB / "email", "--tokenizer", d / "tok",
+              "--output-prefix", d / "code", "--workers", 2)
     assert r.returncode == 0, r.stderr
     return d
 
@@ -71,10 +73,12 @@ def test_hf_tokenizer_json(tmp_path):
 
 def test_preprocess_refuses_overwrite_and_reports_missing(corpus, tmp_path, capsys):
     before = (corpus / "code.bin").read_bytes()
-    r = _tool("preprocess_data.py", "--input", STDLIB / "json", "--tokenizer", corpus / "tok", "--output-prefix", corpus / "code", capsys=capsys)
+    r = _tool("preprocess_data.py", "--input", STDLIB / "json", "--tokenizer", corpus / "tok",
+              "--output-prefix", corpus / "code", capsys=capsys)
     assert r.returncode != 0 and "--overwrite" in r.stderr
     assert (corpus / "code.bin").read_bytes() == before
-    r = _tool("preprocess_data.py", "--input", tmp_path / "nope.jsonl", "--tokenizer", corpus / "tok", "--output-prefix", tmp_path / "x", capsys=capsys)
+    r = _tool("preprocess_data.py", "--input", tmp_path / "nope.jsonl", "--tokenizer", corpus / "tok",
+              "--output-prefix", tmp_path / "x", capsys=capsys)
     assert r.returncode != 0 and "does not exist" in r.stderr
     assert not list(tmp_path.glob("x*"))
 
@@ -82,7 +86,8 @@ def test_preprocess_refuses_overwrite_and_reports_missing(corpus, tmp_path, caps
 def test_jsonl_input(corpus, tmp_path):
     src = tmp_path / "docs.jsonl"
     src.write_text("\n".join(json.dumps({"text": f"print({i})\n"}) for i in range(5)) + "\n")
-    r = _tool("preprocess_data.py", "--input", src, "--tokenizer", corpus / "tok", "--output-prefix", tmp_path / "j", "--workers", 1)
+    r = _tool("preprocess_data.py", "--input", src, "--tokenizer", corpus / "tok", "--output-prefix", tmp_path / "j",
+              "--workers", 1)
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "j.meta.json").read_text())
     assert meta["documents"] == 5
@@ -113,7 +118,8 @@ def test_packed_samples_restart_positions_at_documents(corpus, tmp_path):
 
 def test_blend_of_two_sources(corpus, tmp_path):
     tok = load_tokenizer(corpus / "tok")
-    cfg = DataConfig(tokenizer="x", paths=[str(corpus / "code"), str(corpus / "code")], weights=[0.7, 0.3], split="90,10,0", seq_length=32)
+    cfg = DataConfig(tokenizer="x", paths=[str(corpus / "code"), str(corpus / "code")], weights=[0.7, 0.3],
+                     split="90,10,0", seq_length=32)
     train, valid = build_pretrain_datasets(cfg, tok, 100, 10, seed=1, cache_dir=str(tmp_path / "cache"))
     assert len(train) == 100 and len(valid) == 10
     counts = torch.bincount(torch.as_tensor(train.dataset_index[:100].astype("int64")), minlength=2)
@@ -145,21 +151,27 @@ def test_tiktoken_file_matches_the_bpe_it_was_exported_from(tmp_path):
 
     from megatron_composer.data.tokenizer import TiktokenTokenizer, _bytes_to_unicode
 
-    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    pattern = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
     from tokenizers import Regex
 
     hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
     corpus = [p.read_text() for p in sorted((STDLIB / "json").glob("*.py"))]
-    hf.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
     inverse = {c: b for b, c in _bytes_to_unicode().items()}
-    lines = [f"{base64.b64encode(bytes(inverse[c] for c in tok)).decode()} {i}" for tok, i in sorted(hf.get_vocab().items(), key=lambda kv: kv[1])]
+    lines = [f"{base64.b64encode(bytes(inverse[c] for c in tok)).decode()} {i}"
+             for tok, i in sorted(hf.get_vocab().items(), key=lambda kv: kv[1])]
     (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     n = hf.get_vocab_size()
     (tmp_path / "tokenization_demo.py").write_text(f"class T:\n    pat_str = '|'.join({pattern.split('|')!r})\n")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "added_tokens_decoder": {str(n): {"content": "[EOS]"}, str(n + 1): {"content": "<|im_start|>"}}, "eos_token": "[EOS]"}))
+        "added_tokens_decoder": {str(n): {"content": "[EOS]"}, str(n + 1): {"content": "<|im_start|>"}},
+        "eos_token": "[EOS]"}))
     tok = load_tokenizer(tmp_path)
     assert isinstance(tok, TiktokenTokenizer) and tok.vocab_size == n + 2 and tok.eod == n
     text = 'def decode(self, s):\n    """Return the Python object."""\n    return {"a": 1.5e3}  # ünïcode\n'

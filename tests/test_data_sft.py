@@ -80,7 +80,8 @@ def test_sft_split_and_errors(tmp_path):
     with pytest.raises(DataError, match="role"):
         build_sft_datasets(cfg, CharTokenizer(), seed=0)
     with pytest.raises(DataError, match="missing"):
-        build_sft_datasets(DataConfig(kind="sft", tokenizer="x", paths=[str(tmp_path / "no.jsonl")]), CharTokenizer(), 0)
+        build_sft_datasets(DataConfig(kind="sft", tokenizer="x", paths=[str(tmp_path / "no.jsonl")]),
+                           CharTokenizer(), 0)
 
 
 def test_sft_with_the_models_own_template(tmp_path):
@@ -101,7 +102,8 @@ def test_sft_with_the_models_own_template(tmp_path):
     row = train[0]
     trained = tok.decode([t for t, m in zip(row["labels"].tolist(), row["loss_mask"].tolist()) if m])
     assert trained.count("<|im_end|>") == 2 * 4  # two assistant turns per conversation, each with its end of turn
-    assert trained.count("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>") == 4
+    assert trained.count("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0"
+                         "<|tool_call_argument_begin|>") == 4
     assert "tool_declare" not in trained and "question" not in trained and "file0.py" not in trained
     first_turn = next(text for text, train in fmt.render_segments(conv(0), tools=tools)[0] if train)
     assert fmt.parse(first_turn).tool_calls == [{"name": "run", "arguments": {"cmd": "ls 0"}}]

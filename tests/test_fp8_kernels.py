@@ -132,7 +132,8 @@ def test_mx_gemm_kernel(block_len, upcast):
     qa, sa = formats.quantize_mx(a, block_len)
     qb, sb = formats.quantize_mx(b, block_len)
     c = gemm.scaled_mm(qa, sa, qb, sb, block_len, out_dtype=torch.float32, upcast=upcast)
-    ref = formats.dequantize_mx(qa, sa, block_len, torch.float64) @ formats.dequantize_mx(qb, sb, block_len, torch.float64).T
+    ref = (formats.dequantize_mx(qa, sa, block_len, torch.float64)
+           @ formats.dequantize_mx(qb, sb, block_len, torch.float64).T)
     assert rel_err(c, ref) < GEMM_TOL
     c16 = gemm.scaled_mm(qa, sa, qb, sb, block_len, out_dtype=torch.bfloat16, upcast=upcast)
     assert torch.equal(c16, c.to(torch.bfloat16))

@@ -21,7 +21,8 @@ def test_reduced_check_report_has_every_section_and_cuda_parts_skipped(tmp_path)
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:] + (out / "log.txt").read_text()[-6000:]
     report = json.loads((out / "report.json").read_text())
-    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "report.json", "summary.txt"]  # a lent machine returns 8 files at most
+    # a lent machine returns 8 files at most
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "report.json", "summary.txt"]
     assert report["schema"] == gpu_check.SCHEMA and report["mode"] == "reduced" and report["device"] == "cpu"
     assert set(report["sections"]) == set(gpu_check.SECTIONS)
     assert [name for name, *_ in gpu_check.PARTS] == list(report["parts"])

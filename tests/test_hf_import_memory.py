@@ -3,8 +3,8 @@ smaller model), on 4 gloo ranks with fsdp x ep2 over the import and two optimize
 - the import holds the rank's float32 shard and little more, not the whole model;
 - the peak RSS of each phase exceeds the most memory malloc had handed out in it (live, sampled) by under a
   quarter of the checkpoint (under 0.1 of it measured on this model: blocks under the mmap threshold, peaks
-  between samples): freed FSDP buffers do not stay resident. With glibc's default (dynamic) mmap threshold they do, by about 3x
-  the checkpoint on this model; megatron_composer.host_memory.tune_host_allocator, which
+  between samples): freed FSDP buffers do not stay resident. With glibc's default (dynamic) mmap threshold
+  they do, by about 3x the checkpoint on this model; megatron_composer.host_memory.tune_host_allocator, which
   build_model calls, is what prevents it.
 What is live above the training state's share is FSDP's per-unit working set (one MoE block's unsharded
 parameters and gradients, the reduce-scatter buffers, the prefetched next unit, the root), reported by the

@@ -78,8 +78,9 @@ def test_cpp_fast_path_equals_python(case, monkeypatch):
     model = _model(preset, num_layers=3, **changes)
     fast, reference = _engines(model, monkeypatch)
     V = model.config.vocab_size
-    # batch 1 (decode-size experts over the chosen pairs; sorted tokens at prefill), a mixed-length batch of 16 (padded prefill rows, every-expert form
-    # where experts are few), and speculative verification (several new tokens per request, the MTP block)
+    # batch 1 (decode-size experts over the chosen pairs; sorted tokens at prefill), a mixed-length batch of 16
+    # (padded prefill rows, every-expert form where experts are few), and speculative verification (several new
+    # tokens per request, the MTP block)
     for lengths, spec in [([7], False), ([3, 9, 5, 12] * 4, False), ([6, 11], True)]:
         if spec and model.config.num_mtp_layers == 0:
             continue
@@ -167,5 +168,7 @@ def test_cpp_small_linear_equals_linear():
         w, b = torch.randn(rows, n, generator=g), torch.randn(rows, generator=g)
         for T in (1, 2, 3, 5):
             x = torch.randn(T, 1, n, generator=g)
-            torch.testing.assert_close(decode.small_linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(decode.small_linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(decode.small_linear(x, w), torch.nn.functional.linear(x, w),
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(decode.small_linear(x, w, b), torch.nn.functional.linear(x, w, b),
+                                       atol=1e-5, rtol=1e-5)

@@ -89,7 +89,8 @@ def test_health_models_and_completions(served):
 
 def test_chat_tool_call_roundtrip_and_concurrency(served):
     server, _, _, script = served
-    body = {"messages": [{"role": "system", "content": "You run tools."}, {"role": "user", "content": "list the files"}],
+    body = {"messages": [{"role": "system", "content": "You run tools."},
+                         {"role": "user", "content": "list the files"}],
             "max_tokens": 10, "temperature": 0}
     results = [None] * 4
 
@@ -144,7 +145,8 @@ def test_chat_in_the_models_own_format(tmp_path):
     model, turn_ids = kimi_scripted_model(tok)
     server = InferenceServer(Engine(model, max_batch_size=4, cache_memory_bytes=8 << 20), tok, "kimi").start()
     try:
-        tools = [{"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {}}}}]
+        tools = [{"type": "function",
+                  "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {}}}}]
         messages = [{"role": "user", "content": "Make hello.py say goodbye."}]
         status, out = _call(server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 20,
                                                               "temperature": 0})

@@ -2,8 +2,8 @@
 on every rank, what the one-rank engine generates -- greedy (fast and batch-invariant paths), seeded
 sampling, MTP speculative decoding, and live weight updates (full state dict, then an XOR delta with
 cache recomputation) -- with log-probs within 1e-5 and identical routing and weight versions. Also expert
-parallelism (ep = 2, same requests on both ranks; tp = 2 x ep = 2 on 4 ranks) and driving the engine from rank 0 alone (Lockstep), and
-the tensor-parallel server."""
+parallelism (ep = 2, same requests on both ranks; tp = 2 x ep = 2 on 4 ranks) and driving the engine from
+rank 0 alone (Lockstep), and the tensor-parallel server."""
 
 import importlib.util
 from pathlib import Path

@@ -29,7 +29,8 @@ def _loss_and_grads(fn, h, w, target, tw, scale=1.0):
 
 
 @pytest.mark.parametrize("rows_path", ["cpp", "torch"])  # the C++ row pass and its torch reference
-@pytest.mark.parametrize("block_elements", [53 * 16, 53 * 20, 1 << 21])  # several blocks with a ragged last one; one block
+# block_elements: several blocks with a ragged last one; one block
+@pytest.mark.parametrize("block_elements", [53 * 16, 53 * 20, 1 << 21])
 def test_matches_reference_float32(monkeypatch, block_elements, rows_path):
     monkeypatch.setitem(lce._BLOCK_ELEMENTS, "cpu", block_elements)
     if rows_path == "torch":
@@ -115,7 +116,8 @@ def test_frozen_head_and_no_grad():
     with torch.no_grad():
         value = linear_cross_entropy_sum(h, w, target, tw)
     assert not value.requires_grad
-    torch.testing.assert_close(value, reference_linear_cross_entropy_sum(h, w, target, tw).detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(value, reference_linear_cross_entropy_sum(h, w, target, tw).detach(),
+                               rtol=1e-6, atol=1e-5)
 
 
 def test_bad_shapes_are_named():
@@ -150,7 +152,8 @@ def test_trainer_loss_with_fused_head_equals_the_logits_path():
         assert (out.logits is None) == fused
         loss, stats = pretrain_loss(out, batch, cfg, counts, head_weight=model.output.weight if fused else None)
         loss.backward()
-        results.append((loss.detach(), stats["lm_loss"], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), stats["lm_loss"], grads))
     (l0, s0, g0), (l1, s1, g1) = results
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s1, s0, rtol=1e-6, atol=1e-6)

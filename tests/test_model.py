@@ -36,7 +36,8 @@ def test_real_presets_parameter_counts_on_meta_device(name, total, active, tol_t
 
 def test_kimi_preset_shape():
     cfg = get_preset("kimi-k2.5")
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_experts, cfg.num_experts_per_tok) == (61, 7168, 64, 384, 8)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_experts,
+            cfg.num_experts_per_tok) == (61, 7168, 64, 384, 8)
     assert cfg.moe_layer_ids[0] == 1 and len(cfg.moe_layer_ids) == 60
     assert cfg.rope_scaling.factor * cfg.rope_scaling.original_max_position_embeddings == 262144
 

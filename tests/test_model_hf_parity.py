@@ -113,7 +113,8 @@ def test_fp8_block_quantised_checkpoint_round_trip(tmp_path):
             q, s = quantize_fp8_blockwise(t)
             fp8_state[k], fp8_state[k + "_scale_inv"] = q, s
             # the reference the FP8 checkpoint stands for
-            state[k] = (q.float() * s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]])
+            state[k] = (q.float()
+                        * s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]])
         else:
             fp8_state[k] = t
     fp8_dir = tmp_path / "fp8"

@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent('''
     for name in names:
         importlib.import_module(name)
     sys.path.insert(0, str(root / "tools"))
-    scripts = sorted(p for p in (root / "tools").glob("*.py")) + [root / "pretrain_composer.py", root / "rl_composer.py"]
+    scripts = sorted(p for p in (root / "tools").glob("*.py"))
+    scripts += [root / "pretrain_composer.py", root / "rl_composer.py"]
     scripts += sorted((root / "benchmarks").glob("*.py"))
     for path in scripts:
         spec = importlib.util.spec_from_file_location("_probe_" + path.stem, path)

@@ -27,8 +27,8 @@ torchrun = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(torchrun)
 
 TOL = 1e-5
-LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fsdp_tp2_mxfp8", "fsdp_tp2_sp", "fsdp_cp2_selective_ac", "fsdp_tp2_ep2",
-           "fsdp_ep2_int4_qat_mxfp8", "hsdp_ep2_full_ac"]
+LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fsdp_tp2_mxfp8", "fsdp_tp2_sp",
+           "fsdp_cp2_selective_ac", "fsdp_tp2_ep2", "fsdp_ep2_int4_qat_mxfp8", "hsdp_ep2_full_ac"]
 
 
 @pytest.fixture(scope="module")

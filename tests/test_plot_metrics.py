@@ -19,7 +19,8 @@ def _write(run: Path, rows: list[dict]) -> Path:
 
 def test_rl_run_gets_reward_and_staleness_panels(tmp_path):
     run = _write(tmp_path / "rl", [{"step": s, "loss": 0.1, "reward_mean": 0.1 * s, "reward_best_of_k": 0.2 * s,
-                                     "staleness_hist": {"0": 10, "1": 50 + s, "2": s}, **({"eval_pass@1": 0.05 * s} if s % 2 else {})}
+                                     "staleness_hist": {"0": 10, "1": 50 + s, "2": s},
+                                     **({"eval_pass@1": 0.05 * s} if s % 2 else {})}
                                     for s in range(1, 6)])
     out = tmp_path / "rl.png"
     assert plot_metrics.main([str(run), "--output", str(out)]) == 0

@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = {"kimi_k25": 512, "qwen3_30b_a3b": 64, "tiny": 2, "tiny/agent": 2}
 
 
-@pytest.mark.parametrize("path", sorted(p for d in WORLD for p in (ROOT / "examples" / d).glob("*.yaml") if not p.name.startswith("rl")), ids=lambda p: str(p.relative_to(ROOT / "examples")))
+@pytest.mark.parametrize("path", sorted(p for d in WORLD for p in (ROOT / "examples" / d).glob("*.yaml")
+                                        if not p.name.startswith("rl")),
+                         ids=lambda p: str(p.relative_to(ROOT / "examples")))
 def test_stage_config_is_valid_for_its_cluster(path):
     cfg = load_config(PretrainConfig, path)
     mc = get_preset(cfg.model.preset)
@@ -45,7 +47,9 @@ def test_help_prints_the_schema():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(ROOT / "pretrain_composer.py"), "--help"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, str(ROOT / "pretrain_composer.py"), "--help"], capture_output=True, text=True,
+                       cwd=ROOT)
     assert r.returncode == 0
-    for key in ("run:", "dir:", "train:", "steps:", "seed:", "checkpoint:", "interval:", "parallel:", "tp:", "cp:", "ep:", "mtp:", "fp8:"):
+    for key in ("run:", "dir:", "train:", "steps:", "seed:", "checkpoint:", "interval:", "parallel:", "tp:", "cp:",
+                "ep:", "mtp:", "fp8:"):
         assert key in r.stdout, key

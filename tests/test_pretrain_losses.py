@@ -39,7 +39,8 @@ def test_main_head_is_detached_and_kl_directions():
     main = torch.randn(2, 12, 11, requires_grad=True)
     mtp = torch.randn(2, 12, 11, requires_grad=True)
     for divergence in ("forward_kl", "reverse_kl"):
-        (d,) = mtp_self_distillation_sums(main, [mtp], b["labels"], b["loss_mask"], b["position_ids"], MTPLossConfig(divergence=divergence))
+        (d,) = mtp_self_distillation_sums(main, [mtp], b["labels"], b["loss_mask"], b["position_ids"],
+                                          MTPLossConfig(divergence=divergence))
         gm, gq = torch.autograd.grad(d["loss"], [main, mtp], allow_unused=True)
         assert gm is None and gq.abs().sum() > 0
     # forward KL(main || mtp) by hand at one valid position
@@ -64,7 +65,8 @@ def test_loss_does_not_depend_on_micro_batch_split():
     parts = 0
     for sl in (slice(0, 1), slice(1, 4)):
         sub = {k: v[sl] for k, v in b.items()}
-        parts = parts + pretrain_loss(SimpleNamespace(logits=logits[sl], mtp_logits=[mtp[0][sl]], aux_loss=None), sub, cfg, counts)[0]
+        out = SimpleNamespace(logits=logits[sl], mtp_logits=[mtp[0][sl]], aux_loss=None)
+        parts = parts + pretrain_loss(out, sub, cfg, counts)[0]
     assert torch.allclose(whole, parts, atol=1e-6)
     lm = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="none")
     mask = b["loss_mask"].flatten()

@@ -25,13 +25,17 @@ def setup(tmp_path_factory):
     import preprocess_data
     import train_tokenizer
 
-    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(d / "tok"), "--vocab-size", "512"]) == 0
-    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(d / "tok"), "--output-prefix", str(d / "code"), "--workers", "1"]) == 0
+    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(d / "tok"),
+                                 "--vocab-size", "512"]) == 0
+    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(d / "tok"),
+                                 "--output-prefix", str(d / "code"), "--workers", "1"]) == 0
     cfg = {
         "run": {"dir": str(d / "run")},
-        "model": {"preset": "tiny-deepseek-v3", "overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "moe_intermediate_size": 32}},
+        "model": {"preset": "tiny-deepseek-v3", "overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2,
+                                                              "intermediate_size": 128, "moe_intermediate_size": 32}},
         "data": {"tokenizer": str(d / "tok"), "paths": [str(d / "code")], "split": "90,10,0", "seq_length": 32},
-        "train": {"steps": 24, "global_batch_tokens": 256, "micro_batch_size": 4, "eval_interval": 0, "eval_samples": 8, "peak_flops": 1e11},
+        "train": {"steps": 24, "global_batch_tokens": 256, "micro_batch_size": 4, "eval_interval": 0, "eval_samples": 8,
+                  "peak_flops": 1e11},
         "optim": {"lr": 3e-3, "warmup_steps": 2},
         "checkpoint": {"interval": 4, "keep_last": 2},
         "logging": {"interval": 100},
@@ -41,7 +45,8 @@ def setup(tmp_path_factory):
 
 
 def _cmd(cfg, *overrides, nproc=1):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                if nproc > 1 else [sys.executable])
     return [*launcher, str(ROOT / "pretrain_composer.py"), "--config", str(cfg), *overrides]
 
 
@@ -63,7 +68,8 @@ def test_resume_after_sigkill_reproduces_loss_sequence(setup):
     assert [s for s, _ in reference] == list(range(1, 25))
 
     killed_dir = setup / "killed"
-    proc = subprocess.Popen(_cmd(cfg, f"run.dir={killed_dir}"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(cfg, f"run.dir={killed_dir}"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     metrics = killed_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -109,7 +115,8 @@ def test_bad_inputs_fail_cleanly_without_overwriting(setup):
     cases = [
         (["train.stepz=3"], "unknown config key 'train.stepz'"),
         (["model.vocab_size=256"], "vocab_size"),
-        (["model.overrides={num_layers: 3, hidden_size: 64, num_heads: 2, intermediate_size: 128, moe_intermediate_size: 32}"], "different model architecture"),
+        (["model.overrides={num_layers: 3, hidden_size: 64, num_heads: 2, intermediate_size: 128, "
+          "moe_intermediate_size: 32}"], "different model architecture"),
         ([f"data.paths=[{setup / 'missing'}]"], "missing"),
     ]
     for overrides, message in cases:

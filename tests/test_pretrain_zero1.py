@@ -28,13 +28,17 @@ def setup(tmp_path_factory):
     import preprocess_data
     import train_tokenizer
 
-    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(d / "tok"), "--vocab-size", "512"]) == 0
-    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(d / "tok"), "--output-prefix", str(d / "code"), "--workers", "1"]) == 0
+    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(d / "tok"),
+                                 "--vocab-size", "512"]) == 0
+    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(d / "tok"),
+                                 "--output-prefix", str(d / "code"), "--workers", "1"]) == 0
     cfg = {
         "run": {"dir": str(d / "run")},
-        "model": {"preset": "tiny-deepseek-v3", "overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "moe_intermediate_size": 32}},
+        "model": {"preset": "tiny-deepseek-v3", "overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2,
+                                                              "intermediate_size": 128, "moe_intermediate_size": 32}},
         "data": {"tokenizer": str(d / "tok"), "paths": [str(d / "code")], "split": "90,10,0", "seq_length": 32},
-        "train": {"steps": STEPS, "global_batch_tokens": 256, "micro_batch_size": 2, "eval_interval": 0, "eval_samples": 0, "peak_flops": 1e11},
+        "train": {"steps": STEPS, "global_batch_tokens": 256, "micro_batch_size": 2, "eval_interval": 0,
+                  "eval_samples": 0, "peak_flops": 1e11},
         "optim": {"lr": 3e-3, "warmup_steps": 1, "grad_clip": 0.5},
         "parallel": {"zero1": True, "grad_bucket_mb": 0.05},  # small buckets: several per parameter family
         "checkpoint": {"interval": 2, "keep_last": 0},
@@ -65,7 +69,8 @@ def _run_here(cfg_path, run_dir, monkeypatch):
     trainer.run_stage(load_config(trainer.PretrainConfig, str(cfg_path), [f"run.dir={run_dir}"]))
     opt = built[0]
     assert type(opt).__name__ == "AdamW"
-    return sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items()
+               if k in ("exp_avg", "exp_avg_sq"))
 
 
 def test_zero1_dp2_matches_one_process_and_resumes_on_one_rank(setup, monkeypatch):
@@ -127,7 +132,8 @@ def test_zero1_dp2_matches_one_process_and_resumes_on_one_rank(setup, monkeypatc
 
 
 def _run_dp2(cfg: Path, run_dir: Path, poison_last_step_on_rank1: bool = False):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), ZERO1_TEST_POISON_STEP=str(STEPS if poison_last_step_on_rank1 else 0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               ZERO1_TEST_POISON_STEP=str(STEPS if poison_last_step_on_rank1 else 0))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd = [*launcher, __file__, str(cfg), f"run.dir={run_dir}"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

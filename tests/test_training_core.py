@@ -73,7 +73,8 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop():
     with pytest.raises(RuntimeError, match="3 consecutive steps had non-finite"):
         core.step(poisoned, [_micro(0)], lr=1e-2)
     core.skipped_in_a_row = 0
-    assert core.step(lambda ids: (_loss(core.model, ids), {"loss": torch.tensor(1.0)}), [_micro(0)], 1e-2)["skipped"] == 0
+    assert core.step(lambda ids: (_loss(core.model, ids), {"loss": torch.tensor(1.0)}), [_micro(0)],
+                     1e-2)["skipped"] == 0
     assert core.skipped_in_a_row == 0 and not torch.equal(core.model.output.weight, before["output.weight"])
 
 

@@ -19,13 +19,18 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path, monkeypatch):
     import preprocess_data
     import train_tokenizer
 
-    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(tmp_path / "tok"), "--vocab-size", "512"]) == 0
-    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(tmp_path / "tok"), "--output-prefix", str(tmp_path / "code"), "--workers", "1"]) == 0
+    assert train_tokenizer.main(["--input", str(STDLIB / "json"), "--output", str(tmp_path / "tok"),
+                                 "--vocab-size", "512"]) == 0
+    assert preprocess_data.main(["--input", str(STDLIB / "json"), "--tokenizer", str(tmp_path / "tok"),
+                                 "--output-prefix", str(tmp_path / "code"), "--workers", "1"]) == 0
     cfg = from_dict(trainer.PretrainConfig, {
         "run": {"dir": str(tmp_path / "run")},
-        "model": {"overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128, "moe_intermediate_size": 32}},
-        "data": {"tokenizer": str(tmp_path / "tok"), "paths": [str(tmp_path / "code")], "split": "90,10,0", "seq_length": 32},
-        "train": {"steps": 4, "global_batch_tokens": 128, "micro_batch_size": 4, "eval_interval": 0, "eval_samples": 0, "peak_flops": 1e11},
+        "model": {"overrides": {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+                                "moe_intermediate_size": 32}},
+        "data": {"tokenizer": str(tmp_path / "tok"), "paths": [str(tmp_path / "code")], "split": "90,10,0",
+                 "seq_length": 32},
+        "train": {"steps": 4, "global_batch_tokens": 128, "micro_batch_size": 4, "eval_interval": 0, "eval_samples": 0,
+                  "peak_flops": 1e11},
         "checkpoint": {"interval": 10},
     })
     cfg.validate()

@@ -28,7 +28,8 @@ def tiny():
     torch.manual_seed(0)
     cfg = get_preset("tiny-qwen3-moe")
     model = Transformer(cfg).eval()
-    engine = VLLMEngine(cfg, dtype=torch.float32, max_batch_size=8, max_seq_len=256, cache_memory_bytes=32 << 20, seed=0)
+    engine = VLLMEngine(cfg, dtype=torch.float32, max_batch_size=8, max_seq_len=256, cache_memory_bytes=32 << 20,
+                        seed=0)
     return cfg, model, engine
 
 
@@ -251,8 +252,8 @@ def test_a_deepseek_shaped_model_loads_generates_and_updates():
 
 def test_rl_run_with_vllm_rollouts(tmp_path):
     """run_rl with rollout.backend=vllm (an embedded worker) and R3 (the trainer replays vLLM's routed experts):
-    groups come back with tokens of later weight versions, and on the first step (tokens and trainer both at v0) the trainer's log-probs are vLLM's behaviour
-    log-probs (importance ratio 1, mismatch <= 1e-5)."""
+    groups come back with tokens of later weight versions, and on the first step (tokens and trainer both at v0)
+    the trainer's log-probs are vLLM's behaviour log-probs (importance ratio 1, mismatch <= 1e-5)."""
     import json
 
     from megatron_composer.config import load_config
@@ -279,4 +280,5 @@ def test_rl_run_with_vllm_rollouts(tmp_path):
     assert max(max(r["token_versions"]) for r in steps) >= 1  # later groups were sampled with published updates
     first = steps[0]  # tokens of v0, trained from v0: the trainer's log-probs are vLLM's
     assert first["token_versions"] == [0] and first["train_tokens"] > 0
-    assert abs(first["ratio_mean"] - 1) < 1e-5 and first["mismatch_max"] < 1e-5, (first["ratio_mean"], first["mismatch_max"])
+    assert abs(first["ratio_mean"] - 1) < 1e-5 and first["mismatch_max"] < 1e-5, (first["ratio_mean"],
+                                                                                   first["mismatch_max"])
