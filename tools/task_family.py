@@ -238,7 +238,8 @@ def _fix_test(rng: random.Random) -> TaskSpec:
         # -I and /app last on the path: the work tree cannot shadow unittest or any other standard module
         f"cp /tests/test_{module}.py test_{module}.py && $judge python3 -I -c 'import sys, unittest; "
         f"sys.path.append(\"/app\"); unittest.main(module=\"test_{module}\")' >/dev/null 2>&1",
-        f"sed -i 's/return a {wrong.replace('*', chr(92) + '*')} b/return a {op} b/' {module}.py\n",  # sed's regex: * repeats, \\* is a star
+        # sed's regex: * repeats, \\* is a star
+        f"sed -i 's/return a {wrong.replace('*', chr(92) + '*')} b/return a {op} b/' {module}.py\n",
         [[{"name": "read_file", "arguments": {"path": f"{module}.py"}}],
          [{"name": "edit_file", "arguments": {"path": f"{module}.py", "old_string": f"a {wrong} b",
                                                "new_string": f"a {op} b"}}], _submit()],
@@ -424,7 +425,8 @@ def sft_conversations(episode, profile: str = "full") -> list[dict]:
     for i, seg in enumerate(episode.segments):
         conv = list(seg)
         if i < len(episode.summaries):
-            conv += [{"role": "user", "content": SUMMARY_REQUEST}, {"role": "assistant", "content": episode.summaries[i]}]
+            conv += [{"role": "user", "content": SUMMARY_REQUEST},
+                     {"role": "assistant", "content": episode.summaries[i]}]
         out.append({"messages": conv, "tools": tools})
     return out
 
@@ -463,5 +465,5 @@ def solution_transcripts(task_dirs: list[Path], count_tokens: Callable[[str], in
         return [conv for convs in pool.map(one, task_dirs) for conv in convs]
 
 
-__all__ = ["solution_transcripts", "CHANCE", "KINDS", "TIERS", "TaskSpec", "copy_mismatches", "generate_splits", "progress_summary", "sample_specs", "sft_conversations",
-           "solution_episode", "solution_turns", "write_task"]
+__all__ = ["solution_transcripts", "CHANCE", "KINDS", "TIERS", "TaskSpec", "copy_mismatches", "generate_splits",
+           "progress_summary", "sample_specs", "sft_conversations", "solution_episode", "solution_turns", "write_task"]
