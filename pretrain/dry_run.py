@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from megatron_composer.parallel.fake_world import fake_rank
 from megatron_composer.training.dry_run import (
     KINDS,
     DryRunResult,
@@ -34,7 +35,6 @@ from megatron_composer.training.dry_run import (
     by_kind,
     check_sim_layers,
     extrapolate,
-    fake_rank,
     fsdp_unit_numels,
     measure_peak,
     require_fsdp,

@@ -37,13 +37,13 @@ import torch
 
 from megatron_composer.config import ConfigError
 from megatron_composer.data.tokenizer import Tokenizer
+from megatron_composer.parallel.fake_world import fake_rank
 from megatron_composer.training.dry_run import (
     DryRunResult,
     HostReads,
     by_kind,
     check_sim_layers,
     extrapolate,
-    fake_rank,
     fsdp_unit_numels,
     measure_peak,
     require_fsdp,

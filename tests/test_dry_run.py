@@ -231,14 +231,14 @@ def test_planner_simulate_prints_the_comparison_and_its_assumptions():
 def test_fsdp_tp_partial_gradients_all_reduce_only_the_shard():
     """Under FSDP x TP, finish_fsdp_gradients all-reduces each tp_partial gradient's local FSDP shard (dim 0 split
     over the dp x cp ranks) over tp, not the whole tensor as the replicated layout does."""
-    from megatron_composer.parallel.cost import param_kind
+    from megatron_composer.parallel.cost import param_kinds
 
     cfg = get_preset("tiny-kimi-k2.5")
     dims = ParallelDims(8, tp=2, ep=2, sequence_parallel=True)  # dense FSDP shards: dp 4
     zero1 = comm_per_step(cfg, StepPlan(dims, seq_len=64, micro_batch=1))
     fsdp = comm_per_step(cfg, StepPlan(dims, seq_len=64, micro_batch=1, fsdp=True))
     shapes = [tuple(p.shape) for n, p in Transformer(cfg).named_parameters()
-              if param_kind(n, True, cfg.attention) == "tp_partial"]
+              if param_kinds(cfg, dims)[n] == "tp_partial"]
     assert shapes
     whole = sum(math.prod(s) for s in shapes)
     shard = sum(-(-s[0] // 4) * math.prod(s[1:]) for s in shapes)

@@ -47,7 +47,8 @@ SCRIPT = textwrap.dedent('''
     scripts += sorted((root / "benchmarks").glob("*.py"))
     for path in scripts:
         spec = importlib.util.spec_from_file_location("_probe_" + path.stem, path)
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+        spec.loader.exec_module(module)
     print("imported", len(names), "modules and", len(scripts), "scripts")
 
     import torch

@@ -50,26 +50,31 @@ class StepPlan:
         return self.micro_batch * self.seq_len // self.dims.cp
 
 
-def param_kind(name: str, sp: bool, attention: str) -> str:
-    """The ShardSpec kind `parallelize_model` gives a parameter when tp > 1."""
-    parts = name.split(".")
-    if ".experts." in name and ".shared_experts." not in name:
-        return "expert"
-    if parts[0] in ("tok_embeddings", "output"):
-        return "tp_sharded"
-    if "attention" in parts:
-        sub = parts[parts.index("attention") + 1]
-        if sub in ("wq", "wq_b", "wkv_b", "wo", "wk", "wv"):
-            return "tp_sharded"
-        if attention == "gqa" and sub in ("q_norm", "k_norm"):  # per-head-dim weights shared by split heads
-            return "tp_partial"
-        return "replicated"  # MLA's low-rank down-projections and their norms
-    dense_mlp = len(parts) > 2 and parts[-3] == "feed_forward" and parts[-2] in ("w1", "w2", "w3")
-    if "shared_experts" in parts or dense_mlp:
-        return "tp_sharded"
-    if "router" in parts or parts[-2] in ("attention_norm", "ffn_norm", "norm", "enorm", "hnorm", "eh_proj"):
-        return "tp_partial" if sp else "replicated"
-    return "replicated"
+def param_kinds(cfg, dims: ParallelDims) -> dict[str, str]:
+    """Each parameter's ShardSpec kind (replicated, tp_partial, tp_sharded, expert) as `parallelize_model` labels it
+    in the layout `dims`: read from the model built on the meta device and laid out by parallelize_model as rank 0
+    of a fake world of tp x ep ranks (the kinds depend on tp, ep and sequence parallelism, not on dp or cp). With
+    tp = 1 nothing is tensor-parallel, so only routed experts are not replicated."""
+    key = (repr(cfg), dims.tp, dims.ep, dims.sequence_parallel)
+    if key not in _KINDS:
+        _KINDS[key] = _read_kinds(cfg, dims.tp, dims.ep, dims.sequence_parallel)
+    return dict(_KINDS[key])
+
+
+_KINDS: dict[tuple, dict[str, str]] = {}  # a planner asks for the same few layouts many times
+
+
+def _read_kinds(cfg, tp: int, ep: int, sp: bool) -> dict[str, str]:
+    from megatron_composer.model import Transformer
+    from megatron_composer.parallel.fake_world import fake_rank
+    from megatron_composer.parallel.layers import spec_of
+    from megatron_composer.parallel.parallelize import parallelize_model
+
+    with fake_rank(tp * ep):
+        groups = ParallelDims(tp * ep, tp=tp, ep=ep, sequence_parallel=sp).build()
+        with torch.device("meta"):
+            model = parallelize_model(Transformer(cfg), groups)
+        return {name: spec_of(p).kind for name, p in model.named_parameters()}
 
 
 def model_params(cfg) -> list[tuple[str, tuple[int, ...]]]:
@@ -95,11 +100,10 @@ def memory_per_rank(cfg, lay: StepPlan, params: Optional[list] = None) -> dict[s
     fp32) on one rank."""
     dims = lay.dims
     params = params if params is not None else model_params(cfg)
+    kinds = param_kinds(cfg, dims)
     dense = expert = 0
     for name, shape in params:
-        kind = param_kind(name, dims.sequence_parallel, cfg.attention)
-        if dims.tp == 1 and kind != "expert":
-            kind = "replicated"
+        kind = kinds[name]
         n = _local_numel(name, shape, kind, dims)
         if kind == "expert":
             expert += n
@@ -218,10 +222,11 @@ def comm_per_step(cfg, lay: StepPlan, offrank_slots: Optional[float] = None, par
     dense, expert = mem["dense_params_local"], mem["expert_params_local"]
     g = lay.param_bytes if lay.param_bytes == 4 else 4
     if tp > 1:  # tp_partial gradients summed over tp: the whole tensor, or under FSDP this rank's dim-0 shard of it
+        kinds = param_kinds(cfg, d)
         # (finish_fsdp_gradients all-reduces the local shard after the reduce-scatter; rank 0 holds the largest)
         dense_shard = fsdp_shards(lay)[0] if lay.fsdp else 1
         vol["all_reduce"] += sum(math.ceil(sh[0] / dense_shard) * math.prod(sh[1:]) for n, sh in params
-                                 if param_kind(n, sp, cfg.attention) == "tp_partial") * g
+                                 if kinds[n] == "tp_partial") * g
     if lay.fsdp:
         for op, v in fsdp_comm_per_microbatch(cfg, lay, params).items():
             vol[op] += v * micro_batches
@@ -261,10 +266,9 @@ def _local_params(cfg, lay: StepPlan, params: Optional[list] = None):
     """(name, unit, is_expert, elements on this rank after TP/EP, before FSDP) of every parameter."""
     dims = lay.dims
     params = params if params is not None else model_params(cfg)
+    kinds = param_kinds(cfg, dims)
     for name, shape in params:
-        kind = param_kind(name, dims.sequence_parallel, cfg.attention)
-        if dims.tp == 1 and kind != "expert":
-            kind = "replicated"
+        kind = kinds[name]
         yield name, _fsdp_unit_of(name), kind == "expert", _local_numel(name, shape, kind, dims)
 
 
@@ -380,7 +384,7 @@ def fsdp_comm_per_microbatch(cfg, lay: StepPlan, params: Optional[list] = None) 
     return vol
 
 
-__all__ = ["StepPlan", "OPS", "param_kind", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
+__all__ = ["StepPlan", "OPS", "param_kinds", "model_params", "memory_per_rank", "comm_per_step", "fsdp_shards",
            "fsdp_units", "first_backward_units", "FSDP_PHASES", "fsdp_working_set", "backward_peak",
            "fsdp_comm_per_microbatch"]
 
@@ -616,6 +620,8 @@ def rollout_weight_bytes(cfg, engine: RolloutEngine, params: Optional[list] = No
     """Bytes of weights on one GPU of the engine, by kind."""
     params = params if params is not None else model_params(cfg)
     expert_b, dense_b = ROLLOUT_WEIGHT_FORMATS[engine.weights]
+    # which matmuls tp splits: the training layout's kinds (they do not depend on tp's size)
+    kinds = param_kinds(cfg, ParallelDims(2, tp=2)) if engine.tp > 1 else {}
     out = {"routed experts": 0.0, "dense matmuls": 0.0, "embeddings and head": 0.0, "norms and routers": 0.0}
     for name, shape in params:
         if name.startswith("mtp.") and not engine.mtp:
@@ -628,8 +634,8 @@ def rollout_weight_bytes(cfg, engine: RolloutEngine, params: Optional[list] = No
         elif len(shape) == 1 or "router" in name.split("."):
             out["norms and routers"] += n * 2
         else:
-            kind = param_kind(name, False, cfg.attention)
-            out["dense matmuls"] += n * dense_b / (engine.tp if kind == "tp_sharded" else 1)
+            split = engine.tp > 1 and kinds[name] == "tp_sharded"
+            out["dense matmuls"] += n * dense_b / (engine.tp if split else 1)
     return out
 
 

@@ -10,13 +10,10 @@ step makes of device values, and each phase's dry run lists what its answers ass
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from megatron_composer.config import ConfigError
@@ -62,27 +59,6 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
             x, mask = args[0], args[1][0]
             return x.reshape(-1, *x.shape[mask.dim():]).clone()  # every element selected
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def fake_rank(world_size: int, rank: int = 0):
-    """Join the fake process group as `rank` of `world_size` with the Python kernel paths (the ones a GPU takes;
-    MEGATRON_COMPOSER_CPP=0), and leave it afterwards."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("the dry run runs its own fake process group; call it outside torch.distributed")
-    old_cpp = os.environ.get("MEGATRON_COMPOSER_CPP")
-    os.environ["MEGATRON_COMPOSER_CPP"] = "0"
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if old_cpp is None:
-            os.environ.pop("MEGATRON_COMPOSER_CPP", None)
-        else:
-            os.environ["MEGATRON_COMPOSER_CPP"] = old_cpp
 
 
 def require_fsdp(pcfg, world_size: int) -> None:
@@ -239,5 +215,5 @@ def distributed_adamw_state(opt) -> list[torch.Tensor]:
 
 
 __all__ = ["DryRunResult", "HostReads", "KINDS", "KIND_OF", "by_kind", "check_sim_layers", "distributed_adamw_state",
-           "extrapolate", "fake_rank", "fsdp_unit_numels", "measure_peak", "peak_tracker", "require_fsdp",
+           "extrapolate", "fsdp_unit_numels", "measure_peak", "peak_tracker", "require_fsdp",
            "storage_bytes"]
