@@ -53,7 +53,8 @@ def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_r
         results.append(result)
         for j, ep in enumerate(result["episodes"]):
             meta_ep = ep.get("meta", {})
-            rows.append({"task": task.name, "sample": j, "reward": ep["reward"], "stop_reason": meta_ep.get("stop_reason"),
+            rows.append({"task": task.name, "sample": j, "reward": ep["reward"],
+                         "stop_reason": meta_ep.get("stop_reason"),
                          "turns": meta_ep.get("turns"), "verdict": meta_ep.get("verdict"),
                          "transcript": meta_ep.get("transcript")})
     if worker._pool is not None:

@@ -55,7 +55,8 @@ def full_model(cfg: RLConfig, tokenizer, seed: int = 0, checkpoint=None) -> tupl
 def rollout_model(cfg: RLConfig, tokenizer, groups=None) -> torch.nn.Module:
     """This rank's shard of a rollout engine's model (the whole model without `groups`), built on the meta device,
     laid out and allocated in weight_sync.dtype on this process's device, holding no weights yet: the worker
-    loads the first published version per rank (each rank reads only its slices of it, RolloutWorker.wait_for_weights)."""
+    loads the first published version per rank (each rank reads only its slices of it,
+    RolloutWorker.wait_for_weights)."""
     from megatron_composer.inference.loading import engine_model
 
     mc, _ = build_model_meta(cfg, tokenizer)

@@ -56,7 +56,8 @@ def test_every_kind_scores_0_untouched_and_1_solved_and_replays_as_sft(tmp_path)
         (segments,) = ChatMLFormat().render_segments(conv, tools=record["tools"])
         trained = "".join(text for text, train in segments if train)
         assert trained.count("<tool_call>") == sum(len(t) for t in want)  # loss only on the assistant's turns
-        assert "- run(command: str, timeout: int (optional))" in segments[0][0]  # the tools, listed in the system prompt
+        # the tools, listed in the system prompt
+        assert "- run(command: str, timeout: int (optional))" in segments[0][0]
     # a trigger below the fix-test episodes' third context (but above every first context) summarises them only
     fix = [d for d in dirs if d.name.startswith("fix-test")]
     first = max(_approx_tokens(ChatMLFormat().render(c["messages"][:2], tools=AGENT_TOOLS)) for c in convs)

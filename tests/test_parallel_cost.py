@@ -100,7 +100,8 @@ def test_rollout_plan_counts_weights_and_cache_of_an_engine():
         int4 = rollout_weight_bytes(cfg, RolloutEngine(gpus=4, tp=2, weights="int4"), params)
         assert int4["routed experts"] == experts * (0.5 + 2 / 32) / 4  # packed nibbles + a bf16 scale per 32
         tp2 = rollout_weight_bytes(cfg, RolloutEngine(gpus=2, tp=2), params)
-        assert tp2["embeddings and head"] == one["embeddings and head"] / 2 and tp2["routed experts"] == one["routed experts"] / 2
+        assert (tp2["embeddings and head"] == one["embeddings and head"] / 2
+                and tp2["routed experts"] == one["routed experts"] / 2)
         kv = rollout_kv_bytes_per_token(cfg, RolloutEngine(gpus=2, tp=2))
         if cfg.attention == "mla":  # the latent row is replicated over tp
             assert kv == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_layers * 2
@@ -120,8 +121,9 @@ def test_rollout_plan_counts_weights_and_cache_of_an_engine():
         found = smallest_rollout_engine(cfg, 512, 4 * n, mem, params=params)
         assert found is not None and found[1]["fits"]
         smaller = found[0].gpus // 2
-        assert smaller == 0 or all(not rollout_plan(cfg, RolloutEngine(gpus=smaller, tp=t), 512, 4 * n, mem, params=params)["fits"]
-                                   for t in (1, 2, 4, 8) if smaller % t == 0)
+        assert smaller == 0 or all(
+            not rollout_plan(cfg, RolloutEngine(gpus=smaller, tp=t), 512, 4 * n, mem, params=params)["fits"]
+            for t in (1, 2, 4, 8) if smaller % t == 0)
 
 
 def test_plan_parallel_rollout_for_kimi_int4():

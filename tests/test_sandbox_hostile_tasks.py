@@ -565,7 +565,8 @@ def test_a_loose_reward_is_a_verifier_error_with_a_clean_exit(tmp_path, case):
     name, text = LOOSE_REWARDS[case]
     task = make_task(tmp_path, f"loose-{case}", "true\n",
                      verifier=f"#!/bin/bash\ncat > /logs/verifier/{name} <<'MC_EOF'\n{text}\nMC_EOF\n"
-                     if len(text) < 1000 else f"#!/bin/bash\npython3 -c 'print(\"[\" * 200000 + \"]\" * 200000, end=\"\")' "
+                     if len(text) < 1000
+                     else "#!/bin/bash\npython3 -c 'print(\"[\" * 200000 + \"]\" * 200000, end=\"\")' "
                      f"> /logs/verifier/{name}\n")
     res = subprocess.run([sys.executable, "tools/check_task.py", str(task)], cwd=REPO, capture_output=True,
                          text=True, timeout=120)

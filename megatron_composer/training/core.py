@@ -110,10 +110,13 @@ def load_hf_weights(model, path: str) -> None:
 
     reader = HFReader(path)
     mine, theirs = architecture(model.config), architecture(reader.config)
-    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine) if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
+    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in sorted(mine)
+             if k not in ("num_mtp_layers", "rope_scaling") and mine.get(k) != theirs.get(k)]
     if diffs or reader.config.num_mtp_layers > model.config.num_mtp_layers:
-        diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config {model.config.num_mtp_layers}"]
-        raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model ({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
+        diffs = diffs or [f"num_mtp_layers: checkpoint {reader.config.num_mtp_layers} vs config "
+                          f"{model.config.num_mtp_layers}"]
+        raise CheckpointError(f"Hugging Face checkpoint '{path}' does not match the configured model "
+                              f"({'; '.join(diffs[:3])}); set model.preset / model.overrides to match it")
     load_hf_shards(model, reader, progress=False, init=init_reader(model))
 
 

@@ -106,9 +106,10 @@ class SWEBenchVerifier:
             paths = final_test_files(self.repo, self.base_commit, self.test_patch, files)
             sandbox.copy_in(files.parent, "/tests")
             place = "".join(
-                f"rm -rf -- {shlex.quote(p)}; " + (f"mkdir -p -- {shlex.quote(str(Path(p).parent))} && "
-                                                  f"cp -- {shlex.quote('/tests/files/' + p)} {shlex.quote(p)} || exit 1; "
-                                                  if (files / p).is_file() else "")
+                f"rm -rf -- {shlex.quote(p)}; "
+                + (f"mkdir -p -- {shlex.quote(str(Path(p).parent))} && "
+                   f"cp -- {shlex.quote('/tests/files/' + p)} {shlex.quote(p)} || exit 1; "
+                   if (files / p).is_file() else "")
                 for p in paths)
         put = sandbox.exec(place or "true", cwd=task.workdir, timeout=120)
         if put.exit_code != 0:

@@ -184,7 +184,8 @@ def remove_tree(path: Path) -> list[str]:
                 break
             name = names.pop()
             skip.pop()
-            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)  # nothing in the tree runs any more: '..' is where we came from
+            # nothing in the tree runs any more: '..' is where we came from
+            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = parent
             try:
