@@ -4,7 +4,7 @@ For each rank count n the script launches n gloo processes (torchrun); they buil
 (fp32 masters) with the training core -- one process: the whole model; n > 1: FSDP over the n ranks, each
 rank materialising only its shard -- and run ``--steps`` real optimizer steps (AdamW at the RL learning rate on
 a random-token LM loss). After the initial weights (a snapshot) and after every step the RL trainer's
-publisher (rl/weight_sync/sharded.py: every rank XORs the boxes it owns against its own previous version,
+publisher (rl/weight_sync/publisher.py: every rank XORs the boxes it owns against its own previous version,
 zstd, writes its objects; rank 0 writes the manifest after every owner confirmed) publishes a version in
 --dtype. Measured per version and rank:
 
@@ -96,8 +96,7 @@ def worker(args) -> None:
     from megatron_composer.training.config import OptimizerConfig
     from megatron_composer.training.core import TrainingCore
     from megatron_composer.training.layout import Layout
-    from rl.weight_sync import ObjectStore, WeightSubscriber
-    from rl.weight_sync.sharded import ShardedWeightPublisher
+    from rl.weight_sync import ObjectStore, WeightPublisher, WeightSubscriber
 
     n = int(os.environ.get("WORLD_SIZE", 1))
     if n > 1:
@@ -110,8 +109,8 @@ def worker(args) -> None:
     core = TrainingCore(mc, {}, Layout(ParallelConfig(fsdp=n > 1)), torch.device("cpu"), optim=optim,
                         fp8=FP8Config(), seed=args.seed)
     store = ObjectStore(args.store)
-    publisher = ShardedWeightPublisher(store, snapshot_interval=args.steps + 1, keep_snapshots=None,
-                                       dtype=getattr(torch, args.dtype), threads=1)
+    publisher = WeightPublisher(store, group=dist.group.WORLD if n > 1 else None, snapshot_interval=args.steps + 1,
+                                keep_snapshots=None, dtype=getattr(torch, args.dtype), threads=1)
     gen = torch.Generator().manual_seed(args.seed + rank)
 
     def loss_fn(_):
@@ -199,7 +198,8 @@ def main() -> None:
     full = base[0]["rows"][0]["full_bytes"]
     print(f"\nmodel: tiny-deepseek-v3 shape {SIZES[args.size]} (hidden, layers, experts, expert width, vocab)"
           + (f": {params / 1e6:.0f}M parameters" if params else "")
-          + f"; published in {args.dtype}: {full / 1e9:.3f} GB per full version; {args.steps} AdamW steps at lr {args.lr:g}; "
+          + f"; published in {args.dtype}: {full / 1e9:.3f} GB per full version; {args.steps} AdamW steps at lr "
+          f"{args.lr:g}; "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
 
     def figures(every: list[dict]) -> dict:
@@ -222,15 +222,16 @@ def main() -> None:
           f"{'apply GB/s per rank':>19} {'aggregate':>9} {'x 1-rank':>8} | {'peak RSS growth / full':>22}")
     for n in ranks:
         f = figs[n]
-        print(f"{n:>5} | {f['per_rank'] / 1e9:>21.3f} {f['aggregate'] / 1e9:>9.3f} {f['aggregate'] / b['aggregate']:>8.2f} | "
+        print(f"{n:>5} | {f['per_rank'] / 1e9:>21.3f} {f['aggregate'] / 1e9:>9.3f} "
+              f"{f['aggregate'] / b['aggregate']:>8.2f} | "
               f"{f['apply_per_rank'] / 1e9:>19.3f} {f['apply_aggregate'] / 1e9:>9.3f} "
               f"{f['apply_aggregate'] / b['apply_aggregate']:>8.2f} | "
               f"{f['rss'] / full:>6.3f} (snapshot), {f['rss_delta'] / full:.3f} (delta)")
     last = ranks[-1]
     f = figs[last]
     verdict = "MEETS" if f["rss"] < full / 2 else "MISSES"
-    print(f"\npeak RSS growth per publishing rank at {last} ranks: {f['rss'] / 1e6:.0f} MB over the RSS before the publish "
-          f"= {f['rss'] / full:.3f} of the full model's {full / 1e6:.0f} MB (target < 0.5) -> {verdict}")
+    print(f"\npeak RSS growth per publishing rank at {last} ranks: {f['rss'] / 1e6:.0f} MB over the RSS before "
+          f"the publish = {f['rss'] / full:.3f} of the full model's {full / 1e6:.0f} MB (target < 0.5) -> {verdict}")
     ratio = max(f["ratio"])
     print(f"delta bytes / full {args.dtype} bytes after each step: "
           + ", ".join(f"1/{1 / r:.1f}" for r in f["ratio"])

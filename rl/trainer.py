@@ -12,7 +12,7 @@ the number of optimizer steps taken):
    (importance ratio against the engine's log-probs, the step's mismatch threshold, KL to the initial
    policy) -- the loss of rl.learner.PolicyLearner, stepped by the training core;
 4. every trainer rank publishes the boxes of the weights it owns as version v + 1 (XOR delta against its own
-   boxes of v, rl/weight_sync/sharded.py), in a background thread while the next step trains (at most
+   boxes of v, rl/weight_sync/publisher.py), in a background thread while the next step trains (at most
    ``weight_sync.async_versions`` versions in flight); trainer rank 0 writes the manifest once every owner has
    confirmed, so no rank ever holds more than its shard (its shard of v, and of the versions in flight);
 5. log metrics (held-out pass@K every ``eval.interval`` steps, of the version just published, run by the
@@ -92,10 +92,10 @@ class Trainer:
             stored = cfg.weight_sync.subscriber(weight_store(cfg)).latest_version()
             self.version = 0 if stored is None else stored + 1
         self.version = self._from_main(self.version)
-        # every trainer rank publishes the boxes of the weights it owns (rl/weight_sync/sharded.py), over a gloo
+        # every trainer rank publishes the boxes of the weights it owns (rl/weight_sync/publisher.py), over a gloo
         # group of its own: the publisher's collectives carry Python objects, also when training runs on NCCL
         self._sync_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.publisher = cfg.weight_sync.sharded_publisher(weight_store(cfg), group=self._sync_group)
+        self.publisher = cfg.weight_sync.publisher(weight_store(cfg), group=self._sync_group)
         self.publish_failures, self._last_publish = 0, {}
         self._publish(background=False)
         if self.publish_failures:   # every trainer rank knows (the publish is collective)

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rl.weight_sync import ObjectStore
+from rl.weight_sync import ObjectStore, WeightSubscriber
 from rl.weight_sync import manifest as mf
 from rl.weight_sync.codec import to_bits
-from rl.weight_sync.subscriber import ShardSubscriber
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +52,7 @@ def test_owner_killed_mid_publish_leaves_the_version_invisible_and_the_next_publ
     full2 = kill_worker.full_weights(2)
     wants = {name: (t.dtype, [((0, max(1, t.shape[0] // 2)),) + tuple((0, n) for n in t.shape[1:])] if t.dim()
                     else [()]) for name, t in full2.items()}
-    sub = ShardSubscriber(store, wants)
+    sub = WeightSubscriber(store, wants)
     assert sub.latest_version() == 2
     update = sub.prepare()
     assert update.version == 2 and _holds(update, full2)
@@ -62,7 +61,8 @@ def test_owner_killed_mid_publish_leaves_the_version_invisible_and_the_next_publ
     resumed = _launch(tmp_path, "resume")
     assert resumed.returncode == 0 and (tmp_path / "resumed").exists(), resumed.stderr[-4000:]
     keys = [p.rsplit("/", 1)[-1] for p in store.fs.find(store.path(mf.version_dir(3)))]
-    assert not any(k == (tmp_path / "killed").read_text().rsplit("/", 1)[-1] for k in keys)   # the dead run's objects are gone
+    assert not any(k == (tmp_path / "killed").read_text().rsplit("/", 1)[-1]
+                   for k in keys)   # the dead run's objects are gone
     assert sub.latest_version() == 3
     update = sub.prepare()
     assert update.version == 3 and not update.delta   # a new lineage: its snapshot, not a delta on the held v2

@@ -1,8 +1,9 @@
-"""Sharded weight publish (rl/weight_sync/sharded.py): a 4-rank fsdp x ep2 trainer publishes every rank's owned
+"""Sharded weight publish (rl/weight_sync/publisher.py): a 4-rank fsdp x ep2 trainer publishes every rank's owned
 boxes; readers of other layouts get bit-identical weights after every version, and rollout engines in tp2 and
-ep2 (ShardSubscriber) hold them after every version, fetching only the chunks of their own boxes; an owner
-failing mid-publish leaves the version invisible; a slow owner delays the version, not the trainer's next step
-(publish_async) (tests/dist/weight_sync_sharded_worker.py), through a local directory and moto S3."""
+ep2 (a WeightSubscriber of their boxes) hold them after every version, fetching only the chunks of their own
+boxes; an owner failing mid-publish leaves the version invisible; a slow owner delays the version, not the
+trainer's next step (publish_async) (tests/dist/weight_sync_sharded_worker.py), through a local directory and
+moto S3."""
 
 import importlib.util
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rl.weight_sync import WeightSyncError
-from rl.weight_sync.sharded import owned_boxes
+from rl.weight_sync.publisher import owned_boxes
 
 _spec = importlib.util.spec_from_file_location("dist_torchrun", Path(__file__).parent / "dist" / "torchrun.py")
 torchrun = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""A rollout rank's subscriber (rl/weight_sync/subscriber.py: ShardSubscriber) in one process: the engine's
+"""A rollout rank's subscriber of boxes (rl/weight_sync/subscriber.py: WeightSubscriber) in one process: the engine's
 weights follow every version bit-exactly as XOR deltas applied in place, ranged reads fetch only the chunks of
 the rank's boxes, and a corrupt object (ranged or whole) is refused while the engine keeps what it holds."""
 
@@ -12,9 +12,8 @@ from megatron_composer.inference import Engine
 from megatron_composer.inference.loading import engine_model
 from megatron_composer.model import get_preset
 from megatron_composer.parallel.slices import named_tensors
-from rl.weight_sync import ObjectStore, WeightPublisher, WeightSyncChecksumError
+from rl.weight_sync import ObjectStore, WeightPublisher, WeightSubscriber, WeightSyncChecksumError
 from rl.weight_sync.codec import to_bits
-from rl.weight_sync.subscriber import ShardSubscriber
 
 
 def _cfg():
@@ -53,7 +52,7 @@ def test_engine_follows_every_version_with_in_place_deltas(tmp_path):
     store = _store(tmp_path)
     pub = WeightPublisher(store, snapshot_interval=3, keep_snapshots=None, shard_bytes=8 << 10, chunk_bytes=2048)
     model, engine = _engine()
-    sub = ShardSubscriber.for_model(store, model)
+    sub = WeightSubscriber.for_model(store, model)
     versions = _versions(5)
     kinds = []
     for v, full in enumerate(versions, start=1):
@@ -82,7 +81,7 @@ def test_ranged_reads_fetch_only_the_chunks_of_the_rank_boxes(tmp_path):
         if ".experts." in name:
             n = t.shape[0]
             wants[name] = (t.dtype, [((0, n // 2),) + tuple((0, d) for d in t.shape[1:])])
-    sub = ShardSubscriber(store, wants)
+    sub = WeightSubscriber(store, wants)
     update = sub.prepare(1)
     assert update.ranged_reads > 0 and update.whole_reads == 0
     assert update.bytes_read < 0.6 * update.version_bytes
@@ -92,7 +91,7 @@ def test_ranged_reads_fetch_only_the_chunks_of_the_rank_boxes(tmp_path):
     delta = sub.prepare(2)
     assert delta.delta and delta.bytes_read < 0.6 * delta.version_bytes
     # ranged reads off: every object holding a needed chunk is read whole (and checked by its sha256)
-    whole = ShardSubscriber(store, wants, range_reads=False).prepare(1)
+    whole = WeightSubscriber(store, wants, range_reads=False).prepare(1)
     assert whole.ranged_reads == 0 and whole.bytes_read > update.bytes_read
 
 
@@ -101,7 +100,7 @@ def _corrupt_chunk_of(store, version: int, name: str) -> None:
     from rl.weight_sync import manifest as mf
 
     part = mf.loads(store.get(mf.manifest_key(version)), version)["parts"]["delta"]
-    shard, offset, length, _, _ = next(t for t in part["tensors"] if t["name"] == name)["chunks"][0]
+    shard, offset, length, _, _ = next(t for t in part["tensors"] if t["name"] == name)["pieces"][0]["chunks"][0]
     path = store.path(part["shards"][shard]["key"])
     data = bytearray(store.fs.cat_file(path))
     data[offset + length // 2] ^= 0x5A
@@ -113,7 +112,7 @@ def test_corrupt_object_is_refused_and_the_engine_keeps_its_version(tmp_path, ra
     store = _store(tmp_path)
     pub = WeightPublisher(store, snapshot_interval=10, shard_bytes=1 << 20, chunk_bytes=1 << 20)
     model, engine = _engine()
-    sub = ShardSubscriber.for_model(store, model, max_refetch=1, range_reads=range_reads)
+    sub = WeightSubscriber.for_model(store, model, max_refetch=1, range_reads=range_reads)
     # the trainer also publishes a tensor this engine does not hold: its chunks share the objects, so ranged
     # reads skip them (and verify the engine's chunks by their frame checksums)
     extra = [torch.randn(4096, generator=torch.Generator().manual_seed(v)).bfloat16() for v in range(2)]
@@ -149,6 +148,6 @@ def test_boxes_outside_the_published_shape_or_dtype_are_refused(tmp_path):
     store = _store(tmp_path)
     WeightPublisher(store).publish({"w": torch.zeros(4, 4, dtype=torch.bfloat16)}, 1)
     with pytest.raises(Exception, match="outside its published shape"):
-        ShardSubscriber(store, {"w": (torch.bfloat16, [((0, 8), (0, 4))])}).prepare()
+        WeightSubscriber(store, {"w": (torch.bfloat16, [((0, 8), (0, 4))])}).prepare()
     with pytest.raises(Exception, match="publish in the engine's dtype"):
-        ShardSubscriber(store, {"w": (torch.float32, [((0, 4), (0, 4))])}).prepare()
+        WeightSubscriber(store, {"w": (torch.float32, [((0, 4), (0, 4))])}).prepare()

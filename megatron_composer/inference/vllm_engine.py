@@ -6,7 +6,7 @@ the engine: tensor_parallel_size = tp x ep, experts spread with expert paralleli
 config alone (load_format=dummy); every weight it serves comes from the weight-sync store like our engine's.
 
 Weights go into the workers, not through this process: each worker holds a `VLLMWorkerWeights` with its own
-ShardSubscriber for the boxes it loads (whole non-expert tensors, and of the experts only its own), prefetches
+WeightSubscriber for the boxes it loads (whole non-expert tensors, and of the experts only its own), prefetches
 new versions in a thread of its own, and when the engine says so (between two engine steps, all workers the
 same version) XORs the version into its host copy of those boxes and hands the changed tensors to vLLM's
 in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert; the MTP
@@ -225,7 +225,7 @@ class VLLMEngine:
             self.weight_version = version
 
     def subscription(self, like) -> "WorkersSubscription":
-        """The rollout worker's subscriber for this engine, made from `like` (a ShardSubscriber, of the weight-sync
+        """The rollout worker's subscriber for this engine, made from `like` (a WeightSubscriber of boxes, weight-sync
         room): every vLLM worker builds one of the same class, store and settings for the boxes it loads,
         prefetches new versions in its own thread, and applies them when the engine tells it to (all workers the
         same version, between two engine steps). `like` itself only reads which versions exist."""
@@ -248,7 +248,7 @@ class WorkersVersion:
 
 
 class WorkersSubscription:
-    """Driver side of the workers' own subscribers, with the ShardSubscriber interface the rollout worker uses
+    """Driver side of the workers' own subscribers, with the WeightSubscriber interface the rollout worker uses
     (`latest_version`, `prepare`, `start`, `pop_ready`, `stop`). No weights pass through this process."""
 
     def __init__(self, engine: VLLMEngine, versions, make_subscriber):
@@ -294,7 +294,7 @@ class VLLMWorkerWeights:
     tensor-parallel slice of them) and, of each expert tensor [E, F, D], only the experts its MoE layers hold
     (the `expert_map` expert parallelism gives it; all of them without EP). So no process holds the whole
     model: per worker, the non-expert weights plus 1/EP of the experts, in the published dtype. A version
-    arrives as each worker's own ShardSubscriber update of exactly those boxes (XOR deltas or values), is XORed
+    arrives as each worker's own WeightSubscriber update of exactly those boxes (XOR deltas or values), is XORed
     into the base, and the changed tensors are handed to vLLM's in-place reload under the Hugging Face names
     (experts one entry per local expert)."""
 
@@ -329,7 +329,7 @@ class VLLMWorkerWeights:
 
     # -- the worker's own subscriber --------------------------------------------------------------------
     def subscribe(self, make_subscriber) -> None:
-        """make_subscriber(wants) -> a ShardSubscriber of these boxes (VLLMEngine.subscription makes it)."""
+        """make_subscriber(wants) -> a WeightSubscriber of these boxes (VLLMEngine.subscription makes it)."""
         self.subscriber = make_subscriber(self.wants)
 
     @staticmethod

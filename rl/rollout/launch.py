@@ -33,7 +33,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
     queue = WorkQueue(Path(cfg.run.dir) / "rollouts")
     eval_tasks = load_rl_tasks(cfg.eval.tasks) if cfg.eval.interval and cfg.eval.tasks else None
     return RolloutWorker(name, cfg.rollout, model, tokenizer, tasks, queue,
-                         cfg.weight_sync.shard_subscriber(weight_store(cfg), model), seed=seed,
+                         cfg.weight_sync.subscriber(weight_store(cfg), model), seed=seed,
                          poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl,
                          engine_group=engine_group, eval_tasks=eval_tasks,
                          chat_format=load_chat_format(cfg.data.chat_format, tokenizer))
@@ -62,7 +62,7 @@ def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:
                         engine_group=engine_group).run()
         else:
             run_follower(f"{name} (rollout engine rank {engine_rank})", cfg.rollout, model,
-                         cfg.weight_sync.shard_subscriber(weight_store(cfg), model), cfg.weight_sync.poll_seconds,
+                         cfg.weight_sync.subscriber(weight_store(cfg), model), cfg.weight_sync.poll_seconds,
                          engine_group=engine_group)
     finally:
         dist.destroy_process_group()

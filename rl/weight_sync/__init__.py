@@ -1,31 +1,33 @@
 """Lossless delta weight sync through object storage.
 
-``WeightPublisher`` (a plain state dict from one process) writes each version as a per-tensor XOR against the previous one (bf16 bit
-patterns), byte-shuffled and zstd-compressed into checksummed shards, with a full snapshot every N versions
-and a manifest written last. Rollout workers' ``WeightSubscriber`` polls, downloads and decodes in the
-background, verifies checksums, and reconstructs each version bit-exactly from the nearest snapshot plus
-deltas. ``ObjectStore`` is a local directory or ``s3://`` through fsspec, with retries and parallel transfers.
+Every trainer rank's ``WeightPublisher`` writes the boxes of the weights it owns (the whole tensors when one
+process publishes) as an XOR against its previous version of them (raw bits, e.g. bf16), byte-shuffled and
+zstd-compressed in chunks into checksummed objects, with a full snapshot every N versions; rank 0 writes the
+manifest last, once every owner confirmed, so a version is visible whole or not at all. A ``WeightSubscriber``
+polls, downloads and decodes in the background, verifies checksums, and reconstructs each version bit-exactly
+from the nearest snapshot plus deltas: whole tensors (a state dict), or only the boxes a rollout rank's engine
+holds, fetched by ranged reads and applied in place as XOR updates. ``ObjectStore`` is a local directory or
+``s3://`` through fsspec, with retries and parallel transfers. The words (box, piece, part, owner, lineage,
+held) are in docs/ARCHITECTURE.md's glossary.
 
-    store = ObjectStore("s3://bucket/run1/weights")               # or a local directory
-    pub = WeightPublisher(store, snapshot_interval=20)
-    stats = pub.publish(model.state_dict(), version=step)         # trainer, after each optimizer step
-    sub = WeightSubscriber(store); sub.start(poll_seconds=1.0)    # rollout worker
-    ready = sub.pop_ready()                                       # between decode steps: (version, state) or None
-    ShardedWeightPublisher(store).publish(model, version=step)    # every trainer rank: its owned boxes (sharded.py)
-    ShardedWeightPublisher(store).publish_async(model, step)      # the same in the background (the RL trainer)
-    sub = ShardSubscriber.for_model(store, engine_shard)          # every rollout rank: its own boxes only
-    update = sub.prepare()                                        # or sub.start() ... sub.pop_ready()
+    store = ObjectStore("s3://bucket/run1/weights")                 # or a local directory
+    pub = WeightPublisher(store, snapshot_interval=20)              # one process (group=None)
+    stats = pub.publish(model.state_dict(), version=step)           # a state dict of full tensors, or a model
+    WeightPublisher(store, group=g).publish_async(model, step)      # every trainer rank, in the background
+    sub = WeightSubscriber(store); sub.start(poll_seconds=1.0)      # whole tensors
+    ready = sub.pop_ready()                                         # between steps: (version, state) or None
+    sub = WeightSubscriber.for_model(store, engine_shard)           # a rollout rank: its own boxes only
+    update = sub.prepare()                                          # or sub.start() ... sub.pop_ready()
     engine.update_weights(update, update.version, delta=update.delta); update.commit()
 """
 
 from .codec import WeightSyncError
 from .config import WeightSyncConfig
 from .publisher import PublishStats, WeightPublisher
-from .sharded import ShardedWeightPublisher
 from .store import ObjectStore, ObjectStoreError
-from .subscriber import BoxUpdate, ShardSubscriber, WeightSubscriber, WeightSyncChecksumError
+from .subscriber import BoxUpdate, VersionReader, WeightSubscriber, WeightSyncChecksumError
 
 __all__ = [
-    "BoxUpdate", "ObjectStore", "ObjectStoreError", "PublishStats", "ShardSubscriber", "ShardedWeightPublisher", "WeightPublisher", "WeightSubscriber", "WeightSyncChecksumError",
-    "WeightSyncConfig", "WeightSyncError",
+    "BoxUpdate", "ObjectStore", "ObjectStoreError", "PublishStats", "VersionReader", "WeightPublisher",
+    "WeightSubscriber", "WeightSyncChecksumError", "WeightSyncConfig", "WeightSyncError",
 ]

@@ -8,9 +8,8 @@ from typing import Literal, Optional
 import torch
 
 from .publisher import WeightPublisher
-from .sharded import ShardedWeightPublisher
 from .store import ObjectStore
-from .subscriber import ShardSubscriber, WeightSubscriber
+from .subscriber import WeightSubscriber
 
 
 def _f(default, help: str):
@@ -46,21 +45,17 @@ class WeightSyncConfig:
         return ObjectStore(url, storage_options=self.storage_options, max_retries=self.max_retries,
                            retry_base_seconds=self.retry_base_seconds, threads=self.threads)
 
-    def publisher(self, store: ObjectStore) -> WeightPublisher:
-        return WeightPublisher(store, snapshot_interval=self.snapshot_interval, keep_snapshots=self.keep_snapshots,
-                               shard_bytes=self.shard_mb << 20, chunk_bytes=self.chunk_mb << 20,
-                               compression_level=self.compression_level)
+    def publisher(self, store: ObjectStore, group=None) -> WeightPublisher:
+        """The publisher of every rank of `group` (None: this process alone), floating weights of a model in
+        ``dtype`` (see publisher.py)."""
+        return WeightPublisher(store, group=group, snapshot_interval=self.snapshot_interval,
+                               keep_snapshots=self.keep_snapshots, shard_bytes=self.shard_mb << 20,
+                               chunk_bytes=self.chunk_mb << 20, compression_level=self.compression_level,
+                               dtype=getattr(torch, self.dtype))
 
-    def sharded_publisher(self, store: ObjectStore, group=None) -> ShardedWeightPublisher:
-        """Every trainer rank's publisher of its owned boxes, in ``dtype`` (see sharded.py)."""
-        return ShardedWeightPublisher(store, group=group, snapshot_interval=self.snapshot_interval,
-                                      keep_snapshots=self.keep_snapshots, shard_bytes=self.shard_mb << 20,
-                                      chunk_bytes=self.chunk_mb << 20, compression_level=self.compression_level,
-                                      dtype=getattr(torch, self.dtype))
-
-    def subscriber(self, store: ObjectStore) -> WeightSubscriber:
-        return WeightSubscriber(store, max_refetch=self.max_refetch)
-
-    def shard_subscriber(self, store: ObjectStore, model) -> ShardSubscriber:
-        """A rollout rank's subscriber of the boxes `model` (its shard of the engine's model) holds."""
-        return ShardSubscriber.for_model(store, model, max_refetch=self.max_refetch)
+    def subscriber(self, store: ObjectStore, model=None) -> WeightSubscriber:
+        """A subscriber of whole tensors, or (given `model`, a rollout rank's shard of the engine's model) of the
+        boxes it holds."""
+        if model is None:
+            return WeightSubscriber(store, max_refetch=self.max_refetch)
+        return WeightSubscriber.for_model(store, model, max_refetch=self.max_refetch)

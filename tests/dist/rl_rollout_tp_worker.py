@@ -53,12 +53,13 @@ def rollout_case(preset: str, tp: int = 2, ep: int = 1):
             publisher = sync.publisher(sync.open_store(str(store_dir)))
             publisher.publish(_weights(cfg, 0), 0)
         dist.barrier()
-        subscriber = sync.shard_subscriber(sync.open_store(str(store_dir)), par)   # this rank's boxes only
+        subscriber = sync.subscriber(sync.open_store(str(store_dir)), par)   # this rank's boxes only
         if rank != 0:
             run_follower("follower", rcfg, par, subscriber, poll_seconds=0.05, engine_group=engine_group)
             return {}
         tok = load_tokenizer(ARGS.tok)
-        prompts = [tok.encode(render_text([{"role": "user", "content": p}], add_generation_prompt=True)) for p in PROMPTS]
+        prompts = [tok.encode(render_text([{"role": "user", "content": p}], add_generation_prompt=True))
+                   for p in PROMPTS]
         seeds = [11, 12, 13]
         worker = RolloutWorker("tp", rcfg, par, tok, [], queue=None, subscriber=subscriber, poll_seconds=0.05,
                                engine_group=engine_group)

@@ -4,7 +4,7 @@ Per layout, on the same rollout groups (multi-segment episodes, observation toke
 off the policy, recorded experts replayed, KL to the reference policy): the step's RL loss and every parameter
 gradient (each rank's shard against the slice of the single-rank gradient), then one optimizer step on each
 side and the loss of a second batch; the weights every trainer rank publishes of its own boxes (the RL
-trainer's ShardedWeightPublisher, no gather) reconstruct from the store to the single-rank model's names and
+trainer's WeightPublisher, no gather) reconstruct from the store to the single-rank model's names and
 shapes, bit-identical to it before the step and to every rank's own shards after it (a delta on the first
 version; the single-rank weights after the step differ in reduction order only, which the loss of the second
 batch bounds); a checkpoint written by the layout loads back into a fresh learner of the same layout.
@@ -118,7 +118,7 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
             next(ep for r in results for ep in r["episodes"] if len(ep["segments"]) > 1)["segments"].pop()
         near_policy(results, ref.model, 21)
         # published as the RL trainer does: every rank its owned boxes (rl/trainer.py: Trainer._publish)
-        publisher = par_cfg.weight_sync.sharded_publisher(weight_store(par_cfg))
+        publisher = par_cfg.weight_sync.publisher(weight_store(par_cfg), group=dist.group.WORLD)
         publisher.publish(par.model, 0)
         first = par_cfg.weight_sync.subscriber(weight_store(par_cfg)).fetch(0)
         initial_equal = set(first) == set(ref.model.state_dict()) and all(
@@ -170,7 +170,8 @@ def make_case(tmp: Path, name: str, mbs: int = 3, odd: bool = False, **parallel)
         errs = reduce_max(errs)
         counts = torch.tensor([padding_only])
         dist.all_reduce(counts)
-        return {"errs": errs, "n_params": n_params, "padding_only_micro_batches": counts.item(), "loss": m_ref["loss"], "loss_after_step": l2_ref,
+        return {"errs": errs, "n_params": n_params, "padding_only_micro_batches": counts.item(), "loss": m_ref["loss"],
+                "loss_after_step": l2_ref,
                 "masked": m_ref["mismatch_masked_fraction"], "train_tokens": m_ref["train_tokens"]}
     return run
 

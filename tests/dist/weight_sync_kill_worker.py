@@ -21,8 +21,7 @@ from megatron_composer.inference.loading import BoxWeights, engine_model
 from megatron_composer.model import Transformer, get_preset
 from megatron_composer.parallel.dims import ParallelDims
 from megatron_composer.parallel.slices import named_tensors
-from rl.weight_sync import ObjectStore
-from rl.weight_sync.sharded import ShardedWeightPublisher
+from rl.weight_sync import ObjectStore, WeightPublisher
 
 
 def model_config():
@@ -37,7 +36,7 @@ def full_weights(version: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g).bfloat16() for name, shape in shapes.items()}
 
 
-def publish(version: int, pub: ShardedWeightPublisher, groups) -> None:
+def publish(version: int, pub: WeightPublisher, groups) -> None:
     full = full_weights(version)
     model = engine_model(model_config(), BoxWeights(lambda name, box: full[name][box]), groups, dtype=torch.bfloat16)
     pub.publish(model, version)
@@ -52,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(1)
     groups = ParallelDims(2, tp=2).build()
     store = ObjectStore(str(Path(args.out) / "store"))
-    pub = ShardedWeightPublisher(store, snapshot_interval=10, shard_bytes=4 << 10, chunk_bytes=1024)
+    pub = WeightPublisher(store, group=dist.group.WORLD, snapshot_interval=10, shard_bytes=4 << 10, chunk_bytes=1024)
     if args.phase == "resume":
         publish(3, pub, groups)
         if dist.get_rank() == 0:

@@ -1,5 +1,5 @@
 """torchrun worker (4 ranks): a trainer in fsdp x ep2 (training core) publishes its weights sharded, every rank
-its owned boxes (rl/weight_sync/sharded.py), after each of 5 optimizer steps; readers in other layouts --
+its owned boxes (rl/weight_sync/publisher.py), after each of 5 optimizer steps; readers in other layouts --
 one rank reading the full state, rollout ranks of a 2-way layout reading row boxes (experts under ep2,
 column-parallel shards under tp2) and column boxes (row-parallel shards) -- get bits identical to the
 trainer's gathered full weights after every version, from a fresh subscriber (snapshot + deltas) and from one
@@ -37,10 +37,9 @@ from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
 from megatron_composer.training.core import TrainingCore  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
-from rl.weight_sync import ObjectStore, WeightSubscriber, WeightSyncError  # noqa: E402
+from rl.weight_sync import ObjectStore, WeightPublisher, WeightSubscriber, WeightSyncError  # noqa: E402
 from rl.weight_sync import manifest as mf  # noqa: E402
 from rl.weight_sync.codec import to_bits  # noqa: E402
-from rl.weight_sync.sharded import ShardedWeightPublisher  # noqa: E402
 
 LR = 3e-3
 
@@ -53,8 +52,8 @@ def _store(name: str) -> ObjectStore:
 
 
 def _trainer():
-    core = TrainingCore(tiny_config(QW).replace(num_layers=2), {}, Layout(ParallelConfig(fsdp=True, ep=2)), torch.device("cpu"),
-                        optim=_optim(), fp8=FP8Config(), seed=7)
+    core = TrainingCore(tiny_config(QW).replace(num_layers=2), {}, Layout(ParallelConfig(fsdp=True, ep=2)),
+                        torch.device("cpu"), optim=_optim(), fp8=FP8Config(), seed=7)
     return core, core.layout.groups
 
 
@@ -86,8 +85,8 @@ def _all_ok(flag: bool) -> bool:
 def publish_read():
     core, groups = _trainer()
     store = _store("publish_read")
-    pub = ShardedWeightPublisher(store, snapshot_interval=3, keep_snapshots=None, shard_bytes=16 << 10,
-                                 chunk_bytes=4096)
+    pub = WeightPublisher(store, group=dist.group.WORLD, snapshot_interval=3, keep_snapshots=None,
+                          shard_bytes=16 << 10, chunk_bytes=4096)
     follower = WeightSubscriber(_store("publish_read"))
     rollout = dist.get_rank() % 2
     out = {"versions": [], "full_equal": [], "follower_equal": [], "box_equal": [], "held_box_equal": [],
@@ -130,8 +129,8 @@ def publish_read():
 def owner_fault():
     core, groups = _trainer()
     store = _store("owner_fault")
-    pub = ShardedWeightPublisher(store, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096,
-                                 dtype=torch.bfloat16)   # the fp32 masters published as the engine's bf16
+    pub = WeightPublisher(store, group=dist.group.WORLD, snapshot_interval=10, shard_bytes=16 << 10,
+                          chunk_bytes=4096, dtype=torch.bfloat16)   # the fp32 masters published as the engine's bf16
     follower = WeightSubscriber(_store("owner_fault"))
     out = {}
     for v in (1, 2):
@@ -162,7 +161,8 @@ def owner_fault():
     _step(core, groups, 4)
     stats = pub.publish(core.model, 4)
     out["next_base"] = stats.base_version
-    full = {k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in full_state_dict(core.model, groups).items()}
+    full = {k: t.to(torch.bfloat16) if t.is_floating_point() else t
+            for k, t in full_state_dict(core.model, groups).items()}
     got = follower.fetch()
     out["follower_version"] = follower.version
     out["follower_equal"] = _all_ok(all(_same(got[k], full[k]) for k in full))
@@ -221,20 +221,19 @@ def _numel(box) -> int:
 
 
 def engines():
-    """The trainer (fsdp x ep2) publishes 5 versions in the engines' bf16; every rollout rank's ShardSubscriber
+    """The trainer (fsdp x ep2) publishes 5 versions in the engines' bf16; every rollout rank's WeightSubscriber
     prefetches its own boxes of each in the background, the engine applies it between steps (XOR in place
     after the first), and holds exactly the trainer's weights; then each engine generates what the one-rank
     engine of the gathered weights does."""
     from megatron_composer.inference import Engine
     from megatron_composer.inference.loading import BoxWeights, engine_model
-    from rl.weight_sync.subscriber import ShardSubscriber
 
     core, groups = _trainer()
     layout, egroups, model, engine = _engines()
     store = _store("engines")
-    pub = ShardedWeightPublisher(store, snapshot_interval=3, keep_snapshots=None, shard_bytes=16 << 10,
-                                 chunk_bytes=4096, dtype=torch.bfloat16)
-    sub = ShardSubscriber.for_model(_store("engines"), model)
+    pub = WeightPublisher(store, group=dist.group.WORLD, snapshot_interval=3, keep_snapshots=None,
+                          shard_bytes=16 << 10, chunk_bytes=4096, dtype=torch.bfloat16)
+    sub = WeightSubscriber.for_model(_store("engines"), model)
     sub.start(poll_seconds=0.05)
     mine = {"layout": layout, "equal": [], "delta": [], "bytes_read": [], "version_bytes": [], "ranged": [],
             "whole": [], "own_chunk_bytes": [],
@@ -286,7 +285,7 @@ def slow_owner():
     core, groups = _trainer()
     store = _store("slow_owner")
     group = dist.new_group(backend="gloo")   # the publisher's own group, beside the training collectives
-    pub = ShardedWeightPublisher(store, group=group, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096)
+    pub = WeightPublisher(store, group=group, snapshot_interval=10, shard_bytes=16 << 10, chunk_bytes=4096)
     latest = lambda: WeightSubscriber(_store("slow_owner")).latest_version()  # noqa: E731
     out = {}
     first = pub.publish_async(core.model, 1, max_pending=1)   # the first call is synchronous (learns ownership)

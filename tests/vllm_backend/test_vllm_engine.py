@@ -111,13 +111,13 @@ def test_published_versions_reach_vllm_exactly(tiny, tmp_path):
     cfg, model, engine = tiny
     sync = WeightSyncConfig(dtype="float32", snapshot_interval=3)
     store = ObjectStore(f"file://{tmp_path}/store")
-    publisher = sync.sharded_publisher(store)
+    publisher = sync.publisher(store)
     with torch.device("meta"):
         names_only = Transformer(cfg)  # what a vLLM rollout worker subscribes with (rl.model.rollout_model)
     rpc = engine.llm.collective_rpc
     # as vLLM's multi-process executor sends them: every call to the workers travels pickled
     engine.llm.collective_rpc = lambda fn, *a, **kw: rpc(cloudpickle.loads(cloudpickle.dumps(fn)), *a, **kw)
-    subscription = engine.subscription(sync.shard_subscriber(store, names_only))
+    subscription = engine.subscription(sync.subscriber(store, names_only))
     deltas = 0
     for version in _publish_steps(model, publisher, range(1, 4)):
         update = subscription.prepare(version)
@@ -154,7 +154,7 @@ def test_a_worker_holds_only_its_experts(tmp_path):
     from megatron_composer.inference.vllm_engine import VLLMWorkerWeights, _ranges
     from rl.weight_sync import ObjectStore
     from rl.weight_sync.config import WeightSyncConfig
-    from rl.weight_sync.subscriber import ShardSubscriber
+    from rl.weight_sync.subscriber import WeightSubscriber
 
     class Placed(MoERunner):  # the expert placement vLLM gives a worker under EP, without building a layer
         def __init__(self, layer_id, expert_map):
@@ -178,8 +178,8 @@ def test_a_worker_holds_only_its_experts(tmp_path):
 
     model = Transformer(cfg)
     store = ObjectStore(f"file://{tmp_path}/store")
-    WeightSyncConfig(dtype="float32", chunk_mb=1).sharded_publisher(store).publish(model, 1)
-    worker.subscribe(lambda wants: ShardSubscriber(store, wants, max_refetch=0))
+    WeightSyncConfig(dtype="float32", chunk_mb=1).publisher(store).publish(model, 1)
+    worker.subscribe(lambda wants: WeightSubscriber(store, wants, max_refetch=0))
     worker.prepare(1)
     update = worker.staged
     full = model.state_dict()
