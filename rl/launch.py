@@ -6,6 +6,8 @@ layouts; every other rank is a rollout process (rl/rollout/launch.py), which nev
 the launch leaves no rollout rank (one process, or trainer_ranks = world size) trainer rank 0 runs
 ``rollout.embedded_workers`` worker threads. Separate launches (clusters) run the same entrypoint with
 ``role=trainer`` or ``role=rollout``; they meet only through run.dir's rollout queue and the weight store.
+Which of these a process is comes from one function, `rl.rollout.launch.worker_mode` (its module has the table
+of the ways a rollout worker runs); `run_rl` acts on its answer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelDims
 from rl.config import RLConfig
 from rl.model import build_model_meta
-from rl.rollout.launch import run_worker_process
+from rl.rollout.launch import WorkerMode, run_worker_process, worker_mode
 from rl.trainer import Trainer
 
 
@@ -93,18 +95,15 @@ def run_rl(cfg: RLConfig) -> Path | None:
             require_vllm()
         except VLLMError as e:
             raise ConfigError(str(e)) from None
-    if cfg.role == "auto":
-        role = "trainer" if rank < cfg.trainer_ranks else "rollout"
-    else:
-        role = cfg.role
+    mode = worker_mode(cfg, rank, world)  # the process's part in the rollouts (rl/rollout/launch.py's table)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(world, 1)))
-    if role == "rollout":
+    if mode.rollout_process:
         run_worker_process(cfg, rank, world)
         return None
     created = init_trainer_group(cfg, rank, world)
     try:
         trainer = Trainer(cfg)
-        if cfg.role == "auto" and cfg.trainer_ranks == world and trainer.is_main:
+        if mode is WorkerMode.THREADS:
             trainer.start_embedded_workers(cfg.rollout.embedded_workers)
         return trainer.fit()
     finally:

@@ -41,9 +41,7 @@ from rl.learner import PolicyLearner
 from rl.metrics import group_metrics
 from rl.model import build_model_meta
 from rl.orchestrator import OrchestratorRole, QueueError
-from rl.rollout.launch import make_worker
 from rl.rollout.records import read_group_index
-from rl.rollout.worker import RolloutWorker
 from rl.weight_sync import ObjectStoreError, WeightSyncError
 
 
@@ -100,7 +98,7 @@ class Trainer:
         self._publish(background=False)
         if self.publish_failures:   # every trainer rank knows (the publish is collective)
             raise RuntimeError(f"cannot publish the initial weights to {weights_url(cfg)}; check weight_sync.url")
-        self.workers: list[tuple[RolloutWorker, threading.Thread]] = []
+        self.workers: list[tuple[object, threading.Thread]] = []  # in-process rollout workers
         self._eval_tasks = self._eval_subscriber = None
 
     # -- trainer ranks ----------------------------------------------------------------------------------
@@ -153,11 +151,10 @@ class Trainer:
         return {**out, "weight_sync_failures": float(self.publish_failures)} if self.is_main else {}
 
     def start_embedded_workers(self, n: int) -> None:
-        for i in range(n):
-            w = make_worker(self.cfg, f"embedded{i}", self.tokenizer, self.tasks, self.cfg.train.seed + 1000 + i)
-            t = threading.Thread(target=w.run, name=f"rollout-{i}", daemon=True)
-            t.start()
-            self.workers.append((w, t))
+        """Run `n` rollout workers in threads of this process (rl/rollout/launch.py: way 1)."""
+        from rl.rollout.launch import start_worker_threads
+
+        self.workers += start_worker_threads(self.cfg, self.tokenizer, self.tasks, n)
 
     def _workers_alive(self) -> bool:
         return not self.workers or any(t.is_alive() for _, t in self.workers)
@@ -215,9 +212,9 @@ class Trainer:
         cfg = self.cfg
         total = min(cfg.train.steps, -(-len(self.tasks) // cfg.train.groups_per_step))
         if self.is_main:
-            print(f"RL trainer: {len(self.tasks)} prompts x group {cfg.rollout.group_size}, {cfg.train.groups_per_step} "
-                  f"groups/step, steps {self.step}->{total} on {self.layout.world} trainer rank(s) "
-                  f"(tp {self.layout.dims.tp}, cp {self.layout.dims.cp}, ep {self.layout.dims.ep}, "
+            print(f"RL trainer: {len(self.tasks)} prompts x group {cfg.rollout.group_size}, "
+                  f"{cfg.train.groups_per_step} groups/step, steps {self.step}->{total} on {self.layout.world} "
+                  f"trainer rank(s) (tp {self.layout.dims.tp}, cp {self.layout.dims.cp}, ep {self.layout.dims.ep}, "
                   f"dp {self.layout.dims.dp}); weights at {weights_url(cfg)} (v{self.version})", flush=True)
         try:
             if cfg.eval.interval and cfg.eval.at_start and self.step == 0:

@@ -172,6 +172,57 @@ def test_sandbox_and_weight_sync_import_nothing_above_them():
     assert not bad, bad
 
 
+def _reach(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every module `name` imports, directly or through others."""
+    seen, todo = set(), [name]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+# rl/rollout by job, lowest first: a module imports only modules of rl/rollout in layers below its own.
+ROLLOUT_LAYERS = (
+    ("rl.rollout", "rl.rollout.config", "rl.rollout.tasks", "rl.rollout.records"),  # schema, task kinds, records
+    ("rl.rollout.engines", "rl.rollout.episodes"),  # the engine and its ranks; the episodes of a group
+    ("rl.rollout.worker",),  # the claim loop
+    ("rl.rollout.launch",),  # how workers run: the one place that chooses
+)
+ROLLOUT_MACHINERY = {name for layer in ROLLOUT_LAYERS[1:] for name in layer}
+
+
+def test_config_schemas_reach_no_engine_and_no_rollout_machinery():
+    """rl.config and the rollout schema are read before any work (checks, --help, the dry run): through no chain
+    of imports do they load the inference engines or the rollout worker."""
+    graph = _graph()
+    bad = [f"{schema} reaches {dep}" for schema in ("rl.config", "rl.rollout.config") for dep in _reach(graph, schema)
+           if dep.startswith("megatron_composer.inference") or dep in ROLLOUT_MACHINERY]
+    bad += [f"rl.rollout.config reaches {dep}" for dep in _reach(graph, "rl.rollout.config")
+            if dep.startswith(("megatron_composer.model", "rl.rollout."))]
+    assert not bad, bad
+
+
+def test_rollout_modules_import_only_lower_layers():
+    graph = _graph()
+    layer = {name: i for i, names in enumerate(ROLLOUT_LAYERS) for name in names}
+    mine = [name for name in graph if name == "rl.rollout" or name.startswith("rl.rollout.")]
+    bad = [f"{name} has no layer in ROLLOUT_LAYERS" for name in mine if name not in layer]
+    bad += [f"{name} -> {dep}" for name in mine if name in layer for dep in graph[name]
+            if dep in layer and layer[dep] >= layer[name]]
+    assert not bad, bad
+
+
+def test_trainer_and_launch_run_workers_only_through_the_rollout_launch():
+    """How a worker runs is chosen in rl/rollout/launch.py: the trainer (its in-process workers) and the roles'
+    launch import no worker, engine or episode module themselves."""
+    graph = _graph()
+    bad = [f"{name} -> {dep}" for name in ("rl.trainer", "rl.launch") for dep in graph[name]
+           if dep in ROLLOUT_MACHINERY - {"rl.rollout.launch"}]
+    assert not bad, bad
+
+
 def test_command_line_programs_live_outside_the_library_packages():
     """A program's argument parsing is in tools/ (or the root entrypoints); the packages keep what it calls."""
     entries = sorted(_entry_modules())

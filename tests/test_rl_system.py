@@ -328,8 +328,9 @@ def test_agent_episode_on_a_bundled_task_keeps_the_exact_token_stream(assets, tm
     from rl.config import RLConfig
     from rl.model import full_model
     from rl.orchestrator import WorkItem
+    from rl.rollout.config import RolloutConfig
     from rl.rollout.tasks import load_rl_tasks
-    from rl.rollout.worker import RolloutConfig, RolloutWorker
+    from rl.rollout.worker import RolloutWorker
     from rl.sandbox import LocalBackend, SandboxError
 
     try:

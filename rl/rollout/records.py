@@ -76,14 +76,17 @@ def encode_group(group: dict) -> bytes:
             for name, dtype in _ARRAYS.items():
                 values = seg.get(name)
                 values = [] if values is None else values
-                arrays[name] = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+                is_tensor = isinstance(values, torch.Tensor)
+                arrays[name] = values.to(dtype) if is_tensor else torch.tensor(values, dtype=dtype)
             P, R = len(seg["prompt_ids"]), len(seg["response_ids"])
             if len(seg["response_mask"]) != R or len(seg["response_logprobs"]) != R:
-                raise RecordError(f"{where}: response_mask and response_logprobs need one entry per response token ({R})")
+                raise RecordError(f"{where}: response_mask and response_logprobs need one entry per response token "
+                                  f"({R})")
             routing = seg.get("routed_experts")
             if routing is not None:
                 if routing.dim() != 3 or routing.shape[1] != P + R:
-                    raise RecordError(f"{where}: routed_experts must be [layers, {P + R}, top_k], got {list(routing.shape)}")
+                    raise RecordError(f"{where}: routed_experts must be [layers, {P + R}, top_k], got "
+                                      f"{list(routing.shape)}")
                 arrays["routed_experts"] = routing.to(_routing_dtype(routing))
             tensors.update({f"e{i}.s{j}.{name}": t.contiguous() for name, t in arrays.items()})
             segs.append({"prompt_len": P, "response_len": R, "loss_tokens": int(arrays["response_mask"].sum()),

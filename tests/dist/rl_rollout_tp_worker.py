@@ -26,7 +26,9 @@ from megatron_composer.data.tokenizer import load_tokenizer  # noqa: E402
 from megatron_composer.model import Transformer, get_preset  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model  # noqa: E402
-from rl.rollout.worker import RolloutConfig, RolloutWorker, run_follower  # noqa: E402
+from rl.rollout.config import RolloutConfig  # noqa: E402
+from rl.rollout.engines import run_follower  # noqa: E402
+from rl.rollout.worker import RolloutWorker  # noqa: E402
 from rl.weight_sync import WeightSyncConfig  # noqa: E402
 
 PROMPTS = ["Start a function.", "Say hi.", "Write a class."]

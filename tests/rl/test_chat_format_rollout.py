@@ -39,8 +39,10 @@ def hello_task(tmp_path):
 def test_kimi_format_episode_is_token_in_token_out(tmp_path, hello_task):
     from rl.envs.agent import AGENT_TOOLS, initial_messages
     from rl.orchestrator import WorkItem
+    from rl.rollout.config import RolloutConfig
+    from rl.rollout.episodes import continuation_ids
     from rl.rollout.tasks import RLTask
-    from rl.rollout.worker import RolloutConfig, RolloutWorker, continuation_ids
+    from rl.rollout.worker import RolloutWorker
     from rl.sandbox import LocalBackend, SandboxError
 
     try:

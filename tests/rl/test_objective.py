@@ -45,7 +45,7 @@ MALFORMED = "<tool_call>{not json}</tool_call>"
 
 
 def test_shaped_reward_is_exactly_what_the_trainer_advantages_use(rl_assets, tmp_path):
-    from rl.rollout.worker import episode_record
+    from rl.rollout.episodes import episode_record
     from rl.trainer import group_metrics
 
     over = {"rl.length_penalty_weight": 0.1, "rl.length_penalty_k": 1.0, "rl.length_penalty_q": 1.0,
@@ -87,7 +87,7 @@ def test_length_measure_is_configurable():
 # ---- the Dr. GRPO constant --------------------------------------------------------------------------------
 
 def test_loss_constant_defaults_to_the_episode_generation_budget(rl_assets, tmp_path):
-    from rl.rollout.worker import RolloutConfig
+    from rl.rollout.config import RolloutConfig
 
     learner = _learner(rl_assets, tmp_path, **{"rollout.max_new_tokens": 12})
     assert learner.loss_constant == 12.0
@@ -105,7 +105,7 @@ def test_loss_constant_defaults_to_the_episode_generation_budget(rl_assets, tmp_
 def test_temperature_ratios_are_one_with_equal_weights(rl_assets, tmp_path):
     from megatron_composer.inference import Engine
     from megatron_composer.inference.sampling import SamplingParams
-    from rl.rollout.worker import TokenLedger
+    from rl.rollout.episodes import TokenLedger
 
     learner = _learner(rl_assets, tmp_path, **{"rollout.temperature": 0.7, "rl.mismatch_mask": "'off'",
                                               "rl.router_replay": "r3"})
@@ -133,7 +133,7 @@ def test_temperature_ratios_are_one_with_equal_weights(rl_assets, tmp_path):
 
 def test_top_p_truncation_is_refused():
     from megatron_composer.config import ConfigError
-    from rl.rollout.worker import RolloutConfig
+    from rl.rollout.config import RolloutConfig
 
     with pytest.raises(ConfigError, match="rollout.top_p=0.9"):
         RolloutConfig(top_p=0.9).validate()

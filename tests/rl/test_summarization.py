@@ -145,7 +145,7 @@ def test_run_logs_segments_and_summaries(setup):
 
 
 def test_summary_settings_are_checked():
-    from rl.rollout.worker import RolloutConfig
+    from rl.rollout.config import RolloutConfig
 
     with pytest.raises(ConfigError, match="summary_trigger_tokens=4096 must be below rollout.max_seq_len=1024"):
         RolloutConfig(summary_trigger_tokens=4096, max_seq_len=1024).validate()
