@@ -4,15 +4,20 @@ on demand."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .boxes import Box, assemble, box_key
 from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, int_view_dtype
 
-if TYPE_CHECKING:
-    from .subscriber import WeightSubscriber
+
+class Subscriber(Protocol):
+    """What a reader asks of the subscriber that made it (a WeightSubscriber)."""
+
+    def commit(self, update: "BoxUpdate") -> None: ...
+
+    def get_verified(self, version: int, shard: dict) -> bytes: ...
 
 
 class BoxUpdate:
@@ -22,7 +27,7 @@ class BoxUpdate:
     for it; `version_bytes`: the compressed bytes of the parts it was built from (what a whole-version reader
     downloads); `ranged_reads` / `whole_reads`: the reads it took."""
 
-    def __init__(self, subscriber: WeightSubscriber, version: int, vid: str, base_id: str | None, delta: bool,
+    def __init__(self, subscriber: Subscriber, version: int, vid: str, base_id: str | None, delta: bool,
                  meta: dict[str, tuple[torch.dtype, list[int]]], bits: dict[str, dict[Box, torch.Tensor]],
                  bytes_read: int, version_bytes: int, ranged_reads: int, whole_reads: int):
         self.subscriber, self.version, self.id, self.base_id, self.delta = subscriber, version, vid, base_id, delta
@@ -72,7 +77,7 @@ class VersionReader:
     `parts` (manifest, part name, tensor entries by name) what it reads; `elements_decoded` counts decoded
     elements (for tests and logs)."""
 
-    def __init__(self, subscriber: WeightSubscriber, version: int, parts: list[dict],
+    def __init__(self, subscriber: Subscriber, version: int, parts: list[dict],
                  held: tuple[dict, dict] | None = None):
         self.subscriber, self.version, self.held = subscriber, version, held
         self.parts: list[tuple[dict, str, dict]] = []
@@ -91,7 +96,7 @@ class VersionReader:
             if len(self._shards) >= 2 * len(self.parts):
                 self._shards.pop(next(iter(self._shards)))
             shard = manifest["parts"][part]["shards"][index]
-            self._shards[key] = self.subscriber._get_verified(manifest["version"], shard)
+            self._shards[key] = self.subscriber.get_verified(manifest["version"], shard)
         return self._shards[key]
 
     def shape(self, name: str) -> list[int]:

@@ -323,14 +323,15 @@ class WeightSubscriber:
                 log.info("weight sync: chunks of %s carry no frame checksum; reading the object whole", shard["key"])
             with self._ready_lock:
                 whole += 1
-            return _ChunkSource(self, m["version"], shard, {0: self._get_verified(m["version"], shard)}, verified=True)
+            return _ChunkSource(self, m["version"], shard, {0: self.get_verified(m["version"], shard)}, verified=True)
 
         with ThreadPoolExecutor(self.store.threads, thread_name_prefix="wsync-get") as pool:
             futures = {key: pool.submit(fetch, key) for key in needed}
             sources = {key: f.result() for key, f in futures.items()}
         return sources, ranged, whole
 
-    def _get_verified(self, version: int, shard: dict) -> bytes:
+    def get_verified(self, version: int, shard: dict) -> bytes:
+        """A whole shard object of `version`, its checksum verified (refetched up to max_refetch times)."""
         for attempt in range(self.max_refetch + 1):
             data = self.store.get(shard["key"])
             with self._ready_lock:
