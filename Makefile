@@ -13,7 +13,9 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
 	# LocalSandbox needs bubblewrap; install it where apt is available (sandbox tests skip with the reason otherwise).
-	command -v bwrap >/dev/null || { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; } || echo "WARNING: bubblewrap not installed: sandbox tests will be skipped"
+	command -v bwrap >/dev/null \
+		|| { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; } \
+		|| echo "WARNING: bubblewrap not installed: sandbox tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

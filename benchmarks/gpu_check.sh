@@ -23,7 +23,8 @@ pick_python() {
   return 1
 }
 PY=$(pick_python) || { echo "no python with torch found; set PYTHON=..." >&2; exit 2; }
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+command -v nvidia-smi >/dev/null \
+  && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 unset TRITON_INTERPRET
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec timeout -k 10 480 "$PY" benchmarks/gpu_check.py "$OUT_DIR" --limit 465 "$@"

@@ -59,8 +59,9 @@ def episodes_of(result: dict) -> list[Episode]:
     out = []
     for ep in result["episodes"]:
         segs = [s if hasattr(s, "load") else
-                Segment(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], response_logprobs=s["response_logprobs"],
-                        response_mask=s["response_mask"], routed_experts=s["routed_experts"]) for s in ep["segments"]]
+                Segment(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"],
+                        response_logprobs=s["response_logprobs"], response_mask=s["response_mask"],
+                        routed_experts=s["routed_experts"]) for s in ep["segments"]]
         out.append(Episode(segments=segs, reward=float(ep["reward"]), metadata=ep.get("meta", {})))
     return out
 

@@ -56,7 +56,8 @@ def test_pretraining_and_rl_do_not_import_each_other_and_the_library_imports_nei
         room = name.split(".")[0]
         for dep in deps:
             other = dep.split(".")[0]
-            if (room, other) in (("pretrain", "rl"), ("rl", "pretrain"), ("megatron_composer", "pretrain"), ("megatron_composer", "rl")):
+            if (room, other) in (("pretrain", "rl"), ("rl", "pretrain"), ("megatron_composer", "pretrain"),
+                                 ("megatron_composer", "rl")):
                 bad.append(f"{name} -> {dep}")
     assert not bad, bad
 

@@ -24,7 +24,8 @@ def _group(experts: int, gid: int = 3) -> dict:
                      "routed_experts": torch.randint(0, experts, (2, P + R, 4), generator=g)})
     return {"gid": gid, "prompt_index": 1, "attempt": 0, "task": "t", "kind": "agent", "worker": "w0",
             "episodes": [{"reward": 0.5, "verifier_reward": 1.0, "reward_terms": {"length_penalty": -0.5},
-                          "meta": {"turns": 2, "transcript": [{"role": "user", "content": "hi «x»"}]}, "segments": segs},
+                          "meta": {"turns": 2, "transcript": [{"role": "user", "content": "hi «x»"}]},
+                          "segments": segs},
                          {"reward": 0.0, "verifier_reward": 0.0, "reward_terms": {}, "meta": {}, "segments": []}],
             "sandbox_failures": 0, "version_counts": {7: 6}, "min_weight_version": 7, "eval_version": None,
             "seconds": 1.5}
@@ -40,7 +41,8 @@ def test_round_trip_keeps_every_field_and_routing_is_narrow(tmp_path, experts, d
         assert back[key] == group[key]
     assert back["version_counts"] == {"7": 6}  # JSON keys; readers take int(v)
     for ep, want in zip(back["episodes"], group["episodes"]):
-        assert ep["reward"] == want["reward"] and ep["meta"] == want["meta"] and ep["reward_terms"] == want["reward_terms"]
+        assert (ep["reward"] == want["reward"] and ep["meta"] == want["meta"]
+                and ep["reward_terms"] == want["reward_terms"])
         for seg, w in zip(ep["segments"], want["segments"]):
             for k in ("prompt_ids", "response_ids", "response_logprobs", "response_mask", "weight_versions"):
                 assert seg[k] == w[k], k

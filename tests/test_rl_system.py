@@ -193,7 +193,8 @@ def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, 
     start, *rows = _metrics(run_dir)
     evals = [start] + [r for r in rows if "eval_pass@1" in r]
     assert start["step"] == 0 and "loss" not in start and start["eval_weight_version"] == 0  # the initial weights
-    assert [r["step"] for r in evals] == [0, 2, 4] and all(0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
+    assert [r["step"] for r in evals] == [0, 2, 4] and all(
+        0 <= r["eval_pass@1"] <= r["eval_pass@2"] <= 1 for r in evals)
     for r in evals:
         # measured by the rollout worker's engine, on exactly the version just published
         assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]

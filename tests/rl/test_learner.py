@@ -42,7 +42,8 @@ def test_fp8_recipe_trains_an_rl_step(rl_assets, tmp_path):
     from megatron_composer.fp8.linear import FP8Linear
 
     ref = _learner(rl_assets, tmp_path / "ref")
-    fp8 = _learner(rl_assets, tmp_path / "fp8", **{"fp8.recipe": "mxfp8", "fp8.block_size": 16, "fp8.backend": "emulated"})
+    fp8 = _learner(rl_assets, tmp_path / "fp8",
+                   **{"fp8.recipe": "mxfp8", "fp8.block_size": 16, "fp8.backend": "emulated"})
     assert sum(isinstance(m, FP8Linear) for m in fp8.model.modules()) > 0
     samples, _, n = ref.samples(_groups(ref.mc))
     loss_ref, loss_fp8 = ref.backward(samples, n)["loss"], fp8.backward(samples, n)["loss"]

@@ -176,7 +176,8 @@ def test_r2_replays_the_old_policy_pass_routing(rl_assets, tmp_path, monkeypatch
 
 
 def test_ppo_clip_uses_the_old_policy_pass_and_the_tis_cap(rl_assets, tmp_path):
-    learner = _learner(rl_assets, tmp_path, **{"rl.pg_loss": "ppo_clip", "rl.tis_cap": 2.0, "rl.mismatch_mask": "'off'"})
+    learner = _learner(rl_assets, tmp_path,
+                       **{"rl.pg_loss": "ppo_clip", "rl.tis_cap": 2.0, "rl.mismatch_mask": "'off'"})
     samples, _, n = learner.samples(_groups(learner.mc, 3))
     for s in samples:  # behaviour far below the policy: pi_old / mu > 2 everywhere, so every weight is capped
         s.behaviour_logprobs = [v - 30.0 if m else 0.0 for v, m in zip(s.behaviour_logprobs, s.loss_mask)]
@@ -341,7 +342,8 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
 
     def rope(run: str):
         meta = json.loads((tmp_path / run / "checkpoints/step_1/meta.json").read_text())
-        return meta["model"]["rope_scaling"]["factor"], meta["model"]["rope_scaling"]["original_max_position_embeddings"]
+        scaling = meta["model"]["rope_scaling"]
+        return scaling["factor"], scaling["original_max_position_embeddings"]
 
     stage("long", 64, "")
     assert rope("long") == (2.0, 32)
@@ -349,7 +351,8 @@ def test_resumed_stages_keep_the_rope_of_their_weights(rl_assets, tmp_path):
     assert rope("sft") == (2.0, 32)
     stage("sft", 32, "")  # resumes run.dir: its own rope again (no step to take)
     rl = load_config(RLConfig, None, ["model.preset=tiny-deepseek-v3", "model.yarn_original_length=32",
-                                      "model.overrides={num_layers: 2, num_mtp_layers: 0}", f"data.tokenizer={rl_assets / 'tok'}",
+                                      "model.overrides={num_layers: 2, num_mtp_layers: 0}",
+                                      f"data.tokenizer={rl_assets / 'tok'}",
                                       "data.seq_length=32", f"run.dir={tmp_path / 'rl'}",
                                       f"checkpoint.init_from={tmp_path / 'sft'}"])
     mc = rl_model_config(rl, load_tokenizer(rl.data.tokenizer))
@@ -376,7 +379,8 @@ def _run(rl_assets, run_dir: Path, **extra) -> list[dict]:
         tasks.mkdir()
         lines = (rl_assets / "tasks/tasks.jsonl").read_text().splitlines()
         (tasks / "tasks.jsonl").write_text("".join(
-            json.dumps({**json.loads(line), "id": f"r{k}_{i}"}) + "\n" for k in range(4) for i, line in enumerate(lines)))
+            json.dumps({**json.loads(line), "id": f"r{k}_{i}"}) + "\n"
+            for k in range(4) for i, line in enumerate(lines)))
     over = {"run.dir": run_dir, "data.tokenizer": rl_assets / "tok", "data.tasks": tasks,
             "model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "train.steps": 12, "train.groups_per_step": 2, "train.micro_batch_size": 16, "train.seed": 7,

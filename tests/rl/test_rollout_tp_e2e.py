@@ -1,8 +1,9 @@
 """End to end: `torchrun --nproc-per-node 3 rl_composer.py ... rollout.tp=2` (or rollout.ep=2): rank 0 trains,
 ranks 1-2 are one tensor- (expert-) parallel rollout engine (rank 1 runs the worker through Lockstep, rank 2
-follows and reads its own boxes of every weight version from the store itself). The run logs rewards, publishes versions that both rollout ranks apply, trains
-on tokens of later versions, evaluates the held-out set on that engine, and every process exits cleanly; a rollout.tp that does not divide the rollout
-ranks is refused with one line before any work."""
+follows and reads its own boxes of every weight version from the store itself). The run logs rewards, publishes
+versions that both rollout ranks apply, trains on tokens of later versions, evaluates the held-out set on that
+engine, and every process exits cleanly; a rollout.tp that does not divide the rollout ranks is refused with one
+line before any work."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def test_rollout_tp_that_does_not_divide_the_rollout_ranks_is_refused(rl_assets,
     res = _launch(rl_assets, tmp_path / "run", nproc=2, steps=1)  # 1 rollout rank, rollout.tp=2
     assert res.returncode != 0
     lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
-    assert lines and "rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide the 1 rollout rank(s)" in lines[0], res.stderr[-3000:]
+    assert lines and ("rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide the 1 rollout "
+                      "rank(s)") in lines[0], res.stderr[-3000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -125,7 +127,8 @@ def test_rollout_launch_not_a_multiple_of_rollout_tp_is_refused(rl_assets, tmp_p
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith(
-        "error: rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide this launch's 1 rollout process(es)"), res.stderr[-3000:]
+        "error: rollout.tp x rollout.ep = 2 x 1 = 2 processes per engine does not divide this launch's 1 rollout "
+        "process(es)"), res.stderr[-3000:]
 
 
 def test_rollout_tp_that_does_not_divide_the_heads_is_refused(rl_assets, tmp_path):
@@ -135,4 +138,5 @@ def test_rollout_tp_that_does_not_divide_the_heads_is_refused(rl_assets, tmp_pat
                          env=_env(RANK="0", WORLD_SIZE="4"), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rollout.tp=3 rollout.ep=1:") and "rollout.tp" in last[len("error: rollout.tp=3 rollout.ep=1:"):], res.stderr[-3000:]
+    assert (last.startswith("error: rollout.tp=3 rollout.ep=1:")
+            and "rollout.tp" in last[len("error: rollout.tp=3 rollout.ep=1:"):]), res.stderr[-3000:]

@@ -98,7 +98,8 @@ def test_rollout_summaries_become_trained_segments_of_the_episode(setup):
             assert n_summary >= 1
             tail = len(ids) - n_summary
             head = ids[:tail]
-            where = max(i for i in range(len(head) - len(request_ids) + 1) if head[i:i + len(request_ids)] == request_ids)
+            where = max(i for i in range(len(head) - len(request_ids) + 1)
+                        if head[i:i + len(request_ids)] == request_ids)
             assert set(mask[where:tail]) == {0}
             assert len(seg["response_logprobs"]) == len(ids) and all(v <= 0 for v in seg["response_logprobs"][tail:])
             assert seg["routed_experts"].shape[1] == len(seg["prompt_ids"]) + len(ids)
@@ -122,7 +123,8 @@ def test_rollout_summaries_become_trained_segments_of_the_episode(setup):
         assert s.loss_mask == [0] * len(seg["prompt_ids"]) + seg["response_mask"]
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     metrics = learner.step([result], lr=1e-3)
-    assert metrics["skipped"] == 0.0 and metrics["loss"] != 0.0 and metrics["train_tokens"] == sum(sum(s.loss_mask) for s in samples)
+    assert (metrics["skipped"] == 0.0 and metrics["loss"] != 0.0
+            and metrics["train_tokens"] == sum(sum(s.loss_mask) for s in samples))
     assert any(not torch.equal(before[n], p) for n, p in learner.model.named_parameters())
 
 

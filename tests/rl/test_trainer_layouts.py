@@ -107,10 +107,12 @@ def _cfg(**over):
     ({"trainer_ranks": 2, "parallel.ep": 4}, 3, r"trainer_ranks=2 does not hold the layout .*parallel.ep = 4"),
     ({"trainer_ranks": 4}, 2, r"trainer_ranks=4 but this launch has 2 process"),
     ({"trainer_ranks": 2, "rollout.embedded_workers": 0}, 2, r"leaves no rollout rank"),
-    ({"role": "trainer", "trainer_ranks": 1}, 4, r"role=trainer: all 4 process\(es\) of this launch train; set trainer_ranks=4"),
+    ({"role": "trainer", "trainer_ranks": 1}, 4,
+     r"role=trainer: all 4 process\(es\) of this launch train; set trainer_ranks=4"),
     ({"trainer_ranks": 1, "rollout.tp": 2, "rollout.ep": 2}, 3,
      r"rollout.tp x rollout.ep = 2 x 2 = 4 processes per engine does not divide the 2 rollout rank"),
-    ({"role": "rollout", "rollout.ep": 2}, 3, r"rollout.tp x rollout.ep = 1 x 2 = 2 processes per engine does not divide"),
+    ({"role": "rollout", "rollout.ep": 2}, 3,
+     r"rollout.tp x rollout.ep = 1 x 2 = 2 processes per engine does not divide"),
     ({"trainer_ranks": 2, "rollout.ep": 2}, 2, r"rollout.tp x rollout.ep = 1 x 2 needs rollout processes"),
 ])
 def test_bad_trainer_layouts_are_refused_before_any_work(over, world, message):

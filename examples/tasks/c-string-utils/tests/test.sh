@@ -5,7 +5,8 @@
 mkdir -p /logs/verifier
 cd /app
 judge=/opt/verifier/bin/judge; [ -x "$judge" ] || judge=
-if $judge sh -c 'gcc -std=c11 -Wall -O1 -o /tmp/run_tests /tests/test_strutil.c /app/strutil.c -I/app  && /tmp/run_tests'; then
+build='gcc -std=c11 -Wall -O1 -o /tmp/run_tests /tests/test_strutil.c /app/strutil.c -I/app'
+if $judge sh -c "$build && /tmp/run_tests"; then
   echo 1 > /logs/verifier/reward.txt
 else
   echo 0 > /logs/verifier/reward.txt

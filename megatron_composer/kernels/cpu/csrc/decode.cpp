@@ -47,7 +47,7 @@ Tensor argmax_rows(const Tensor& logits) {
 
 Tensor small_linear(const Tensor& x, const Tensor& w, const OptTensor& b);
 
-// ---- routed experts for a few tokens: AVX2/FMA dot products (x86-64 with those instructions, float32) ----------------
+// ---- routed experts for a few tokens: AVX2/FMA dot products (x86-64 with those instructions, float32) -------
 // At decode sizes each expert sees a handful of tokens: a matmul per expert pays per-call overhead on tiny shapes,
 // and the every-expert form does E / K times the arithmetic. This computes exactly the chosen (token, expert) pairs,
 // each weight row read once per pair of tokens. Elsewhere the ATen forms below run.
@@ -91,7 +91,8 @@ __attribute__((target("avx2,fma"))) static void dot_rows(const float* W, int64_t
   for (; j < rows; ++j) {
     for (int r = 0; r < NX; ++r) {
       __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(W + j * n + i), _mm256_loadu_ps(x[r] + i), acc);
+      for (int64_t i = 0; i < n8; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(W + j * n + i), _mm256_loadu_ps(x[r] + i), acc);
       float v = hsum8(acc);
       for (int64_t i = n8; i < n; ++i) v += W[j * n + i] * x[r][i];
       out[r * ldo + j] = v;
@@ -108,14 +109,16 @@ static bool cpu_has_avx2_fma() {
 // w1, w3 [F, D] and w2 [D, F] pointers; `pairs` lists (token, gate) per expert.
 static void pair_experts(const Tensor& x_TD, const std::vector<const float*>& w1s, const std::vector<const float*>& w3s,
                          const std::vector<const float*>& w2s,
-                         const std::vector<int64_t>& widths, const std::vector<std::vector<std::pair<int64_t, float>>>& pairs,
+                         const std::vector<int64_t>& widths,
+                         const std::vector<std::vector<std::pair<int64_t, float>>>& pairs,
                          Tensor& out_TD) {
   const int64_t D = x_TD.size(1);
   const float* px = x_TD.data_ptr<float>();
   float* po = out_TD.data_ptr<float>();
   // first every pair's gate and up rows, then one vectorised silu(gate) * up, then the down projections
   std::vector<int64_t> offset(pairs.size() + 1, 0);
-  for (size_t e = 0; e < pairs.size(); ++e) offset[e + 1] = offset[e] + static_cast<int64_t>(pairs[e].size()) * widths[e];
+  for (size_t e = 0; e < pairs.size(); ++e)
+    offset[e + 1] = offset[e] + static_cast<int64_t>(pairs[e].size()) * widths[e];
   Tensor gate = at::empty({offset.back()}, x_TD.options()), up = at::empty({offset.back()}, x_TD.options());
   float* pg = gate.data_ptr<float>();
   float* pu = up.data_ptr<float>();
@@ -170,7 +173,8 @@ __attribute__((target("avx2,fma"))) static void latent_scores(const float* q, co
           }
           const float* qh = q + ((b * N + n) * H + h) * X;
           __m256 acc = _mm256_setzero_ps();
-          for (int64_t i = 0; i < X8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(row + i), acc);
+          for (int64_t i = 0; i < X8; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(row + i), acc);
           float v = hsum8(acc);
           for (int64_t i = X8; i < X; ++i) v += qh[i] * row[i];
           out[h * L] = v * scale;
@@ -181,7 +185,8 @@ __attribute__((target("avx2,fma"))) static void latent_scores(const float* q, co
 }
 
 // out[b, n * H + h, :C] = sum over visible l of probs[b, n * H + h, l] * cache[slot(b, l), :C].
-__attribute__((target("avx2,fma"))) static void latent_values(const float* probs, const float* cache, int64_t X, int64_t C,
+__attribute__((target("avx2,fma"))) static void latent_values(const float* probs, const float* cache, int64_t X,
+                                                              int64_t C,
                                                               const int64_t* slots, int64_t slot_stride,
                                                               const int64_t* pos, int64_t B, int64_t N, int64_t H,
                                                               int64_t L, float* out) {
@@ -210,7 +215,8 @@ __attribute__((target("avx2,fma"))) static void latent_values(const float* probs
         }
         for (int64_t c = C32; c < C8; c += 8) {
           __m256 a = _mm256_setzero_ps();
-          for (int64_t l = 0; l < Lv; ++l) a = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), _mm256_loadu_ps(cache + sl[l] * X + c), a);
+          for (int64_t l = 0; l < Lv; ++l)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[l]), _mm256_loadu_ps(cache + sl[l] * X + c), a);
           _mm256_storeu_ps(o + c, a);
         }
         for (int64_t c = C8; c < C; ++c) {
@@ -434,11 +440,12 @@ bool has_avx2() {
 #endif
 }
 
-// The model's Router.forward (no replay; reference: model/moe.py Router.forward): float32 scores, group-limited top-k on biased scores. The scores
-// are ATen's (vectorised sigmoid/softmax, bit for bit the model's); the selection is a loop over each token's
-// E scores instead of ~15 tiny tensor operations, making the same choices in the same order: torch.topk's CPU
-// kernel (ATen/native/TopKImpl.h) ranks (double score, index) pairs with std::nth_element (k * 64 > E) or
-// std::partial_sort, and the order of the chosen experts is the order it leaves them in.
+// The model's Router.forward (no replay; reference: model/moe.py Router.forward): float32 scores, group-limited
+// top-k on biased scores. The scores are ATen's (vectorised sigmoid/softmax, bit for bit the model's); the
+// selection is a loop over each token's E scores instead of ~15 tiny tensor operations, making the same choices
+// in the same order: torch.topk's CPU kernel (ATen/native/TopKImpl.h) ranks (double score, index) pairs with
+// std::nth_element (k * 64 > E) or std::partial_sort, and the order of the chosen experts is the order it leaves
+// them in.
 std::tuple<Tensor, Tensor, Tensor> route(const Tensor& x_TD, const Tensor& router_w, const OptTensor& router_bias,
                                          bool sigmoid, bool norm_topk, int64_t top_k, int64_t n_group,
                                          int64_t topk_group, double routed_scale) {
@@ -548,7 +555,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef MC_PAIR_KERNEL
   m.def("swiglu_rows", &swiglu_rows, "SwiGLU experts over a few rows sorted by expert (AVX2 dot products)");
   m.def("pair_swiglu", &pair_swiglu, "the gated SwiGLU experts of each token's chosen (token, expert) pairs");
-  m.def("absorbed_attention", &absorbed_attention, "MLA's absorbed attention of new positions over a paged cache, writing it");
+  m.def("absorbed_attention", &absorbed_attention,
+        "MLA's absorbed attention of new positions over a paged cache, writing it");
   m.def("paged_latent_attention", &paged_latent_attention, "MLA latent attention of new positions over a paged cache");
 #endif
 }
