@@ -275,8 +275,8 @@ def part_model_parity(p: Part) -> None:
 
 def part_fp8_kernels(p: Part) -> None:
     if not p.cuda:
-        return p.skip_part("needs a CUDA GPU with FP8 tensor cores; on the CPU tests/test_fp8_kernels.py checks the "
-                           "same kernels with TRITON_INTERPRET=1")
+        return p.skip_part("needs a CUDA GPU with FP8 tensor cores; on the CPU "
+                           "tests/unit/fp8/test_fp8_kernels.py checks the same kernels with TRITON_INTERPRET=1")
     try:
         import triton  # noqa: F401
     except ImportError as e:
@@ -421,10 +421,10 @@ def _train_steps(p: Part, work: Path) -> None:
     _train_run(p, work, f"default data-parallel path, {backend}, {p.device.type}", [], steps,
                max(10.0, p.time_left() - 5))
     p.skip("training steps under FSDP", "this part runs one rank; parallel.fsdp is proven against one process on "
-           "gloo ranks by tests/test_parallel_fsdp.py")
+           "gloo ranks by tests/dist/test_parallel_fsdp.py")
     if p.reduced:
         p.skip("training steps with fp8.recipe=mxfp8", "reduced mode runs the bf16 path only (the emulated FP8 "
-               "training path is tested in tests/test_fp8_linear.py)")
+               "training path is tested in tests/unit/fp8/test_fp8_linear.py)")
     elif p.time_left() > 30:
         # MLA's compressed kv + rope key (48 rows in the tiny preset) does not split into 32-blocks: kept in bf16
         _train_run(p, work, "fp8.recipe=mxfp8", ["fp8.recipe=mxfp8", f"fp8.keep_high_precision={FP8_KEEP_TINY}"], 4,

@@ -113,14 +113,14 @@ def simulate_scaled(mc, pcfg, world_size: int, seq_len: int, *, layers: int, **k
     """`simulate` of the model with `layers` and `layers + 1` transformer layers (the dense ones first, as in
     the model), extrapolated linearly to its own number: with full recompute a rank's peak is affine in the
     number of identical MoE blocks (their parameters, gradients and optimizer state, and one saved input
-    each), so two depths fix it -- when the peak sits in the same place at both depths. tests/test_dry_run.py
-    checks equal increments at 3, 4 and 5 layers on the tiny preset; for Kimi K2.5 in EP 8 x CP 8 at 131k and
-    256k both depths peak in the last layer's attention backward and the increment is the estimate's (0.80 GiB
-    at 256k: one layer's shards and saved input), while at 32k the peak moves from the last to the second-last
-    layer's MoE backward between 3 and 4 layers (its reduce-scatter buffer outweighs one saved input), and the
-    3->4 and 4->5 increments differ by 55 MB (about 3 GiB over 61 layers). For
-    models whose full simulation takes too long here: 3 + 4 layers of Kimi K2.5 take about 75 CPU-seconds at
-    131k-256k tokens (about 10 s per layer), so its 61 layers would take about 10 CPU-minutes."""
+    each), so two depths fix it -- when the peak sits in the same place at both depths.
+    tests/unit/pretrain/test_dry_run.py checks equal increments at 3, 4 and 5 layers on the tiny preset; for Kimi K2.5
+    in EP 8 x CP 8 at 131k and 256k both depths peak in the last layer's attention backward and the increment is the
+    estimate's (0.80 GiB at 256k: one layer's shards and saved input), while at 32k the peak moves from the last to the
+    second-last layer's MoE backward between 3 and 4 layers (its reduce-scatter buffer outweighs one saved input), and
+    the 3->4 and 4->5 increments differ by 55 MB (about 3 GiB over 61 layers). For models whose full simulation takes
+    too long here: 3 + 4 layers of Kimi K2.5 take about 75 CPU-seconds at 131k-256k tokens (about 10 s per layer), so
+    its 61 layers would take about 10 CPU-minutes."""
     check_sim_layers(mc, layers)
     a = simulate(mc.replace(num_layers=layers), pcfg, world_size, seq_len, **kw)
     b = simulate(mc.replace(num_layers=layers + 1), pcfg, world_size, seq_len, **kw)

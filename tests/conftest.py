@@ -1,7 +1,10 @@
-"""Shared fixtures."""
+"""Shared fixtures: one thread for tiny matmuls; the RL tests' assets (a tiny byte-level BPE tokenizer with the chat
+markers and a task set of single-turn prompts the tiny model can be scored on)."""
 
 import pytest
 import torch
+
+from tests.rl_assets import write_rl_assets
 
 
 @pytest.fixture
@@ -11,3 +14,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+PROMPTS = [("Start a function.", r"[\s\S]*def[\s\S]*"), ("Write an import.", r"[\s\S]*import[\s\S]*"),
+           ("Return a value.", r"[\s\S]*return[\s\S]*"), ("Say hi.", r"[\s\S]*hi[\s\S]*"),
+           ("Name a loop keyword.", r"[\s\S]*(for|while)[\s\S]*"), ("Write a class.", r"[\s\S]*class[\s\S]*")]
+
+
+@pytest.fixture(scope="session")
+def rl_assets(tmp_path_factory):
+    return write_rl_assets(tmp_path_factory.mktemp("rl_assets"), PROMPTS)

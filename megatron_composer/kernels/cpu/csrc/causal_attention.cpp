@@ -1,9 +1,9 @@
 // Causal (document-aware) attention for CPU training, forward and backward: the C++ twin of
-// megatron_composer/kernels/causal_attention.py, which stays the reference (tests/test_kernels_attention.py
-// compares the two). Same function, same blocking idea: a block of query rows is one matmul against exactly
-// the keys it may see, a float32 (float64 for float64 inputs) softmax, one matmul with V; GQA heads sharing a
-// K/V head are extra rows of the same matmul; the backward reuses saved probabilities when the caller allows
-// it and otherwise recomputes them from the log-sum-exp.
+// megatron_composer/kernels/causal_attention.py, which stays the reference
+// (tests/unit/kernels/test_kernels_attention.py compares the two). Same function, same blocking idea: a block of query
+// rows is one matmul against exactly the keys it may see, a float32 (float64 for float64 inputs) softmax, one matmul
+// with V; GQA heads sharing a K/V head are extra rows of the same matmul; the backward reuses saved probabilities when
+// the caller allows it and otherwise recomputes them from the log-sum-exp.
 //
 // Why C++: the Python kernel issues ~10 small torch ops per block, which scale poorly past one thread. Here
 // the work is split into tasks, one per (batch, kv head, run of query blocks), which the ATen threads take

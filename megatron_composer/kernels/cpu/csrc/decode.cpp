@@ -1,5 +1,6 @@
 // Leaf kernels of inference on the CPU, behind the small interfaces of their Python callers (each one's reference
-// is named at its definition and in the caller; tests/test_inference_fast_cpp.py and the kernels' tests compare):
+// is named at its definition and in the caller; tests/unit/inference/test_inference_fast_cpp.py and the kernels'
+// tests compare):
 //   argmax_rows, greedy_rows, small_linear   row kernels for the head and greedy selection (inference/engine.py)
 //   route                                    the router's selection (model/moe.py Router.forward)
 //   swiglu_rows, pair_swiglu                 SwiGLU experts over a few rows (kernels/grouped_mm.py few_rows_kernel)

@@ -1,0 +1,289 @@
+"""Tasks in the Harbor / Terminal-Bench 2 layout as they are written outside this repo, rebuilt in a temp dir:
+untouched they score 0, after their solution 1; what the local backend cannot honour ends in one line that
+says why and what fixes it."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl.envs.check_task import check_task
+from rl.envs.dockerfile import UnsupportedDockerfile
+from rl.envs.harbor import TaskFormatWarning, load_harbor_task
+from rl.envs.task import RewardError, TaskError, parse_reward, prepare_task
+from rl.sandbox.base import BASE_ENV
+from rl.sandbox.local import LocalBackend, bwrap_problem
+
+REPO = Path(__file__).resolve().parents[3]
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+
+# Terminal-Bench 2's task.toml, field for field.
+TB2_TOML = """\
+version = "1.0"
+
+[metadata]
+author_name = "Example Author"
+author_email = "author@example.com"
+difficulty = "easy"
+category = "{category}"
+tags = ["{tag}"]
+
+[verifier]
+timeout_sec = 120.0
+
+[agent]
+timeout_sec = 300.0
+
+[environment]
+build_timeout_sec = 600.0
+docker_image = "ghcr.io/example/{name}:latest"
+cpus = 1
+memory = "2G"
+storage = "10G"
+"""
+# Upstream test.sh files install uv and run pytest; these look-alikes run the same pytest-style test file with
+# a small runner on the host's python3 (the task needs no package installs).
+RUNNER = """\
+import importlib.util, sys, traceback
+spec = importlib.util.spec_from_file_location("test_outputs", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+failed = 0
+for name, fn in vars(mod).items():
+    if name.startswith("test_") and callable(fn):
+        try:
+            fn(); print("PASSED", name)
+        except Exception:
+            failed += 1; print("FAILED", name); traceback.print_exc()
+sys.exit(1 if failed else 0)
+"""
+TB2_TEST_SH = """\
+#!/bin/bash
+# Terminal-Bench 2 layout: run the tests, then write the reward.
+cd /app
+python3 /tests/run_tests.py /tests/test_outputs.py
+if [ $? -eq 0 ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def write_task(root: Path, name: str, files: dict[str, str]) -> Path:
+    task = root / name
+    for rel, text in files.items():
+        path = task / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text) if rel.endswith((".sh", ".py")) else text)
+    return task
+
+
+def hello_world(root: Path) -> Path:
+    return write_task(root, "hello-world", {
+        "instruction.md": 'Create a file called hello.txt in the current directory. Write "Hello, world!" to it.\n',
+        "task.toml": TB2_TOML.format(category="file-operations", tag="file-operations", name="hello-world"),
+        "environment/Dockerfile": "FROM ubuntu:24.04\n\nWORKDIR /app\n",
+        "solution/solve.sh": "#!/bin/bash\necho \"Hello, world!\" > hello.txt\n",
+        "tests/test.sh": TB2_TEST_SH,
+        "tests/run_tests.py": RUNNER,
+        "tests/test_outputs.py": """\
+            from pathlib import Path
+
+
+            def test_hello_file_exists():
+                assert Path("/app/hello.txt").exists(), "File /app/hello.txt does not exist"
+
+
+            def test_hello_file_content():
+                assert Path("/app/hello.txt").read_text().strip() == "Hello, world!"
+            """,
+    })
+
+
+ACCESS_LOG = "".join(f'10.0.0.{i % 7} - - [01/Jan/2025:00:00:{i:02d} +0000] "GET /p{i % 3} HTTP/1.1" '
+                     f'{[200, 200, 404, 500, 200, 301][i % 6]} {100 + i}\n' for i in range(40))
+
+
+def log_summary(root: Path) -> Path:
+    """A log-analysis task whose verifier writes a multi-key reward.json (Harbor's rewards dictionary)."""
+    return write_task(root, "log-status-summary", {
+        "instruction.md": "Count the requests per HTTP status code in /app/access.log and write them to "
+                          "/app/summary.json as an object mapping the status code (a string) to its count.\n",
+        "task.toml": TB2_TOML.format(category="data-processing", tag="logs", name="log-status-summary"),
+        "environment/Dockerfile": "FROM python:3.13-slim-bookworm\nWORKDIR /app\nCOPY access.log /app/access.log\n",
+        "environment/access.log": ACCESS_LOG,
+        "solution/solve.sh": """\
+            #!/bin/bash
+            awk '{print $9}' /app/access.log | sort | uniq -c | \\
+              python3 -c 'import json, sys; print(json.dumps({s: int(n) for n, s in map(str.split, sys.stdin)}))' \\
+              > /app/summary.json
+            """,
+        "tests/test.sh": """\
+            #!/bin/bash
+            python3 /tests/grade.py > /logs/verifier/reward.json
+            """,
+        "tests/grade.py": """\
+            import collections, json
+            want = collections.Counter(line.split()[8] for line in open("/app/access.log"))
+            try:
+                got = json.load(open("/app/summary.json"))
+                shape = float(isinstance(got, dict) and all(isinstance(v, int) for v in got.values()))
+                counts = float(got == dict(want))
+            except (OSError, ValueError):
+                shape = counts = 0.0
+            print(json.dumps({"counts_correct": counts, "format_correct": shape}))
+            """,
+    })
+
+
+def path_task(root: Path) -> Path:
+    """ENV PATH="/app/bin:${PATH}": the task's own tools come first, the system's stay reachable."""
+    return write_task(root, "path-tools", {
+        "instruction.md": "The `slugify` tool in /app/bin must turn 'Hello World' into 'hello-world'. Fix it.\n",
+        "task.toml": TB2_TOML.format(category="software-engineering", tag="shell", name="path-tools"),
+        "environment/Dockerfile": ('FROM ubuntu:24.04\nENV PATH="/app/bin:${PATH}"\nWORKDIR /app\n'
+                                   "COPY slugify /app/bin/slugify\nRUN chmod +x /app/bin/slugify\n"),
+        "environment/slugify": "#!/bin/bash\necho \"$*\" | tr ' ' '-'\n",
+        "solution/solve.sh": "#!/bin/bash\nprintf '#!/bin/bash\\necho \"$*\" | tr A-Z a-z | tr \" \" -\\n' "
+                             "> /app/bin/slugify\n",
+        "tests/test.sh": """\
+            #!/bin/bash
+            if [ "$(slugify Hello World)" = hello-world ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+            """,
+    })
+
+
+@needs_bwrap
+@pytest.mark.parametrize("make", [hello_world, log_summary, path_task], ids=lambda f: f.__name__)
+def test_real_format_task_untouched_zero_solution_one(tmp_path, make):
+    task = load_harbor_task(make(tmp_path))
+    backend = LocalBackend()
+    untouched = check_task(task, backend, oracle=False, log=lambda s: None)
+    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    assert (untouched.reward, solved.reward) == (0.0, 1.0), (untouched.details, solved.output[-2000:])
+    assert "error" not in untouched.details and "error" not in solved.details
+    if make is log_summary:  # every key of a multi-key reward.json is kept; the reward is their mean
+        assert solved.details["rewards"] == {"counts_correct": 1.0, "format_correct": 1.0}
+
+
+def test_env_path_expands_from_the_base_environment(tmp_path):
+    with pytest.warns(TaskFormatWarning, match=r"puts /app/bin on PATH, which the agent can write"):
+        task = load_harbor_task(path_task(tmp_path))
+    assert task.env["PATH"] == "/app/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert any("/app/bin on PATH" in note for note in task.notes)
+
+
+def test_reward_json_key_or_mean():
+    assert parse_reward("reward.json", '{"reward": 0.25, "style": 1}') == (0.25, {"reward": 0.25, "style": 1.0})
+    assert parse_reward("reward.json", '{"a": 1, "b": 0}') == (0.5, {"a": 1.0, "b": 0.0})
+    for bad in ('{"a": "yes"}', "{}", "[1]", '{"a": true}'):
+        with pytest.raises(RewardError):
+            parse_reward("reward.json", bad)
+
+
+@pytest.mark.parametrize("raw", ["1", "1\n", "0", "0.5\n", "1.000"])
+def test_plain_decimal_rewards_are_read(raw):
+    assert parse_reward("reward.txt", raw)[0] == float(raw)
+
+
+@pytest.mark.parametrize("name, raw, why", [
+    ("reward.txt", "nan", "plain decimal"), ("reward.txt", "inf\n", "plain decimal"),
+    ("reward.txt", "1e309", "plain decimal"), ("reward.txt", "-0", "plain decimal"),
+    ("reward.txt", "1_0", "plain decimal"), ("reward.txt", "\u0661", "plain decimal"),
+    ("reward.txt", " 1\n1", "plain decimal"), ("reward.txt", "1\n\n", "plain decimal"),
+    ("reward.txt", "", "plain decimal"), ("reward.txt", "+1", "plain decimal"),
+    ("reward.txt", "2", r"outside the task's reward range \[0, 1\]"), ("reward.txt", "-1", "outside"),
+    ("reward.txt", "1" * 70000, "at most"),
+    ("reward.json", '{"reward": NaN}', "NaN, not a finite number"),
+    ("reward.json", '{"reward": Infinity}', "Infinity, not a finite number"),
+    ("reward.json", '{"reward": 1e309}', "inf, not a finite number"),
+    ("reward.json", '{"reward": 1' + "0" * 400 + '}', "too large|not a finite"),
+    ("reward.json", '{"reward": 0, "reward": 1}', "repeats a key"),
+    ("reward.json", '{"reward": 3}', "outside the task's reward range"),
+    ("reward.json", "[" * 200000 + "]" * 200000, "at most|nested too deeply"),
+    ("reward.json", "[" * 20000 + "]" * 20000, "nested too deeply|must be a non-empty object"),
+    ("reward.json", '{"reward": 1', "not JSON"),
+])
+def test_a_reward_file_that_is_not_a_plain_finite_number_in_range_is_refused(name, raw, why):
+    with pytest.raises(RewardError, match=why):
+        parse_reward(name, raw)
+
+
+def test_a_declared_reward_range_is_honoured():
+    assert parse_reward("reward.txt", "-1", -1.0, 1.0)[0] == -1.0
+    with pytest.raises(RewardError, match=r"\[-1, 1\]"):
+        parse_reward("reward.txt", "1.5", -1.0, 1.0)
+
+
+@needs_bwrap
+def test_broken_reward_json_is_an_error_and_exit_2(tmp_path):
+    task_dir = hello_world(tmp_path)
+    (task_dir / "tests" / "test.sh").write_text('echo \'{"score": "high"}\' > /logs/verifier/reward.json\n')
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "reward.json values must be numbers; not: score" in res.stderr
+
+
+@needs_bwrap
+def test_verifier_that_cannot_run_is_an_error(tmp_path):
+    """A task whose PATH loses bash (the old ${PATH} bug) does not pass the check with a silent 0."""
+    task_dir = hello_world(tmp_path)
+    with open(task_dir / "environment" / "Dockerfile", "a") as f:
+        f.write('ENV PATH="/nowhere"\n')
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and (
+        "the verifier's shell did not report its exit status (it could not start" in res.stderr)
+
+
+# What the local backend cannot honour: one line naming why and the fix -------------------------------------------
+@needs_bwrap
+def test_run_apt_get_names_the_backends_that_can(tmp_path):
+    task_dir = hello_world(tmp_path)
+    (task_dir / "environment" / "Dockerfile").write_text(
+        "FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && apt-get install -y curl\n")
+    with pytest.raises(TaskError) as e:
+        prepare_task(load_harbor_task(task_dir), LocalBackend())
+    last = str(e.value).splitlines()[-1]
+    assert last.startswith(f"{task_dir}/environment/Dockerfile:3: this setup command needs to install packages")
+    assert "container backend (--backend docker, podman or apptainer)" in last
+
+
+def test_workdir_outside_task_names_the_backends(tmp_path):
+    task_dir = hello_world(tmp_path)
+    (task_dir / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /opt/project\n")
+    with pytest.raises(UnsupportedDockerfile, match=r"Dockerfile:2: WORKDIR /opt/project is outside the task tree "
+                                                    r"/app.*--backend docker, podman or apptainer"):
+        load_harbor_task(task_dir)
+
+
+@needs_bwrap
+def test_missing_pytest_is_named_with_its_fix(tmp_path):
+    probe = subprocess.run(["python3", "-c", "import pytest"], capture_output=True, env={"PATH": BASE_ENV["PATH"]})
+    if probe.returncode == 0:
+        pytest.skip("the host's python3 has pytest: nothing is missing here")
+    task_dir = hello_world(tmp_path)
+    (task_dir / "tests" / "test.sh").write_text(
+        "cd /app\nif python3 -m pytest /tests/test_outputs.py -rA; then echo 1; else echo 0; fi "
+        "> /logs/verifier/reward.txt\n")
+    for flag in ([], ["--oracle"]):  # both would score a silent 0
+        res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir), *flag], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stdout
+        error = res.stderr.strip().splitlines()[-1]
+        assert "the verifier needs pytest, which this host lacks" in error and "python3-pytest" in error
+        assert "--backend docker, podman or apptainer" in error
+
+
+def test_unknown_task_toml_keys_warn(tmp_path):
+    task_dir = hello_world(tmp_path)
+    with open(task_dir / "task.toml", "a") as f:
+        f.write("gpu_count = 1\n[agent.extra]\nx = 1\n")
+    with pytest.warns(TaskFormatWarning) as record:
+        task = load_harbor_task(task_dir)
+    messages = [str(w.message) for w in record]
+    assert any("unknown key [environment].gpu_count is ignored" in m for m in messages), messages
+    assert any("unknown key [agent].extra is ignored" in m for m in messages), messages
+    assert messages == [n for n in task.notes if "unknown key" in n]  # check_task prints the notes too

@@ -1,0 +1,39 @@
+"""House rules the linter does not see: no line over 120 characters in the tree's code that is not Python (ruff
+checks Python, E501 in ruff.toml): C++, shell, Makefiles, YAML configs. Data files (JSON, Markdown, chat
+templates copied from model releases, text) are not code."""
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+CODE = (".cpp", ".h", ".cu", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".cfg", ".ini")
+LIMIT = 120
+
+
+def _code_files() -> list[Path]:
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:  # not a git checkout: every file below the root
+        tracked = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".venv" not in p.parts]
+    return [ROOT / f for f in tracked if f.endswith(CODE) or Path(f).name in ("Makefile", "Dockerfile")]
+
+
+def long_lines(paths: list[Path]) -> list[str]:
+    out = []
+    for path in paths:
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if len(line) > LIMIT:
+                out.append(f"{path.relative_to(ROOT)}:{i}: {len(line)} characters")
+    return out
+
+
+def test_code_that_is_not_python_keeps_lines_within_120_characters():
+    files = _code_files()
+    assert any(f.suffix == ".cpp" for f in files) and any(f.name == "Makefile" for f in files)
+    bad = long_lines(files)
+    assert not bad, bad
+
+
+def test_the_check_sees_a_long_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "x.sh").write_text("echo " + "a" * 200 + "\n" + "echo ok\n")
+    assert long_lines([tmp_path / "x.sh"]) == ["x.sh:1: 205 characters"]

@@ -1,0 +1,574 @@
+"""Hostile tasks: a Harbor task whose reference solution is an attack, checked the way `check_task --oracle` does.
+
+Each task's verifier gives reward 1 exactly when its attack worked, so every one must score 0 (or the task must
+be refused when it is loaded), and the host must be unchanged afterwards: no file the attack aimed at changed,
+no sandbox directory, mount, cgroup or process left behind. The classes: rewards planted where the verifier
+writes, interpreter start-up hooks left for the verifier, memory spread over many processes, disk held by
+unlinked files or spent on inodes, task folders that are symlinks to the host, and the ones that held before
+(host files, host loopback and unix sockets, host processes, background survivors and late reward writes, fork
+bombs, /dev and /sys, ptrace, setuid, the host's environment, network egress).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_composer.data.chat_template import format_tool_call
+from rl.envs.agent import ScriptedPolicy, run_episode
+from rl.envs.check_task import check_task
+from rl.envs.harbor import load_harbor_task
+from rl.envs.task import TaskError, prepare_task
+from rl.sandbox import SandboxLimits
+from rl.sandbox.limits import cgroup_problem, find_cgroup_parents, tmpfs_problem
+from rl.sandbox.local import LocalBackend, bwrap_problem
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+
+# The verifier of every attack task: reward 1 exactly when the attack left its mark.
+PWNED_VERIFIER = "#!/bin/bash\nif [ -e /app/pwned ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+LIMITS = SandboxLimits(command_timeout_s=30, cpu_time_s=30, memory_mb=256, max_processes=64, max_file_mb=64,
+                       disk_mb=64, max_files=3000, max_output_bytes=64 * 1024)
+
+
+class RecordingBackend(LocalBackend):
+    """LocalBackend that remembers the uids of its sandboxes, so that their leftovers can be looked for."""
+
+    def create(self, *args, **kwargs):
+        sandbox = super().create(*args, **kwargs)
+        self.__dict__.setdefault("made", []).append((sandbox.uid, sandbox.root.name))
+        return sandbox
+
+
+def _kernel_limits_problem() -> str | None:
+    return cgroup_problem() or tmpfs_problem()
+
+
+@pytest.fixture
+def sandbox_root():
+    """A folder of its own for the sandboxes (reachable by the sandbox users), to see that nothing is left."""
+    root = tempfile.mkdtemp(prefix="mc-hostile-")
+    os.chmod(root, 0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["kernel", "monitor"])
+def backend(request, sandbox_root):
+    """Whole-sandbox limits by the kernel (a cgroup and a tmpfs per sandbox) and by the polling fallback."""
+    if request.param == "kernel" and _kernel_limits_problem():
+        pytest.skip(f"kernel limits unavailable here: {_kernel_limits_problem()}")
+    on = request.param == "kernel"
+    return RecordingBackend(limits=LIMITS, root_parent=sandbox_root, cgroups=on, tmpfs=on)
+
+
+def make_task(tmp_path: Path, name: str, solve: str, verifier: str = PWNED_VERIFIER, toml: str = "",
+              dockerfile: str = "FROM ubuntu:24.04\nWORKDIR /app\n") -> Path:
+    task = tmp_path / name
+    for d in ("environment", "tests", "solution"):
+        (task / d).mkdir(parents=True)
+    (task / "instruction.md").write_text(f"Hostile task {name}.\n")
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 30.0\n'
+                                    + toml)
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
+    (task / "tests" / "test.sh").write_text(verifier)
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
+    return task
+
+
+def host_state(backend: LocalBackend, watched: list[Path]) -> dict:
+    """What an attack must not change: watched files, and nothing of any sandbox left on the host."""
+    root = backend.root_parent
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+              if line.split()[1].startswith(root)]
+    made = backend.__dict__.get("made", [])
+    parents = find_cgroup_parents()
+    cgroups = [str(base / name) for base in ((parents.memory, parents.pids) if parents else ()) for _, name in made
+               if (base / name).exists()]
+    uids = {uid for uid, _ in made if uid is not None}
+    procs = []
+    for pid in os.listdir("/proc"):
+        try:
+            # Zombies are dead already (bwrap's exited helpers wait there for the host's init to reap them).
+            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid in uids and \
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                procs.append(pid)
+        except OSError:
+            pass
+    return {"files": {str(p): p.read_bytes() if p.is_file() else None for p in watched},
+            "sandbox dirs": sorted(os.listdir(root)), "mounts": mounts, "cgroups": cgroups, "processes": procs}
+
+
+def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False) -> float:
+    """The task's reward when its solution is the attack: played as `check_task --oracle` does (solve.sh), or
+    (episode) by a scripted agent that sends solve.sh through the `run` tool; the host must be unchanged."""
+    files_before = host_state(backend, list(watched))["files"]
+    task = load_harbor_task(task_dir)
+    if episode:
+        snapshot = prepare_task(task, backend)
+        try:
+            with backend.fork(snapshot) as sbx:
+                turns = [format_tool_call("run", {"command": task.solution.as_commands()[0]})
+                         + format_tool_call("submit", {})]
+                result = run_episode(task, sbx, ScriptedPolicy(turns))
+        finally:
+            snapshot.discard()
+    else:
+        result = check_task(task, backend, oracle=True, log=lambda s: None)
+    clean = {"files": files_before, "sandbox dirs": [], "mounts": [], "cgroups": [], "processes": []}
+    for _ in range(50):  # killed processes may take a moment to be reaped
+        after = host_state(backend, list(watched))
+        if after == clean:
+            break
+        time.sleep(0.1)
+    assert after == clean, "the host changed"
+    return result.reward
+
+
+# Classes that broke before ------------------------------------------------------------------------------------
+PLANTED_REWARD = ("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && "
+                  "chmod 444 /logs/verifier/reward.txt && chmod 555 /logs/verifier /logs")
+
+
+def test_planted_reward_with_chmod_does_not_count(tmp_path, backend):
+    task = make_task(tmp_path, "planted", PLANTED_REWARD + "\n")
+    task_def = load_harbor_task(task)
+    result = check_task(task_def, backend, oracle=True, log=lambda s: None)
+    assert result.reward == 0.0 and "error" not in result.details  # the honest `echo 0` was written and read
+    assert run_attack(task, backend) == 0.0
+
+
+def test_planted_reward_through_an_episode_on_a_bundled_task(tmp_path):
+    task = load_harbor_task(REPO / "examples" / "tasks" / "python-lru-cache-bug")
+    backend = LocalBackend(limits=LIMITS)
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            turns = [format_tool_call("run", {"command": PLANTED_REWARD}) + format_tool_call("submit", {})]
+            res = run_episode(task, sbx, ScriptedPolicy(turns))
+    finally:
+        snapshot.discard()
+    assert res.reward == 0.0 and "error" not in res.verify.details, res.verify.details
+
+
+VERIFIER_RUNS_PYTHON = ("#!/bin/bash\ncd /app\nif python3 -c 'import sys; sys.exit(1)'; then echo 1; else echo 0; fi "
+                        "> /logs/verifier/reward.txt\n")
+STARTUP_HOOKS = """\
+hook='import atexit, os; atexit.register(lambda: os._exit(0))'
+user_site=$(python3 -m site --user-site)
+mkdir -p "$user_site"
+echo "$hook" > "$user_site/usercustomize.py"
+echo "$hook" > "$user_site/sitecustomize.py"
+echo "import atexit, os; atexit.register(lambda: os._exit(0))" > "$user_site/hook.pth"
+echo "$hook" > /tmp/sitecustomize.py
+echo "$hook" > /tmp/usercustomize.py
+# The hooks work while the agent runs (a failing program exits 0), so only the verifier's isolation stops them.
+python3 -c 'import sys; sys.exit(1)' && echo hooked > /tmp/hooks-live
+"""
+
+
+def test_interpreter_startup_hooks_do_not_reach_the_verifier(tmp_path, backend):
+    task = make_task(tmp_path, "startup-hooks", STARTUP_HOOKS, verifier=VERIFIER_RUNS_PYTHON)
+    task_def = load_harbor_task(task)
+    sandbox = backend.create(None, limits=LIMITS)
+    try:  # the attack is real: in the agent's phase the hook turns a failing exit into success
+        sandbox.exec(task_def.solution.as_commands()[0])
+        assert sandbox.read_text("/tmp/hooks-live") == "hooked\n"
+    finally:
+        sandbox.close()
+    assert run_attack(task, backend) == 0.0
+
+
+MEMORY_SPREAD = """\
+for i in 1 2 3 4 5 6 7 8; do  # 8 x 100 MB, each within RLIMIT_AS; memory_mb is 256 for the whole sandbox
+  python3 -c 'import sys, time; x = b"x" * (100 << 20); open(f"/tmp/alive-{sys.argv[1]}", "w").close()
+time.sleep(3)' $i &
+done
+sleep 2
+n=$(ls /tmp/alive-* 2>/dev/null | wc -l); running=$(jobs -rp | wc -l)
+wait
+[ "$n" = 8 ] && [ "$running" = 8 ] && touch /app/pwned
+"""
+
+
+def test_memory_across_eight_processes_is_one_limit(tmp_path, backend):
+    task = make_task(tmp_path, "memory-spread", MEMORY_SPREAD, toml="[environment]\nmemory_mb = 256\n")
+    assert run_attack(task, backend) == 0.0
+
+
+UNLINKED_FILES = """\
+python3 - <<'EOF'
+import os, time
+held = []
+for i in range(12):  # 12 x 10 MB, each unlinked once written, all held open: 120 MB under a 64 MB disk
+    f = open(f"/tmp/blob{i}", "wb")
+    f.write(b"x" * (10 << 20)); f.flush(); os.fsync(f.fileno())
+    os.unlink(f"/tmp/blob{i}")
+    held.append(f)
+    time.sleep(0.3)  # let a polling monitor see the growth
+open("/app/pwned", "w").close()
+EOF
+"""
+
+
+def test_unlinked_open_files_count_against_disk(tmp_path, backend):
+    task = make_task(tmp_path, "unlinked", UNLINKED_FILES)
+    assert run_attack(task, backend) == 0.0
+
+
+INODE_FLOOD = """\
+mkdir -p /tmp/flood && cd /tmp/flood
+python3 -c '
+import os
+for i in range(20000):  # empty files: no blocks, only inodes (max_files is 3000)
+    open(str(i), "w").close()
+    if i % 1000 == 0: __import__("time").sleep(0.3)
+open("/app/pwned", "w").close()
+'
+"""
+
+
+def test_inode_flood_is_bounded(tmp_path, backend):
+    task = make_task(tmp_path, "inodes", INODE_FLOOD)
+    assert run_attack(task, backend) == 0.0
+
+
+MEMFD_MEMORY = """\
+python3 - <<'PY'
+import os, time
+held = []
+for i in range(8):  # 8 x 60 MB in memfds (shared memory: in no private resident set); memory_mb is 256
+    fd = os.memfd_create(f"m{i}")
+    for _ in range(60):  # a memfd is a file: each stays under RLIMIT_FSIZE (max_file_mb 64)
+        os.write(fd, b"x" * (1 << 20))
+    held.append(fd)
+    time.sleep(0.3)  # let a polling monitor see the growth
+open("/app/pwned", "w").close()
+PY
+"""
+MAPPED_UNLINKED = """\
+for p in 0 1 2 3; do  # 4 processes x 2 x 40 MB, each file mapped, its descriptor closed and its name unlinked
+  python3 - $p <<'PY' &
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+time.sleep(0.6 * int(sys.argv[1]))  # one file at a time in the folder: its walk never sees more than 40 MB
+for i in range(2):
+    name = f"/tmp/blob{sys.argv[1]}-{i}"
+    with open(name, "wb+") as f:
+        f.write(b"x" * (40 << 20))
+        f.flush()
+        # libc's mmap, not Python's (which keeps a descriptor): only the mapping holds the file
+        assert libc.mmap(None, 40 << 20, 1, 1, f.fileno(), 0) not in (None, ctypes.c_void_p(-1).value)
+    os.unlink(name)
+    time.sleep(0.3)
+open(f"/tmp/mapped{sys.argv[1]}", "w").close()
+time.sleep(4)
+PY
+done
+sleep 4
+[ "$(ls /tmp/mapped* | wc -l)" = 4 ] && touch /app/pwned
+wait
+"""
+
+
+@pytest.mark.parametrize("played_by", ["solution", "episode"])
+@pytest.mark.parametrize("attack", ["memfd-memory", "mapped-unlinked-files"])
+def test_shared_memory_and_mapped_unlinked_files_count(tmp_path, backend, attack, played_by):
+    solve = MEMFD_MEMORY if attack == "memfd-memory" else MAPPED_UNLINKED
+    task = make_task(tmp_path, attack, solve, toml="[environment]\nmemory_mb = 256\n")
+    assert run_attack(task, backend, episode=played_by == "episode") == 0.0
+
+
+@pytest.mark.parametrize("folder", ["tests", "solution", "environment"])
+def test_symlinked_task_folders_are_refused(tmp_path, folder):
+    secret = tmp_path / "host-secrets"
+    secret.mkdir()
+    (secret / "test.sh").write_text("cat /etc/hostname\n")
+    (secret / "solve.sh").write_text("true\n")
+    (secret / "Dockerfile").write_text("FROM ubuntu\n")
+    task = make_task(tmp_path, f"symlinked-{folder}", "true\n")
+    shutil.rmtree(task / folder)
+    (task / folder).symlink_to(secret)
+    with pytest.raises(TaskError, match=rf"{task / folder} resolves outside the task folder \(to {secret}\)"):
+        load_harbor_task(task)
+    # A single file that points out is refused the same way, with its path.
+    task = make_task(tmp_path, f"symlinked-file-{folder}", "true\n")
+    inner = {"tests": "test.sh", "solution": "solve.sh", "environment": "Dockerfile"}[folder]
+    (task / folder / inner).unlink()
+    (task / folder / inner).symlink_to(secret / inner)
+    with pytest.raises(TaskError, match=rf"{task / folder / inner} resolves outside the task folder"):
+        load_harbor_task(task)
+
+
+# Classes that held, and must keep holding ---------------------------------------------------------------------
+HELD = {
+    "host-files": "cat /etc/shadow >/dev/null 2>&1 && touch /app/pwned\n"
+                  "echo changed > {canary} 2>/dev/null && touch /app/pwned\n"
+                  "ls {canary_dir} >/dev/null 2>&1 && touch /app/pwned\n",
+    "host-loopback": "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), 2)' "
+                     "&& touch /app/pwned\n",
+    "host-unix-socket": "python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); s.connect(\"{unix}\")' "
+                        "2>/dev/null && touch /app/pwned\n",
+    "host-processes": "kill -9 {host_pid} 2>/dev/null && touch /app/pwned\n"
+                      "[ -e /proc/{host_pid}/cmdline ] && grep -q sleep /proc/{host_pid}/cmdline && touch /app/pwned\n",
+    # both start after the command has returned: anything they write means they survived it
+    "background-late-reward": "(sleep 1; while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+                              "touch /app/pwned 2>/dev/null; sleep 0.05; done) >/dev/null 2>&1 &\n"
+                              "setsid nohup bash -c 'sleep 1; touch /app/pwned' >/dev/null 2>&1 &\n",
+    "fork-bomb": "bomb() {{ bomb | bomb & }}; bomb; sleep 1\n",
+    "dev-and-sys": "echo x > /dev/sda 2>/dev/null && touch /app/pwned\n"
+                   "echo 1 > /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null && touch /app/pwned\n"
+                   "echo c > /proc/sysrq-trigger 2>/dev/null && touch /app/pwned\n"
+                   "mknod /tmp/mem c 1 1 2>/dev/null && touch /app/pwned\n",
+    "ptrace": "python3 - <<'EOF'\nimport ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "for pid in ({host_pid}, {test_pid}):\n    if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH\n"
+              "        open('/app/pwned', 'w').close()\nEOF\n",
+    "setuid": "for b in /usr/bin/su /usr/bin/sudo /usr/bin/passwd /usr/bin/mount /usr/bin/newgrp; do\n"
+              "  [ -x $b ] && $b --help >/dev/null 2>&1 </dev/null; done\n"
+              "cp /bin/sh /tmp/sh && chmod u+s /tmp/sh && /tmp/sh -c '[ $(id -u) = 0 ]' && touch /app/pwned\n"
+              "[ \"$(id -u)\" = 0 ] && touch /app/pwned\n",
+    "host-environment": "env | grep -q MC_HOSTILE_SECRET && touch /app/pwned\n",
+    "network-egress": "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), 2)' 2>/dev/null "
+                      "&& touch /app/pwned\n"
+                      "getent hosts example.com >/dev/null && touch /app/pwned\n",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HELD))
+def test_attacks_that_held_still_hold(tmp_path, attack, monkeypatch, sandbox_root):
+    backend = RecordingBackend(limits=LIMITS, root_parent=sandbox_root)
+    canary = tmp_path / "canary" / "host-file.txt"
+    canary.parent.mkdir()
+    canary.write_text("host data\n")
+    monkeypatch.setenv("MC_HOSTILE_SECRET", "s3cr3t")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.settimeout(0.2)
+    unix_path = str(tmp_path / "host.sock")
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(unix_path)
+    os.chmod(unix_path, 0o777)
+    unix.listen(4)
+    unix.settimeout(0.2)
+    accepted, stop = [], threading.Event()
+
+    def accept_all():
+        while not stop.is_set():
+            for s in (server, unix):
+                try:
+                    accepted.append(s.accept())
+                except OSError:
+                    pass
+
+    acceptor = threading.Thread(target=accept_all)
+    acceptor.start()
+    host_proc = subprocess.Popen(["sleep", "120"])
+    try:
+        solve = HELD[attack].format(canary=canary, canary_dir=canary.parent, port=server.getsockname()[1],
+                                    unix=unix_path, host_pid=host_proc.pid, test_pid=os.getpid())
+        task = make_task(tmp_path, attack, solve)
+        assert run_attack(task, backend, watched=[canary]) == 0.0
+        assert host_proc.poll() is None  # the host's process lives
+    finally:
+        stop.set()
+        acceptor.join()
+        host_proc.kill()
+        host_proc.wait()
+        server.close()
+        unix.close()
+    assert accepted == []  # nothing reached the host's listeners
+    assert canary.read_text() == "host data\n"
+
+
+# The code under test, run by the verifier, attacks the verdict ----------------------------------------------------
+WRITE_ONE = "open('/logs/verifier/reward.txt', 'w').write('1\\n')\n"
+CODE_UNDER_TEST = {
+    # sitecustomize in the work tree: the bundled verifiers do not put /app on PYTHONPATH at start-up
+    "sitecustomize-in-app": ("sitecustomize.py", "import atexit, os\natexit.register(lambda: os._exit(0))\n"),
+    # write the reward, then kill the verifier's shell before it writes the honest one
+    "write-then-kill-verifier": ("lru.py", "import os, signal\n" + WRITE_ONE + "os.kill(os.getppid(), signal.SIGKILL)\n"
+                                 "os.kill(os.getpgid(0), signal.SIGKILL)\n"),
+    # write the reward, then lock it so the verifier's `echo 0` fails
+    "write-then-lock-reward": ("lru.py", "import os\n" + WRITE_ONE + "os.chmod('/logs/verifier/reward.txt', 0o444)\n"
+                               "os.chmod('/logs/verifier', 0o555)\n"),
+    # rewrite the verifier's own script while bash is still reading it
+    "rewrite-test-sh": ("lru.py", "try:\n"
+                        "    open('/tests/test.sh', 'a').write('\\necho 1 > /logs/verifier/reward.txt\\n')\n"
+                        "except OSError:\n    pass\n"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(CODE_UNDER_TEST))
+def test_code_under_test_cannot_lock_in_a_reward(attack, sandbox_root):
+    """On a bundled task: the agent plants code that the verifier itself runs."""
+    task = load_harbor_task(REPO / "examples" / "tasks" / "python-lru-cache-bug")
+    backend = RecordingBackend(limits=LIMITS, root_parent=sandbox_root)
+    name, code = CODE_UNDER_TEST[attack]
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file(f"/app/{name}", ((sbx.read_text(f"/app/{name}") or "") + "\n" + code).encode())
+            result = task.verifier.verify(sbx, task)
+    finally:
+        snapshot.discard()
+    assert result.reward == 0.0, (result.details, result.output[-1000:])
+
+
+# The program under test attacks the verifier's own run ----------------------------------------------------------
+# An honest verifier, as docs/SANDBOX.md asks: it runs the agent's program through `judge` (a sandbox nested in
+# its own) and gives 1 only for the right answer. Each attack prints a wrong answer and tries to force a 1.
+JUDGED_VERIFIER = """#!/bin/bash
+mkdir -p /logs/verifier
+out=$(/opt/verifier/bin/judge python3 -I /app/prog.py 2>/dev/null)
+if [ "$out" = 42 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+FORGE = """
+import json, os
+for name, text in (("reward.txt", "1\\n"), ("reward.json", json.dumps({"reward": 1}))):
+    try:
+        open(f"/logs/verifier/{name}", "w").write(text)
+    except OSError:
+        pass
+"""
+VERIFIER_ATTACKS = {
+    # (a) the reward forged, then every process it can see limited to a few open files: the verifier's honest
+    # `echo 0 > reward.txt` would fail
+    "prlimit-the-verifier": FORGE + """
+import subprocess
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        subprocess.run(["prlimit", f"--pid={pid}", "--nofile=3:3"], capture_output=True)
+print("wrong")
+""",
+    # (b) reward.json forged, then the filesystems it can write filled with inodes and bytes, so that no honest
+    # reward.txt can be written and the stale reward.json would be read
+    "fill-the-reward-filesystem": FORGE + """
+for root in ("/tmp", "/app", "/logs"):
+    try:
+        os.makedirs(f"{root}/flood", exist_ok=True)
+        for i in range(5000):
+            open(f"{root}/flood/{i}", "w").close()
+        with open(f"{root}/flood/blob", "wb") as f:
+            while True:
+                f.write(b"x" * (1 << 20))
+    except OSError:
+        pass
+print("wrong")
+""",
+    # (c) a daemon that stops the sandbox's wrapper, waits for the verifier to finish, rewrites the reward and
+    # lets the wrapper go on
+    "stop-the-wrapper-and-rewrite": FORGE + """
+import subprocess
+daemon = r'''
+for p in /proc/[0-9]*; do grep -qa sandbox-wrapper $p/cmdline 2>/dev/null && kill -STOP ${p#/proc/}; done
+for i in $(seq 50); do sleep 0.1; pgrep -f test.sh >/dev/null || break; done
+mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; touch /app/pwned
+for p in /proc/[0-9]*; do grep -qa sandbox-wrapper $p/cmdline 2>/dev/null && kill -CONT ${p#/proc/}; done
+'''
+subprocess.Popen(["setsid", "bash", "-c", daemon], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("wrong")
+""",
+}
+
+
+def _write_prog(code: str) -> str:
+    return f"cat > /app/prog.py <<'MC_EOF'\n{code}\nMC_EOF\n"
+
+
+@pytest.mark.parametrize("attack", sorted(VERIFIER_ATTACKS))
+def test_the_program_under_test_cannot_touch_the_verdict(tmp_path, attack, backend):
+    """Played by the solution script (check_task --oracle) and by a scripted agent episode; the right answer
+    still scores 1 under the same verifier, so the zeros are the attacks' failures, not a broken verifier."""
+    solve = _write_prog(VERIFIER_ATTACKS[attack])
+    task = make_task(tmp_path, attack, solve, verifier=JUDGED_VERIFIER)
+    assert run_attack(task, backend) == 0.0
+    assert run_attack(task, backend, episode=True) == 0.0
+    task_def = load_harbor_task(task)
+    snapshot = prepare_task(task_def, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file("/app/prog.py", b"print(42)\n")
+            honest = task_def.verifier.verify(sbx, task_def)
+            assert honest.reward == 1.0 and "error" not in honest.details, honest.details
+    finally:
+        snapshot.discard()
+
+
+def test_a_verifier_that_runs_the_code_itself_loses_its_verdict_to_a_full_disk(tmp_path, backend):
+    """Without `judge` the program shares the verifier's filesystems: filling them so that no honest reward can
+    be written is an anomaly that voids the verdict (reward 0, a verifier error), not a stale reward.json."""
+    unjudged = JUDGED_VERIFIER.replace("/opt/verifier/bin/judge ", "")
+    task = make_task(tmp_path, "fill-unjudged", _write_prog(VERIFIER_ATTACKS["fill-the-reward-filesystem"]),
+                     verifier=unjudged)
+    result = check_task(load_harbor_task(task), backend, oracle=True, log=lambda s: None)
+    assert result.reward == 0.0 and "disk limit" in result.details.get("error", ""), result.details
+
+
+@pytest.mark.parametrize("task_name", ["python-csv-report", "python-interval-merge", "python-lru-cache-bug",
+                                       "python-roman-numerals"])
+def test_a_unittest_package_in_the_work_tree_does_not_pass_a_bundled_task(task_name, sandbox_root):
+    """`python3 -m unittest` from /app found /app/unittest first; the bundled verifiers run Python with -I."""
+    task = load_harbor_task(REPO / "examples" / "tasks" / task_name)
+    backend = RecordingBackend(limits=LIMITS, root_parent=sandbox_root)
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            sbx.write_file("/app/unittest/__main__.py", b"raise SystemExit(0)\n")
+            sbx.write_file("/app/unittest/__init__.py", b"")
+            result = task.verifier.verify(sbx, task)
+    finally:
+        snapshot.discard()
+    assert result.reward == 0.0, result.output[-500:]
+
+
+def test_check_task_echoes_no_terminal_control(tmp_path):
+    """A task's programs print escape sequences (a window title, a screen clear, an OSC 52 clipboard write, a
+    hyperlink) and raw control characters: check_task shows their text only."""
+    import sys
+
+    noise = r"printf '\033]0;pwned\007\033[2J\033]52;c;cm0gLXJmIH4=\007\033]8;;http://x\033\\link\033]8;;\033\\\302\2332J\001done\n'"
+    task = make_task(tmp_path, "escapes", noise + "\n",
+                     verifier="#!/bin/bash\n" + noise + "\necho 0 > /logs/verifier/reward.txt\n")
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task), "--oracle"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    shown = res.stdout + res.stderr
+    assert "linkdone" in shown and res.stdout.strip().splitlines()[-1] == "0"
+    assert not any(ch in shown for ch in "\x1b\x07\x9b\x01"), repr(shown)
+
+
+LOOSE_REWARDS = {
+    "nan": ("reward.txt", "nan"), "inf": ("reward.txt", "inf"), "1e309": ("reward.txt", "1e309"),
+    "minus-zero": ("reward.txt", "-0"), "underscore": ("reward.txt", "1_0"), "arabic-digit": ("reward.txt", "\u0661"),
+    "two-lines": ("reward.txt", " 1\n1"), "json-nan": ("reward.json", '{"reward": NaN}'),
+    "json-deep": ("reward.json", "[" * 200000 + "]" * 200000), "json-deep-small": ("reward.json", "[" * 30000),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOOSE_REWARDS))
+def test_a_loose_reward_is_a_verifier_error_with_a_clean_exit(tmp_path, case):
+    """Whatever the reward file holds, check_task ends with status 2 and one error line, never a traceback, and RL
+    sees reward 0 with the reason (never an exception that re-runs the episode)."""
+    import sys
+
+    name, text = LOOSE_REWARDS[case]
+    task = make_task(tmp_path, f"loose-{case}", "true\n",
+                     verifier=f"#!/bin/bash\ncat > /logs/verifier/{name} <<'MC_EOF'\n{text}\nMC_EOF\n"
+                     if len(text) < 1000
+                     else "#!/bin/bash\npython3 -c 'print(\"[\" * 200000 + \"]\" * 200000, end=\"\")' "
+                     f"> /logs/verifier/{name}\n")
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
+    assert res.stderr.startswith("error: /logs/verifier/" + name) and res.stdout.strip().splitlines()[-1] == "0"
