@@ -41,24 +41,27 @@ def _run_config(ckpt: Path, overrides: list[str]):
 
 def evaluate_model(model, tokenizer, rollout_cfg, tasks, samples: int, success_reward: float = 1.0,
                    seed: int = 0, progress: bool = True, chat_format=None) -> tuple[dict, list[dict]]:
-    """Run ``samples`` episodes per task with the rollout worker's runners; (summary, transcript rows)."""
+    """Run ``samples`` episodes per task with the rollout worker's runners on the model's fixed weights;
+    (summary, transcript rows)."""
     from rl.orchestrator import WorkItem
-    from rl.rollout.worker import RolloutWorker
+    from rl.rollout.engines import EngineLeader
+    from rl.rollout.episodes import EpisodeRunner
 
-    worker = RolloutWorker("eval", rollout_cfg, model, tokenizer, tasks, queue=None, subscriber=None, seed=seed,
-                           chat_format=chat_format)
+    engine = EngineLeader("eval", rollout_cfg, model, subscriber=None, seed=seed)
+    runner = EpisodeRunner("eval", rollout_cfg, tokenizer, tasks, engine, seed=seed, chat_format=chat_format)
     results, rows = [], []
-    for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
-        result = worker.run_group(WorkItem(gid=i, prompt_index=i, samples=samples))
-        results.append(result)
-        for j, ep in enumerate(result["episodes"]):
-            meta_ep = ep.get("meta", {})
-            rows.append({"task": task.name, "sample": j, "reward": ep["reward"],
-                         "stop_reason": meta_ep.get("stop_reason"),
-                         "turns": meta_ep.get("turns"), "verdict": meta_ep.get("verdict"),
-                         "transcript": meta_ep.get("transcript")})
-    if worker._pool is not None:
-        worker._pool.close()
+    try:
+        for i, task in enumerate(tqdm(tasks, desc="tasks", unit="task", disable=not progress)):
+            result = runner.run_group(WorkItem(gid=i, prompt_index=i, samples=samples))
+            results.append(result)
+            for j, ep in enumerate(result["episodes"]):
+                meta_ep = ep.get("meta", {})
+                rows.append({"task": task.name, "sample": j, "reward": ep["reward"],
+                             "stop_reason": meta_ep.get("stop_reason"),
+                             "turns": meta_ep.get("turns"), "verdict": meta_ep.get("verdict"),
+                             "transcript": meta_ep.get("transcript")})
+    finally:
+        runner.close()
     return summarize_groups(tasks, results, samples, success_reward), rows
 
 
