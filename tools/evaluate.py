@@ -19,8 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
 from rl.evaluate import evaluate  # noqa: E402
 
 
@@ -43,7 +41,6 @@ def main(argv=None) -> int:
     from megatron_composer.checkpoint.dcp import CheckpointError
     from megatron_composer.config import ConfigError
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         s = evaluate(args.tasks, args.checkpoint, args.samples, args.output, args.overrides, args.success_reward,
                      args.seed, args.sample_tasks)

@@ -131,7 +131,8 @@ class EngineLeader:
     def stop(self) -> None:
         """Stop the followers and the subscriber's background prefetch."""
         self.drive.stop()
-        self.subscriber.stop() if hasattr(self.subscriber, "stop") else None
+        if self.subscriber is not None:  # None: fixed weights
+            self.subscriber.stop()
 
 
 class LockstepHeartbeat:
