@@ -44,8 +44,9 @@ test-vllm: $(VLLM_VENV)/.installed
 demo: install
 	$(PY) tools/demo.py
 
-# The agentic chain (about 30 minutes on 2 idle cores): a base model that copies, tool-use SFT on tiered tasks,
-# agentic RL in sandboxes (examples/tiny/rl_agent.yaml); prints the copy gate, per-tier pass rates and the RL table.
+# The agentic chain (about 15 minutes on 2 idle cores): code pretraining, tool-use SFT on tiered tasks, agentic RL in
+# sandboxes (examples/tiny/rl_agent.yaml); prints the copy gate (the tiny base does not copy yet: FAIL), per-tier
+# pass rates and the RL table.
 demo-agent: install
 	$(PY) tools/demo.py --chain agent
 

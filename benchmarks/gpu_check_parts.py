@@ -421,7 +421,7 @@ def _train_steps(p: Part, work: Path) -> None:
     _train_run(p, work, f"default data-parallel path, {backend}, {p.device.type}", [], steps,
                max(10.0, p.time_left() - 5))
     p.skip("training steps under FSDP", "this part runs one rank; parallel.fsdp is proven against one process on "
-           "gloo ranks by tests/dist/test_parallel_fsdp.py")
+           "gloo ranks by tests/distributed/test_parallel_fsdp.py")
     if p.reduced:
         p.skip("training steps with fp8.recipe=mxfp8", "reduced mode runs the bf16 path only (the emulated FP8 "
                "training path is tested in tests/unit/fp8/test_fp8_linear.py)")

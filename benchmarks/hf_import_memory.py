@@ -24,8 +24,8 @@ system of the 4 ranks, the sampler thread's excluded; median over steps 2..) and
 glibc-default run's, as ratios (CPU time is the steadier figure on a shared machine).
 
 The imported model's logits equal transformers' for this architecture in this layout (fsdp x ep2, 4 ranks):
-tests/dist/test_checkpoint_hf_dist.py (tests/dist/workers/hf_worker.py); --check-logits repeats that check here,
-for this checkpoint (rank 0 of the sharded run against transformers' DeepseekV3ForCausalLM, float32).
+tests/distributed/test_checkpoint_hf_dist.py (tests/distributed/workers/hf_worker.py); --check-logits repeats that
+check here, for this checkpoint (rank 0 of the sharded run against transformers' DeepseekV3ForCausalLM, float32).
 
     python benchmarks/hf_import_memory.py                  # ~300M parameters; ~15 minutes on 2 busy cores
     python benchmarks/hf_import_memory.py --check-logits   # and the logits against transformers'

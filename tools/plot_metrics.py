@@ -3,6 +3,10 @@ For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group
 run evaluated one (eval_pass@1), and, when the rows carry staleness_hist, how many trained tokens were 0, 1, 2,
 ... weight versions old at each step.
 
+Training curves (loss, mean reward) are drawn raw in a light shade with a smoothed line over them: an exponential
+moving average with debiasing (as TensorBoard's smoothing), its weight stated in the legend (--smoothing, 0 = off).
+Validation and held-out points are drawn as they are.
+
     python tools/plot_metrics.py runs/tiny/pretrain runs/tiny/long_context --output loss.png
     python tools/plot_metrics.py runs/tiny/rl --output rl.png
 """
@@ -28,7 +32,28 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
-def plot_rl(plt, data: list[tuple[Path, list[dict]]], output: str) -> int:
+def ema(values: list[float], weight: float) -> list[float]:
+    """Exponential moving average of `values` with weight `weight` on the past, debiased so that the first points are
+    not pulled toward 0: s_t = w s_{t-1} + (1 - w) x_t, shown as s_t / (1 - w^t)."""
+    out, s = [], 0.0
+    for t, x in enumerate(values, 1):
+        s = weight * s + (1 - weight) * x
+        out.append(s / (1 - weight ** t))
+    return out
+
+
+def plot_smoothed(ax, points: list[tuple[float, float]], label: str, weight: float, **kw):
+    """The raw curve in a light shade and its EMA over it in the same colour; returns the EMA's line."""
+    xs, ys = zip(*points)
+    if weight <= 0:
+        line, = ax.plot(xs, ys, lw=1, label=label, **kw)
+        return line
+    raw, = ax.plot(xs, ys, lw=0.8, alpha=0.25, **kw)
+    line, = ax.plot(xs, ema(list(ys), weight), lw=1.5, color=raw.get_color(), label=f"{label} (EMA {weight:g})")
+    return line
+
+
+def plot_rl(plt, data: list[tuple[Path, list[dict]]], output: str, smoothing: float = 0.9) -> int:
     """Reward (mean and best-of-K per group) of each run, and the staleness of trained tokens per step."""
     has_staleness = any("staleness_hist" in row for _, rows in data for row in rows)
     fig, axes = plt.subplots(1, 2 if has_staleness else 1, figsize=(12 if has_staleness else 7, 4.5), squeeze=False)
@@ -36,7 +61,7 @@ def plot_rl(plt, data: list[tuple[Path, list[dict]]], output: str) -> int:
     for run, rows in data:
         mean = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
         best = [(r["step"], r["reward_best_of_k"]) for r in rows if "reward_best_of_k" in r]
-        line, = ax.plot(*zip(*mean), lw=1, label=f"{run.name} mean")
+        line = plot_smoothed(ax, mean, f"{run.name} mean", smoothing)
         if best:
             ax.plot(*zip(*best), "--", lw=1, color=line.get_color(), label=f"{run.name} best-of-K")
         held_out = [(r["step"], r["eval_pass@1"]) for r in rows if "eval_pass@1" in r]
@@ -68,7 +93,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     ap.add_argument("--output", required=True, help="PNG path")
+    ap.add_argument("--smoothing", type=float, default=0.9,
+                    help="EMA weight of the smoothed training curves, in [0, 1); 0 draws the raw curves alone")
     args = ap.parse_args(argv)
+    if not 0 <= args.smoothing < 1:
+        print(f"error: --smoothing must be in [0, 1), got {args.smoothing}", file=sys.stderr)
+        return 2
     try:
         import matplotlib
 
@@ -83,7 +113,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if any("reward_mean" in row for _, rows in data for row in rows):
-        return plot_rl(plt, data, args.output)
+        return plot_rl(plt, data, args.output, args.smoothing)
     has_mtp = any("mtp1_top1" in row for _, rows in data for row in rows)
     fig, axes = plt.subplots(1, 2 if has_mtp else 1, figsize=(12 if has_mtp else 7, 4.5), squeeze=False)
     ax = axes[0][0]
@@ -92,7 +122,7 @@ def main(argv=None) -> int:
         train = [(offset + r["step"], r["loss"]) for r in rows if "loss" in r]
         val = [(offset + r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if train:
-            line, = ax.plot(*zip(*train), lw=1, label=f"{run.name} train")
+            line = plot_smoothed(ax, train, f"{run.name} train", args.smoothing)
             if val:
                 ax.plot(*zip(*val), "o--", color=line.get_color(), ms=3, label=f"{run.name} val")
         elif val:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.dist.test_pretrain_resume import ENV, ROOT, _cmd, _losses, _run, setup  # noqa: E402,F401  (module fixture)
+from tests.distributed.test_pretrain_resume import ENV, ROOT, _cmd, _losses, _run, setup  # noqa: E402,F401  (module fixture)
 
 STEPS = 8
 FSDP = ["parallel.fsdp=true", "parallel.ep=2"]

@@ -3,7 +3,7 @@
 
 import pytest
 
-from tests.dist.test_pretrain_resume import _losses, _run, setup  # noqa: E402,F401  (module fixture: tokenizer + data)
+from tests.distributed.test_pretrain_resume import _losses, _run, setup  # noqa: E402,F401  (module fixture: tokenizer + data)
 
 
 @pytest.mark.e2e

@@ -1,5 +1,5 @@
 """The analytic activation model against the bytes autograd saves, in one process (parallel layouts are
-checked in tests/dist/test_parallel_model.py), and the planner's command line."""
+checked in tests/distributed/test_parallel_model.py), and the planner's command line."""
 
 import functools
 import subprocess

@@ -34,3 +34,29 @@ def test_pretraining_chain_and_missing_run(tmp_path, capsys):
     assert plot_metrics.main([str(a), str(b), "--output", str(out)]) == 0 and out.stat().st_size > 1000
     assert plot_metrics.main([str(tmp_path / "nope"), "--output", str(out)]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_ema_is_debiased_and_follows_the_mean_of_an_alternating_curve():
+    assert plot_metrics.ema([3.0, 3.0, 3.0], 0.9) == pytest.approx([3.0, 3.0, 3.0])  # no pull toward 0
+    alternating = [0.1 if s % 2 else 4.5 for s in range(200)]  # two data sets taking turns, as in the SFT stage
+    late = plot_metrics.ema(alternating, 0.9)[100:]
+    assert max(late) - min(late) < 0.5 and abs(sum(late) / len(late) - 2.3) < 0.1
+
+
+def test_training_curve_is_drawn_raw_in_a_light_shade_under_its_ema(tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    run = _write(tmp_path / "sft", [{"step": s, "loss": 0.1 if s % 2 else 4.5, **({"val_loss": 1.0} if s % 10 == 0
+                                                                                    else {})} for s in range(1, 41)])
+    assert plot_metrics.main([str(run), "--output", str(tmp_path / "a.png")]) == 0
+    lines = {line.get_label(): line for line in plt.gcf().axes[0].get_lines()}
+    smooth = lines["sft train (EMA 0.9)"]
+    raw = next(line for line in lines.values() if list(line.get_ydata()) == [0.1 if s % 2 else 4.5
+                                                                            for s in range(1, 41)])
+    assert raw.get_alpha() < 0.5 and raw.get_color() == smooth.get_color()
+    assert max(smooth.get_ydata()[10:]) - min(smooth.get_ydata()[10:]) < 1.0
+    assert list(lines["sft val"].get_ydata()) == [1.0] * 4  # validation points as they are
+    assert plot_metrics.main([str(run), "--output", str(tmp_path / "b.png"), "--smoothing", "0"]) == 0
+    assert "sft train" in {line.get_label() for line in plt.gcf().axes[0].get_lines()}
+    assert plot_metrics.main([str(run), "--output", str(tmp_path / "c.png"), "--smoothing", "1"]) == 2
+    assert "--smoothing must be in [0, 1)" in capsys.readouterr().err

@@ -24,8 +24,8 @@ from megatron_composer.parallel.cost import StepPlan, activation_bytes, saved_te
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
-from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
+from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.vocab_parallel import vocab_parallel_cross_entropy  # noqa: E402
 
 B, S, MTP_WEIGHT, LR, CLIP = 4, 16, 0.3, 3e-3, 1.0

@@ -1,15 +1,12 @@
 """A tensor-parallel (tp 2) or expert-parallel (ep 2) rollout worker generates what a one-rank worker does with the
-same weight versions, each rank reading only its own boxes of them (tests/dist/workers/rl_rollout_tp_worker.py), for MLA
+same weight versions, each rank reading only its own boxes of them (workers/rl_rollout_tp_worker.py), for MLA
 and GQA."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.dist.torchrun import run_worker
+from tests.distributed.torchrun import run_worker
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
 """DCP checkpoints across parallel layouts (FSDP, HSDP, tensor/expert parallel, ZeRO-1, one rank): model and
 AdamW state written under any layout load exactly under any other, and an FSDP run resumes exactly."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
+
 run_worker = torchrun.run_worker
 
 pytestmark = pytest.mark.dist

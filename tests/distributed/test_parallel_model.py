@@ -5,12 +5,10 @@ memory of each layout is checked against the bytes autograd saves (within 15%).
 
 Layouts run as groups of cases inside one torchrun launch per world size (2 and 4 gloo ranks on CPU)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS_2 = ["tp2", "tp2_sp", "tp2_sp_mla_full_ac", "ep2", "ep2_replay", "cp2", "cp2_gqa_selective_ac", "cp2_ring",

@@ -16,15 +16,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import compare_grads, init, max_rel_err, reduce_max, run_cases  # noqa: E402
 
 from megatron_composer.parallel import collectives as C  # noqa: E402
-from megatron_composer.parallel.context_parallel import (cp_shift_left, shard_sequence,  # noqa: E402
-                                                         sharded_sequence_balance_loss)
+from megatron_composer.parallel.context_parallel import cp_shift_left, shard_sequence, sharded_sequence_balance_loss  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
-from megatron_composer.parallel.layers import (ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: E402
-                                               VocabParallelEmbedding, full_state_dict, set_spec, spec_of)
-from megatron_composer.parallel.vocab_parallel import (vocab_parallel_argmax,  # noqa: E402
-                                                       vocab_parallel_cross_entropy,
-                                                       vocab_parallel_kl, vocab_parallel_logprobs_entropy)
+from megatron_composer.parallel.layers import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    VocabParallelEmbedding,
+    full_state_dict,
+    set_spec,
+    spec_of,
+)
+from megatron_composer.parallel.vocab_parallel import (  # noqa: E402
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_kl,
+    vocab_parallel_logprobs_entropy,
+)
 
 V, D, FF, B, S = 32, 16, 24, 4, 8
 

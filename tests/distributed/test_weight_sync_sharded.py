@@ -2,19 +2,16 @@
 boxes; readers of other layouts get bit-identical weights after every version, and rollout engines in tp2 and
 ep2 (a WeightSubscriber of their boxes) hold them after every version, fetching only the chunks of their own
 boxes; an owner failing mid-publish leaves the version invisible; a slow owner delays the version, not the
-trainer's next step (publish_async) (tests/dist/workers/weight_sync_sharded_worker.py), through a local directory and
+trainer's next step (publish_async) (workers/weight_sync_sharded_worker.py), through a local directory and
 moto S3."""
 
-import importlib.util
 import socket
-from pathlib import Path
 
 import pytest
 
 from rl.weight_sync import WeightSyncError
 from rl.weight_sync.publisher import owned_boxes
-
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 
 def test_each_box_is_owned_by_the_lowest_rank_holding_it():

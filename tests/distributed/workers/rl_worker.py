@@ -28,8 +28,8 @@ from megatron_composer.parallel.slices import local_pieces, local_tensor, named_
 from megatron_composer.training.core import finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from rl.algorithm import token_logprobs  # noqa: E402
-from rl.learner import PolicyLearner, dp_share  # noqa: E402
 from rl.config import RLConfig, weight_store  # noqa: E402
+from rl.learner import PolicyLearner, dp_share  # noqa: E402
 from rl.weight_sync.codec import to_bits  # noqa: E402
 
 TOK = None  # set from --tok

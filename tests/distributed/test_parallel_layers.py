@@ -1,14 +1,11 @@
 """Parallel building blocks on 2 and 4 CPU ranks (torchrun + gloo) against one process, plus mesh checks."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelDims
-
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 TOL = 1e-5
 

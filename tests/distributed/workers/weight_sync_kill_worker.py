@@ -4,7 +4,7 @@ uploads, and the restarted trainer's next publish.
 --phase kill: versions 1 and 2 are published; during version 3 rank 1 kills itself (SIGKILL, no clean-up, no
 error report) right after its first object reached the store; torchrun then stops rank 0. --phase resume: a new
 launch (a trainer restarted from its checkpoint: a new lineage) publishes version 3. The test reads the store
-from its own process between the two (tests/dist/test_weight_sync_kill.py)."""
+from its own process between the two (tests/distributed/test_weight_sync_kill.py)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
-"""Sharded Hugging Face import and streaming export on 4 gloo ranks (tests/dist/workers/hf_worker.py): each rank reads
+"""Sharded Hugging Face import and streaming export on 4 gloo ranks (workers/hf_worker.py): each rank reads
 only its slices of an FP8 DeepSeek-V3 checkpoint, and of a Kimi K2.5-layout checkpoint with compressed-tensors
 INT4 experts (fsdp x ep2); the assembled model equals the one-process load, whose logits equal transformers';
 the export from the sharded model equals the one-process export."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 LAYOUTS = ["tp2_ep2", "fsdp_ep2", "fsdp_tp2_ep2", "int4_fsdp_ep2"]
 

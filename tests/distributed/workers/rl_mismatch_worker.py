@@ -65,9 +65,10 @@ def algorithm_case(level: str):
 
 def learner_case(tmp: Path):
     def run():
-        from rl.learner import PolicyLearner
-        from rl.config import RLConfig
         from rl_worker import near_policy, rollout_groups
+
+        from rl.config import RLConfig
+        from rl.learner import PolicyLearner
 
         def config(run_dir: str, mbs: int, **parallel) -> RLConfig:
             over = {"model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",

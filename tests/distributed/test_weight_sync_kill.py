@@ -1,4 +1,4 @@
-"""An owner SIGKILLed mid-publish (tests/dist/workers/weight_sync_kill_worker.py): the version stays invisible, a rollout
+"""An owner SIGKILLed mid-publish (workers/weight_sync_kill_worker.py): the version stays invisible, a rollout
 subscriber keeps reading the last whole version, and the restarted trainer's next publish succeeds."""
 
 import importlib.util
@@ -23,15 +23,16 @@ def _load(name: str, path: Path):
     return mod
 
 
-from tests.dist import torchrun  # noqa: E402
-kill_worker = _load("weight_sync_kill_worker", ROOT / "tests" / "dist" / "workers" / "weight_sync_kill_worker.py")
+from tests.distributed import torchrun  # noqa: E402
+
+KILL_WORKER = ROOT / "tests" / "distributed" / "workers" / "weight_sync_kill_worker.py"
+kill_worker = _load("weight_sync_kill_worker", KILL_WORKER)
 
 
 def _launch(out: Path, phase: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(torchrun.free_port()), str(ROOT / "tests" / "dist" / "workers" / "weight_sync_kill_worker.py"),
-           "--out", str(out), "--phase", phase]
+           "--master-port", str(torchrun.free_port()), str(KILL_WORKER), "--out", str(out), "--phase", phase]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -73,7 +73,8 @@ def main() -> None:
         errs = {"keys": float(set(full) != set(saved["weights"])),
                 "weights": float(any(not torch.equal(full[k], v) for k, v in saved["weights"].items())),
                 "state": float(state.get("step") != 1)}
-        errs["continuation"] = abs(continuation(learner, behaviour) - saved["continuation"]) / abs(saved["continuation"])
+        errs["continuation"] = (abs(continuation(learner, behaviour) - saved["continuation"])
+                                / abs(saved["continuation"]))
         result.update(errs=reduce_max(errs), loaded_from=saved["layout"])
         learner = PolicyLearner(cfg, tok, Layout(cfg.parallel), torch.device("cpu"))  # a fresh run of this layout
     learner.step(groups_of(30, behaviour), LR)

@@ -5,12 +5,10 @@ cache recomputation) -- with log-probs within 1e-5 and identical routing and wei
 parallelism (ep = 2, same requests on both ranks; tp = 2 x ep = 2 on 4 ranks) and driving the engine from
 rank 0 alone (Lockstep), and the tensor-parallel server."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 CASES = ["mla_greedy", "gqa_greedy", "mla_greedy_batch_invariant", "mla_sampled", "gqa_sampled",
          "mla_speculative", "mla_weight_update", "gqa_weight_update", "mla_ep2_greedy", "gqa_ep2_greedy"]

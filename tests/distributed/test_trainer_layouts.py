@@ -1,14 +1,13 @@
 """The RL trainer on several trainer ranks equals one rank, and bad trainer layouts are refused up front.
 
 tp2, tp2+sp, ep2 (also with a padding-only micro-batch on one dp rank), cp2 and dp2 with ZeRO-1 on 2 gloo
-ranks, tp2+sp x cp2 x ep2, dp2 x tp2 x ep4 and fsdp x ep2 on 4 (tests/dist/workers/rl_worker.py): the step's RL loss
+ranks, tp2+sp x cp2 x ep2, dp2 x tp2 x ep4 and fsdp x ep2 on 4 (workers/rl_worker.py): the step's RL loss
 and every parameter gradient (max |diff| <= 1e-5 x max |ref| per tensor), the loss after one optimizer step,
 the weights every rank publishes of its own shards (reconstructed from the store: bit-identical to the one-rank
 initial weights and to the layout's own shards after the step), and a checkpoint save/load in the layout."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from megatron_composer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS = ["tp2", "tp2_sp", "ep2", "ep2_mbs1", "cp2", "dp2_zero1"]
@@ -68,7 +67,7 @@ def test_each_trainer_rank_reads_only_its_own_samples(results4):
 @pytest.mark.dist
 def test_rl_checkpoints_resume_under_another_layout(rl_assets, tmp_path):
     """An RL checkpoint saved under fsdp x ep2 resumes under tp2 (2 ranks), and one saved there resumes under
-    fsdp x ep2 (tests/dist/workers/rl_checkpoint_worker.py): the same weights exactly, and the saver's next optimizer step
+    fsdp x ep2 (workers/rl_checkpoint_worker.py): the same weights exactly, and the saver's next optimizer step
     and loss (AdamW state carried over) within the layouts' reduction-order differences."""
     def launch(nproc, layout, name, load=None):
         extra = [f"--load={tmp_path / load}"] if load else []

@@ -28,8 +28,12 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from common import init, reduce_max, run_cases  # noqa: E402
 
-from megatron_composer.checkpoint.hf import (load_hf_checkpoint, quantize_fp8_blockwise,  # noqa: E402
-                                             read_hf_config, save_hf_checkpoint)
+from megatron_composer.checkpoint.hf import (  # noqa: E402
+    load_hf_checkpoint,
+    quantize_fp8_blockwise,
+    read_hf_config,
+    save_hf_checkpoint,
+)
 from megatron_composer.fp8 import FP8Config  # noqa: E402
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402

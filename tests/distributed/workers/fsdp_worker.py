@@ -30,9 +30,14 @@ from megatron_composer.kernels.cpu.grouped_mm import inference_kernel  # noqa: E
 from megatron_composer.parallel.dims import ParallelConfig  # noqa: E402
 from megatron_composer.parallel.fsdp import is_fsdp  # noqa: E402
 from megatron_composer.parallel.layers import full_state_dict  # noqa: E402
-from megatron_composer.parallel.slices import load_full_state_dict  # noqa: E402
 from megatron_composer.parallel.parallelize import shard_batch  # noqa: E402
-from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors  # noqa: E402
+from megatron_composer.parallel.slices import (  # noqa: E402
+    full_shape,
+    load_full_state_dict,  # noqa: E402
+    local_pieces,
+    local_tensor,
+    named_tensors,
+)
 from megatron_composer.training.core import TrainingCore, finish_gradients  # noqa: E402
 from megatron_composer.training.layout import Layout  # noqa: E402
 from megatron_composer.training.optim import OptimizerConfig  # noqa: E402
@@ -216,7 +221,8 @@ CASES_4 = {
     "ep2": make_case(QW, steps=2, ep=2, zero1=False),
     # FSDP layouts
     "fsdp": make_case(DS, fsdp=True),
-    "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False}, fsdp=True, ep=2),
+    "fsdp_ep2_expert_dim1": make_case(QW, {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False},
+                                      fsdp=True, ep=2),
     "fsdp_ep2_fused_head": make_case(QW, steps=3, fused_head=True, fsdp=True, ep=2),
     # MXFP8 dense and grouped GEMMs quantise the gathered weights (weight gradients in high precision, so
     # the token split across ranks does not change their rounding)

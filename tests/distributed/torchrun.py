@@ -19,12 +19,13 @@ def free_port() -> int:
 
 
 def run_worker(script: str, nproc: int, args: list[str], out_dir: Path, timeout: int = 600) -> dict:
-    """Run tests/dist/workers/<script> on `nproc` CPU ranks; the worker writes results.json (rank 0) in out_dir."""
+    """Run tests/distributed/workers/<script> on `nproc` CPU ranks; the worker writes results.json (rank 0) in
+    out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "tests" / "dist" / "workers" / script), "--out", str(out_dir), *args]
+           str(ROOT / "tests" / "distributed" / "workers" / script), "--out", str(out_dir), *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     result_file = out_dir / "results.json"
     if proc.returncode != 0 or not result_file.exists():

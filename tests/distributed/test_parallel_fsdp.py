@@ -1,4 +1,4 @@
-"""FSDP2 layouts and the meta-device build against one process, on 4 gloo ranks (tests/dist/workers/fsdp_worker.py):
+"""FSDP2 layouts and the meta-device build against one process, on 4 gloo ranks (workers/fsdp_worker.py):
 the layout-independent initialisation assembles the one-process model (tp2, ep2 and every FSDP layout); loss,
 every parameter's gradient piece (max |diff| <= 1e-5 x max |ref|) and the clipped global norm after one
 backward; and the loss sequence of 5 optimizer steps through TrainingCore.step (2 micro-batches each).
@@ -14,15 +14,12 @@ with INT4 QAT of the experts under MXFP8; HSDP
 (dp_replicate=2) x ep2 with full recompute. One torchrun launch runs them all. Bad FSDP sizes are one-line
 config errors."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from megatron_composer.config import ConfigError
 from megatron_composer.parallel.dims import ParallelConfig, ParallelDims
-
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS = ["tp2", "ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fsdp_tp2_mxfp8", "fsdp_tp2_sp",

@@ -27,13 +27,13 @@ from model_worker import batch, loss_terms, tiny_config  # noqa: E402
 
 from megatron_composer.checkpoint.dcp import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_composer.model import Transformer  # noqa: E402
-from megatron_composer.training.core import finish_gradients  # noqa: E402
 from megatron_composer.parallel import collectives as C  # noqa: E402
 from megatron_composer.parallel.data_parallel import DistributedAdamW  # noqa: E402
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
 from megatron_composer.parallel.fsdp import apply_fsdp  # noqa: E402
 from megatron_composer.parallel.layers import spec_of  # noqa: E402
 from megatron_composer.parallel.parallelize import parallelize_model, shard_batch  # noqa: E402
+from megatron_composer.training.core import finish_gradients  # noqa: E402
 
 PRESET = "tiny-deepseek-v3"
 
@@ -76,7 +76,8 @@ PAIRS = [
     ("tp2_ep2", "fsdp_ep2"), ("tp2_ep2", "fsdp_tp2_ep2"), ("ep4", "hsdp_ep2"), ("tp2_zero1", "fsdp_cp2"),
     # loaded on 2 ranks
     ("one_rank", "tp2"), ("tp2", "ep2"), ("tp2", "fsdp2"), ("ep2", "tp2"), ("ep2", "cp2"), ("cp2", "fsdp2"),
-    ("dp2_zero1", "tp2"), ("dp2_zero1", "fsdp2"), ("ep2", "fsdp2"), ("fsdp_tp2_sp", "cp2"), ("fsdp_cp2", "ep2"), ("fsdp_tp2_ep2", "dp2_zero1"),
+    ("dp2_zero1", "tp2"), ("dp2_zero1", "fsdp2"), ("ep2", "fsdp2"), ("fsdp_tp2_sp", "cp2"), ("fsdp_cp2", "ep2"),
+    ("fsdp_tp2_ep2", "dp2_zero1"),
     # loaded on 1 rank
     ("fsdp_ep2", "one_rank"), ("fsdp_tp2_ep2", "one_rank"), ("hsdp_ep2", "one_rank"), ("fsdp_tp2", "one_rank"),
     ("fsdp", "one_rank"), ("tp2", "one_rank"), ("ep2", "one_rank"), ("cp2", "one_rank"), ("dp2_zero1", "one_rank"),
@@ -168,7 +169,8 @@ def state_mismatch(model, opt) -> dict:
     bad = {}
     moments = opt.named_param_states(gather=True) if isinstance(opt, DistributedAdamW) else None
     for n, p in model.named_parameters():
-        bad[f"param:{n}"] = float(not torch.equal(local(p.detach()), local_of(full_value(n, full_shape(p), "param"), p)))
+        full = full_value(n, full_shape(p), "param")
+        bad[f"param:{n}"] = float(not torch.equal(local(p.detach()), local_of(full, p)))
         for k in ("exp_avg", "exp_avg_sq"):
             if moments is not None:
                 got, want = moments[n][k], spec_of(p).take(full_value(n, full_shape(p), k))
@@ -201,7 +203,8 @@ def save_load(args) -> dict:
         state = load_checkpoint(ckpt, model, opt, META, groups=groups)
         bad = state_mismatch(model, opt)
         bad = reduce_max(bad) if world > 1 else bad
-        results[f"{src}->{dst}"] = {"wrong": sorted(k for k, v in bad.items() if v), "n": len(bad), "step": state["step"]}
+        results[f"{src}->{dst}"] = {"wrong": sorted(k for k, v in bad.items() if v), "n": len(bad),
+                                    "step": state["step"]}
     return {"saved": saved, "loads": results}
 
 

@@ -3,12 +3,10 @@ engine's layout and reads only its slices from a Hugging Face directory, a train
 weight-sync version; its local tensors equal the slices of the full ones and it generates what the one-rank
 engine of the full model generates. ep = 2 on 2 gloo ranks; tp = 2 x ep = 2 on 4."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 CASES = [f"{p}_{s}" for p in ("mla", "gqa") for s in ("hf", "dcp", "weight_sync")]
 TP_EP_CASES = ["mla_hf", "mla_weight_sync", "gqa_dcp"]

@@ -1,16 +1,15 @@
 """The mismatch filter's threshold is the quantile over the whole step's tokens, on 2 gloo ranks with several
-micro-batches each (tests/dist/workers/rl_mismatch_worker.py): the masked fraction equals the single-batch quantile's,
+micro-batches each (workers/rl_mismatch_worker.py): the masked fraction equals the single-batch quantile's,
 through the algorithm and through the RL learner on dp=2."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-from tests.dist import torchrun  # noqa: E402
+from tests.distributed import torchrun  # noqa: E402
 
 
 @pytest.fixture(scope="module")
