@@ -22,6 +22,7 @@ from megatron_composer.config import ConfigError, describe_schema, load_config
 from megatron_composer.data.tokenizer import TokenizerError
 from rl.config import RLConfig
 from rl.launch import run_rl
+from rl.sandbox.leftovers import release_on_signals
 
 
 def _parse(argv):
@@ -39,6 +40,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    release_on_signals()  # SIGTERM/SIGINT (SLURM, torchrun) release the run's sandboxes, mounts and cgroups
     try:
         cfg = load_config(RLConfig, args.config[0], args.overrides).validate()
         run_dir = run_rl(cfg)

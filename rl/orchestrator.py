@@ -65,19 +65,29 @@ class WorkItem:
     attempt: int = 0  # how many times this group was re-issued (crash or staleness)
     eval_version: Optional[int] = None  # held-out evaluation of this weight version (None: a training group)
     samples: int = 0  # episodes of the group (0: rollout.group_size)
+    # a training group: the oldest weight version it may be generated with and still be trained (None: any)
+    min_version: Optional[int] = None
 
     def to_json(self) -> str:
         d = {"gid": self.gid, "prompt_index": self.prompt_index, "attempt": self.attempt}
         if self.eval_version is not None:
             d.update(eval_version=self.eval_version, samples=self.samples)
+        if self.min_version is not None:
+            d.update(min_version=self.min_version)
         return json.dumps(d)
 
     @staticmethod
     def from_json(text: str) -> "WorkItem":
         d = json.loads(text)
-        v = d.get("eval_version")
+        v, m = d.get("eval_version"), d.get("min_version")
         return WorkItem(int(d["gid"]), int(d["prompt_index"]), int(d.get("attempt", 0)),
-                        None if v is None else int(v), int(d.get("samples", 0)))
+                        None if v is None else int(v), int(d.get("samples", 0)), None if m is None else int(m))
+
+    def runs_on(self, held_version: int) -> bool:
+        """Whether an engine holding `held_version` may run this item (an evaluation item: that version or a newer
+        one; a training group: not older than its min_version)."""
+        need = self.eval_version if self.eval_version is not None else self.min_version
+        return need is None or held_version >= need
 
 
 class WorkQueue:
@@ -254,14 +264,19 @@ class Orchestrator:
         """Every prompt of the epoch has been issued and consumed."""
         return len(self.sampler) == 0 and not self.inflight
 
-    def fill(self) -> None:
-        """Issue new groups until the bound on in-flight groups or the end of the epoch."""
+    def fill(self, version: Optional[int] = None) -> None:
+        """Issue new groups until the bound on in-flight groups or the end of the epoch. With the trainer's
+        `version`, each group asks for weights no older than version - max_staleness: a group generated with
+        older ones would be dropped on arrival anyway. With max_staleness 0 and as many groups in flight as a step
+        takes, this is synchronous RL: every group is generated with the weights that train on it, whatever the
+        timing of workers and trainer."""
+        min_version = None if version is None else version - self.max_staleness
         while len(self.inflight) < self.max_inflight and len(self.sampler) > 0:
             (prompt,) = self.sampler.next_batch()
             gid = self.next_gid
             self.next_gid += 1
             self.inflight[gid] = prompt
-            self.queue.put(WorkItem(gid, prompt))
+            self.queue.put(WorkItem(gid, prompt, min_version=min_version))
 
     def next_groups(self, n: int, version: int, timeout_s: float = 600.0,
                     poll_s: float = 0.05, alive: Optional[Callable[[], bool]] = None) -> list[dict]:
@@ -274,7 +289,7 @@ class Orchestrator:
         out: list[dict] = []
         deadline = time.monotonic() + timeout_s
         while len(out) < n:
-            self.fill()
+            self.fill(version)
             if not self.inflight:
                 break  # end of epoch
             for gid in self.queue.requeue_expired(self.lease_s):
@@ -299,7 +314,8 @@ class Orchestrator:
                     print(f"orchestrator: group {gid} has tokens of version {oldest}, trainer is at {version} "
                           f"(max_staleness {self.max_staleness}); re-queued", flush=True)
                     self.queue.drop_taken([result["path"]])
-                    self.queue.put(WorkItem(gid, self.inflight[gid], int(result.get("attempt", 0)) + 1))
+                    self.queue.put(WorkItem(gid, self.inflight[gid], int(result.get("attempt", 0)) + 1,
+                                            min_version=version - self.max_staleness))
                     continue
                 del self.inflight[gid]
                 for v, count in result.get("version_counts", {}).items():

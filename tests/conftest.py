@@ -1,6 +1,11 @@
 """Shared fixtures: one thread for tiny matmuls; the RL tests' assets (a tiny byte-level BPE tokenizer with the chat
 markers and a task set of single-turn prompts the tiny model can be scored on)."""
 
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,3 +29,21 @@ PROMPTS = [("Start a function.", r"[\s\S]*def[\s\S]*"), ("Write an import.", r"[
 @pytest.fixture(scope="session")
 def rl_assets(tmp_path_factory):
     return write_rl_assets(tmp_path_factory.mktemp("rl_assets"), PROMPTS)
+
+
+@pytest.fixture
+def sandbox_parent():
+    """A folder for sandboxes that their uid can traverse (pytest's tmp_path is private to root); what is left in it
+    is swept and it is removed afterwards. Skips where no isolated sandbox can run."""
+    from rl.sandbox import LocalBackend, SandboxError
+    from rl.sandbox.leftovers import sweep
+
+    try:
+        LocalBackend()
+    except SandboxError as e:
+        pytest.skip(f"no isolated sandbox on this host: {e}")
+    path = Path(tempfile.mkdtemp(prefix="sandbox-parent-"))
+    os.chmod(path, 0o711)
+    yield path
+    sweep(path, force=True)
+    subprocess.run(["rm", "-rf", str(path)])

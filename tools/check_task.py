@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rl.envs.check_task import check_task, load_task, make_backend, printable  # noqa: E402
 from rl.envs.task import TaskError  # noqa: E402
 from rl.sandbox import SandboxError  # noqa: E402
+from rl.sandbox.leftovers import release_on_signals  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repos", help="folder with the SWE-bench repositories' clones (default: the JSONL's)")
     parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
     args = parser.parse_args(argv)
+    release_on_signals()  # a stopped check leaves no sandbox, mount or cgroup behind
     try:
         task = load_task(args.task, args.instance, args.repos)
         backend = make_backend(args.backend)

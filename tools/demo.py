@@ -126,6 +126,9 @@ def main(argv=None) -> int:
                          "tool-use SFT on the tiered agent tasks, then agentic RL (make demo-agent)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides passed to every stage, e.g. train.steps=20")
     args = ap.parse_args(argv)
+    from rl.sandbox.leftovers import release_on_signals
+
+    release_on_signals()  # the sandboxes that replay the tasks' solutions go with a stop signal
     args.run_dir = args.run_dir or ("runs/tiny_agent" if args.chain == "agent" else "runs/tiny")
     t0 = time.time()
     py = sys.executable

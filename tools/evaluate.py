@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.evaluate import evaluate  # noqa: E402
+from rl.sandbox.leftovers import release_on_signals  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.samples < 1:
         ap.error("--samples must be >= 1")
+    release_on_signals()  # a stopped evaluation leaves no sandbox behind
     from megatron_composer.checkpoint.dcp import CheckpointError
     from megatron_composer.config import ConfigError
 

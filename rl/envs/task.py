@@ -16,12 +16,12 @@ import shlex
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.leftovers import held_dir
 
 
 class TaskError(ValueError):
@@ -108,7 +108,7 @@ class CopyStep:
             if not self.unpack:
                 sandbox.copy_in(self.src, self.dest, merge=True)
                 return
-            with tempfile.TemporaryDirectory(prefix="mc-add-") as tmp:
+            with held_dir("add") as tmp:
                 _safe_extract(self.src, Path(tmp))
                 sandbox.copy_in(tmp, self.dest, merge=True)
         except (SandboxError, tarfile.TarError) as e:
@@ -403,7 +403,7 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
     limits = limits or task.limits.sandbox_limits(backend.limits)
-    with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
+    with held_dir("task") as tmp:
         tree_dir = Path(tmp) / "tree"
         task.tree.materialize(tree_dir)
         sandbox = backend.create(tree_dir, workdir="/app", env=task.env, limits=limits)

@@ -60,13 +60,13 @@ class RolloutWorker(EpisodeRunner):
 
     def _claim(self) -> tuple[Optional[WorkItem], Optional[WorkQueue]]:
         """The next item and its queue: a held-out evaluation item of a version the engine holds (the trainer
-        may be waiting for it), else a training group."""
+        may be waiting for it), else a training group whose weights the engine holds (`WorkItem.runs_on`)."""
+        held = self.engine.weight_version
         if self.eval_queue is not None:
-            held = self.engine.weight_version
-            item = self.eval_queue.claim(self.name, accept=lambda it: it.eval_version <= held)
+            item = self.eval_queue.claim(self.name, accept=lambda it: it.runs_on(held))
             if item is not None:
                 return item, self.eval_queue
-        return self.queue.claim(self.name), self.queue
+        return self.queue.claim(self.name, accept=lambda it: it.runs_on(held)), self.queue
 
     def run(self) -> None:
         """Claim and run groups until the queue says stop (then the tensor-parallel followers stop too)."""

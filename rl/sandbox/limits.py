@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rl.sandbox.owners import make_dir
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # The in-sandbox launcher joins the cgroup (writing 0 to cgroup.procs moves the writer) before it execs the
 # rest of argv, so no process of the command ever runs outside it.
@@ -181,22 +183,27 @@ class SandboxCgroup:
 
     def close(self) -> None:
         for d in reversed(self.dirs):
-            if not d.exists():
-                continue
-            for _ in range(50):
-                if self.parents.version == 2:
-                    _write(d / "cgroup.kill", "1")
-                else:
-                    for pid in _read(d / "cgroup.procs").split():
-                        try:
-                            os.kill(int(pid), 9)
-                        except OSError:
-                            pass
+            remove_cgroup(self.parents.version, d)
+
+
+def remove_cgroup(version: int, d: Path) -> None:
+    """Kill every process in the cgroup `d` and remove it (retried for about a second while they die)."""
+    for _ in range(50):
+        if not d.exists():
+            return
+        if version == 2:
+            _write(d / "cgroup.kill", "1")
+        else:
+            for pid in _read(d / "cgroup.procs").split():
                 try:
-                    d.rmdir()
-                    break
+                    os.kill(int(pid), 9)
                 except OSError:
-                    time.sleep(0.02)
+                    pass
+        try:
+            d.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 # The monitor (fallback) -----------------------------------------------------------------------------------------
@@ -320,9 +327,7 @@ def tmpfs_problem() -> str | None:
     """Why sandbox directories cannot get a size-limited tmpfs here (then the disk walk is used), or None."""
     if os.geteuid() != 0:
         return "not root: cannot mount a tmpfs per sandbox (disk use is measured by walking the directories)"
-    import tempfile
-
-    probe = Path(tempfile.mkdtemp(prefix="mc-tmpfs-probe-"))
+    probe = make_dir("probe")
     try:
         mount_tmpfs(probe, 1, 16)
         unmount(probe)

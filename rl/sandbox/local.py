@@ -22,7 +22,6 @@ import secrets
 import shlex
 import shutil
 import subprocess
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from rl.sandbox.base import (
     run_process,
     wrapper_argv,
 )
+from rl.sandbox.leftovers import force_rmtree, hold, let_go, sweep
 from rl.sandbox.limits import (
     SandboxCgroup,
     cgroup_problem,
@@ -49,8 +49,8 @@ from rl.sandbox.limits import (
     private_memory,
     process_tree,
     tmpfs_problem,
-    unmount,
 )
+from rl.sandbox.owners import make_dir
 
 SANDBOX_UID_INSIDE = 1000
 # Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
@@ -108,108 +108,11 @@ class LocalSnapshot:
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits | None = None  # the task's limits, applied to every fork
+    held: int | None = field(default=None, repr=False)  # its key in rl/sandbox/leftovers.py (a stop signal frees it)
 
     def discard(self) -> None:
+        let_go(self.held)
         force_rmtree(self.path.parent)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _open_dir(name: str, dir_fd: int | None = None) -> int:
-    """A descriptor of the directory `name` itself (never through a symlink), made readable and writable for
-    us first if the sandbox took those permissions away."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except PermissionError:
-        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:  # chmod through the O_PATH handle changes this directory, not what any link points to
-            os.chmod(f"/proc/self/fd/{handle}", 0o700)
-        finally:
-            os.close(handle)
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-
-
-def remove_tree(path: Path) -> list[str]:
-    """Remove a tree a sandbox wrote, at any depth, without following any symlink in it and without changing
-    anything outside it: one directory descriptor at a time (no recursion, no path length limit), entries
-    unlinked relative to it, permissions restored only on directories it opened itself. Returns what could not be
-    removed (empty when all went)."""
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        return []
-    except OSError:  # a file or a link where the tree should be: remove that entry only
-        try:
-            os.unlink(path)
-            return []
-        except OSError as e:
-            return [f"{path}: {e.strerror}"]
-    failed: list[str] = []
-    names: list[str] = []  # the directories from `path` down to the one `fd` holds
-    skip: list[set[str]] = [set()]  # per level: directories that could not be removed
-    try:
-        while True:
-            try:
-                os.fchmod(fd, 0o700)  # entries of a directory made read-only by the sandbox can be removed
-            except OSError:
-                pass
-            child = None
-            with os.scandir(fd) as it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        if entry.name not in skip[-1]:
-                            child = entry.name
-                            break
-                        continue
-                    try:
-                        os.unlink(entry.name, dir_fd=fd)
-                    except FileNotFoundError:
-                        pass
-                    except OSError as e:
-                        failed.append(f"{'/'.join([str(path), *names, entry.name])}: {e.strerror}")
-            if child is not None:
-                try:
-                    inner = _open_dir(child, fd)
-                except OSError as e:
-                    failed.append(f"{'/'.join([str(path), *names, child])}: {e.strerror}")
-                    skip[-1].add(child)
-                    continue
-                os.close(fd)
-                fd = inner
-                names.append(child)
-                skip.append(set())
-                continue
-            if not names:
-                break
-            name = names.pop()
-            skip.pop()
-            # nothing in the tree runs any more: '..' is where we came from
-            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError as e:
-                failed.append(f"{'/'.join([str(path), *names, name])}: {e.strerror}")
-                skip[-1].add(name)
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(path)
-    except OSError as e:
-        failed.append(f"{path}: {e.strerror}")
-    return failed
-
-
-def force_rmtree(path: Path) -> None:
-    """Detach the sandbox's own tmpfs at `path` (if it is one) and remove what is there (remove_tree); what
-    cannot be removed is said in a warning, never raised, so that the caller goes on to release the rest."""
-    if os.path.ismount(path):
-        unmount(path)
-    failed = remove_tree(path)
-    if failed:
-        warnings.warn(f"could not remove {len(failed)} path(s) of a sandbox, e.g. {failed[0]}", stacklevel=2)
 
 
 def copy_tree(src: Path, dest: Path) -> None:
@@ -338,11 +241,13 @@ class LocalSandbox(Sandbox):
                    "rlimits and timeouts apply. Never use this for model-generated code.")
             warnings.warn(msg, UnisolatedWarning, stacklevel=2)
         self._tmpfs = _choose("tmpfs", tmpfs, None if unisolated else tmpfs_problem)
-        self.root = Path(tempfile.mkdtemp(prefix="mc-sandbox-", dir=root_parent))
+        self.root = make_dir("sandbox", root_parent)
         self.uid: int | None = None
         self._cgroup: SandboxCgroup | None = None
         self._verifier_root: Path | None = None
+        self._held: int | None = None
         try:
+            self._held = hold(self._release)  # a stop signal releases it (rl/sandbox/leftovers.py)
             if self._tmpfs:
                 try:
                     mount_tmpfs(self.root, self.limits.disk_mb, self.limits.max_files)
@@ -567,7 +472,7 @@ class LocalSandbox(Sandbox):
         if self._closed:
             raise SandboxError("sandbox is closed")
         self._drop_verifier_root()
-        root = Path(tempfile.mkdtemp(prefix="mc-verifier-", dir=self.root.parent))
+        root = make_dir("verifier", self.root.parent)
         self._verifier_root = root
         try:
             if self._tmpfs:
@@ -626,10 +531,16 @@ class LocalSandbox(Sandbox):
         self._chown(target)
 
     def snapshot(self) -> LocalSnapshot:
-        snap_root = Path(tempfile.mkdtemp(prefix="mc-snapshot-", dir=self.root.parent))
-        copy_tree(self._dirs["app"], snap_root / "app")
-        workdir = self.workdir if not self.unisolated else "/app"
-        return LocalSnapshot(path=snap_root / "app", workdir=workdir, env=dict(self.env))
+        snap_root = make_dir("snapshot", self.root.parent)
+        snap = LocalSnapshot(path=snap_root / "app", workdir=self.workdir if not self.unisolated else "/app",
+                             env=dict(self.env))
+        try:
+            snap.held = hold(snap.discard)
+            copy_tree(self._dirs["app"], snap.path)
+        except BaseException:
+            snap.discard()
+            raise
+        return snap
 
     def close(self) -> None:
         if not self._closed:
@@ -638,6 +549,7 @@ class LocalSandbox(Sandbox):
     def _release(self) -> None:
         """Everything the sandbox holds goes, each part whatever happened to the others."""
         self._closed = True
+        let_go(self._held)
         try:
             self._drop_verifier_root()
         finally:
@@ -668,6 +580,7 @@ class LocalBackend:
     tmpfs: bool | None = None  # whole-sandbox disk: None = a tmpfs of its own where possible, else the monitor
 
     def __post_init__(self):
+        sweep(self.root_parent)  # what killed runs left where this backend's sandboxes go (once per process)
         if not self.unisolated:
             if self.bwrap_mode is None:
                 self.bwrap_mode, problem = probe_bwrap()

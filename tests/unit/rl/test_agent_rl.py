@@ -9,6 +9,11 @@ as a model that has not yet learnt the format does."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +22,14 @@ import torch
 from megatron_composer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[3]
+CONFIG = ROOT / "examples/tiny/rl_agent.yaml"
 
 
-@pytest.fixture(scope="module")
-def run(rl_assets, tmp_path_factory):
+def _setup(rl_assets, root: Path) -> list[str]:
+    """Generated tasks, the leaning initial checkpoint; the overrides of examples/tiny/rl_agent.yaml that use them."""
     from megatron_composer.checkpoint.dcp import save_checkpoint
     from megatron_composer.data.tokenizer import load_tokenizer
     from rl.config import RLConfig
-    from rl.launch import run_rl
     from rl.model import full_model
     from rl.sandbox import LocalBackend, SandboxError
     from tools.task_family import generate_splits
@@ -33,7 +38,6 @@ def run(rl_assets, tmp_path_factory):
         LocalBackend()
     except SandboxError as e:
         pytest.skip(f"no isolated sandbox on this host: {e}")
-    root = tmp_path_factory.mktemp("agent_rl")
     generate_splits(root / "tasks", {"train": 4, "heldout": 2}, seed=5)
     overrides = {
         "run.dir": root / "run", "data.tokenizer": rl_assets / "tok", "data.tasks": root / "tasks/train",
@@ -47,7 +51,8 @@ def run(rl_assets, tmp_path_factory):
         "rollout.summary_trigger_tokens": 400, "rollout.sandbox_concurrency": 3, "rollout.group_timeout_s": 300,
         "optim.lr": 1e-3, "optim.min_lr": 1e-3, "checkpoint.init_from": root / "init", "checkpoint.keep_last": 0,
     }
-    cfg = load_config(RLConfig, str(ROOT / "examples/tiny/rl_agent.yaml"), [f"{k}={v}" for k, v in overrides.items()])
+    overrides = [f"{k}={v}" for k, v in overrides.items()]
+    cfg = load_config(RLConfig, str(CONFIG), overrides)
     tok = load_tokenizer(cfg.data.tokenizer)
     torch.manual_seed(0)
     model, meta = full_model(cfg, tok)
@@ -57,8 +62,42 @@ def run(rl_assets, tmp_path_factory):
         model.output.weight[tok.token_to_id("<tool_call>"), 0] = 6.0 / d ** 0.5
         model.output.weight[tok.token_to_id("<|im_end|>"), 0] = 4.0 / d ** 0.5
     save_checkpoint(root / "init", 0, model, None, {"step": 0}, meta)
-    run_rl(cfg)
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def run(rl_assets, tmp_path_factory):
+    from rl.config import RLConfig
+    from rl.launch import run_rl
+
+    root = tmp_path_factory.mktemp("agent_rl")
+    run_rl(load_config(RLConfig, str(CONFIG), _setup(rl_assets, root)))
     return [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_sigterm_in_the_middle_of_episodes_leaves_nothing_behind(rl_assets, tmp_path, sandbox_parent):
+    """rl_composer.py stopped by SIGTERM (as SLURM and torchrun stop jobs) while its sandboxes run episodes: no
+    folder, mount or cgroup of it is left."""
+    from tests.sandbox_assets import NOTHING, left_by
+
+    overrides = _setup(rl_assets, tmp_path) + ["train.steps=50"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "rl_composer.py"), "--config", str(CONFIG), *overrides],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(sandbox_parent), "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not any(n.startswith("mc-sandbox-") for n in left_by(sandbox_parent, proc.pid)["folders"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run made no sandbox"
+            time.sleep(0.05)
+        time.sleep(1.0)  # episodes under way: commands running, snapshots taken
+        assert left_by(sandbox_parent, proc.pid)["folders"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert proc.returncode == -signal.SIGTERM and "SIGTERM: released" in err, err[-3000:]
+    assert left_by(sandbox_parent, proc.pid) == NOTHING
 
 
 def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):

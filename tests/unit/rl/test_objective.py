@@ -384,8 +384,10 @@ def _run(rl_assets, run_dir: Path, **extra) -> list[dict]:
     over = {"run.dir": run_dir, "data.tokenizer": rl_assets / "tok", "data.tasks": tasks,
             "model.preset": "tiny-deepseek-v3", "model.overrides": "{num_layers: 2, num_mtp_layers: 0}",
             "train.steps": 12, "train.groups_per_step": 2, "train.micro_batch_size": 16, "train.seed": 7,
+            # synchronous (max_staleness 0, a step's groups in flight): every group is generated with the weights
+            # that train on it, so the run is the same however loaded the machine is
             "rollout.group_size": 8, "rollout.max_new_tokens": 24, "rollout.max_inflight_groups": 2,
-            "rollout.max_staleness": 1, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
+            "rollout.max_staleness": 0, "rollout.max_seq_len": 128, "rollout.cache_memory_mb": 16,
             "rollout.lease_s": 30, "rollout.heartbeat_s": 1, "rollout.group_timeout_s": 300,
             "optim.lr": 1e-2, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-2,
             "checkpoint.interval": 100, "logging.interval": 100, "weight_sync.dtype": "float32",
@@ -397,6 +399,9 @@ def _run(rl_assets, run_dir: Path, **extra) -> list[dict]:
 @pytest.mark.e2e
 def test_a_strong_length_penalty_lowers_the_reward_and_shortens_generations(rl_assets, tmp_path):
     plain = _run(rl_assets, tmp_path / "plain")
+    again = _run(rl_assets, tmp_path / "again")  # synchronous: the same run, whatever the machine's load
+    facts = lambda rows: [(r["reward_mean"], r["generated_tokens"], r["loss"]) for r in rows]  # noqa: E731
+    assert facts(again) == facts(plain)
     penalised = _run(rl_assets, tmp_path / "penalised", **{"rl.length_penalty_weight": 1.0,
                                                           "rl.length_penalty_q": 0.0, "rl.length_budget": 24})
     assert all(r["reward_mean"] < r["verifier_reward_mean"] and r["length_penalty_mean"] < 0 for r in penalised)

@@ -104,6 +104,28 @@ def test_orchestrator_drops_results_it_did_not_issue(tmp_path):
     assert orch.exhausted and q.done_ids() == []
 
 
+def test_groups_ask_for_weights_no_older_than_the_staleness_bound(tmp_path):
+    """Issued at trainer version v, a group asks for weights >= v - max_staleness; a worker holding older ones
+    leaves it pending, and a stale group is redone asking for the same bound."""
+    q = WorkQueue(tmp_path)
+    orch = Orchestrator(q, num_prompts=6, group_size=2, seed=0, max_inflight_groups=2, max_staleness=1)
+    orch.fill(version=3)
+    items = [WorkItem.from_json(p.read_text()) for p in sorted((q.root / "pending").glob("*.json"))]
+    assert [it.min_version for it in items] == [2, 2]
+    assert WorkItem.from_json(items[0].to_json()) == items[0]
+    assert not items[0].runs_on(1) and items[0].runs_on(2) and WorkItem(0, 0).runs_on(0)
+    assert WorkItem(0, 0, eval_version=4).runs_on(4) and not WorkItem(0, 0, eval_version=4).runs_on(3)
+    assert q.claim("w", accept=lambda it: it.runs_on(1)) is None  # the engine holds v1: nothing it may run
+    a = q.claim("w", accept=lambda it: it.runs_on(2))
+    q.complete("w", a, _result(a, 0))  # generated with v0 anyway (an old worker): dropped and redone
+    b = q.claim("w")
+    q.complete("w", b, _result(b, 3))
+    (got,) = orch.next_groups(1, 3, timeout_s=5, poll_s=0.01)
+    assert got["gid"] == b.gid and orch.stats.requeued_stale == 1
+    redo = WorkItem.from_json((q.root / "pending" / f"{a.gid}.json").read_text())
+    assert (redo.attempt, redo.min_version) == (1, 2)
+
+
 def test_held_out_items_wait_for_the_version_and_never_reach_training(tmp_path):
     """OrchestratorRole.evaluate issues tagged items into the eval queue; a worker whose engine holds an older
     version may not take them; their results come back by task and never as training groups."""

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from rl.sandbox import SandboxLimits
+from rl.sandbox.leftovers import remove_tree
 from rl.sandbox.limits import find_cgroup_parents
-from rl.sandbox.local import LocalSandbox, bwrap_problem, remove_tree
+from rl.sandbox.local import LocalSandbox, bwrap_problem
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
