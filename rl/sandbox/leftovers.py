@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import threading
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -49,7 +50,7 @@ def hold(release: Callable[[], None]) -> int:
     the process, calls it. A bound method is held weakly, so an object that is dropped unclosed is still collected
     (its own finaliser frees it). Raises SandboxError once a stop signal arrived: a stopping process makes no new
     sandbox."""
-    ref = weakref.WeakMethod(release) if hasattr(release, "__self__") else (lambda: release)
+    ref = weakref.WeakMethod(release) if isinstance(release, types.MethodType) else (lambda: release)
     with _lock:
         if _stopping:
             raise SandboxError("this process is stopping (a stop signal arrived); no new sandbox is made")
@@ -74,14 +75,9 @@ def release_all() -> int:
     for release in reversed(releases):
         try:
             release()
-        except Exception as e:  # noqa: BLE001 -- the rest must still go
+        except Exception as e:  # the rest must still go
             print(f"sandbox: releasing on stop: {e}", file=sys.stderr, flush=True)
     return len(releases)
-
-
-def held_count() -> int:
-    with _lock:
-        return sum(ref() is not None for ref in _held.values())
 
 
 atexit.register(release_all)  # a run that ends with sandboxes still open (an error in another thread) frees them
@@ -114,6 +110,7 @@ def release_on_signals() -> None:
         signal.signal(sig, handler)
 
 
+# Removing a tree a sandbox wrote ------------------------------------------------------------------------------------
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
