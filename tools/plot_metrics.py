@@ -3,8 +3,9 @@ For RL runs (rows with reward_mean) it draws mean and best-of-K reward per group
 run evaluated one (eval_pass@1), and, when the rows carry staleness_hist, how many trained tokens were 0, 1, 2,
 ... weight versions old at each step.
 
-Training curves (loss, mean reward) are drawn raw in a light shade with a smoothed line over them: an exponential
-moving average with debiasing (as TensorBoard's smoothing), its weight stated in the legend (--smoothing, 0 = off).
+Training curves (loss, MTP agreement, mean reward) are drawn raw in a light shade with a smoothed line over them:
+an exponential moving average with debiasing (as TensorBoard's smoothing), its weight stated in the legend
+(--smoothing, 0 = off).
 Validation and held-out points are drawn as they are.
 
     python tools/plot_metrics.py runs/tiny/pretrain runs/tiny/long_context --output loss.png
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
         if has_mtp:
             mtp = [(offset + r["step"], r["mtp1_top1"]) for r in rows if "mtp1_top1" in r]
             if mtp:
-                axes[0][1].plot(*zip(*mtp), lw=1, label=run.name)
+                plot_smoothed(axes[0][1], mtp, run.name, args.smoothing)
         offset += max((r["step"] for r in rows), default=0)
     ax.set_xlabel("step (stages concatenated)")
     ax.set_ylabel("loss (nats/token)")

@@ -321,14 +321,29 @@ class ScriptVerifier:
         if tampered.exit_code != 0:
             return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
                           f"(by the code under test?); its reward does not count: {tampered.output.strip()[:200]}")
+        # Read by the host from the verifier's folder (no link followed, a regular file, bounded), never parsed
+        # beyond the strict formats of parse_reward.
+        found = {}
         for name in ("reward.txt", "reward.json"):
-            raw = sandbox.read_text(f"/logs/verifier/{name}")
-            if raw is not None:
-                break
-        else:
+            try:
+                data = sandbox.read_file(f"/logs/verifier/{name}", REWARD_FILE_BYTES)
+            except SandboxError as e:
+                return broken(f"{e}; its reward does not count")
+            if data is not None:
+                found[name] = data
+        if not found:
             return broken(f"the verifier wrote no /logs/verifier/reward.txt or reward.json ({res.describe()})")
+        if len(found) > 1:
+            return broken("the verifier's folder holds both reward.txt and reward.json; a verdict is one of them "
+                          "(which one was the verifier's is not known), so neither counts")
+        ((name, data),) = found.items()
+        if len(data) > REWARD_FILE_BYTES:
+            return broken(f"/logs/verifier/{name} holds more than {REWARD_FILE_BYTES} bytes; a reward file is a "
+                          "number or a small object of numbers")
         try:
-            reward, rewards = parse_reward(name, raw, *self.reward_range)
+            reward, rewards = parse_reward(name, data.decode("utf-8"), *self.reward_range)
+        except UnicodeDecodeError:
+            return broken(f"/logs/verifier/{name} is not UTF-8 text")
         except RewardError as e:
             return broken(f"/logs/verifier/{e}")
         if name == "reward.json":

@@ -9,6 +9,7 @@ the filesystem, never the host's.
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -160,6 +161,20 @@ printf '%s %s\n' "$rc" "$n" >&"$status_fd"
 exit $rc
 """
 STATUS_FD = "{STATUS_FD}"
+# The report is "<exit code> <leftover processes>\n" in ASCII digits; the host reads at most STATUS_BYTES of it.
+STATUS_BYTES = 32
+_STATUS = re.compile(rb"(\d{1,3}) (\d{1,7})\n?", re.ASCII)
+
+
+def parse_status(report: bytes, kernel_code: int) -> tuple[int, int] | None:
+    """(exit code, leftover processes) of the wrapper's report, or None when it is not one the wrapper writes:
+    anything but the strict format, or an exit code other than the one the kernel gave the launcher (the report
+    travels on a pipe that the sandbox's processes may reach; the kernel's status they cannot forge). Never
+    raises, whatever the bytes."""
+    m = _STATUS.fullmatch(report)
+    if m is None or int(m.group(1)) != kernel_code:
+        return None
+    return kernel_code, int(m.group(2))
 
 
 def wrapper_argv(command: str) -> list[str]:
@@ -252,7 +267,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                     open_streams -= 1
                     continue
                 if key.data == "status":
-                    status += chunk
+                    status = (status + chunk)[:STATUS_BYTES + 1]  # more than a report holds: not a report
                 else:
                     total += len(chunk)
                     room = max_output - len(kept)
@@ -276,15 +291,15 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     leftover = 0
     reported = True
     exit_code = rc if rc >= 0 else 128 - rc
-    parts = status.decode(errors="replace").split()
+    report = parse_status(status, exit_code) if status_pipe else None
     if timed_out:
         events.append(f"wall-clock timeout after {timeout:g}s: process tree killed")
         exit_code = 124
     elif stopped is not None:
         events.append(stopped[1])
         exit_code = 125 if stopped[0] == "disk" else 137
-    elif status_pipe and len(parts) == 2 and all(p.isdigit() for p in parts):
-        exit_code, leftover = int(parts[0]), int(parts[1])
+    elif report is not None:
+        exit_code, leftover = report
         if leftover:
             events.append(f"{leftover} background process(es) left running were killed when the command ended")
     elif status_pipe:
@@ -349,12 +364,27 @@ class Sandbox:
     def __exit__(self, *exc):
         self.close()
 
-    # File access, run inside the sandbox.
+    # File access, run inside the sandbox (with the system's PATH: a task's PATH may name folders the agent wrote).
     def read_text(self, path: str) -> str | None:
         """Text of the file at `path` inside the sandbox, or None when there is no such file."""
         q = shlex.quote(path)
-        res = self.exec(f"[ -f {q} ] || exit 3; cat -- {q}", timeout=60)
+        res = self.exec(f"[ -f {q} ] || exit 3; cat -- {q}", timeout=60, env={"PATH": BASE_ENV["PATH"]})
         return res.output if res.exit_code == 0 else None
+
+    def read_file(self, path: str, max_bytes: int) -> bytes | None:
+        """The first max_bytes + 1 bytes of the regular file at `path` (so a longer file shows as longer), or None
+        when nothing is there. Raises SandboxError when `path` is a link or not a regular file. Backends that
+        reach the sandbox's folders from the host read them there (LocalSandbox); this one asks the sandbox."""
+        q = shlex.quote(path)
+        res = self.exec(f"if [ -L {q} ]; then exit 4; fi; [ -e {q} ] || exit 3; [ -f {q} ] || exit 5; "
+                        f"exec head -c {max_bytes + 1} -- {q}", timeout=60, env={"PATH": BASE_ENV["PATH"]})
+        if res.exit_code == 3:
+            return None
+        if res.exit_code in (4, 5):
+            raise SandboxError(f"{path} is {'a symbolic link' if res.exit_code == 4 else 'not a regular file'}")
+        if res.exit_code != 0:
+            raise SandboxError(f"cannot read {path}: {res.describe()}")
+        return res.output.encode()
 
     def write_file(self, path: str, data: bytes) -> None:
         q = shlex.quote(path)

@@ -17,10 +17,12 @@ its own fresh /tmp and /logs, made by the host on a new tmpfs, so nothing the ag
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shlex
 import shutil
+import stat
 import subprocess
 import warnings
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ from rl.sandbox.limits import (
 )
 from rl.sandbox.owners import make_dir
 
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 SANDBOX_UID_INSIDE = 1000
 # Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
 UID_BASE = 3_000_000
@@ -307,6 +310,37 @@ class LocalSandbox(Sandbox):
             if sandbox_path == dest or sandbox_path.startswith(dest + "/"):
                 return host / os.path.relpath(sandbox_path, dest)
         raise SandboxError(f"{sandbox_path} is not inside the sandbox's writable directories /app, /tmp, /logs")
+
+    def read_file(self, path: str, max_bytes: int) -> bytes | None:
+        """Read on the host from the sandbox's own folder, one component at a time and never through a link
+        (O_NOFOLLOW), without blocking on a FIFO; see Sandbox.read_file."""
+        parts = Path(path).parts
+        if len(parts) < 3 or parts[0] != "/" or parts[1] not in WRITABLE_DIRS or ".." in parts:
+            return super().read_file(path, max_bytes)
+        fd = os.open(self._dirs[parts[1]], _DIR_OPEN)
+        try:
+            for name in parts[2:-1]:
+                inner = os.open(name, _DIR_OPEN | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+            inner = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            what = "a symbolic link" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+            raise SandboxError(f"{path} cannot be read: {what}") from None
+        finally:
+            os.close(fd)
+        try:
+            if not stat.S_ISREG(os.fstat(inner).st_mode):
+                raise SandboxError(f"{path} is not a regular file")
+            chunks, left = [], max_bytes + 1
+            while left > 0 and (chunk := os.read(inner, min(left, 1 << 16))):
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(inner)
 
     @property
     def app_dir(self) -> Path:

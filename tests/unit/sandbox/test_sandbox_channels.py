@@ -1,0 +1,128 @@
+"""The host never trusts what a sandbox says beyond strict formats: the wrapper's status report (a pipe the sandbox's
+processes may reach) and the verifier's reward files (read on the host, no link followed, a regular file, bounded,
+strict text) are fuzzed here, and nothing a sandbox writes makes the host raise or forge a verdict."""
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl.envs.check_task import check_task
+from rl.envs.harbor import load_harbor_task
+from rl.envs.task import REWARD_FILE_BYTES
+from rl.sandbox import Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.base import STATUS_FD, parse_status, run_process
+from rl.sandbox.local import LocalBackend, bwrap_problem
+
+LIMITS = SandboxLimits(command_timeout_s=30, cpu_time_s=30, memory_mb=512, disk_mb=64, max_output_bytes=64 * 1024)
+
+
+def test_status_reports_parse_strictly_and_never_raise():
+    assert parse_status(b"0 0\n", 0) == (0, 0) and parse_status(b"7 3", 7) == (7, 3)
+    for forged, kernel in [(b"0 0\n", 1), ("\u00b2 0".encode(), 0), (b"1" * 10_000 + b" 0", 1), (b"0  0", 0),
+                           (b" 0 0", 0), (b"0 0\n\n", 0), (b"-1 0", 255), (b"0 x", 0), (b"", 0), (b"0", 0)]:
+        assert parse_status(forged, kernel) is None, forged
+    rng = random.Random(0)
+    for _ in range(5000):  # whatever the bytes, a tuple or None
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        got = parse_status(raw, rng.randrange(256))
+        assert got is None or (isinstance(got, tuple) and all(isinstance(x, int) for x in got))
+
+
+@pytest.mark.parametrize("report, code, reported", [
+    (b"0 0\n", 1, False),  # a forged success: the kernel says 1
+    ("\u00b2 0\n".encode(), 0, False),  # a digit Python's int() would refuse
+    (b"9" * (1 << 22), 0, False),  # a flood of digits: read no further than a report holds
+    (b"3 0\n", 3, True),
+    (b"0 2\n", 0, True),
+])
+def test_a_report_on_the_status_pipe_counts_only_when_it_is_one(report, code, reported):
+    writer = ("import os, sys\nfd = int(sys.argv[1])\ndata = sys.stdin.buffer.read()\n"
+              "try:\n    os.write(fd, data)\nexcept OSError:\n    pass\nsys.exit(int(sys.argv[2]))\n")
+    res = run_process([sys.executable, "-c", writer, STATUS_FD, str(code)], timeout=60, max_output=4096,
+                      stdin=report)
+    assert res.reported is reported and res.exit_code == code
+    assert res.leftover_processes == (int(report.split()[1]) if reported else 0)
+
+
+# The reward channel ---------------------------------------------------------------------------------------------
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+
+
+def _task(tmp_path: Path, name: str, test_sh: str, env: str = "") -> Path:
+    task = tmp_path / name
+    for d in ("environment", "tests", "solution"):
+        (task / d).mkdir(parents=True)
+    (task / "instruction.md").write_text("Nothing to do.\n")
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n' + env)
+    (task / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\n" + test_sh)
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
+    return task
+
+
+@pytest.fixture
+def backend(sandbox_parent):
+    return LocalBackend(limits=LIMITS, root_parent=str(sandbox_parent))
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name, test_sh, error", [
+    ("both-files", "echo 1 > /logs/verifier/reward.txt; echo '{\"reward\": 0}' > /logs/verifier/reward.json\n",
+     "both reward.txt and reward.json"),
+    ("link-to-key", "echo 1 > /tmp/one; ln -s /tmp/one /logs/verifier/reward.txt\n", "does not count"),
+    ("fifo", "mkfifo /logs/verifier/reward.txt\n", "does not count"),
+    ("folder", "mkdir /logs/verifier/reward.txt\n", "does not count"),
+    ("not-utf8", "printf '1\\xff' > /logs/verifier/reward.txt\n", "not UTF-8"),
+    ("huge", f"head -c {REWARD_FILE_BYTES * 4} /dev/zero | tr '\\0' 1 > /logs/verifier/reward.txt\n",
+     f"more than {REWARD_FILE_BYTES} bytes"),
+    ("superscript", "printf '\\xc2\\xb2' > /logs/verifier/reward.txt\n", "one plain decimal number"),
+    ("linked-folder", "rmdir /logs/verifier; ln -s /tmp /logs/verifier; echo 1 > /tmp/reward.txt\n", "reward"),
+])
+def test_reward_files_that_are_not_one_plain_file_are_no_verdict(tmp_path, backend, name, test_sh, error):
+    result = check_task(load_harbor_task(_task(tmp_path, name, test_sh)), backend, oracle=False)
+    assert result.reward == 0.0 and error in result.details.get("error", ""), result.details
+
+
+@needs_bwrap
+def test_fuzzed_reward_files_never_raise_on_the_host(tmp_path, backend):
+    """Random bytes as reward.txt or reward.json: the verdict is a reward in range or an error, never an exception."""
+    rng = random.Random(1)
+    cases = []
+    for i in range(24):
+        alphabet = b"0123456789.-+eE \n{}\":,[]" if i % 2 else bytes(range(256))
+        cases.append((rng.choice(["reward.txt", "reward.json"]),
+                      bytes(rng.choice(alphabet) for _ in range(rng.randrange(1, 30)))))
+    cases += [("reward.txt", b"1"), ("reward.json", b'{"reward": 0.5}')]
+    outcomes = []
+    for i, (name, raw) in enumerate(cases):
+        task = _task(tmp_path, f"fuzz{i}", f"cp /tests/raw /logs/verifier/{name}\n")
+        (task / "tests" / "raw").write_bytes(raw)
+        result = check_task(load_harbor_task(task), backend, oracle=False)
+        assert 0.0 <= result.reward <= 1.0
+        assert result.reward == 0.0 or "error" not in result.details
+        outcomes.append(result.reward)
+    assert outcomes[-2:] == [1.0, 0.5]
+
+
+@needs_bwrap
+def test_files_are_read_with_the_systems_tools_not_the_tasks_path(backend):
+    """A task's PATH may name a folder the agent writes: a `cat` or `head` planted there answers nothing."""
+    with backend.create(None, env={"PATH": "/app/bin:/usr/bin:/bin"}) as sbx:
+        sbx.exec("mkdir -p /app/bin && for t in cat head; do printf '#!/bin/sh\\necho 1\\n' > /app/bin/$t; "
+                 "chmod +x /app/bin/$t; done; echo 0 > /app/answer")
+        assert sbx.exec("cat /app/answer").output.strip() == "1"  # the agent's own commands use its PATH
+        assert sbx.read_text("/app/answer") == "0\n"
+        assert Sandbox.read_file(sbx, "/app/answer", 16) == b"0\n"  # the in-sandbox way other backends use
+        assert sbx.read_file("/app/answer", 16) == b"0\n" and sbx.read_file("/app/none", 16) is None
+        sbx.exec("ln -s /app/answer /app/link && mkfifo /app/fifo && mkdir /app/dir && ln -s /app /tmp/app")
+        for read in (sbx.read_file, lambda p, n: Sandbox.read_file(sbx, p, n)):
+            for path, why in [("/app/link", "symbolic link"), ("/app/fifo", "not a regular file"),
+                              ("/app/dir", "not a regular file")]:
+                with pytest.raises(SandboxError, match=why):
+                    read(path, 16)
+        with pytest.raises(SandboxError, match="symbolic link"):  # the host reader follows no link at any depth
+            sbx.read_file("/tmp/app/answer", 16)
+    assert not os.path.exists(sbx.root)
