@@ -185,14 +185,16 @@ def wrapper_argv(command: str) -> list[str]:
 def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: bytes | None = None,
                 cwd: str | None = None, env: dict | None = None, user: int | None = None,
                 group: int | None = None, status_pipe: bool = True,
-                watch: Callable[[int], tuple[str, str] | None] | None = None, poll_s: float = 0.25) -> ExecResult:
+                watch: Callable[[int], tuple[str, str] | None] | None = None, poll_s: float = 0.25,
+                pass_fds: tuple[int, ...] = ()) -> ExecResult:
     """Run argv in a new session, stream its merged output with a cap, kill its session on timeout.
 
     With status_pipe, the argument STATUS_FD is replaced by the write end of a pipe on which the in-sandbox
     wrapper reports the exit code and the number of leftover processes. Once the launched process exits,
     output still arriving from processes it left behind is read for a short grace period, then its session
     is killed. `watch(pid)` is polled every poll_s while the command runs; when it returns (kind, event) with
-    kind "disk" or "memory", the session is killed and the event says why.
+    kind "disk" or "memory", the session is killed and the event says why. `pass_fds` are handed to the launched
+    process as they are (e.g. bubblewrap's --seccomp descriptor).
     """
     status_r = status_w = -1
     if status_pipe:
@@ -203,7 +205,8 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True, user=user, group=group,
-            extra_groups=[] if user is not None else None, pass_fds=(status_w,) if status_pipe else (),
+            extra_groups=[] if user is not None else None,
+            pass_fds=((status_w,) if status_pipe else ()) + tuple(pass_fds),
         )
     except OSError as e:
         if status_pipe:

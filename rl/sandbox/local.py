@@ -53,6 +53,7 @@ from rl.sandbox.limits import (
     tmpfs_problem,
 )
 from rl.sandbox.owners import make_dir
+from rl.sandbox.seccomp import filter_fd
 
 _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 SANDBOX_UID_INSIDE = 1000
@@ -377,7 +378,7 @@ class LocalSandbox(Sandbox):
     reports_status = True  # the launcher passes the wrapper's status descriptor through
     provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
 
-    def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
+    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None) -> list[str]:
         if self._mode == "root":
             argv = [self._bwrap, *ROOT_NAMESPACES]
         else:
@@ -406,6 +407,8 @@ class LocalSandbox(Sandbox):
         argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         for k, v in env.items():
             argv += ["--setenv", k, v]
+        if seccomp_fd is not None:  # rl/sandbox/seccomp.py: no ptrace, pidfd_getfd, process_vm_* for anything run
+            argv += ["--seccomp", str(seccomp_fd)]
         argv += ["--chdir", cwd, "--"]
         return argv
 
@@ -475,7 +478,8 @@ class LocalSandbox(Sandbox):
         else:
             inner = (wrapper_argv(command) if self.reports_status
                      else ["bash", "--noprofile", "--norc", "-c", command])
-            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env)
+            seccomp_fd = filter_fd()
+            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env, seccomp_fd)
             launcher_uid = self.uid
             if self._mode == "root":  # bwrap runs as root; the command drops to the sandbox uid first thing
                 argv += setpriv_argv(self.uid)
@@ -483,9 +487,14 @@ class LocalSandbox(Sandbox):
             if self._cgroup is not None:  # join as root, then become the launcher's user
                 argv = self._cgroup.join_argv() + (drop_to_uid_argv(launcher_uid) if launcher_uid else []) + argv
                 launcher_uid = None
-            res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
-                              watch=watch, status_pipe=self.reports_status)
+            try:
+                res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes,
+                                  stdin=stdin, env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid,
+                                  group=launcher_uid, watch=watch, status_pipe=self.reports_status,
+                                  pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+            finally:
+                if seccomp_fd is not None:
+                    os.close(seccomp_fd)
         if self._cgroup is not None:
             killed = self._cgroup.oom_kills() - ooms
             if killed > 0:
