@@ -217,7 +217,8 @@ class ApptainerSandbox(LocalSandbox):
         self._apptainer = shutil.which("apptainer")
         super().__init__(tree, **kwargs)
 
-    def _isolation_argv(self, cwd: str, env: dict[str, str]) -> list[str]:
+    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None,
+                        as_init: bool = False) -> list[str]:  # bubblewrap's options; apptainer has neither
         binds = [f"{self._dirs[d]}:/{d}" for d in ("app", "tmp", "logs")]
         ro = ":ro" if self._verifier_root is not None else ""  # the verifier's own files are read-only to it
         binds += [f"{host}:{dest}{ro}" for host, dest in self._mounts]

@@ -378,12 +378,15 @@ class LocalSandbox(Sandbox):
     reports_status = True  # the launcher passes the wrapper's status descriptor through
     provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
 
-    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None) -> list[str]:
+    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None,
+                        as_init: bool = False) -> list[str]:
         if self._mode == "root":
             argv = [self._bwrap, *ROOT_NAMESPACES]
         else:
             argv = [self._bwrap, "--unshare-all", "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
         argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
+        if as_init:
+            argv += ["--as-pid-1"]
         for name in SYSTEM_DIRS:
             host = f"/{name}"
             if os.path.islink(host):
@@ -476,10 +479,14 @@ class LocalSandbox(Sandbox):
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
                               cwd=cwd or self.workdir, env=full_env, status_pipe=False, watch=watch)
         else:
-            inner = (wrapper_argv(command) if self.reports_status
-                     else ["bash", "--noprofile", "--norc", "-c", command])
-            seccomp_fd = filter_fd()
-            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env, seccomp_fd)
+            # The verifier phase: its shell is the init of the command's pid namespace. Everything it starts dies
+            # with it before the kernel gives the host its exit status, and nothing inside can signal or stop it
+            # (an init takes only the signals it handles), so no report on a pipe is asked of it.
+            as_init = self._verifier_root is not None and self.needs_bwrap
+            reports = self.reports_status and not as_init
+            inner = wrapper_argv(command) if reports else ["bash", "--noprofile", "--norc", "-c", command]
+            seccomp_fd = filter_fd() if self.needs_bwrap else None
+            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env, seccomp_fd, as_init)
             launcher_uid = self.uid
             if self._mode == "root":  # bwrap runs as root; the command drops to the sandbox uid first thing
                 argv += setpriv_argv(self.uid)
@@ -490,7 +497,7 @@ class LocalSandbox(Sandbox):
             try:
                 res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes,
                                   stdin=stdin, env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid,
-                                  group=launcher_uid, watch=watch, status_pipe=self.reports_status,
+                                  group=launcher_uid, watch=watch, status_pipe=reports,
                                   pass_fds=() if seccomp_fd is None else (seccomp_fd,))
             finally:
                 if seccomp_fd is not None:

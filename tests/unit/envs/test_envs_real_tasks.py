@@ -234,8 +234,8 @@ def test_verifier_that_cannot_run_is_an_error(tmp_path):
         f.write('ENV PATH="/nowhere"\n')
     res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and (
-        "the verifier's shell did not report its exit status (it could not start" in res.stderr)
+    # the verifier's shell cannot start (bubblewrap finds no bash): no reward, an error, exit status 2
+    assert res.returncode == 2 and "error: the verifier wrote no /logs/verifier/reward.txt" in res.stderr
 
 
 # What the local backend cannot honour: one line naming why and the fix -------------------------------------------

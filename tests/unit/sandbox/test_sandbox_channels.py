@@ -126,3 +126,34 @@ def test_files_are_read_with_the_systems_tools_not_the_tasks_path(backend):
         with pytest.raises(SandboxError, match="symbolic link"):  # the host reader follows no link at any depth
             sbx.read_file("/tmp/app/answer", 16)
     assert not os.path.exists(sbx.root)
+
+
+# The verifier's shell is its namespace's init ----------------------------------------------------------------------
+# The agent's program, run by a third-party verifier directly (no judge): it forks a detached daemon that writes a
+# reward of 1 shortly after the verifier's shell has written its 0 and exited, then exits itself at once (inside the
+# old half-second recount of leftovers, which it beat); and it tries to stop or kill the verifier's shell.
+LATE_WRITER = r"""
+import os, signal, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(0.6)
+        open("/logs/verifier/reward.txt", "w").write("1\n")
+        os._exit(0)
+    os._exit(0)
+for sig in (signal.SIGSTOP, signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill(1, sig)  # the verifier's shell is pid 1 here: an init ignores them
+    except OSError:
+        pass
+"""
+
+
+@needs_bwrap
+def test_what_the_code_under_test_starts_dies_with_the_verifiers_shell(tmp_path, backend):
+    test_sh = "python3 /app/prog.py\nsleep 0.2\necho 0 > /logs/verifier/reward.txt\n"
+    task = _task(tmp_path, "late-writer", test_sh)
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\ncat > /app/prog.py <<'EOF'\n{LATE_WRITER}\nEOF\n")
+    result = check_task(load_harbor_task(task), backend, oracle=True)
+    # the shell was neither stopped nor killed, and the daemon died with it before it wrote: a valid 0
+    assert result.reward == 0.0 and "error" not in result.details, result.details
