@@ -27,8 +27,12 @@ BASE_ENV = {
     "TERM": "dumb",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Added for the verifier phase: no user site (HOME is fresh anyway), so no agent-planted start-up hooks.
-VERIFIER_ENV = {"PYTHONNOUSERSITE": "1"}
+# Added for the verifier phase, over the task's own: no user site (HOME is fresh anyway), so no agent-planted
+# start-up hooks; git runs none of the programs the agent's repository config names for it (git >= 2.31 reads
+# GIT_CONFIG_*, which outranks every config file): no fsmonitor hook on `git status`, no hooks folder.
+VERIFIER_ENV = {"PYTHONNOUSERSITE": "1", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_COUNT": "2",
+                "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": "false",
+                "GIT_CONFIG_KEY_1": "core.hooksPath", "GIT_CONFIG_VALUE_1": "/dev/null"}
 
 
 class SandboxError(RuntimeError):

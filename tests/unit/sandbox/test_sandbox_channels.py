@@ -157,3 +157,24 @@ def test_what_the_code_under_test_starts_dies_with_the_verifiers_shell(tmp_path,
     result = check_task(load_harbor_task(task), backend, oracle=True)
     # the shell was neither stopped nor killed, and the daemon died with it before it wrote: a valid 0
     assert result.reward == 0.0 and "error" not in result.details, result.details
+
+
+@needs_bwrap
+def test_the_verifiers_git_runs_no_program_the_agents_repository_names(tmp_path, backend):
+    """The agent sets core.fsmonitor and a hooks folder in its repository; the verifier's `git status` and
+    `git commit` run neither."""
+    solve = ("cd /app && git init -q && git config user.email a@b && git config user.name a\n"
+             "git config core.fsmonitor 'touch /app/pwned-by-fsmonitor; false'\n"
+             "mkdir -p /app/.hooks && printf '#!/bin/sh\\ntouch /app/pwned-by-hook\\n' > /app/.hooks/pre-commit\n"
+             "chmod +x /app/.hooks/pre-commit && git config core.hooksPath /app/.hooks\n")
+    test_sh = ("cd /app && git status --porcelain > /dev/null 2>&1; git add -A && git commit -qm v > /dev/null 2>&1\n"
+               "if [ -e /app/pwned-by-fsmonitor ] || [ -e /app/pwned-by-hook ]; then echo 1; else echo 0; fi"
+               " > /logs/verifier/reward.txt\n")
+    task = _task(tmp_path, "git-hooks", test_sh)
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + solve)
+    with backend.create(None) as sbx:  # the same config does run them outside the verifier phase
+        sbx.exec(solve)
+        sbx.exec("cd /app && git status --porcelain; git add -A; git commit -qm v")
+        assert sbx.exec("ls /app").output.split().count("pwned-by-hook") == 1
+    result = check_task(load_harbor_task(task), backend, oracle=True)
+    assert result.reward == 0.0 and "error" not in result.details, (result.details, result.output)
