@@ -18,6 +18,7 @@ never follows a link the sandbox planted in it (`remove_tree`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import re
@@ -29,7 +30,7 @@ import types
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from rl.sandbox.base import SandboxError
 from rl.sandbox.limits import find_cgroup_parents, remove_cgroup, unmount
@@ -281,22 +282,15 @@ def sweep(parent: str | Path | None = None, force: bool = False) -> str | None:
     return line
 
 
-class held_dir:
+@contextlib.contextmanager
+def held_dir(kind: str, parent: str | Path | None = None) -> Iterator[Path]:
     """``with held_dir("task") as path:`` a `make_dir` folder that is removed at the end of the block, or by a stop
     signal before it (for host folders that live while a task is built)."""
-
-    def __init__(self, kind: str, parent: str | Path | None = None):
-        self.kind, self.parent = kind, parent
-
-    def __enter__(self) -> Path:
-        self.path = make_dir(self.kind, self.parent)
-        try:
-            self._key = hold(lambda: force_rmtree(self.path))
-        except SandboxError:
-            force_rmtree(self.path)
-            raise
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        let_go(self._key)
-        force_rmtree(self.path)
+    path = make_dir(kind, parent)
+    key = None
+    try:
+        key = hold(lambda: force_rmtree(path))
+        yield path
+    finally:
+        let_go(key)
+        force_rmtree(path)

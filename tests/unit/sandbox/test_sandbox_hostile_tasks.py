@@ -13,7 +13,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import textwrap
 import threading
 import time
@@ -53,12 +52,9 @@ def _kernel_limits_problem() -> str | None:
 
 
 @pytest.fixture
-def sandbox_root():
+def sandbox_root(sandbox_parent):
     """A folder of its own for the sandboxes (reachable by the sandbox users), to see that nothing is left."""
-    root = tempfile.mkdtemp(prefix="mc-hostile-")
-    os.chmod(root, 0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    return str(sandbox_parent)
 
 
 @pytest.fixture(params=["kernel", "monitor"])
