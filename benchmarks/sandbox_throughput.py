@@ -1,6 +1,6 @@
 """Sandbox throughput: start-to-first-command latency and scripted episodes per second.
 
-Compares LocalSandbox (bubblewrap: fresh namespaces, private tree copy, rlimits, per-command pid namespace,
+Compares LocalSandbox (bubblewrap: fresh namespaces, private tree copy, rlimits, one episode of namespaces,
 whole-sandbox limits by a cgroup and a tmpfs of its own where the host allows) with the named baseline "plain
 subprocess": a temporary copy of the same tree and `subprocess.run(bash -c)` without any isolation, measured in
 the same run. The latency table also shows LocalSandbox with the polling monitor in place of the cgroup and

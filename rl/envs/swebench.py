@@ -98,8 +98,9 @@ class SWEBenchVerifier:
     def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
         # The test files the patch touches are put in place from the host's own copy of the instance (base_commit
         # plus the test patch), replacing whatever the agent left there; no git command runs in the agent's
-        # repository, whose history (git replace), attributes (filters) and config the agent controls.
-        sandbox.enter_verifier()
+        # repository, whose history (git replace), attributes (filters) and config the agent controls. Nothing the
+        # agent started runs on: the verifier places its test files in the work tree, which the episode shares.
+        sandbox.enter_verifier(services=False)
         with tempfile.TemporaryDirectory() as tmp:
             files = Path(tmp) / "tests" / "files"
             files.mkdir(parents=True)

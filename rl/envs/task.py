@@ -272,16 +272,12 @@ _REWARD_INTACT = ("cd /logs/verifier 2>/dev/null && [ -w . ] && [ ! -L . ] || { 
 def verifier_anomaly(res: ExecResult) -> str | None:
     """What went wrong in a verifier's run that voids its reward, or None. The code under test runs inside the
     verifier's run; whatever it did to the run's machinery (filled the disk so the honest reward could not be
-    written, left a process that rewrote it, stopped or killed the shell that reports) leaves one of these marks,
-    and a verdict with any of them is not a verdict."""
+    written) leaves one of these marks, and a verdict with any of them is not a verdict. (What it starts dies with
+    the verifier's shell, the init of its namespace, before the host reads the exit status.)"""
     if res.disk_exceeded:
         return "the sandbox's disk limit was hit"
     if res.memory_exceeded:
         return "the sandbox's memory limit was hit"
-    if res.leftover_processes:
-        return f"{res.leftover_processes} process(es) were left running"
-    if not res.reported:
-        return "the verifier's shell did not report its exit status (it could not start, or was stopped or killed)"
     return None
 
 
@@ -303,6 +299,9 @@ class ScriptVerifier:
         sandbox.copy_in(self.tests_dir, "/tests")
         res = sandbox.exec(self.command, cwd=task.workdir, env=self.env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
+        services = sandbox.end_episode()  # what the agent left running served the verifier; it is done now
+        if services:
+            details["background_processes"] = services
 
         def broken(why: str) -> VerifyResult:
             missing = missing_tool(res.output)
@@ -427,6 +426,7 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
             step.apply(sandbox, task.limits.setup_timeout_s)
         if task.workdir != "/app":
             sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
+        sandbox.end_episode()  # as after a Dockerfile's RUN: what setup left running is not part of the image
         snapshot = sandbox.snapshot()
         snapshot.workdir = task.workdir
         snapshot.env = dict(task.env)

@@ -9,11 +9,11 @@ the filesystem, never the host's.
 from __future__ import annotations
 
 import os
-import re
 import selectors
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +74,8 @@ class ExecResult:
     output_truncated: bool = False
     disk_exceeded: bool = False
     memory_exceeded: bool = False  # the sandbox's processes together passed memory_mb and were killed
-    leftover_processes: int = 0  # processes still alive when the command's shell exited (all killed)
+    background_processes: int = 0  # processes the command started that keep running (until the episode ends)
     events: list[str] = field(default_factory=list)
-    reported: bool = True  # the in-sandbox wrapper reported the exit status (False: it was killed or silenced)
 
     @property
     def ok(self) -> bool:
@@ -117,7 +116,7 @@ _LIMIT_MARKERS = (
 
 def note_limits(result: "ExecResult", limits: SandboxLimits) -> None:
     """Add an event when the output shows that a program ran into one of the sandbox's rlimits."""
-    failed = result.exit_code != 0 or result.leftover_processes > 0
+    failed = result.exit_code != 0
     for markers, always, event in _LIMIT_MARKERS:
         if (always or failed) and any(m in result.output for m in markers):
             text = event.format(**vars(limits))
@@ -146,98 +145,147 @@ def dir_usage(paths: list[str]) -> tuple[int, int]:
     return total, entries
 
 
-# Runs inside the sandbox: the user's command in its own shell, then a count of the processes it left behind,
-# reported on a private descriptor the command itself cannot write to (it is closed for the command).
-_WRAPPER = r"""
-status_fd=$1; shift
-exec {err}>&2 2>/dev/null  # the wrapper's own messages (e.g. "Killed") are not the command's output
-( eval "exec ${status_fd}>&- 2>&${err} ${err}>&-"; exec bash -c "$1" ); rc=$?
-self=$$
-left() {  # live processes but this shell and the namespace's init (the dead, being reaped, do not count)
-  n=0
-  for p in /proc/[0-9]*; do
-    s=$(< "$p/stat") 2>/dev/null || continue; s=${s##*) }; p=${p#/proc/}
-    [ "$p" = 1 ] || [ "$p" = "$self" ] || [ "${s%% *}" = Z ] || n=$((n+1))
-  done
-}
-left; for i in 1 2 3 4 5 6 7 8 9 10; do [ "$n" = 0 ] && break; sleep 0.05; left; done  # a nested sandbox's teardown
-printf '%s %s\n' "$rc" "$n" >&"$status_fd"
-exit $rc
-"""
-STATUS_FD = "{STATUS_FD}"
-# The report is "<exit code> <leftover processes>\n" in ASCII digits; the host reads at most STATUS_BYTES of it.
-STATUS_BYTES = 32
-_STATUS = re.compile(rb"(\d{1,3}) (\d{1,7})\n?", re.ASCII)
+def process_tree(root_pid: int) -> list[int]:
+    """root_pid and all its descendants, from /proc (each process's children lists where the kernel keeps them,
+    else a scan of every process)."""
+    if not os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children"):
+        return _process_tree_by_scan(root_pid)
+    out, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                    stack.extend(int(child) for child in f.read().split())
+            except OSError:
+                continue
+    return out
 
 
-def parse_status(report: bytes, kernel_code: int) -> tuple[int, int] | None:
-    """(exit code, leftover processes) of the wrapper's report, or None when it is not one the wrapper writes:
-    anything but the strict format, or an exit code other than the one the kernel gave the launcher (the report
-    travels on a pipe that the sandbox's processes may reach; the kernel's status they cannot forge). Never
-    raises, whatever the bytes."""
-    m = _STATUS.fullmatch(report)
-    if m is None or int(m.group(1)) != kernel_code:
-        return None
-    return kernel_code, int(m.group(2))
+def _process_tree_by_scan(root_pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                tail = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(tail[1]), []).append(int(name))
+    out, stack = [], [root_pid]
+    while stack:
+        pid = stack.pop()
+        out.append(pid)
+        stack.extend(children.get(pid, ()))
+    return out
 
 
-def wrapper_argv(command: str) -> list[str]:
-    """argv that runs `command` in the sandbox and reports on the descriptor that replaces STATUS_FD."""
-    return ["bash", "--noprofile", "--norc", "-c", _WRAPPER, "sandbox-wrapper", STATUS_FD, command]
+def kill_tree(root_pid: int) -> None:
+    """SIGKILL root_pid and every descendant. Each is stopped first and the tree walked again until nothing new
+    appears: a process killed before its children would hand them to its namespace's init (where an episode's
+    background processes live) instead of taking them along."""
+    stopped: set[int] = set()
+    for _ in range(100):
+        new = [p for p in process_tree(root_pid) if p not in stopped]
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+            stopped.add(pid)
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class _Drain:
+    """Reads and drops what background processes write to a finished command's output pipe, so that a server
+    the command started (`server &`) keeps running instead of dying of SIGPIPE when it next logs. One thread for
+    the process; a pipe is closed when its last writer is gone (at the latest when the episode ends)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._new: list[int] = []
+        self._wake_w = -1
+
+    def add(self, fd: int) -> None:
+        with self._lock:
+            self._new.append(fd)
+            if self._wake_w < 0:
+                wake_r, self._wake_w = os.pipe()
+                threading.Thread(target=self._run, args=(wake_r,), name="sandbox-output-drain", daemon=True).start()
+        os.write(self._wake_w, b"x")
+
+    def _run(self, wake_r: int) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except OSError:
+                    chunk = b""
+                if key.fd == wake_r:
+                    with self._lock:
+                        new, self._new = self._new, []
+                    for fd in new:
+                        sel.register(fd, selectors.EVENT_READ)
+                elif not chunk:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+
+
+_drain = _Drain()
 
 
 def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: bytes | None = None,
                 cwd: str | None = None, env: dict | None = None, user: int | None = None,
-                group: int | None = None, status_pipe: bool = True,
-                watch: Callable[[int], tuple[str, str] | None] | None = None, poll_s: float = 0.25,
-                pass_fds: tuple[int, ...] = ()) -> ExecResult:
-    """Run argv in a new session, stream its merged output with a cap, kill its session on timeout.
+                group: int | None = None, watch: Callable[[int], tuple[str, str] | None] | None = None,
+                poll_s: float = 0.25, pass_fds: tuple[int, ...] = (), background: bool = False) -> ExecResult:
+    """Run argv in a new session, stream its merged output with a cap, kill its process tree on timeout.
 
-    With status_pipe, the argument STATUS_FD is replaced by the write end of a pipe on which the in-sandbox
-    wrapper reports the exit code and the number of leftover processes. Once the launched process exits,
-    output still arriving from processes it left behind is read for a short grace period, then its session
-    is killed. `watch(pid)` is polled every poll_s while the command runs; when it returns (kind, event) with
-    kind "disk" or "memory", the session is killed and the event says why. `pass_fds` are handed to the launched
-    process as they are (e.g. bubblewrap's --seccomp descriptor).
+    Once the launched process exits, output still arriving from processes it left behind is read for a short
+    grace period. Then, with `background` (an episode's processes outlive its commands), the pipe goes on being
+    read and dropped elsewhere; otherwise the launcher's session is killed. `watch(pid)` is polled every poll_s
+    while the command runs; when it returns (kind, event) with kind "disk" or "memory", the process tree is
+    killed and the event says why. `pass_fds` are handed to the launched process as they are (e.g.
+    bubblewrap's --seccomp descriptor). The exit status is the kernel's (waitpid of the launcher).
     """
-    status_r = status_w = -1
-    if status_pipe:
-        status_r, status_w = os.pipe()
-        argv = [str(status_w) if a == STATUS_FD else a for a in argv]
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True, user=user, group=group,
-            extra_groups=[] if user is not None else None,
-            pass_fds=((status_w,) if status_pipe else ()) + tuple(pass_fds),
+            extra_groups=[] if user is not None else None, pass_fds=tuple(pass_fds),
         )
     except OSError as e:
-        if status_pipe:
-            os.close(status_r)
-            os.close(status_w)
         raise SandboxError(f"cannot start {argv[0]}: {e}") from None
-    if status_pipe:
-        os.close(status_w)
     kept = bytearray()
     total = 0
-    status = b""
     timed_out = False
     stopped: tuple[str, str] | None = None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
-    if status_pipe:
-        sel.register(status_r, selectors.EVENT_READ, "status")
     pending_in = memoryview(stdin) if stdin is not None else None
     if pending_in is not None:
         os.set_blocking(proc.stdin.fileno(), False)
         sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
     deadline = t0 + timeout
     next_poll = t0 + poll_s
-    open_streams = 2 if status_pipe else 1
+    output_open = True
     drain_until = None
     try:
-        while open_streams:
+        while output_open:
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
@@ -267,22 +315,23 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                         sel.unregister(proc.stdin)
                         proc.stdin.close()
                     continue
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                chunk = os.read(fd, 1 << 16)
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:
-                    sel.unregister(key.fileobj)
-                    open_streams -= 1
+                    sel.unregister(proc.stdout)
+                    output_open = False
                     continue
-                if key.data == "status":
-                    status = (status + chunk)[:STATUS_BYTES + 1]  # more than a report holds: not a report
-                else:
-                    total += len(chunk)
-                    room = max_output - len(kept)
-                    if room > 0:
-                        kept += chunk[:room]
+                total += len(chunk)
+                room = max_output - len(kept)
+                if room > 0:
+                    kept += chunk[:room]
     finally:
-        if open_streams or timed_out or stopped:
+        if timed_out or stopped or proc.poll() is None:
+            kill_tree(proc.pid)
             _kill_session(proc)
+        elif output_open and not background:
+            _kill_session(proc)
+        elif output_open:
+            _drain.add(os.dup(proc.stdout.fileno()))
         sel.close()
         proc.stdout.close()
         if proc.stdin and not proc.stdin.closed:
@@ -290,28 +339,16 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
                 proc.stdin.close()
             except OSError:
                 pass
-        if status_pipe:
-            os.close(status_r)
     rc = proc.wait()
     duration = time.monotonic() - t0
     events: list[str] = []
-    leftover = 0
-    reported = True
     exit_code = rc if rc >= 0 else 128 - rc
-    report = parse_status(status, exit_code) if status_pipe else None
     if timed_out:
         events.append(f"wall-clock timeout after {timeout:g}s: process tree killed")
         exit_code = 124
     elif stopped is not None:
         events.append(stopped[1])
         exit_code = 125 if stopped[0] == "disk" else 137
-    elif report is not None:
-        exit_code, leftover = report
-        if leftover:
-            events.append(f"{leftover} background process(es) left running were killed when the command ended")
-    elif status_pipe:
-        events.append("the command's shell did not report its status (it could not start, or was stopped or killed)")
-        reported = False
     meaning = describe_exit(exit_code) if not (timed_out or stopped) else None
     if meaning:
         events.append(meaning)
@@ -320,8 +357,7 @@ def run_process(argv: list[str], *, timeout: float, max_output: int, stdin: byte
     return ExecResult(exit_code=exit_code, output=kept.decode("utf-8", errors="replace"), output_bytes=total,
                       duration_s=duration, timed_out=timed_out, output_truncated=total > len(kept),
                       disk_exceeded=stopped is not None and stopped[0] == "disk",
-                      memory_exceeded=stopped is not None and stopped[0] == "memory", leftover_processes=leftover,
-                      events=events, reported=reported)
+                      memory_exceeded=stopped is not None and stopped[0] == "memory", events=events)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -359,11 +395,18 @@ class Sandbox:
     def close(self) -> None:
         raise NotImplementedError
 
-    def enter_verifier(self) -> None:
+    def enter_verifier(self, services: bool = True) -> None:
         """Start the verifier phase. Later commands see a fresh, empty /tmp (their HOME) and /logs with an empty
-        /logs/verifier, both made by the host; PYTHONNOUSERSITE=1; no process of the agent's is left; of what the
-        agent wrote, only the work tree remains. Each call starts the phase afresh."""
+        /logs/verifier, both made by the host; PYTHONNOUSERSITE=1; of what the agent wrote, only the work tree
+        remains. With services, what the agent left running may go on (where the backend keeps an episode: a
+        server the verifier queries over loopback) out of reach of the verifier's processes and files; without,
+        no process of the agent's is left. Each call starts the phase afresh."""
         raise NotImplementedError
+
+    def end_episode(self) -> int | None:
+        """End what the episode's commands left running in the background (the services a task's verifier may
+        query) and return how many processes that was; None where the backend does not count them."""
+        return None
 
     def __enter__(self):
         return self

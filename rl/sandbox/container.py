@@ -108,8 +108,7 @@ class ContainerSandbox(Sandbox):
         # timeout inside the container kills the command there; the host-side limit is a backstop.
         argv += [self.container, "timeout", "-s", "KILL", f"{timeout:g}", "bash", "--noprofile", "--norc", "-c",
                  command]
-        res = run_process(argv, timeout=timeout + 10, max_output=self.limits.max_output_bytes, stdin=stdin,
-                          status_pipe=False)
+        res = run_process(argv, timeout=timeout + 10, max_output=self.limits.max_output_bytes, stdin=stdin)
         if res.exit_code == 137 and res.duration_s >= timeout:
             res.timed_out = True
             res.events = [f"wall-clock timeout after {timeout:g}s: process killed"]
@@ -128,9 +127,11 @@ class ContainerSandbox(Sandbox):
         else:
             _cli([self.engine, "cp", str(host_path), f"{self.container}:{dest}"], f"copying {host_path}")
 
-    def enter_verifier(self) -> None:
+    def enter_verifier(self, services: bool = True) -> None:
         """Inside the running container, as its root: kill every process but its init (the agent's background
-        processes survive between commands here), then replace /tmp and /logs with empty ones."""
+        processes survive between commands here, but a verifier shares the container's pid namespace with them,
+        so services do not outlive the agent phase on this backend), then replace /tmp and /logs with empty
+        ones."""
         reset = ("kill -KILL -1 2>/dev/null; rm -rf /tmp /logs && mkdir -m 1777 /tmp && "
                  "mkdir -p /logs/verifier /logs/agent")
         _cli([self.engine, "exec", "-u", "0", self.container, "sh", "-c", reset], "starting the verifier phase")
@@ -209,7 +210,6 @@ class ApptainerSandbox(LocalSandbox):
     """LocalSandbox whose commands run in `apptainer exec --containall` of an image instead of bubblewrap."""
 
     needs_bwrap = False
-    reports_status = False
     provides_judge = False  # an image has no bubblewrap to nest a sandbox with (docs/SANDBOX.md)
 
     def __init__(self, tree, *, image: str, **kwargs):
@@ -217,8 +217,8 @@ class ApptainerSandbox(LocalSandbox):
         self._apptainer = shutil.which("apptainer")
         super().__init__(tree, **kwargs)
 
-    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None,
-                        as_init: bool = False) -> list[str]:  # bubblewrap's options; apptainer has neither
+    def _command_argv(self, command: str, cwd: str, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
+        """Each command its own `apptainer exec` (no episode: nothing outlives a command; no seccomp filter)."""
         binds = [f"{self._dirs[d]}:/{d}" for d in ("app", "tmp", "logs")]
         ro = ":ro" if self._verifier_root is not None else ""  # the verifier's own files are read-only to it
         binds += [f"{host}:{dest}{ro}" for host, dest in self._mounts]
@@ -226,7 +226,7 @@ class ApptainerSandbox(LocalSandbox):
                 "--pwd", cwd, "--bind", ",".join(binds)]
         for k, v in env.items():
             argv += ["--env", f"{k}={v}"]
-        return argv + [self.image]
+        return argv + [self.image, "bash", "--noprofile", "--norc", "-c", command]
 
 
 @dataclass

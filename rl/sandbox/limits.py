@@ -207,26 +207,6 @@ def remove_cgroup(version: int, d: Path) -> None:
 
 
 # The monitor (fallback) -----------------------------------------------------------------------------------------
-def process_tree(root_pid: int) -> list[int]:
-    """root_pid and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                tail = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(tail[1]), []).append(int(name))
-    out, stack = [], [root_pid]
-    while stack:
-        pid = stack.pop()
-        out.append(pid)
-        stack.extend(children.get(pid, ()))
-    return out
-
-
 def private_memory(pids: list[int]) -> int:
     """Bytes of resident memory the processes do not share with files (statm resident - shared), summed."""
     total = 0

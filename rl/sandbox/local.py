@@ -1,13 +1,17 @@
 """LocalSandbox: a task's files in a private directory, commands run under bubblewrap.
 
-Each command gets fresh user, pid, network, ipc, uts and mount namespaces. The sandbox sees the host's system
+A sandbox's agent commands share one episode, as a container's do: user, pid, network, ipc, uts and mount
+namespaces of their own, held by a keeper shell (the init of the episode's pid namespace), so that what one
+command leaves running in the background serves the next and the verifier. The sandbox sees the host's system
 directories read-only (they stand in for a container image), its own copy of the task tree at /app, and
 private /tmp and /logs; nothing else of the host exists inside (no /root, /home, /work, no host processes,
-only a loopback network). The new root, /dev and /var are read-only; /dev/shm is a small per-command tmpfs.
+only a loopback network). The new root, /dev and /var are read-only; /dev/shm is a small tmpfs.
 When the host user is root, commands run as a fresh unprivileged uid per sandbox, so file permissions protect
 host secrets and RLIMIT_NPROC (which root ignores) bounds the process count; where unprivileged user
 namespaces are disabled, bwrap runs as root without one and the command drops to that uid with setpriv.
-When the command's shell exits, its pid namespace dies and every process it left behind is killed.
+A command's timeout kills it and what it started that is still its descendant; the episode's end (the next
+verifier with services=False, or close) kills everything, counted. Verifier commands run in namespaces of their
+own, their shell the init, sharing only the episode's network.
 
 Whole-sandbox limits (rl/sandbox/limits.py): on a root host the writable directories live on a tmpfs of
 disk_mb/max_files of their own and every command runs in the sandbox's cgroup (memory_mb, max_processes);
@@ -18,12 +22,16 @@ its own fresh /tmp and /logs, made by the host on a new tmpfs, so nothing the ag
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
+import select
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +45,8 @@ from rl.sandbox.base import (
     SandboxLimits,
     dir_usage,
     note_limits,
+    process_tree,
     run_process,
-    wrapper_argv,
 )
 from rl.sandbox.leftovers import force_rmtree, hold, let_go, sweep
 from rl.sandbox.limits import (
@@ -49,7 +57,6 @@ from rl.sandbox.limits import (
     held_files,
     mount_tmpfs,
     private_memory,
-    process_tree,
     tmpfs_problem,
 )
 from rl.sandbox.owners import make_dir
@@ -68,8 +75,9 @@ MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", 
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
 # Root mode (no user namespace): everything else is unshared; setpriv needs these capabilities to drop to
 # the sandbox uid, after which the command has none.
+ROOT_CAPS = ("--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP")
 ROOT_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                   "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP")
+                   *ROOT_CAPS)
 RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs",
                   "/opt/verifier")
 # The verifier phase's own tools, read-only at /opt/verifier/bin. `judge COMMAND...` runs the code under test in a
@@ -92,6 +100,68 @@ if [ $# -eq 0 ]; then echo "judge: usage: judge COMMAND [ARG...]" >&2; exit 2; f
 exec "$bwrap" --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
   --size {tmp_bytes} --tmpfs /tmp --tmpfs /logs --tmpfs {judge_dir} --chdir "$PWD" -- "$@"
 """
+
+
+# The episode: a sandbox's agent commands share one set of namespaces, as a container's do, so what one starts in
+# the background (a server, a database) serves the next and the verifier. The namespaces are held by a keeper shell,
+# the init of the episode's pid namespace: it ignores every signal it can (an init takes from inside its namespace
+# only the signals it handles, never SIGKILL or SIGSTOP), reaps what is orphaned to it, and exits when its input
+# closes (the host closes it at the episode's end; the kernel does when the host process dies), whereupon the kernel
+# kills everything left in the episode.
+_KEEPER = ('trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; echo ready; exec >/dev/null; '
+           'while read -r _; do :; done')
+# Entering a user namespace as its owner grants every capability in it; the command gets none.
+_DROP_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+
+
+@dataclass
+class _Episode:
+    launcher: subprocess.Popen  # bubblewrap, which started the keeper
+    keeper: int  # the keeper's host pid
+    keep_w: int  # the keeper's input: closing it ends the episode
+    mounts: tuple  # the mounts its filesystem was built with
+    pid_ns: str  # its pid namespace, so that a keeper pid the kernel gave to another process is not entered
+
+    def alive(self) -> bool:
+        try:
+            return self.launcher.poll() is None and os.readlink(f"/proc/{self.keeper}/ns/pid") == self.pid_ns
+        except OSError:
+            return False
+
+    def processes(self) -> set[int]:
+        """Host pids of what runs in the episode but its keeper (what the agent's commands left running)."""
+        return set(process_tree(self.keeper)) - {self.keeper}
+
+
+def _read_info(fd: int, timeout_s: float = 30.0) -> dict:
+    """bubblewrap's --info-fd JSON (it closes the descriptor after writing, or at its exit)."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while len(data) < 1 << 16:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise SandboxError(f"bubblewrap did not start within {timeout_s:g} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        if data.rstrip().endswith(b"}"):
+            break
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {}
+
+
+def _kill_launcher(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def judge_script(bwrap: str) -> str:
@@ -249,6 +319,7 @@ class LocalSandbox(Sandbox):
         self.uid: int | None = None
         self._cgroup: SandboxCgroup | None = None
         self._verifier_root: Path | None = None
+        self._episode: _Episode | None = None
         self._held: int | None = None
         try:
             self._held = hold(self._release)  # a stop signal releases it (rl/sandbox/leftovers.py)
@@ -348,7 +419,10 @@ class LocalSandbox(Sandbox):
         return self._dirs["app"]
 
     def _writable_host_dirs(self) -> list[str]:
-        return [str(self._dirs[d]) for d in WRITABLE_DIRS] + [str(h) for h, _ in self._mounts]
+        """The folders the sandbox writes: its own (which the episode keeps in the verifier phase) and the
+        verifier's."""
+        dirs = {str(self.root / d) for d in WRITABLE_DIRS} | {str(self._dirs[d]) for d in WRITABLE_DIRS}
+        return sorted(dirs) + [str(h) for h, _ in self._mounts]
 
     def _chown(self, path: Path) -> None:
         """Give `path` (recursively, never following symlinks) to the sandbox user."""
@@ -375,18 +449,12 @@ class LocalSandbox(Sandbox):
                 "--"]
 
     needs_bwrap = True
-    reports_status = True  # the launcher passes the wrapper's status descriptor through
     provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
 
-    def _isolation_argv(self, cwd: str, env: dict[str, str], seccomp_fd: int | None = None,
-                        as_init: bool = False) -> list[str]:
-        if self._mode == "root":
-            argv = [self._bwrap, *ROOT_NAMESPACES]
-        else:
-            argv = [self._bwrap, "--unshare-all", "--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
-        argv += ["--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
-        if as_init:
-            argv += ["--as-pid-1"]
+    def _filesystem_argv(self) -> list[str]:
+        """bubblewrap's options that build the sandbox's filesystem: the system read-only, its own writable
+        folders and mounts (read-only in the verifier phase: the code it tests cannot rewrite its files)."""
+        argv = []
         for name in SYSTEM_DIRS:
             host = f"/{name}"
             if os.path.islink(host):
@@ -402,18 +470,142 @@ class LocalSandbox(Sandbox):
                  "--tmpfs", "/dev/shm", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self._dirs[d]), f"/{d}"]
-        # In the verifier phase its own files (/tests) are read-only: the code it tests cannot rewrite them.
         bind = "--ro-bind" if self._verifier_root is not None else "--bind"
         for host, dest in self._mounts:
             argv += [bind, str(host), dest]
         # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
-        argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
-        for k, v in env.items():
-            argv += ["--setenv", k, v]
-        if seccomp_fd is not None:  # rl/sandbox/seccomp.py: no ptrace, pidfd_getfd, process_vm_* for anything run
+        return argv + ["--remount-ro", "/dev", "--remount-ro", "/"]
+
+    def _launcher_argv(self, argv: list[str]) -> tuple[list[str], int | None]:
+        """(argv, the user to start it as): bubblewrap runs as the sandbox uid on a root host (as root without
+        a user namespace, the command dropping to that uid first thing), in the sandbox's cgroup."""
+        launcher_uid = None if self._mode == "root" else self.uid
+        if self._cgroup is not None:  # join as root, then become the launcher's user
+            argv = self._cgroup.join_argv() + (drop_to_uid_argv(launcher_uid) if launcher_uid else []) + argv
+            launcher_uid = None
+        return argv, launcher_uid
+
+    def _start_episode(self) -> None:
+        """Start the episode's keeper (see _KEEPER): bubblewrap with every namespace new and the sandbox's
+        filesystem, its shell as pid 1. Where bwrap makes a user namespace the host writes its uid map (the
+        sandbox user, uid 1000 inside, is the launcher outside), so that the host can later enter the episode's
+        namespaces as their owner (`nsenter`)."""
+        block_r, block_w = os.pipe()
+        info_r, info_w = os.pipe()
+        keep_r, keep_w = os.pipe()
+        seccomp_fd = filter_fd()
+        if self._mode == "root":
+            argv = [self._bwrap, *ROOT_NAMESPACES]
+            inner = setpriv_argv(self.uid)
+        else:  # bwrap makes the user namespace and waits until the host has mapped its user
+            argv = [self._bwrap, "--unshare-all", "--unshare-user", "--userns-block-fd", str(block_r)]
+            inner = []
+        argv += ["--info-fd", str(info_w), "--as-pid-1", "--clearenv", "--setenv", "PATH", BASE_ENV["PATH"],
+                 "--hostname", "sandbox", *self._filesystem_argv()]
+        if seccomp_fd is not None:
             argv += ["--seccomp", str(seccomp_fd)]
-        argv += ["--chdir", cwd, "--"]
-        return argv
+        argv, launcher_uid = self._launcher_argv(argv + ["--chdir", "/", "--", *inner, "bash", "--noprofile",
+                                                         "--norc", "-c", _KEEPER])
+        passed = [fd for fd in (block_r, info_w, seccomp_fd) if fd is not None]
+        try:
+            proc = subprocess.Popen(argv, stdin=keep_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env={"PATH": BASE_ENV["PATH"]}, start_new_session=True, user=launcher_uid,
+                                    group=launcher_uid, extra_groups=[] if launcher_uid is not None else None,
+                                    pass_fds=passed)
+        except OSError as e:
+            for fd in (block_r, block_w, info_r, info_w, keep_r, keep_w):
+                os.close(fd)
+            raise SandboxError(f"cannot start the sandbox's episode: {e}") from None
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        for fd in (block_r, info_w, keep_r):
+            os.close(fd)
+        try:
+            info = _read_info(info_r)
+            keeper = info.get("child-pid") if isinstance(info, dict) else None
+            if not isinstance(keeper, int):
+                raise SandboxError("bubblewrap gave no child pid")
+            if self._mode != "root":
+                outer = self.uid if self.uid is not None else os.geteuid()
+                for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_UID_INSIDE} {outer} 1\n"),
+                                   ("gid_map", f"{SANDBOX_UID_INSIDE} {outer} 1\n")):
+                    with open(f"/proc/{keeper}/{name}", "w") as f:
+                        f.write(text)
+            os.write(block_w, b"1")
+            # bwrap builds the filesystem after it names its child: the keeper says when it runs on it.
+            ready, _, _ = select.select([proc.stdout], [], [], 30)
+            if not ready or proc.stdout.read(6) != b"ready\n":
+                raise SandboxError("the episode's init did not start")
+            pid_ns = os.readlink(f"/proc/{keeper}/ns/pid")
+            try:  # the OOM killer takes the sandbox's other processes, not its init (where the host may say so)
+                with open(f"/proc/{keeper}/oom_score_adj", "w") as f:
+                    f.write("-1000")
+            except OSError:
+                pass
+        except (OSError, SandboxError) as e:
+            os.close(keep_w)
+            _kill_launcher(proc)
+            err = proc.stderr.read().decode(errors="replace").strip()[:500]
+            raise SandboxError(f"cannot start the sandbox's episode: {err or e}") from None
+        finally:
+            os.close(block_w)
+            os.close(info_r)
+            proc.stdout.close()
+            proc.stderr.close()
+        self._episode = _Episode(proc, keeper, keep_w, tuple(self._mounts), pid_ns)
+
+    def end_episode(self) -> int | None:
+        """Kill what the episode's commands left running (by killing its keeper, the init of its pid namespace)
+        and return how many processes that was; the next agent command starts a new episode."""
+        episode, self._episode = self._episode, None
+        if episode is None:
+            return 0
+        left = len(episode.processes())
+        try:
+            os.kill(episode.keeper, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        os.close(episode.keep_w)
+        _kill_launcher(episode.launcher)
+        return left
+
+    def _command_argv(self, command: str, cwd: str, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
+        """bubblewrap argv that runs `command`. An agent command enters the episode's namespaces (what it leaves
+        running stays, as in a container); a verifier command gets its own user, pid, ipc, uts and mount
+        namespaces, its shell as pid 1 (so nothing it starts outlives it, and nothing inside can signal it), and
+        shares only the episode's network, where the episode's services answer on loopback."""
+        shell = ["bash", "--noprofile", "--norc", "-c", command]
+        keeper = str(self._episode.keeper) if self._episode else None
+        root = self._mode == "root"
+        common = ["--die-with-parent", "--new-session", "--clearenv"]
+        for k, v in env.items():
+            common += ["--setenv", k, v]
+        if seccomp_fd is not None:  # rl/sandbox/seccomp.py: no ptrace, pidfd_getfd, process_vm_* for anything run
+            common += ["--seccomp", str(seccomp_fd)]
+        common += ["--chdir", cwd, "--"]
+        drop = setpriv_argv(self.uid) if root else []
+        if self._verifier_root is None:  # enter the episode's namespaces, a mount namespace of its own over them
+            enter = ["nsenter", "-t", keeper, "--pid", "--net", "--ipc", "--uts", "--mount", "-r", "-w", "--"]
+            if root:
+                return enter + [self._bwrap, "--dev-bind", "/", "/", *ROOT_CAPS, *common, *drop, *shell]
+            return (enter[:3] + ["--user", "--preserve-credentials"] + enter[3:] + _DROP_CAPS
+                    + [self._bwrap, "--unshare-user", "--uid", str(SANDBOX_UID_INSIDE), "--gid",
+                       str(SANDBOX_UID_INSIDE), "--dev-bind", "/", "/", *common, *shell])
+        join = []
+        if root:
+            spaces = [a for a in ROOT_NAMESPACES if a != "--unshare-net"] if keeper else list(ROOT_NAMESPACES)
+            if keeper:
+                join = ["nsenter", "-t", keeper, "--net", "--"]
+        elif keeper:
+            join = ["nsenter", "-t", keeper, "--user", "--net", "--preserve-credentials", "--"] + _DROP_CAPS
+            spaces = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        else:
+            spaces = ["--unshare-all"]
+        if not root:
+            spaces += ["--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
+        return join + [self._bwrap, *spaces, "--as-pid-1", "--hostname", "sandbox", *self._filesystem_argv(),
+                       *common, *drop, *shell]
 
     def _disk_roots(self) -> list[Path]:
         return [self.root] + ([self._verifier_root] if self._verifier_root else [])
@@ -446,7 +638,7 @@ class LocalSandbox(Sandbox):
         size0, files0 = (0, 0) if self._tmpfs else dir_usage(dirs)
 
         def watch(pid: int):
-            pids = process_tree(pid)
+            pids = process_tree(pid) + (list(self._episode.processes()) if self._episode else [])
             shm, unlinked = held_files(pids, devices)
             if self._cgroup is None:
                 held = private_memory(pids) + shm
@@ -471,37 +663,14 @@ class LocalSandbox(Sandbox):
         full_env = {**BASE_ENV, **self.env, **(env or {})}
         if self._verifier_root is not None:
             full_env.update(VERIFIER_ENV)
-        watch = self._monitor()
         ooms = self._cgroup.oom_kills() if self._cgroup else 0
         if self.unisolated:
             full_env["HOME"] = str(self._dirs["tmp"])
             argv = self._rlimit_argv() + ["bash", "--noprofile", "--norc", "-c", command]
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              cwd=cwd or self.workdir, env=full_env, status_pipe=False, watch=watch)
+                              cwd=cwd or self.workdir, env=full_env, watch=self._monitor())
         else:
-            # The verifier phase: its shell is the init of the command's pid namespace. Everything it starts dies
-            # with it before the kernel gives the host its exit status, and nothing inside can signal or stop it
-            # (an init takes only the signals it handles), so no report on a pipe is asked of it.
-            as_init = self._verifier_root is not None and self.needs_bwrap
-            reports = self.reports_status and not as_init
-            inner = wrapper_argv(command) if reports else ["bash", "--noprofile", "--norc", "-c", command]
-            seccomp_fd = filter_fd() if self.needs_bwrap else None
-            argv = self._rlimit_argv() + self._isolation_argv(cwd or self.workdir, full_env, seccomp_fd, as_init)
-            launcher_uid = self.uid
-            if self._mode == "root":  # bwrap runs as root; the command drops to the sandbox uid first thing
-                argv += setpriv_argv(self.uid)
-                launcher_uid = None
-            if self._cgroup is not None:  # join as root, then become the launcher's user
-                argv = self._cgroup.join_argv() + (drop_to_uid_argv(launcher_uid) if launcher_uid else []) + argv
-                launcher_uid = None
-            try:
-                res = run_process(argv + inner, timeout=timeout, max_output=self.limits.max_output_bytes,
-                                  stdin=stdin, env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid,
-                                  group=launcher_uid, watch=watch, status_pipe=reports,
-                                  pass_fds=() if seccomp_fd is None else (seccomp_fd,))
-            finally:
-                if seccomp_fd is not None:
-                    os.close(seccomp_fd)
+            res = self._exec_isolated(command, cwd or self.workdir, full_env, timeout, stdin)
         if self._cgroup is not None:
             killed = self._cgroup.oom_kills() - ooms
             if killed > 0:
@@ -514,13 +683,57 @@ class LocalSandbox(Sandbox):
                 res.disk_exceeded = True
                 res.events.append(event)
         note_limits(res, self.limits)
+        if self._episode is not None and any(e.startswith("process limit reached") for e in res.events):
+            # a fork bomb's detached processes would hold the limit for every later command, the verifier's too
+            res.events.append(f"{self.end_episode()} background process(es) were ended to free the process limit")
         return res
 
-    def enter_verifier(self) -> None:
+    def _exec_isolated(self, command: str, cwd: str, env: dict[str, str], timeout: float,
+                       stdin: bytes | None) -> ExecResult:
+        events = []
+        in_episode = self.needs_bwrap and self._verifier_root is None
+        if in_episode:
+            episode = self._episode
+            if episode is not None and episode.mounts != tuple(self._mounts):  # its filesystem is fixed at start
+                left = self.end_episode()
+                events.append(f"the sandbox restarted to add a mount; {left} background process(es) ended")
+            elif episode is not None and not episode.alive():
+                self.end_episode()
+                events.append("the sandbox's init was killed (memory?); its background processes ended")
+            if self._episode is None:
+                self._start_episode()
+            before = self._episode.processes()
+        seccomp_fd = filter_fd() if self.needs_bwrap else None
+        argv, launcher_uid = self._launcher_argv(self._rlimit_argv()
+                                                 + self._command_argv(command, cwd, env, seccomp_fd))
+        try:
+            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
+                              env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
+                              watch=self._monitor(), background=in_episode,
+                              pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        if in_episode and self._episode is not None:
+            if res.memory_exceeded and self._cgroup is None:  # the monitor counts the episode's processes too
+                events.append(f"{self.end_episode()} background process(es) ended with it")
+            else:
+                res.background_processes = len(self._episode.processes() - before)
+                if res.background_processes:
+                    events.append(f"{res.background_processes} process(es) it started keep running in the "
+                                  "background until the episode ends")
+        res.events = events + res.events
+        return res
+
+    def enter_verifier(self, services: bool = True) -> None:
         """Fresh /tmp and /logs (with an empty /logs/verifier) on a new host-made tmpfs where the host allows;
-        mounts the agent phase added (e.g. /solution) are dropped. Agent processes died with their commands."""
+        mounts the agent phase added (e.g. /solution) are dropped. What the agent left running keeps running in
+        the episode's namespaces (services=False ends it first), which the verifier's commands share only the
+        network of: its servers answer on loopback, and they see neither the verifier's processes nor its files."""
         if self._closed:
             raise SandboxError("sandbox is closed")
+        if not services:
+            self.end_episode()
         self._drop_verifier_root()
         root = make_dir("verifier", self.root.parent)
         self._verifier_root = root
@@ -601,6 +814,7 @@ class LocalSandbox(Sandbox):
         self._closed = True
         let_go(self._held)
         try:
+            self.end_episode()
             self._drop_verifier_root()
         finally:
             try:

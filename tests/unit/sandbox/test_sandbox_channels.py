@@ -1,10 +1,9 @@
-"""The host never trusts what a sandbox says beyond strict formats: the wrapper's status report (a pipe the sandbox's
-processes may reach) and the verifier's reward files (read on the host, no link followed, a regular file, bounded,
-strict text) are fuzzed here, and nothing a sandbox writes makes the host raise or forge a verdict."""
+"""The host never trusts what a sandbox says beyond strict formats: the exit status is the kernel's (no channel from
+the sandbox carries one), and the verifier's reward files (read on the host, no link followed, a regular file,
+bounded, strict text) are fuzzed here; nothing a sandbox writes makes the host raise or forge a verdict."""
 
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,42 +12,31 @@ from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.envs.task import REWARD_FILE_BYTES
 from rl.sandbox import Sandbox, SandboxError, SandboxLimits
-from rl.sandbox.base import STATUS_FD, parse_status, run_process
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
 LIMITS = SandboxLimits(command_timeout_s=30, cpu_time_s=30, memory_mb=512, disk_mb=64, max_output_bytes=64 * 1024)
 
 
-def test_status_reports_parse_strictly_and_never_raise():
-    assert parse_status(b"0 0\n", 0) == (0, 0) and parse_status(b"7 3", 7) == (7, 3)
-    for forged, kernel in [(b"0 0\n", 1), ("\u00b2 0".encode(), 0), (b"1" * 10_000 + b" 0", 1), (b"0  0", 0),
-                           (b" 0 0", 0), (b"0 0\n\n", 0), (b"-1 0", 255), (b"0 x", 0), (b"", 0), (b"0", 0)]:
-        assert parse_status(forged, kernel) is None, forged
-    rng = random.Random(0)
-    for _ in range(5000):  # whatever the bytes, a tuple or None
-        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
-        got = parse_status(raw, rng.randrange(256))
-        assert got is None or (isinstance(got, tuple) and all(isinstance(x, int) for x in got))
+# The exit status ------------------------------------------------------------------------------------------------
+needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
 
-@pytest.mark.parametrize("report, code, reported", [
-    (b"0 0\n", 1, False),  # a forged success: the kernel says 1
-    ("\u00b2 0\n".encode(), 0, False),  # a digit Python's int() would refuse
-    (b"9" * (1 << 22), 0, False),  # a flood of digits: read no further than a report holds
-    (b"3 0\n", 3, True),
-    (b"0 2\n", 0, True),
-])
-def test_a_report_on_the_status_pipe_counts_only_when_it_is_one(report, code, reported):
-    writer = ("import os, sys\nfd = int(sys.argv[1])\ndata = sys.stdin.buffer.read()\n"
-              "try:\n    os.write(fd, data)\nexcept OSError:\n    pass\nsys.exit(int(sys.argv[2]))\n")
-    res = run_process([sys.executable, "-c", writer, STATUS_FD, str(code)], timeout=60, max_output=4096,
-                      stdin=report)
-    assert res.reported is reported and res.exit_code == code
-    assert res.leftover_processes == (int(report.split()[1]) if reported else 0)
+@needs_bwrap
+@pytest.mark.parametrize("verifier", [False, True])
+def test_the_exit_status_is_the_kernels_whatever_the_command_writes(sandbox_parent, verifier):
+    """No descriptor reaches the host but the output: a forged report written to every open descriptor, then
+    exit 7, is exit 7 (agent and verifier phase alike)."""
+    forge = ("for fd in /proc/self/fd/*; do n=${fd##*/}; [ \"$n\" -gt 2 ] 2>/dev/null && printf '0 0\\n' >&$n; done "
+             "2>/dev/null; printf '0 0\\n'; exit 7")
+    backend = LocalBackend(limits=LIMITS, root_parent=str(sandbox_parent))
+    with backend.create(None) as sandbox:
+        if verifier:
+            sandbox.enter_verifier()
+        res = sandbox.exec(forge)
+    assert res.exit_code == 7 and not res.ok, res
 
 
 # The reward channel ---------------------------------------------------------------------------------------------
-needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
 
 def _task(tmp_path: Path, name: str, test_sh: str, env: str = "") -> Path:

@@ -5,7 +5,7 @@ be refused when it is loaded), and the host must be unchanged afterwards: no fil
 no sandbox directory, mount, cgroup or process left behind. The classes: rewards planted where the verifier
 writes, interpreter start-up hooks left for the verifier, memory spread over many processes, disk held by
 unlinked files or spent on inodes, task folders that are symlinks to the host, and the ones that held before
-(host files, host loopback and unix sockets, host processes, background survivors and late reward writes, fork
+(host files, host loopback and unix sockets, host processes, background processes that write rewards, fork
 bombs, /dev and /sys, ptrace, setuid, the host's environment, network egress).
 """
 
@@ -106,6 +106,11 @@ def host_state(backend: LocalBackend, watched: list[Path]) -> dict:
 def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False) -> float:
     """The task's reward when its solution is the attack: played as `check_task --oracle` does (solve.sh), or
     (episode) by a scripted agent that sends solve.sh through the `run` tool; the host must be unchanged."""
+    return run_solution(task_dir, backend, watched, episode).reward
+
+
+def run_solution(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False):
+    """The VerifyResult of run_attack's run."""
     files_before = host_state(backend, list(watched))["files"]
     task = load_harbor_task(task_dir)
     if episode:
@@ -126,7 +131,7 @@ def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), 
             break
         time.sleep(0.1)
     assert after == clean, "the host changed"
-    return result.reward
+    return result.verify if episode else result
 
 
 # Classes that broke before ------------------------------------------------------------------------------------
@@ -317,10 +322,12 @@ HELD = {
                         "2>/dev/null && touch /app/pwned\n",
     "host-processes": "kill -9 {host_pid} 2>/dev/null && touch /app/pwned\n"
                       "[ -e /proc/{host_pid}/cmdline ] && grep -q sleep /proc/{host_pid}/cmdline && touch /app/pwned\n",
-    # both start after the command has returned: anything they write means they survived it
-    "background-late-reward": "(sleep 1; while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
-                              "touch /app/pwned 2>/dev/null; sleep 0.05; done) >/dev/null 2>&1 &\n"
-                              "setsid nohup bash -c 'sleep 1; touch /app/pwned' >/dev/null 2>&1 &\n",
+    # background processes live on through the verifier (as in a container) and write a reward all along: they
+    # write the episode's /logs, never the verifier's
+    "background-late-reward": "(while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+                              "sleep 0.05; done) >/dev/null 2>&1 &\n"
+                              "setsid nohup bash -c 'while :; do echo 1 > /logs/verifier/reward.txt; sleep 0.05; "
+                              "done' >/dev/null 2>&1 &\n",
     "fork-bomb": "bomb() {{ bomb | bomb & }}; bomb; sleep 1\n",
     "dev-and-sys": "echo x > /dev/sda 2>/dev/null && touch /app/pwned\n"
                    "echo 1 > /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null && touch /app/pwned\n"
@@ -568,3 +575,67 @@ def test_a_loose_reward_is_a_verifier_error_with_a_clean_exit(tmp_path, case):
                          text=True, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
     assert res.stderr.startswith("error: /logs/verifier/" + name) and res.stdout.strip().splitlines()[-1] == "0"
+
+
+# Episodes like containers: services live on and answer the verifier, and reach nothing of it ----------------------
+SERVER = """cat > /app/server.py <<'EOF'
+import http.server
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"42" if self.path == "/answer" else b"?"
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", 8080), Answer).serve_forever()
+EOF
+python3 /app/server.py &
+for i in $(seq 50); do python3 -c 'import socket; socket.create_connection(("127.0.0.1", 8080), 1)' 2>/dev/null && break
+  sleep 0.1; done
+"""
+ASK = "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8080/answer\").read().decode())'"
+QUERY_VERIFIER = f"""#!/bin/bash
+answer=$({ASK})
+if [ "$answer" = 42 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+
+
+@pytest.mark.parametrize("episode", [False, True])
+def test_a_service_the_solution_starts_answers_the_verifier(tmp_path, backend, episode):
+    """The solution starts a server and returns; the verifier queries it over loopback: reward 1, through
+    `check_task --oracle` and through the rollout path. Without the server the same verifier gives 0."""
+    task = make_task(tmp_path, "service", SERVER, verifier=QUERY_VERIFIER)
+    result = run_solution(task, backend, episode=episode)
+    assert result.reward == 1.0 and "error" not in result.details, result.details
+    assert result.details["background_processes"] == 1  # the server, ended and counted after the verifier ran
+    idle = make_task(tmp_path, "no-service", "true\n", verifier=QUERY_VERIFIER)
+    assert run_attack(idle, backend, episode=episode) == 0.0
+
+
+HOSTILE_SERVICE = SERVER.replace("python3 /app/server.py &", """python3 /app/server.py &
+setsid bash -c 'while :; do
+  for p in /proc/[0-9]*; do
+    tr "\\0" "\\n" < $p/cmdline 2>/dev/null | grep -qx /tests/test.sh &&
+      { kill -STOP ${p#/proc/}; kill -9 ${p#/proc/}; touch /app/pwned; }
+    [ -e $p/root/tests/test.sh ] && touch /app/pwned
+  done
+  mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+  cat /tests/test.sh > /app/stolen 2>/dev/null && touch /app/pwned
+  sleep 0.02
+done' >/dev/null 2>&1 &""")
+# Reward 1 when the attack left its mark, 0.5 when the service was gone (so the test showed nothing), else 0.
+WATCHED_VERIFIER = f"""#!/bin/bash
+sleep 1.5
+answer=$({ASK})
+if [ -e /app/pwned ] || [ -s /app/stolen ]; then echo 1; elif [ "$answer" != 42 ]; then echo 0.5; else echo 0; fi \\
+  > /logs/verifier/reward.txt
+"""
+
+
+@pytest.mark.parametrize("episode", [False, True])
+def test_a_hostile_service_cannot_reach_the_verifier(tmp_path, backend, episode):
+    """A service that runs all through the verifier hunts for its shell (to stop or kill it), its files (/tests,
+    another process's root) and its reward folder: it finds none of them, and the verdict stands."""
+    task = make_task(tmp_path, "hostile-service", HOSTILE_SERVICE, verifier=WATCHED_VERIFIER)
+    result = run_solution(task, backend, episode=episode)
+    assert result.reward == 0.0 and "error" not in result.details, (result.details, result.output)
+    assert result.details["background_processes"] >= 2  # the server and the hunter (and its sleep, at times)

@@ -185,12 +185,27 @@ def test_killing_the_parent_is_contained(sbx):
     assert sbx.exec("echo next").output == "next\n"  # this test process (the host) lives on
 
 
-def test_background_processes_do_not_outlive_the_command(sbx):
+def test_background_processes_live_for_the_episode_and_die_with_it(sbx):
     marker = f"mc-bg-{os.getpid()}-{time.monotonic_ns()}"
     res = sbx.exec(f"(exec -a {marker} sleep 1000) & setsid bash -c 'exec -a {marker} sleep 1000' & "
                    f"nohup bash -c 'exec -a {marker} sleep 1000' >/dev/null 2>&1 & echo started")
-    assert res.output.startswith("started") and res.leftover_processes >= 3
-    assert "background process" in res.describe()
+    assert res.output.startswith("started") and res.background_processes == 3
+    assert "keep running in the background" in res.describe()
+    assert len(_scan(marker)) == 3
+    # the next command sees them, and cannot end the episode's init (it takes no signal from inside)
+    pattern = f"{marker[:-1]}[{marker[-1]}]"  # matches the marker, and is not the marker (grep's own argv)
+    res = sbx.exec(f"kill -9 1; kill -STOP 1; cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | "
+                   f"grep -cx '{pattern}'")
+    assert res.output.split()[-1] == "3" and sbx.exec("true").background_processes == 0
+    assert sbx.end_episode() == 3 and _host_processes_with(marker) == []
+    assert sbx.exec("echo fresh").output == "fresh\n"  # the next command starts a new episode
+
+
+def test_closing_the_sandbox_ends_its_background_processes(tmp_path, sandbox_parent):
+    marker = f"mc-bg-{os.getpid()}-{time.monotonic_ns()}"
+    with LocalSandbox(None, limits=LIMITS, root_parent=sandbox_parent) as s:
+        s.exec(f"setsid bash -c 'trap \"\" TERM HUP; exec -a {marker} sleep 1000' &")
+        assert len(_scan(marker)) == 1
     assert _host_processes_with(marker) == []
 
 
