@@ -7,7 +7,8 @@ setup(
                  "for DeepSeek-V3/Kimi-style MoE models"),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
-    package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"]},  # C++ kernels are compiled on first use
+    package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],  # C++ kernels are compiled on first use
+                  "rl.envs": ["verifier_site/sitecustomize.py"]},  # copied into SWE-bench verifiers' sandboxes
     install_requires=[
         "torch>=2.6",
         "numpy",

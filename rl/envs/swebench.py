@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -86,6 +87,26 @@ def final_test_files(repo: Path, base_commit: str, test_patch: str, out: Path) -
     return paths
 
 
+# Python in the verifier's test run: no folder of the work tree first on sys.path (verifier_site/sitecustomize.py
+# puts it last), and bytecode only from a fresh cache in the verifier's own /tmp, never the work tree's __pycache__.
+SITE_DIR = Path(__file__).parent / "verifier_site"
+TEST_ENV = {"PYTHONSAFEPATH": "1", "PYTHONPATH": "/tests/site", "PYTHONPYCACHEPREFIX": "/tmp/mc-pycache"}
+
+
+def shadows(path: str) -> str:
+    """Shell words for the test file at `path` and what Python would import in its place from the same folder: a
+    package or namespace folder of the same name, an extension module (found before source), a sourceless or
+    cached bytecode file (the patterns are left for the sandbox's shell to expand)."""
+    words = [shlex.quote(path)]
+    if path.endswith(".py"):
+        stem = path[:-3]
+        folder, name = os.path.split(stem)
+        cached = os.path.join(folder, "__pycache__", name)
+        words += [shlex.quote(stem + suffix) for suffix in ("", ".so", ".pyd", ".pyc")]
+        words += [shlex.quote(stem) + ".*.so", shlex.quote(cached) + ".*.pyc"]
+    return " ".join(words)
+
+
 @dataclass
 class SWEBenchVerifier:
     repo: Path  # the host's clone of the instance's repository
@@ -105,9 +126,10 @@ class SWEBenchVerifier:
             files = Path(tmp) / "tests" / "files"
             files.mkdir(parents=True)
             paths = final_test_files(self.repo, self.base_commit, self.test_patch, files)
+            shutil.copytree(SITE_DIR, files.parent / "site", ignore=shutil.ignore_patterns("__pycache__"))
             sandbox.copy_in(files.parent, "/tests")
             place = "".join(
-                f"rm -rf -- {shlex.quote(p)}; "
+                f"rm -rf -- {shadows(p)}; "
                 + (f"mkdir -p -- {shlex.quote(str(Path(p).parent))} && "
                    f"cp -- {shlex.quote('/tests/files/' + p)} {shlex.quote(p)} || exit 1; "
                    if (files / p).is_file() else "")
@@ -117,7 +139,8 @@ class SWEBenchVerifier:
             return VerifyResult(0.0, put.output, {"error": f"cannot put the test files in place: {put.output[-500:]}"},
                                 put)
         tests = " ".join(shlex.quote(t) for t in self._selectors())
-        res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, timeout=task.limits.verifier_timeout_s)
+        res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, env=TEST_ENV,
+                           timeout=task.limits.verifier_timeout_s)
         status = parse_test_log(res.output)
         f2p_failed = [t for t in self.fail_to_pass if status.get(t) not in PASSING]
         p2p_failed = [t for t in self.pass_to_pass if status.get(t) not in PASSING]

@@ -209,3 +209,48 @@ def test_swebench_verdict_ignores_what_the_agent_wrote_into_git(instance, attack
             assert sbx.read_text("/app/filter-ran") is None  # no agent-declared filter ran in the verifier
     finally:
         snap.discard()
+
+
+# The work tree is the agent's: nothing there may stand in for the test files or the test runner ----------------
+PASSING_TESTS = ("import unittest\n\n\nclass TestCalc(unittest.TestCase):\n    def test_add(self):\n        pass\n\n"
+                 "    def test_sub(self):\n        pass\n")
+FAKE_RUN = ("import sys\nfor t in ('test_add', 'test_sub'):\n"
+            "    print(f'{t} (tests.test_calc.TestCalc.{t}) ... ok', file=sys.stderr)\nprint('OK', file=sys.stderr)\n")
+SHADOWS = {
+    # a package of the test module's name is found before the test file rebuilt on the host
+    "package-shadows-the-test-file": "mkdir -p tests/test_calc && cat > tests/test_calc/__init__.py <<'EOF'\n"
+                                     + PASSING_TESTS + "EOF\n",
+    # bytecode whose hash is never checked against the source, where Python looks for the test module's cache
+    "unchecked-bytecode": "cat > /tmp/fake.py <<'EOF'\n" + PASSING_TESTS + "EOF\n"
+                          "python3 -c \"import py_compile, sys; py_compile.compile('/tmp/fake.py', "
+                          "cfile=f'tests/__pycache__/test_calc.{sys.implementation.cache_tag}.pyc', "
+                          "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\"\n",
+    # a `unittest` package in the working directory, which `python3 -m unittest` would run instead of the real one
+    "runner-in-the-work-tree": "mkdir -p unittest && touch unittest/__init__.py && cat > unittest/__main__.py <<'EOF'\n"
+                               + FAKE_RUN + "EOF\n",
+}
+
+
+@pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
+@pytest.mark.parametrize("attack", sorted(SHADOWS))
+def test_nothing_in_the_work_tree_stands_in_for_the_tests_or_their_runner(instance, attack):
+    """add() is left broken; the agent plants what Python would load in place of the rebuilt test file or of the
+    test runner. The verdict stays 0 with add()'s test failing, through the rollout path; the planted code is
+    real (it passes when run the way the verifier would run it without its defences)."""
+    jsonl, repos, _ = instance
+    (task,) = load_swebench(jsonl, repos)
+    backend = LocalBackend()
+    snap = prepare_task(task, backend)
+    try:
+        with backend.fork(snap) as sbx:
+            planted = sbx.exec(SHADOWS[attack])
+            assert planted.exit_code == 0, planted.output
+            res = run_episode(task, sbx, ScriptedPolicy([format_tool_call("submit", {})]))
+            assert res.reward == 0.0, res.verify.output
+            assert res.verify.details["FAIL_TO_PASS failing"] == ["test_add (tests.test_calc.TestCalc.test_add)"]
+        with backend.fork(snap) as sbx:  # the same plant, run as the test command runs without the defences
+            sbx.exec(SHADOWS[attack])
+            naive = sbx.exec("python3 -m unittest -v tests.test_calc.TestCalc.test_add")
+            assert "test_add (tests.test_calc.TestCalc.test_add) ... ok" in naive.output, naive.output
+    finally:
+        snap.discard()
