@@ -210,7 +210,7 @@ def _replace_word(rng: random.Random) -> TaskSpec:
     return TaskSpec(
         "replace_word", (name, old, new, len(content)),
         f'In the file "{name}.txt", replace every "{old}" with "{new}".\n', {f"{name}.txt": content},
-        f"cmp -s {name}.txt /tests/expected.txt",
+        f"[ -f {name}.txt ] && [ ! -L {name}.txt ] && cmp -s {name}.txt /tests/expected.txt",
         f"sed -i 's/{old}/{new}/g' {name}.txt\n",
         [[{"name": "edit_file", "arguments": {"path": f"{name}.txt", "old_string": old, "new_string": new,
                                                "replace_all": True}}], _submit()],
@@ -234,16 +234,32 @@ def _fix_test(rng: random.Random) -> TaskSpec:
         f'The test test_{module}.py fails. Fix the bug in the function {fn} of "{module}.py" so that '
         f"python3 -m unittest test_{module} passes.\n",
         {f"{module}.py": source, f"test_{module}.py": test},
-        # the verifier's own copy of the test: editing the agent's copy does not help
-        # -I and /app last on the path: the work tree cannot shadow unittest or any other standard module
-        f"cp /tests/test_{module}.py test_{module}.py && $judge python3 -I -c 'import sys, unittest; "
-        f"sys.path.append(\"/app\"); unittest.main(module=\"test_{module}\")' >/dev/null 2>&1",
+        # The verdict is taken outside the code under test: each case runs in its own `judge` child, which prints
+        # the function's result and sees no expected value, and this shell compares. The second case is not in
+        # the test the agent sees, so answering the visible case alone does not pass.
+        " && ".join(f'[ "$($judge python3 -I -c {shlex.quote(_call(module, fn, a, b))} 2>/dev/null)" = '
+                    f'"{eval(f"{a} {op} {b}")}" ]' for a, b in ((x, y), _hidden_case(module, fn, x, y))),
         # sed's regex: * repeats, \\* is a star
         f"sed -i 's/return a {wrong.replace('*', chr(92) + '*')} b/return a {op} b/' {module}.py\n",
         [[{"name": "read_file", "arguments": {"path": f"{module}.py"}}],
          [{"name": "edit_file", "arguments": {"path": f"{module}.py", "old_string": f"a {wrong} b",
                                                "new_string": f"a {op} b"}}], _submit()],
-        test_files={f"test_{module}.py": test}, values=(f"{module}.py",))
+        values=(f"{module}.py",))
+
+
+def _call(module: str, fn: str, a: int, b: int) -> str:
+    """Python that prints fn(a, b) of the work tree's module (-I, /app last on the path: nothing there shadows the
+    standard library)."""
+    return f'import sys; sys.path.append("/app"); from {module} import {fn}; print({fn}({a}, {b}))'
+
+
+def _hidden_case(module: str, fn: str, x: int, y: int) -> tuple[int, int]:
+    """Arguments of the case the agent's test does not show, fixed by the instance (its own generator)."""
+    rng = random.Random(f"{module}:{fn}:{x}:{y}")
+    while True:
+        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        if (a, b) != (x, y):
+            return a, b
 
 
 def _command_output(rng: random.Random) -> TaskSpec:
@@ -264,7 +280,7 @@ def _command_output(rng: random.Random) -> TaskSpec:
     return TaskSpec(
         "command_output", (out, choice, *key),
         f'Run the command "{command}" and write its output to the file {out}.txt.\n', files,
-        f"cmp -s {out}.txt /tests/expected.txt",
+        f"[ -f {out}.txt ] && [ ! -L {out}.txt ] && cmp -s {out}.txt /tests/expected.txt",
         f"{command} > {out}.txt\n",
         [[{"name": "run", "arguments": {"command": f"{command} > {out}.txt"}}], _submit()],
         test_files={"expected.txt": expected}, values=(command, f"{out}.txt"))

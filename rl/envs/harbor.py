@@ -2,7 +2,7 @@
 
     task/
       instruction.md          what the agent is asked to do
-      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env and reward_range
+      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env, reward_range and judge_reads
                               ([low, high], default [0, 1]),
                               [environment] build_timeout_sec, memory_mb (or memory = "2G"), cpus,
                               storage_mb (or storage), docker_image, env
@@ -73,6 +73,20 @@ def _reward_range(table: dict, where: str) -> tuple[float, float]:
     return float(value[0]), float(value[1])
 
 
+def _judge_reads(table: dict, where: str, tests_dir: Path) -> tuple[str, ...]:
+    """[verifier].judge_reads = ["file", ...]: files of tests/ that the code under test may read inside `judge`
+    (where /tests is otherwise empty); each a relative path to a file the task has."""
+    value = table.get("judge_reads", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TaskError(f"{where}.judge_reads must be a list of paths under tests/, got {value!r}")
+    for path in value:
+        parts = Path(path).parts
+        if not path or path.startswith("/") or ".." in parts or ":" in path or not (tests_dir / path).is_file():
+            raise TaskError(f"{where}.judge_reads: {path!r} is not a file of {tests_dir} (give paths relative to "
+                            "tests/, without '..' or ':')")
+    return tuple(value)
+
+
 def _env(table: dict, where: str) -> dict[str, str]:
     env = table.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
@@ -83,7 +97,7 @@ def _env(table: dict, where: str) -> dict[str, str]:
 # task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
 KNOWN_KEYS = {
     "": {"version", "metadata", "verifier", "agent", "environment", "solution", "source"},
-    "verifier": {"timeout_sec", "env", "reward_range"},
+    "verifier": {"timeout_sec", "env", "reward_range", "judge_reads"},
     "agent": {"timeout_sec", "max_turns"},
     "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
                     "allow_internet", "env", "gpus", "gpu_types"},
@@ -198,7 +212,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         instruction=instruction_path.read_text(),
         tree=EmptyTree(),
         verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where),
-                                reward_range=_reward_range(verifier_t, where)),
+                                reward_range=_reward_range(verifier_t, where),
+                                judge_reads=_judge_reads(verifier_t, where, task_dir / "tests")),
         workdir=workdir,
         env=env,
         setup=setup,

@@ -291,13 +291,15 @@ class ScriptVerifier:
     command: str = "bash /tests/test.sh"
     env: dict[str, str] = field(default_factory=dict)
     reward_range: tuple[float, float] = (0.0, 1.0)  # task.toml [verifier].reward_range
+    judge_reads: tuple[str, ...] = ()  # task.toml [verifier].judge_reads: files of /tests visible inside `judge`
 
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
         # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
         # the host made afresh, out of the agent's reach.
         sandbox.enter_verifier()
         sandbox.copy_in(self.tests_dir, "/tests")
-        res = sandbox.exec(self.command, cwd=task.workdir, env=self.env, timeout=task.limits.verifier_timeout_s)
+        env = {**self.env, "MC_JUDGE_READS": ":".join(self.judge_reads)}
+        res = sandbox.exec(self.command, cwd=task.workdir, env=env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
         services = sandbox.end_episode()  # what the agent left running served the verifier; it is done now
         if services:

@@ -84,9 +84,9 @@ RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib",
 # sandbox nested in the verifier's: its own user, pid, ipc, network, uts and mount namespaces, so the verifier's
 # shell and processes do not exist for it (nothing to signal, stop, ptrace or prlimit), /logs is an empty tmpfs
 # (the reward folder is out of its sight and reach), /tmp is a small tmpfs of its own (it cannot fill the
-# verifier's), the system and /tests are read-only, and the work tree /app is as the agent left it. Whatever it
-# leaves running dies with it; its exit status is the command's. Where a sandbox cannot be nested it refuses
-# (status 125) rather than run the code unisolated.
+# verifier's), the system is read-only, /tests is empty but for what the task lets it read, and the work tree /app
+# is as the agent left it. Whatever it leaves running dies with it; its exit status is the command's. Where a
+# sandbox cannot be nested it refuses (status 125) rather than run the code unisolated.
 JUDGE_DIR = "/opt/verifier"
 JUDGE_TMP_MB = 64
 _JUDGE_SCRIPT = """#!/bin/bash
@@ -97,8 +97,20 @@ if [ $# -eq 0 ]; then echo "judge: usage: judge COMMAND [ARG...]" >&2; exit 2; f
 [ -x "$bwrap" ] && "$bwrap" --unshare-all --die-with-parent --ro-bind / / /bin/sh -c : 2>/dev/null || {{
   echo "judge: cannot isolate the code under test: this host cannot nest a sandbox (unprivileged user namespaces)" >&2
   exit 125; }}
+# The verifier's files stay out of sight: /tests is an empty folder but for the files the task lets the code under
+# test read ([verifier].judge_reads in task.toml, passed as MC_JUDGE_READS, paths under /tests separated by ':').
+tests=()
+if [ -d /tests ]; then
+  tests=(--tmpfs /tests)
+  IFS=: read -r -a reads <<< "${{MC_JUDGE_READS:-}}"
+  for f in "${{reads[@]}}"; do
+    [ -n "$f" ] && [ -e "/tests/$f" ] && tests+=(--ro-bind "/tests/$f" "/tests/$f")
+  done
+  tests+=(--remount-ro /tests)
+fi
 exec "$bwrap" --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
-  --size {tmp_bytes} --tmpfs /tmp --tmpfs /logs --tmpfs {judge_dir} --chdir "$PWD" -- "$@"
+  --size {tmp_bytes} --tmpfs /tmp --tmpfs /logs --tmpfs {judge_dir} "${{tests[@]}}" --unsetenv MC_JUDGE_READS \\
+  --chdir "$PWD" -- "$@"
 """
 
 

@@ -12,7 +12,7 @@ from rl.envs.agent import AGENT_TOOLS
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.sandbox.local import LocalBackend, bwrap_problem
-from tools.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns
+from tools.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns, write_task
 
 needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
 
@@ -131,3 +131,41 @@ def test_compact_profile_fits_small_contexts_and_limits_the_tools(tmp_path):
         agent_profile("tiny")
     with pytest.raises(ValueError, match="unknown tool"):
         ToolBox(sandbox=None, tools=("read_file", "teleport"))
+
+
+# The verdicts hold against the agent's shortcuts ---------------------------------------------------------------
+def _spec(kind: str):
+    return sample_specs(1, seed=5, kinds=(kind,))[0]
+
+
+def _fix_test_attacks(spec) -> dict[str, str]:
+    module, fn, _, x, y = spec.key
+    visible = [line for line in spec.files[f"test_{module}.py"].splitlines() if "assertEqual" in line][0]
+    value = visible.rsplit(",", 1)[1].strip(" )")
+    return {
+        # a namespace package of the test's and of the module's names: imports find nothing, 0 tests run
+        "namespace-packages": f"rm {module}.py test_{module}.py && mkdir test_{module}.py test_{module} {module}",
+        # the module ends the process with success as it loads
+        "exit-zero-on-load": f"printf 'import os\\nos._exit(0)\\n' > {module}.py",
+        # the module answers the case the agent can see, whatever the arguments
+        "answer-the-visible-case": f"printf 'def {fn}(a, b):\\n    return {value}\\n' > {module}.py",
+    }
+
+
+@needs_bwrap
+@pytest.mark.parametrize("attack", ["namespace-packages", "exit-zero-on-load", "answer-the-visible-case"])
+def test_fix_test_verdict_is_taken_outside_the_code_under_test(tmp_path, attack):
+    spec = _spec("fix_test")
+    d = write_task(spec, tmp_path)
+    (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + _fix_test_attacks(spec)[attack] + "\n")
+    assert check_task(load_harbor_task(d), LocalBackend(), oracle=True, log=lambda *_: None).reward == 0.0
+
+
+@needs_bwrap
+@pytest.mark.parametrize("kind", ["command_output", "replace_word"])
+def test_a_link_to_the_expected_file_is_not_the_answer(tmp_path, kind):
+    spec = _spec(kind)
+    d = write_task(spec, tmp_path)
+    target = spec.values[1] if kind == "command_output" else spec.values[0]
+    (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\nrm -f {target}; ln -s /tests/expected.txt {target}\n")
+    assert check_task(load_harbor_task(d), LocalBackend(), oracle=True, log=lambda *_: None).reward == 0.0

@@ -639,3 +639,29 @@ def test_a_hostile_service_cannot_reach_the_verifier(tmp_path, backend, episode)
     result = run_solution(task, backend, episode=episode)
     assert result.reward == 0.0 and "error" not in result.details, (result.details, result.output)
     assert result.details["background_processes"] >= 2  # the server and the hunter (and its sleep, at times)
+
+
+
+# The answer key: inside `judge`, /tests is empty but for what the task lets the code under test read ------------
+LOOKS_FOR_THE_KEY = """#!/bin/bash
+seen=$(/opt/verifier/bin/judge sh -c 'cat /tests/expected.txt /tests/test.sh 2>/dev/null; ls -a /tests')
+visible=$(/opt/verifier/bin/judge cat /tests/visible.txt)
+if echo "$seen" | grep -q -x -e s3cr3t -e '#!/bin/bash' -e expected.txt -e test.sh || [ "$visible" != shown ]
+then echo 1; else echo 0; fi \\
+  > /logs/verifier/reward.txt
+"""
+
+
+def test_the_code_under_test_sees_no_answer_key(tmp_path, backend):
+    """The verifier's expected output and its own script are out of the judged code's sight; a file the task
+    names in [verifier].judge_reads is there, read-only. A name that would leave /tests is refused at load."""
+    task = make_task(tmp_path, "answer-key", "true\n", verifier=LOOKS_FOR_THE_KEY)
+    toml = (task / "task.toml").read_text().replace("[verifier]\n", '[verifier]\njudge_reads = ["visible.txt"]\n')
+    (task / "task.toml").write_text(toml)
+    (task / "tests" / "expected.txt").write_text("s3cr3t\n")
+    (task / "tests" / "visible.txt").write_text("shown\n")
+    assert run_attack(task, backend) == 0.0
+    for bad in ('["../logs/verifier/reward.txt"]', '["/tests/visible.txt"]', '["missing.txt"]', '"visible.txt"'):
+        (task / "task.toml").write_text(toml.replace('["visible.txt"]', bad))
+        with pytest.raises(TaskError, match="judge_reads"):
+            load_harbor_task(task)
