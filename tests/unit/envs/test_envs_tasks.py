@@ -1,6 +1,7 @@
 """The bundled Harbor tasks: untouched they score 0, after their reference solution 1, through the sandbox and
 the agent tool protocol; loaders reject broken task folders with messages naming the file and field."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from rl.envs.harbor import load_harbor_task
 from rl.envs.task import TaskError, prepare_task
 from rl.sandbox.local import LocalBackend, bwrap_problem
 from rl.sandbox.pool import SandboxPool
+from tools import case_harness
 
 REPO = Path(__file__).resolve().parents[3]
 # What the host system (standing in for the task images) needs for each kind of bundled task.
@@ -26,6 +28,39 @@ needs_bwrap = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubble
 def pool():
     with SandboxPool(LocalBackend(), prepare_task, concurrency=2) as p:
         yield p
+
+
+def test_bundled_tasks_take_their_verdict_from_the_case_harness():
+    """Each bundled task's harness is the project's (tools/case_harness.py), and each case has its expected
+    output (tools/make_task_cases.py) and a program to print what the code computes."""
+    canonical = (REPO / "tools" / "case_harness.py").read_text()
+    for task in TASKS:
+        assert (task / "tests" / "harness.py").read_text() == canonical, task.name
+        cases = json.loads((task / "tests" / "cases.json").read_text())["cases"]
+        assert cases and all(c["argv"] and c["expect"] for c in cases), task.name
+        assert "harness.py /tests/cases.json" in (task / "tests" / "test.sh").read_text(), task.name
+
+
+def test_the_case_harness_passes_only_exact_output_and_success(tmp_path):
+    """Run here without `judge` (it runs the children directly where there is none): a case passes on exit 0 and
+    exactly the expected text; a wrong value, a failing exit and a flood do not; nor does an empty file."""
+    py = [sys.executable, "-c"]
+    cases = {"right": (py + ["print(42)"], "42\n", True),
+             "no trailing newline": (py + ["print(42, end='')"], "42\n", True),
+             "wrong": (py + ["print(41)"], "42", False),
+             "exits 1": (py + ["print(42); raise SystemExit(1)"], "42", False),
+             "exits 0 early": (py + ["import os; os._exit(0)"], "42", False),
+             "flood": (py + ["import sys; sys.stdout.write('42' * 10**6)"], "42", False),
+             "stdin": (py + ["print(input()[::-1])"], "cba", True)}
+    for name, (argv, expect, want) in cases.items():
+        case = {"name": name, "argv": argv, "expect": expect, **({"stdin": "abc"} if name == "stdin" else {})}
+        assert case_harness.run_case(case, [])[0] is want, name
+    path = tmp_path / "cases.json"
+    for listed, code in (([], 1), (["right", "stdin"], 0), (["right", "wrong"], 1)):
+        path.write_text(json.dumps({"cases": [{"name": n, "argv": cases[n][0], "expect": cases[n][1],
+                                               "stdin": "abc"} for n in listed]}))
+        assert subprocess.run([sys.executable, "-I", str(REPO / "tools" / "case_harness.py"), str(path)],
+                              capture_output=True).returncode == code, listed
 
 
 def test_bundled_tasks_cover_three_languages():

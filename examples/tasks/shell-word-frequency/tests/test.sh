@@ -1,11 +1,10 @@
 #!/bin/bash
-# Verifier: the task's tests decide the reward (1 when all pass, 0 otherwise). They run inside `judge`, the local
-# backend's sandbox nested in this one (rl/sandbox/local.py), where the code under test cannot reach this script,
-# its processes or its reward folder; a backend without it runs them here.
+# Verifier: 1 when every case of cases.json passes, 0 otherwise. Each case runs in its own child under `judge` (the
+# local backend's sandbox nested in this one, where /tests is empty) and prints what the code under test computes;
+# the harness, which never loads that code, compares it with the expected output (tools/case_harness.py).
 mkdir -p /logs/verifier
 cd /app
-judge=/opt/verifier/bin/judge; [ -x "$judge" ] || judge=
-if $judge bash /tests/check.sh; then
+if python3 -I /tests/harness.py /tests/cases.json; then
   echo 1 > /logs/verifier/reward.txt
 else
   echo 0 > /logs/verifier/reward.txt
