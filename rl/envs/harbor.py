@@ -121,7 +121,7 @@ def unknown_keys(data: dict, toml_path: Path) -> list[str]:
     return out
 
 
-AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/var/tmp", "/dev/shm")
+AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/var", "/run", "/dev/shm")
 
 
 def writable_search_paths(envs: dict[str, dict[str, str]], task_dir: Path) -> list[str]:

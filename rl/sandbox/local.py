@@ -4,8 +4,8 @@ A sandbox's agent commands share one episode, as a container's do: user, pid, ne
 namespaces of their own, held by a keeper shell (the init of the episode's pid namespace), so that what one
 command leaves running in the background serves the next and the verifier. The sandbox sees the host's system
 directories read-only (they stand in for a container image), its own copy of the task tree at /app, and
-private /tmp and /logs; nothing else of the host exists inside (no /root, /home, /work, no host processes,
-only a loopback network). The new root, /dev and /var are read-only; /dev/shm is a small tmpfs.
+private /tmp, /logs, /var and /run; nothing else of the host exists inside (no /root, /home, /work, no host
+processes, only a loopback network). The new root and /dev are read-only; /dev/shm is a small tmpfs.
 When the host user is root, commands run as a fresh unprivileged uid per sandbox, so file permissions protect
 host secrets and RLIMIT_NPROC (which root ignores) bounds the process count; where unprivileged user
 namespaces are disabled, bwrap runs as root without one and the command drops to that uid with setpriv.
@@ -67,8 +67,11 @@ SANDBOX_UID_INSIDE = 1000
 # Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
 UID_BASE = 3_000_000
 UID_RANGE = 1_000_000
-# Writable directories every sandbox has; the task tree lives under /app (Harbor's convention).
-WRITABLE_DIRS = ("app", "tmp", "logs")
+# Writable directories every sandbox has; the task tree lives under /app (Harbor's convention). /var (log, lib,
+# cache, spool; /var/tmp is /tmp) and /run are where services keep their logs, state and pid files, as in a
+# container; like /app they are the sandbox's for the whole episode, while /tmp and /logs are the verifier's own.
+WRITABLE_DIRS = ("app", "tmp", "logs", "var", "run")
+VAR_DIRS = ("log", "lib", "cache", "spool")
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # Readable by root only; masked in case the sandbox user can read them anyway.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
@@ -79,7 +82,7 @@ ROOT_CAPS = ("--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", 
 ROOT_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                    *ROOT_CAPS)
 RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs",
-                  "/opt/verifier")
+                  "/var", "/run", "/opt/verifier")
 # The verifier phase's own tools, read-only at /opt/verifier/bin. `judge COMMAND...` runs the code under test in a
 # sandbox nested in the verifier's: its own user, pid, ipc, network, uts and mount namespaces, so the verifier's
 # shell and processes do not exist for it (nothing to signal, stop, ptrace or prlimit), /logs is an empty tmpfs
@@ -377,6 +380,9 @@ class LocalSandbox(Sandbox):
             d.mkdir()
         (dirs["logs"] / "verifier").mkdir()
         (dirs["logs"] / "agent").mkdir()
+        for name in VAR_DIRS:
+            (dirs["var"] / name).mkdir()
+        (dirs["var"] / "tmp").symlink_to("../tmp")  # resolved inside the sandbox: /var/tmp is /tmp
         return dirs
 
     @property
@@ -479,7 +485,7 @@ class LocalSandbox(Sandbox):
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
         argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
-                 "--tmpfs", "/dev/shm", "--dir", "/var", "--symlink", "../tmp", "/var/tmp"]
+                 "--tmpfs", "/dev/shm"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self._dirs[d]), f"/{d}"]
         bind = "--ro-bind" if self._verifier_root is not None else "--bind"

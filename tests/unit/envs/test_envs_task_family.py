@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from megatron_composer.data.chat_format import ChatMLFormat
-from megatron_composer.data.chat_template import structured_tool_calls
-from rl.envs.agent import AGENT_TOOLS
+from megatron_composer.data.chat_template import format_tool_call, structured_tool_calls
+from rl.envs.agent import AGENT_TOOLS, ScriptedPolicy, run_episode
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
+from rl.envs.task import prepare_task
 from rl.sandbox.local import LocalBackend, bwrap_problem
 from tools.task_family import KINDS, generate_splits, sample_specs, solution_transcripts, solution_turns, write_task
 
@@ -158,7 +159,7 @@ def test_fix_test_verdict_is_taken_outside_the_code_under_test(tmp_path, attack)
     spec = _spec("fix_test")
     d = write_task(spec, tmp_path)
     (d / "solution" / "solve.sh").write_text("#!/bin/bash\n" + _fix_test_attacks(spec)[attack] + "\n")
-    assert check_task(load_harbor_task(d), LocalBackend(), oracle=True, log=lambda *_: None).reward == 0.0
+    _both_paths_score_zero(d)
 
 
 @needs_bwrap
@@ -168,4 +169,18 @@ def test_a_link_to_the_expected_file_is_not_the_answer(tmp_path, kind):
     d = write_task(spec, tmp_path)
     target = spec.values[1] if kind == "command_output" else spec.values[0]
     (d / "solution" / "solve.sh").write_text(f"#!/bin/bash\nrm -f {target}; ln -s /tests/expected.txt {target}\n")
-    assert check_task(load_harbor_task(d), LocalBackend(), oracle=True, log=lambda *_: None).reward == 0.0
+    _both_paths_score_zero(d)
+
+
+def _both_paths_score_zero(task_dir: Path) -> None:
+    """The shortcut, as `check_task --oracle` plays solve.sh and as a rollout's agent sends it through `run`."""
+    task, backend = load_harbor_task(task_dir), LocalBackend()
+    assert check_task(task, backend, oracle=True, log=lambda *_: None).reward == 0.0
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sandbox:
+            turns = [format_tool_call("run", {"command": task.solution.as_commands()[0]})
+                     + format_tool_call("submit", {})]
+            assert run_episode(task, sandbox, ScriptedPolicy(turns)).reward == 0.0
+    finally:
+        snapshot.discard()

@@ -119,8 +119,9 @@ def test_cannot_write_outside_task_tree(sbx, tmp_path):
     victim = tmp_path / "victim"
     res = sbx.exec(f"touch /usr/evil /etc/evil /evil /dev/evil /var/evil; mkdir -p {tmp_path}; touch {victim}; "
                    "echo ok > /app/fine")
-    assert res.output.count("Read-only file system") >= 5
+    assert res.output.count("Read-only file system") >= 4
     assert not Path("/usr/evil").exists() and not Path("/etc/evil").exists() and not victim.exists()
+    assert not Path("/var/evil").exists() and sbx.read_file("/var/evil", 0) == b""  # the sandbox's own /var
     assert (sbx.app_dir / "fine").read_text() == "ok\n"
 
 
@@ -199,6 +200,20 @@ def test_background_processes_live_for_the_episode_and_die_with_it(sbx):
     assert res.output.split()[-1] == "3" and sbx.exec("true").background_processes == 0
     assert sbx.end_episode() == 3 and _host_processes_with(marker) == []
     assert sbx.exec("echo fresh").output == "fresh\n"  # the next command starts a new episode
+
+
+def test_services_have_the_usual_writable_system_paths(sbx):
+    """/var/log, /var/lib, /var/cache, /var/spool and /run are writable (on the sandbox's own disk) and outlive the
+    agent phase, so the verifier can read a service's log; /var/tmp is /tmp; the system stays read-only."""
+    res = sbx.exec("mkdir -p /var/log/svc /var/lib/db /var/cache/c /var/spool/s /run/svc && "
+                   "(setsid bash -c 'echo started > /var/log/svc/out.log; exec sleep 1000' >/dev/null 2>&1 &) && "
+                   "echo 7 > /run/svc/pid && touch /var/tmp/t && ls /tmp && "
+                   "for p in /usr/x /etc/x /opt/x /x; do touch $p 2>/dev/null && echo wrote $p; done; true")
+    assert res.output.split() == ["t"], res.output
+    sbx.enter_verifier()
+    res = sbx.exec("sleep 0.2; cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/")
+    assert res.output.split() == ["started", "7"], res.output  # the verifier's /tmp (and /var/tmp) are its own
+    assert sbx.read_file("/run/svc/pid", 16) == b"7\n"
 
 
 def test_closing_the_sandbox_ends_its_background_processes(tmp_path, sandbox_parent):
