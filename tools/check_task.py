@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rl.envs.check_task import check_task, load_task, make_backend, printable  # noqa: E402
+from rl.envs.harbor import TaskFormatWarning  # noqa: E402
 from rl.envs.task import TaskError  # noqa: E402
 from rl.sandbox import SandboxError  # noqa: E402
 from rl.sandbox.leftovers import release_on_signals  # noqa: E402
@@ -36,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     release_on_signals()  # a stopped check leaves no sandbox, mount or cgroup behind
     try:
-        task = load_task(args.task, args.instance, args.repos)
+        with warnings.catch_warnings():  # a task's format notes are printed once, as check_task's "note:" lines
+            warnings.simplefilter("ignore", TaskFormatWarning)
+            task = load_task(args.task, args.instance, args.repos)
         backend = make_backend(args.backend)
         result = check_task(task, backend, args.oracle)
     except (TaskError, SandboxError) as e:

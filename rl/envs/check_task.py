@@ -42,12 +42,12 @@ def make_backend(name: str, limits: SandboxLimits | None = None):
 def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
     for note in task.notes:
         log(printable(f"note: {note}"))
+    if oracle and task.solution is None:  # said before any setup runs
+        raise TaskError(f"{task.source or task.name} has no reference solution (solution/solve.sh)")
     snapshot = prepare_task(task, backend)
     try:
         with backend.fork(snapshot) as sandbox:
             if oracle:
-                if task.solution is None:
-                    raise TaskError(f"{task.source or task.name} has no reference solution (solution/solve.sh)")
                 res = task.solution.apply(sandbox, task)
                 log(printable(f"solution: {res.describe()}"))
                 if res.output.strip():

@@ -1,7 +1,8 @@
 """Read a task's environment/Dockerfile into setup steps a local sandbox can honour.
 
-The host's system stands in for the FROM image. WORKDIR, ENV, ARG, COPY/ADD of the build context's own files
-and RUN become setup steps run once when the task is prepared. Instructions that only describe a container
+The host's system stands in for the FROM image (`--platform` is read past). WORKDIR, ENV, ARG, COPY/ADD of the
+build context's own files and RUN (BuildKit heredocs included: a body that feeds the command, or the script itself)
+become setup steps run once when the task is prepared. Instructions that only describe a container
 (LABEL, EXPOSE, CMD, ...) have no effect on a task and are noted; anything else (USER, VOLUME, multi-stage
 builds, COPY --from, ADD of a URL, files placed outside /app) is named in an error that points to a container
 backend.
@@ -41,11 +42,18 @@ class DockerfilePlan:
     notes: list[str] = field(default_factory=list)
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, instruction text) with continuations joined and comments dropped."""
-    out, buf, start = [], [], 0
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.rstrip()
+# A BuildKit heredoc: <<EOF, <<-EOF, <<"EOF" or <<'EOF' in a RUN, COPY or ADD line; its body follows the line.
+_HEREDOC_RE = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+
+
+def _logical_lines(text: str, path: Path) -> list[tuple[int, str]]:
+    """(first line number, instruction text) with continuations joined and comments dropped. The bodies of a RUN,
+    COPY or ADD line's heredocs follow it verbatim, each line after a newline, through its terminator."""
+    lines = text.splitlines()
+    out, buf, start, i = [], [], 0, 0
+    while i < len(lines):
+        line = lines[i].rstrip()
+        i += 1
         if not buf and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if buf and line.lstrip().startswith("#"):
@@ -56,11 +64,37 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
             buf.append(line[:-1])
             continue
         buf.append(line)
-        out.append((start, " ".join(s.strip() for s in buf)))
+        instruction = " ".join(s.strip() for s in buf)
         buf = []
+        if instruction.split(" ", 1)[0].upper() in ("RUN", "COPY", "ADD"):
+            for strip_tabs, _, word in _HEREDOC_RE.findall(instruction):
+                body = []
+                while i < len(lines):
+                    raw = lines[i]
+                    i += 1
+                    raw = raw.lstrip("\t") if strip_tabs else raw  # <<-: leading tabs go, as in the shell
+                    if raw == word:
+                        break
+                    body.append(raw)
+                else:
+                    raise TaskError(f"{path}:{start}: the heredoc <<{word} has no closing {word} line")
+                instruction += "\n" + "\n".join(body + [word])
+        out.append((start, instruction))
     if buf:
         out.append((start, " ".join(s.strip() for s in buf)))
     return out
+
+
+def _heredoc_run(rest: str) -> str:
+    """The shell command of `RUN <<EOF ... EOF` (BuildKit runs the body as a script; a #! line names its
+    interpreter); a RUN line whose heredocs feed a command (`RUN cat > f <<EOF`) is already one for bash."""
+    head, _, body = rest.partition("\n")
+    if not _HEREDOC_RE.fullmatch(head.strip()):
+        return rest
+    script = body.rsplit("\n", 1)[0] if "\n" in body else ""
+    if script.startswith("#!"):
+        return f"cat > /tmp/mc-run <<'MC_RUN_EOF'\n{script}\nMC_RUN_EOF\nchmod +x /tmp/mc-run && /tmp/mc-run"
+    return script
 
 
 def _substitute(text: str, variables: dict[str, str]) -> str:
@@ -94,19 +128,20 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
     variables: dict[str, str] = {}
     seen_from = False
     text = path.read_text()
-    for lineno, line in _logical_lines(text):
+    for lineno, line in _logical_lines(text, path):
         where = f"{path}:{lineno}"
         keyword, _, rest = line.partition(" ")
         keyword = keyword.upper()
         rest = rest.strip()
-        if keyword in ("RUN", "COPY", "ADD") and rest.startswith("<<"):
-            raise UnsupportedDockerfile(f"{where}: {keyword} with a Dockerfile heredoc is not supported by the "
-                                        "local backend; use a container backend")
+        if keyword in ("COPY", "ADD") and _HEREDOC_RE.search(rest):
+            raise UnsupportedDockerfile(f"{where}: {keyword} of an inline file (a heredoc) is not supported by the "
+                                        "local backend; write the file with RUN, or use a container backend")
         if keyword == "FROM":
             if seen_from:
                 raise UnsupportedDockerfile(f"{where}: multi-stage builds (a second FROM) need a container backend")
             seen_from = True
-            plan.base_image = rest.split()[0] if rest else None
+            image = [w for w in rest.split() if not w.startswith("--")]  # --platform=...: the host's is used
+            plan.base_image = image[0] if image else None
             plan.notes.append(f"{where}: FROM {plan.base_image}: the host's system stands in for the image")
         elif keyword == "ARG":
             name, eq, default = rest.partition("=")
@@ -140,7 +175,7 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             plan.steps.extend(_copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env}))
         elif keyword == "RUN":
             args = _args(rest) if rest.startswith("[") else None
-            command = shlex.join(args) if args is not None else rest
+            command = shlex.join(args) if args is not None else _heredoc_run(rest)
             if command.startswith("--"):
                 raise UnsupportedDockerfile(f"{where}: RUN flags ({command.split()[0]}) need a container backend")
             plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))

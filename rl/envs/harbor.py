@@ -24,6 +24,8 @@ import re
 import warnings
 from pathlib import Path
 
+import yaml
+
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
 
@@ -139,6 +141,31 @@ def writable_search_paths(envs: dict[str, dict[str, str]], task_dir: Path) -> li
     return out
 
 
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+
+
+def compose_notes(environment_dir: Path) -> list[str]:
+    """A compose file beside the Dockerfile: one service (the task's own container, as Terminal-Bench writes it)
+    is a note, since its settings beyond the build are not applied; several services (a multi-container task) are
+    refused in one line."""
+    for name in COMPOSE_FILES:
+        path = environment_dir / name
+        if not path.is_file():
+            continue
+        try:
+            services = (yaml.safe_load(path.read_text()) or {}).get("services") or {}
+        except (yaml.YAMLError, AttributeError) as e:
+            raise TaskError(f"{path} is not a compose file: {str(e).splitlines()[0][:120]}") from None
+        if not isinstance(services, dict):
+            raise TaskError(f"{path}: services must be a mapping of service names")
+        if len(services) > 1:
+            raise TaskError(f"{path}: a multi-container task ({', '.join(sorted(services))}) is not supported: "
+                            "every backend here runs one container per sample")
+        return [f"{path}: the compose file's settings beyond the build (ports, volumes, environment) are not "
+                "applied; the task runs as one sandbox"]
+    return []
+
+
 def check_inside(task_dir: Path) -> None:
     """Refuse any file or folder of the task that resolves outside it (symlinks to the host's files)."""
     root = os.path.realpath(task_dir)
@@ -202,6 +229,7 @@ def load_harbor_task(task_dir: str | Path) -> Task:
             {"task environment": env, "verifier environment": _env(verifier_t, where)}, task_dir):
         warnings.warn(note, TaskFormatWarning, stacklevel=2)
         notes.append(note)
+    notes += compose_notes(environment_dir)
     if env_t.get("allow_internet"):
         notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
     solution_dir = task_dir / "solution"

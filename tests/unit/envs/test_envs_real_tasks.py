@@ -251,6 +251,40 @@ def test_run_apt_get_names_the_backends_that_can(tmp_path):
     assert "container backend (--backend docker, podman or apptainer)" in last
 
 
+@needs_bwrap
+def test_buildkit_heredocs_and_from_platform_are_read_as_docker_reads_them(tmp_path):
+    """`FROM --platform=... IMAGE` names IMAGE; a heredoc feeding a RUN command and a RUN whose body is the script
+    (plain or with a #! line) run as BuildKit runs them; their bodies are not read as instructions."""
+    task_dir = hello_world(tmp_path)
+    (task_dir / "environment" / "Dockerfile").write_text(textwrap.dedent("""\
+        FROM --platform=linux/amd64 python:3.12-slim AS base
+        WORKDIR /app
+        RUN cat > notes.txt <<'EOF'
+        NAME: not an instruction
+        $HOME stays as written
+        EOF
+        RUN <<EOF
+        echo from-script > script.txt
+        EOF
+        RUN <<-PY
+        \t#!/usr/bin/env python3
+        \topen("/app/python.txt", "w").write("from-python")
+        \tPY
+        """))
+    task = load_harbor_task(task_dir)
+    assert any("FROM python:3.12-slim" in note for note in task.notes)
+    snapshot = prepare_task(task, LocalBackend())
+    try:
+        files = {p.name: p.read_text() for p in snapshot.path.iterdir() if p.suffix == ".txt"}
+    finally:
+        snapshot.discard()
+    assert files == {"notes.txt": "NAME: not an instruction\n$HOME stays as written\n", "script.txt": "from-script\n",
+                     "python.txt": "from-python"}, files
+    (task_dir / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nRUN cat <<EOF\nnever closed\n")
+    with pytest.raises(TaskError, match=r"Dockerfile:2: the heredoc <<EOF has no closing EOF line"):
+        load_harbor_task(task_dir)
+
+
 def test_workdir_outside_task_names_the_backends(tmp_path):
     task_dir = hello_world(tmp_path)
     (task_dir / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /opt/project\n")
@@ -287,3 +321,30 @@ def test_unknown_task_toml_keys_warn(tmp_path):
     assert any("unknown key [environment].gpu_count is ignored" in m for m in messages), messages
     assert any("unknown key [agent].extra is ignored" in m for m in messages), messages
     assert messages == [n for n in task.notes if "unknown key" in n]  # check_task prints the notes too
+
+
+@needs_bwrap
+def test_check_task_says_each_note_once_and_a_missing_solution_before_setup(tmp_path):
+    task_dir = hello_world(tmp_path)
+    with open(task_dir / "task.toml", "a") as f:
+        f.write("gpu_count = 1\n")
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert (res.stdout + res.stderr).count("unknown key [environment].gpu_count") == 1, res.stdout + res.stderr
+    (task_dir / "solution" / "solve.sh").unlink()
+    (task_dir / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nRUN exit 7\n")
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(task_dir), "--oracle"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "has no reference solution" in res.stderr and "setup" not in res.stderr, res.stderr
+
+
+def test_a_compose_file_is_read_not_ignored(tmp_path):
+    """Terminal-Bench's one-service compose file is a note; a multi-container task is refused in one line."""
+    task_dir = hello_world(tmp_path)
+    compose = task_dir / "environment" / "docker-compose.yaml"
+    compose.write_text("services:\n  client:\n    build: .\n    environment:\n      - TEST_DIR=/tests\n")
+    notes = load_harbor_task(task_dir).notes
+    assert any(f"{compose}: the compose file's settings beyond the build" in n for n in notes), notes
+    compose.write_text("services:\n  client:\n    build: .\n  db:\n    image: postgres:16\n")
+    with pytest.raises(TaskError, match=r"a multi-container task \(client, db\) is not supported"):
+        load_harbor_task(task_dir)
