@@ -2,8 +2,9 @@
 
     task/
       instruction.md          what the agent is asked to do
-      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env, reward_range and judge_reads
-                              ([low, high], default [0, 1]),
+      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env, reward_range
+                              ([low, high], default [0, 1]) and judge_reads (files of tests/ the code under
+                              test may read inside `judge`),
                               [environment] build_timeout_sec, memory_mb (or memory = "2G"), cpus,
                               storage_mb (or storage), docker_image, env
       environment/Dockerfile  the machine; build context environment/ (optional: empty /app otherwise)
@@ -13,21 +14,22 @@
 
 The working tree is /app. `[agent].max_turns` is read as an extension (default 50). Keys this loader does not
 know are named in a TaskFormatWarning (and the task's notes): they have no effect here. A file or folder of the
-task that resolves outside the task folder (a symlink to the host) is refused.
+task that resolves outside the task folder (a symlink to the host) is refused. A compose file beside the
+Dockerfile is a note with one service and refused with several. A Terminal-Bench 1 folder (task.yaml, no
+instruction.md) is read by rl/envs/terminal_bench.py into the same Task.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 import warnings
 from pathlib import Path
 
-import yaml
-
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
+from rl.envs.task_folder import check_inside, compose_notes
+from rl.envs.terminal_bench import load_terminal_bench_task
 
 try:
     import tomllib
@@ -141,43 +143,6 @@ def writable_search_paths(envs: dict[str, dict[str, str]], task_dir: Path) -> li
     return out
 
 
-COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
-
-
-def compose_notes(environment_dir: Path) -> list[str]:
-    """A compose file beside the Dockerfile: one service (the task's own container, as Terminal-Bench writes it)
-    is a note, since its settings beyond the build are not applied; several services (a multi-container task) are
-    refused in one line."""
-    for name in COMPOSE_FILES:
-        path = environment_dir / name
-        if not path.is_file():
-            continue
-        try:
-            services = (yaml.safe_load(path.read_text()) or {}).get("services") or {}
-        except (yaml.YAMLError, AttributeError) as e:
-            raise TaskError(f"{path} is not a compose file: {str(e).splitlines()[0][:120]}") from None
-        if not isinstance(services, dict):
-            raise TaskError(f"{path}: services must be a mapping of service names")
-        if len(services) > 1:
-            raise TaskError(f"{path}: a multi-container task ({', '.join(sorted(services))}) is not supported: "
-                            "every backend here runs one container per sample")
-        return [f"{path}: the compose file's settings beyond the build (ports, volumes, environment) are not "
-                "applied; the task runs as one sandbox"]
-    return []
-
-
-def check_inside(task_dir: Path) -> None:
-    """Refuse any file or folder of the task that resolves outside it (symlinks to the host's files)."""
-    root = os.path.realpath(task_dir)
-    for dirpath, dirnames, filenames in os.walk(task_dir):
-        for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            real = os.path.realpath(path)
-            if real != root and not real.startswith(root + os.sep):
-                raise TaskError(f"{path} resolves outside the task folder (to {real}); a task may only use its "
-                                "own files: replace the symlink with the files themselves")
-
-
 def read_task_toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text())
@@ -192,6 +157,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     instruction_path = task_dir / "instruction.md"
     toml_path = task_dir / "task.toml"
     test_sh = task_dir / "tests" / "test.sh"
+    if not instruction_path.is_file() and (task_dir / "task.yaml").is_file():
+        return load_terminal_bench_task(task_dir)  # a Terminal-Bench 1 folder
     if not instruction_path.is_file():
         raise TaskError(f"{task_dir} has no instruction.md: a Harbor task states its instruction there")
     if not toml_path.is_file():

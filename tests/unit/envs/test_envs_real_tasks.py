@@ -348,3 +348,85 @@ def test_a_compose_file_is_read_not_ignored(tmp_path):
     compose.write_text("services:\n  client:\n    build: .\n  db:\n    image: postgres:16\n")
     with pytest.raises(TaskError, match=r"a multi-container task \(client, db\) is not supported"):
         load_harbor_task(task_dir)
+
+
+# Terminal-Bench 1 folders ---------------------------------------------------------------------------------------
+TB1_YAML = """\
+instruction: |-
+  Create the file /app/hello.txt containing "Hello, world!".
+author_email: author@example.com
+difficulty: easy
+category: file-operations
+tags:
+  - file-operations
+parser_name: pytest
+max_agent_timeout_sec: 120.0
+max_test_timeout_sec: 60.0
+run_tests_in_same_shell: false
+"""
+TB1_COMPOSE = """\
+services:
+  client:
+    build:
+      dockerfile: Dockerfile
+    image: ${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}
+    container_name: ${T_BENCH_TASK_DOCKER_CLIENT_CONTAINER_NAME}
+    command: [ "sh", "-c", "sleep infinity" ]
+    environment:
+      - TEST_DIR=${T_BENCH_TEST_DIR}
+"""
+
+
+def tb1_task(tmp_path: Path, solution: str = "solution.sh") -> Path:
+    """A Terminal-Bench 1 task as its registry holds them; run-tests.sh runs the pytest-style test file with the
+    small runner above (upstream's installs pytest with uv, which needs the network)."""
+    root = tmp_path / "hello-world-tb1"
+    (root / "tests").mkdir(parents=True)
+    (root / "task.yaml").write_text(TB1_YAML)
+    (root / "Dockerfile").write_text("FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n")
+    (root / "docker-compose.yaml").write_text(TB1_COMPOSE)
+    (root / "tests" / "runner.py").write_text(RUNNER)
+    (root / "tests" / "test_outputs.py").write_text(
+        "from pathlib import Path\n\n\ndef test_hello_file_exists():\n    assert Path('/app/hello.txt').exists()\n\n\n"
+        "def test_hello_file_content():\n    assert Path('/app/hello.txt').read_text().strip() == 'Hello, world!'\n")
+    (root / "run-tests.sh").write_text("#!/bin/bash\npython3 -I $TEST_DIR/runner.py $TEST_DIR/test_outputs.py\n")
+    if solution == "solution.sh":
+        (root / "solution.sh").write_text("#!/bin/bash\necho 'Hello, world!' > /app/hello.txt\n")
+    else:
+        (root / "solution.yaml").write_text("- command: echo 'Hello, world!' > hello.txt\n  min_timeout_sec: 0.1\n"
+                                            "- command: cat hello.txt\n")
+    return root
+
+
+@needs_bwrap
+@pytest.mark.parametrize("solution", ["solution.sh", "solution.yaml"])
+def test_a_terminal_bench_1_task_runs_as_written(tmp_path, solution):
+    task_dir = tb1_task(tmp_path, solution)
+    task = load_harbor_task(task_dir)
+    assert task.instruction.startswith("Create the file /app/hello.txt") and task.limits.verifier_timeout_s == 60
+    assert any("compose file's settings beyond the build" in n for n in task.notes)
+    backend = LocalBackend()
+    untouched = check_task(task, backend, oracle=False, log=lambda s: None)
+    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    assert (untouched.reward, solved.reward) == (0.0, 1.0), (untouched.details, solved.output[-2000:])
+    assert untouched.details["failing"] == ["test_hello_file_content", "test_hello_file_exists"]
+
+
+def test_terminal_bench_1_folders_that_cannot_run_say_why(tmp_path):
+    task_dir = tb1_task(tmp_path)
+    (task_dir / "task.yaml").write_text("descriptions:\n  - key: base\n    description: From the old field.\n")
+    assert load_harbor_task(task_dir).instruction == "From the old field."
+    (task_dir / "task.yaml").write_text("difficulty: easy\n")
+    with pytest.raises(TaskError, match=r"task.yaml has no instruction"):
+        load_harbor_task(task_dir)
+    (task_dir / "task.yaml").write_text(TB1_YAML.replace("parser_name: pytest", "parser_name: swebench"))
+    with pytest.raises(TaskError, match=r"parser_name 'swebench' is not supported"):
+        load_harbor_task(task_dir)
+
+
+@needs_bwrap
+def test_terminal_bench_1_tests_that_report_nothing_are_an_error(tmp_path):
+    task_dir = tb1_task(tmp_path)
+    (task_dir / "run-tests.sh").write_text("#!/bin/bash\necho 'all good'\n")
+    result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
+    assert result.reward == 0.0 and "printed no pytest -rA summary" in result.details["error"], result.details
