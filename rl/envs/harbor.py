@@ -100,7 +100,7 @@ def _env(table: dict, where: str) -> dict[str, str]:
 
 # task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
 KNOWN_KEYS = {
-    "": {"version", "metadata", "verifier", "agent", "environment", "solution", "source"},
+    "": {"version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution", "source"},
     "verifier": {"timeout_sec", "env", "reward_range", "judge_reads"},
     "agent": {"timeout_sec", "max_turns"},
     "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
@@ -197,6 +197,11 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         warnings.warn(note, TaskFormatWarning, stacklevel=2)
         notes.append(note)
     notes += compose_notes(environment_dir)
+    gpus = env_t.get("gpus", 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise TaskError(f"{toml_path}: [environment].gpus must be a whole number, got {gpus!r}")
+    if gpus:
+        raise TaskError(f"{toml_path}: the task needs {gpus} GPU(s) ([environment].gpus); the sandboxes here have none")
     if env_t.get("allow_internet"):
         notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
     solution_dir = task_dir / "solution"

@@ -5,6 +5,7 @@ says why and what fixes it."""
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -430,3 +431,15 @@ def test_terminal_bench_1_tests_that_report_nothing_are_an_error(tmp_path):
     (task_dir / "run-tests.sh").write_text("#!/bin/bash\necho 'all good'\n")
     result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
     assert result.reward == 0.0 and "printed no pytest -rA summary" in result.details["error"], result.details
+
+
+def test_harbor_1_1_keys_are_read_and_a_gpu_task_is_refused_in_one_line(tmp_path):
+    task_dir = hello_world(tmp_path)
+    toml = (task_dir / "task.toml").read_text().replace('version = "1.0"', 'schema_version = "1.1"')
+    (task_dir / "task.toml").write_text(toml + '\n[task]\nname = "example/hello-world"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TaskFormatWarning)  # nothing unknown
+        load_harbor_task(task_dir)
+    (task_dir / "task.toml").write_text(toml.replace("cpus = 1", "cpus = 1\ngpus = 2"))
+    with pytest.raises(TaskError, match=r"the task needs 2 GPU\(s\) \(\[environment\].gpus\); the sandboxes here"):
+        load_harbor_task(task_dir)
