@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -130,7 +131,8 @@ def _safe_extract(archive: Path, dest: Path) -> None:
 
 @dataclass
 class RunStep:
-    """Run a shell command once when the task is prepared (Dockerfile RUN, a setup command)."""
+    """Run a shell command once when the task is prepared (Dockerfile RUN, a setup command). A failure is one line
+    (what the command lacked, or its last line of output) naming the file that keeps its whole log."""
 
     command: str
     cwd: str
@@ -143,8 +145,20 @@ class RunStep:
         if not res.ok:
             why = (missing_tool(self.command, "this setup command", _INSTALLS)
                    or missing_tool(res.output, "this setup command"))
-            raise TaskError(f"{self.origin}: setup command failed ({res.describe()}): {self.command[:200]}\n"
-                            f"{res.output[-2000:].rstrip()}" + (f"\n{self.origin}: {why}" if why else ""))
+            last = next((line for line in reversed(res.output.splitlines()) if line.strip()), "no output")
+            raise TaskError(f"{self.origin}: " + (why or f"setup command failed ({res.describe()}): {last[:200]}")
+                            + f" (the whole log: {setup_log(self, res)})")
+
+
+def setup_log(step: "RunStep", res: ExecResult) -> Path:
+    """A failed setup command's command and output, kept in a file (under the temporary folder's
+    megatron-composer-setup-logs/) for the one-line error."""
+    folder = Path(tempfile.gettempdir()) / "megatron-composer-setup-logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="setup-", suffix=".log", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"# {step.origin}\n# {res.describe()}\n$ {step.command}\n{res.output}")
+    return Path(path)
 
 
 # Verifiers ----------------------------------------------------------------------------------------------------

@@ -247,9 +247,11 @@ def test_run_apt_get_names_the_backends_that_can(tmp_path):
         "FROM ubuntu:24.04\nWORKDIR /app\nRUN apt-get update && apt-get install -y curl\n")
     with pytest.raises(TaskError) as e:
         prepare_task(load_harbor_task(task_dir), LocalBackend())
-    last = str(e.value).splitlines()[-1]
-    assert last.startswith(f"{task_dir}/environment/Dockerfile:3: this setup command needs to install packages")
-    assert "container backend (--backend docker, podman or apptainer)" in last
+    (line,) = str(e.value).splitlines()  # one line, and the whole log in a file it names
+    assert line.startswith(f"{task_dir}/environment/Dockerfile:3: this setup command needs to install packages")
+    assert "container backend (--backend docker, podman or apptainer)" in line
+    log = Path(line.rsplit("(the whole log: ", 1)[1].rstrip(")"))
+    assert "$ apt-get update && apt-get install -y curl" in log.read_text()
 
 
 @needs_bwrap

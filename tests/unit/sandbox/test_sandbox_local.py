@@ -113,7 +113,14 @@ def test_failed_setup_names_its_origin(tmp_path):
     (task_dir / "environment" / "Dockerfile").write_text("FROM debian\nWORKDIR /app\nRUN apt-get install -y foo\n")
     task = load_harbor_task(task_dir)
     with SandboxPool(LocalBackend(), prepare_task, concurrency=1) as pool:
-        with pytest.raises(TaskError, match=r"Dockerfile:3: setup command failed"):
+        with pytest.raises(TaskError, match=r"Dockerfile:3: this setup command needs to install packages"):
+            pool.prepare(task)
+    (task_dir / "environment" / "Dockerfile").write_text("FROM debian\nWORKDIR /app\nRUN echo first; echo last >&2; "
+                                                        "exit 3\n")
+    task = load_harbor_task(task_dir)
+    with SandboxPool(LocalBackend(), prepare_task, concurrency=1) as pool:
+        with pytest.raises(TaskError, match=r"Dockerfile:3: setup command failed \(exit code 3\): last \(the whole "
+                                            r"log: .*setup-.*\.log\)$"):
             pool.prepare(task)
 
 
