@@ -175,7 +175,9 @@ class Verifier(Protocol):
 
 
 # What a log says when the local backend (the read-only host system) lacks what a task needs, and the fix.
-_MISSING_TOOLS = (
+_MISSING_TOOLS = (  # the first that shows is named: a failed download comes before the tool it would have fetched
+    (re.compile(r"Could not resolve host|Temporary failure in name resolution"),
+     "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
     (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
@@ -183,8 +185,6 @@ _MISSING_TOOLS = (
                 r"Read-only|root)|error: externally-managed-environment", re.MULTILINE),
      "to install packages, which the local backend cannot (its system is the read-only host): install them on "
      "the host"),
-    (re.compile(r"Could not resolve host|Temporary failure in name resolution"),
-     "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
     (re.compile(r"^judge: cannot isolate", re.MULTILINE),
      "a nested sandbox for `judge` (unprivileged user namespaces), which this host lacks: enable them "
      "(sysctl kernel.unprivileged_userns_clone=1)"),
