@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
-from rl.envs.task_folder import check_inside, compose_notes
+from rl.envs.task_folder import check_inside, compose_notes, positive_number
 from rl.envs.terminal_bench import load_terminal_bench_task
 
 try:
@@ -40,11 +40,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _SIZE_MB = {"": 1 / (1024 * 1024), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
 
 
-def _number(table: dict, key: str, where: str, default: float, positive: bool = True) -> float:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-        raise TaskError(f"{where}.{key} must be a positive number, got {value!r}")
-    return float(value)
+def _number(table: dict, key: str, where: str, default: float) -> float:
+    return positive_number(table.get(key, default), f"{where}.{key}")
 
 
 def _size_mb(table: dict, key_mb: str, key_str: str, where: str, default: int) -> int:

@@ -1,5 +1,5 @@
-"""Checks every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, and what a
-compose file beside its Dockerfile asks for."""
+"""Checks every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, what a
+compose file beside its Dockerfile asks for, and positive numbers in its config."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ from pathlib import Path
 import yaml
 
 from rl.envs.task import TaskError
+
+
+def positive_number(value, name: str) -> float:
+    """value as a float when it is a positive number (not a bool); else a TaskError naming the field `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise TaskError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 

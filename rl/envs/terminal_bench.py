@@ -24,7 +24,7 @@ import yaml
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.swebench import PASSING, parse_test_log
 from rl.envs.task import EmptyTree, Task, TaskError, TaskLimits, VerifyResult, missing_tool, verifier_anomaly
-from rl.envs.task_folder import check_inside, compose_notes
+from rl.envs.task_folder import check_inside, compose_notes, positive_number
 from rl.sandbox.base import ExecResult, Sandbox
 
 DEFAULT_RUN_TESTS = "#!/bin/bash\npython3 -m pytest \"$TEST_DIR/test_outputs.py\" -rA\n"
@@ -84,13 +84,6 @@ class CommandSolution:
         return next((r for r in results if r.exit_code != 0), results[-1])
 
 
-def _number(data: dict, key: str, where: str, default: float) -> float:
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TaskError(f"{where}: {key} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
 def _instruction(data: dict, where: str) -> str:
     if isinstance(data.get("instruction"), str) and data["instruction"].strip():
         return data["instruction"]
@@ -131,8 +124,9 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
     if parser != "pytest":
         raise TaskError(f"{where}: parser_name {parser!r} is not supported; Terminal-Bench tasks here use pytest")
     notes = [f"{where}: unknown key {k} is ignored" for k in sorted(set(data) - KNOWN_KEYS)]
-    limits = TaskLimits(agent_timeout_s=_number(data, "max_agent_timeout_sec", str(where), 360.0),
-                        verifier_timeout_s=_number(data, "max_test_timeout_sec", str(where), 60.0))
+    limits = TaskLimits(
+        agent_timeout_s=positive_number(data.get("max_agent_timeout_sec", 360.0), f"{where}: max_agent_timeout_sec"),
+        verifier_timeout_s=positive_number(data.get("max_test_timeout_sec", 60.0), f"{where}: max_test_timeout_sec"))
     dockerfile = task_dir / "Dockerfile"
     setup, workdir, env = [], "/app", {}
     if dockerfile.is_file():

@@ -146,28 +146,36 @@ def dir_usage(paths: list[str]) -> tuple[int, int]:
 
 
 def process_tree(root_pid: int) -> list[int]:
-    """root_pid and all its descendants, from /proc (each process's children lists where the kernel keeps them,
-    else a scan of every process)."""
-    if not os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children"):
-        return _process_tree_by_scan(root_pid)
+    """root_pid and all its descendants, from /proc: each process's children lists where the kernel keeps them,
+    else the parent of every process."""
+    children = _children_listed if os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children") \
+        else _children_by_parent()
     out, stack = [], [root_pid]
     while stack:
         pid = stack.pop()
         out.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                    stack.extend(int(child) for child in f.read().split())
-            except OSError:
-                continue
+        stack.extend(children(pid))
     return out
 
 
-def _process_tree_by_scan(root_pid: int) -> list[int]:
+def _children_listed(pid: int) -> list[int]:
+    """The children of pid's threads, as the kernel lists them."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(child) for child in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _children_by_parent() -> Callable[[int], list[int]]:
+    """A lookup of children built from every process's parent (a scan of /proc)."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -178,12 +186,7 @@ def _process_tree_by_scan(root_pid: int) -> list[int]:
         except (OSError, IndexError):
             continue
         children.setdefault(int(tail[1]), []).append(int(name))
-    out, stack = [], [root_pid]
-    while stack:
-        pid = stack.pop()
-        out.append(pid)
-        stack.extend(children.get(pid, ()))
-    return out
+    return lambda pid: children.get(pid, [])
 
 
 def kill_tree(root_pid: int) -> None:

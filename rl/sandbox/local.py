@@ -603,25 +603,25 @@ class LocalSandbox(Sandbox):
             common += ["--seccomp", str(seccomp_fd)]
         common += ["--chdir", cwd, "--"]
         drop = setpriv_argv(self.uid) if root else []
+        inside = ["--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
+        # Without a user namespace (root mode) the host enters as root; with one, as the namespaces' owner, which
+        # grants every capability inside them until _DROP_CAPS.
+        owner = [] if root else ["--user", "--preserve-credentials"]
+        after_enter = ["--"] + ([] if root else _DROP_CAPS)
         if self._verifier_root is None:  # enter the episode's namespaces, a mount namespace of its own over them
-            enter = ["nsenter", "-t", keeper, "--pid", "--net", "--ipc", "--uts", "--mount", "-r", "-w", "--"]
-            if root:
-                return enter + [self._bwrap, "--dev-bind", "/", "/", *ROOT_CAPS, *common, *drop, *shell]
-            return (enter[:3] + ["--user", "--preserve-credentials"] + enter[3:] + _DROP_CAPS
-                    + [self._bwrap, "--unshare-user", "--uid", str(SANDBOX_UID_INSIDE), "--gid",
-                       str(SANDBOX_UID_INSIDE), "--dev-bind", "/", "/", *common, *shell])
-        join = []
+            enter = ["nsenter", "-t", keeper, *owner, "--pid", "--net", "--ipc", "--uts", "--mount", "-r", "-w",
+                     *after_enter]
+            own = list(ROOT_CAPS) if root else ["--unshare-user", *inside]
+            return enter + [self._bwrap, *own, "--dev-bind", "/", "/", *common, *drop, *shell]
+        # The verifier: namespaces of its own but the episode's network (a fresh one when there is no episode).
+        join = ["nsenter", "-t", keeper, *owner, "--net", *after_enter] if keeper else []
         if root:
-            spaces = [a for a in ROOT_NAMESPACES if a != "--unshare-net"] if keeper else list(ROOT_NAMESPACES)
-            if keeper:
-                join = ["nsenter", "-t", keeper, "--net", "--"]
+            spaces = [a for a in ROOT_NAMESPACES if not (keeper and a == "--unshare-net")]
         elif keeper:
-            join = ["nsenter", "-t", keeper, "--user", "--net", "--preserve-credentials", "--"] + _DROP_CAPS
-            spaces = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+            spaces = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                      *inside]
         else:
-            spaces = ["--unshare-all"]
-        if not root:
-            spaces += ["--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
+            spaces = ["--unshare-all", *inside]
         return join + [self._bwrap, *spaces, "--as-pid-1", "--hostname", "sandbox", *self._filesystem_argv(),
                        *common, *drop, *shell]
 
