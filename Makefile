@@ -12,10 +12,12 @@ $(VENV)/.installed: setup.py
 	# Pin torch first: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
-	# LocalSandbox needs bubblewrap; install it where apt is available (sandbox tests skip with the reason otherwise).
-	command -v bwrap >/dev/null \
-		|| { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; } \
-		|| echo "WARNING: bubblewrap not installed: sandbox tests will be skipped"
+	# LocalSandbox needs bubblewrap, and mmdebstrap to build task images (rl/sandbox/image.py); install them where apt
+	# is available (sandbox and image tests skip with the reason otherwise).
+	{ command -v bwrap && command -v mmdebstrap; } >/dev/null \
+		|| { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq \
+			&& $(SUDO) apt-get install -y -qq bubblewrap mmdebstrap; } \
+		|| echo "WARNING: bubblewrap or mmdebstrap not installed: sandbox or image tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed

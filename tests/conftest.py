@@ -47,3 +47,22 @@ def sandbox_parent():
     yield path
     sweep(path, force=True)
     subprocess.run(["rm", "-rf", str(path)])
+
+
+@pytest.fixture(scope="session")
+def test_image():
+    """A small built image (rl/sandbox/image.py): the Debian base, a tool in /opt and a command in /usr/local/bin.
+    Built once per host into the image cache (the base needs the Debian mirror the first time). Skips, with the
+    reason, where this host cannot build images."""
+    from rl.sandbox.image import ImageBuilder, build_problem
+
+    if build_problem() is not None:
+        pytest.skip(build_problem())
+
+    def steps(root):
+        res = root.exec("mkdir -p /opt/tool /srv/data && echo tool > /opt/tool/version && "
+                        "printf '#!/bin/sh\\necho hello from the image\\n' > /usr/local/bin/hello && "
+                        "chmod 755 /usr/local/bin/hello && echo data > /srv/data/f", timeout=120)
+        assert res.ok, res.output
+
+    return ImageBuilder().build("tests/conftest.py test_image v1", steps, what="the tests' image")

@@ -1,16 +1,22 @@
-"""Read a task's environment/Dockerfile into setup steps a local sandbox can honour.
+"""Read a task's environment/Dockerfile into what the local backend runs: setup steps on the host's system, or an
+image it builds.
 
-The host's system stands in for the FROM image (`--platform` is read past). WORKDIR, ENV, ARG, COPY/ADD of the
-build context's own files and RUN (BuildKit heredocs included: a body that feeds the command, or the script itself)
-become setup steps run once when the task is prepared. Instructions that only describe a container
-(LABEL, EXPOSE, CMD, ...) have no effect on a task and are noted; anything else (USER, VOLUME, multi-stage
-builds, COPY --from, ADD of a URL, files placed outside /app) is named in an error that points to a container
-backend.
+WORKDIR, ENV, ARG, COPY/ADD of the build context's own files and RUN (BuildKit heredocs included: a body that feeds
+the command, or the script itself) become steps; `--platform` is read past. Two stand-ins for the FROM image:
+- **The host's system**, when every step stays in the task tree /app: the steps run once when the task is prepared,
+  on the read-only host system (no build, no network).
+- **A built image**, when a step reaches further (it installs packages, downloads, or writes outside /app): a Debian
+  root filesystem made from packages, plus what the FROM image's family implies (build-essential for gcc, nodejs for
+  node ...), then the steps, with the network (rl/sandbox/image.py). Cached under a digest of everything it reads.
+Both are stated in the task's notes. Instructions that only describe a container (LABEL, EXPOSE, CMD, USER ...) are
+noted; anything else (VOLUME, multi-stage builds, COPY --from, ADD of a URL, a non-Debian base that must be built)
+is named in an error that points to a container backend.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -20,9 +26,31 @@ from pathlib import Path, PurePosixPath
 
 from rl.envs.task import CopyStep, RunStep, TaskError
 from rl.sandbox.base import BASE_ENV
+from rl.sandbox.image import ImageRecipe
 
 TREE_ROOT = "/app"
-NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK"}
+NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "ONBUILD"}
+# A RUN that reaches past the task tree: it installs, downloads, changes users or names a path outside /app and /tmp.
+_REACHES_OUT = re.compile(
+    r"(?:^|[\s;&|(`]|\bsudo\s)(?:apt-get|apt|aptitude|dpkg|apk|yum|dnf|microdnf|zypper|pacman|pip3?|pipx|uv|uvx|"
+    r"conda|mamba|micromamba|npm|npx|yarn|pnpm|gem|cargo|rustup|go|curl|wget|git|useradd|adduser|groupadd|usermod|"
+    r"update-alternatives|locale-gen|systemctl|service)(?=\s|$)"
+    r"|(?<![\w.$}/-])/(?!app(?:/|\b)|tmp(?:/|\b)|dev/null\b)[A-Za-z_]")
+# The Debian packages that stand in for what an image family adds to Debian (by the image's name).
+FAMILY_PACKAGES = {
+    "python": (), "debian": (), "ubuntu": (), "bash": (),
+    "buildpack-deps": ("build-essential", "git", "wget"), "gcc": ("build-essential",),
+    "node": ("nodejs", "npm"), "golang": ("golang-go",), "rust": ("rustc", "cargo"),
+    "openjdk": ("default-jdk-headless",), "eclipse-temurin": ("default-jdk-headless",),
+    "amazoncorretto": ("default-jdk-headless",), "maven": ("maven", "default-jdk-headless"),
+    "gradle": ("gradle", "default-jdk-headless"), "ruby": ("ruby-full",), "php": ("php-cli",), "perl": ("perl",),
+    "r-base": ("r-base",), "postgres": ("postgresql",), "redis": ("redis-server",), "nginx": ("nginx",),
+    "mariadb": ("mariadb-server",), "mysql": ("mariadb-server",), "haskell": ("ghc", "cabal-install"),
+    "swift": (), "julia": ("julia",),
+}
+# Bases whose packages are not Debian's: their Dockerfile steps cannot be stood in for by a Debian build.
+NON_DEBIAN = ("alpine", "fedora", "centos", "rockylinux", "almalinux", "amazonlinux", "archlinux", "opensuse",
+              "busybox", "ubi", "oraclelinux", "photon", "clearlinux", "nixos", "windows", "scratch")
 _VAR_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 CONTAINER_BACKENDS = "use a container backend (--backend docker, podman or apptainer)"
@@ -40,6 +68,57 @@ class DockerfilePlan:
     env: dict[str, str] = field(default_factory=dict)
     steps: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    build_reason: str | None = None  # the first step that reaches past /app: the task needs a built image
+    text: str = ""  # the Dockerfile as written (part of the image's digest)
+
+    def task_parts(self, path: Path, timeout_s: float) -> tuple[list, ImageRecipe]:
+        """(the setup steps to run on the host's system, the image to build), the steps empty when one reaches past
+        /app and so the image must be built (a backend may build it anyway); the stand-in is stated in the notes."""
+        where = f"{path}: FROM {self.base_image}"
+        family = image_family(self.base_image or "")
+        packages = FAMILY_PACKAGES.get(family, ())
+        recipe = ImageRecipe(key=self.digest(packages), packages=packages, steps=list(self.steps),
+                             timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}", required=self.build_reason)
+        if self.build_reason is None:
+            self.notes.append(f"{where}: the host's system stands in for the image (every step stays in {TREE_ROOT})")
+            return self.steps, recipe
+        if family in NON_DEBIAN:
+            raise UnsupportedDockerfile(f"{where}: a non-Debian base ({family}) must be built ({self.build_reason}); "
+                                        f"the local backend builds on Debian: {CONTAINER_BACKENDS}")
+        known = "" if family in FAMILY_PACKAGES else "; an image this backend does not know: only Debian's base"
+        self.notes.append(f"{where}: built into an image on a Debian root filesystem from packages"
+                          + (f" with {', '.join(packages)}" if packages else "") + f"{known} (because "
+                          f"{self.build_reason})")
+        return [], recipe
+
+    def digest(self, packages: tuple[str, ...]) -> str:
+        """Everything the build reads: the Dockerfile, the implied packages and every file its COPY/ADD take."""
+        h = hashlib.sha256(json.dumps([self.text, list(packages)]).encode())
+        for step in self.steps:
+            if isinstance(step, CopyStep):
+                h.update(f"\0copy {step.dest} {step.unpack}\0".encode())
+                files = [step.src] if step.src.is_file() else sorted(p for p in step.src.rglob("*"))
+                for f in files:
+                    rel = f.relative_to(step.src) if f != step.src else Path(f.name)
+                    h.update(f"{rel} {os.lstat(f).st_mode:o}\0".encode())
+                    if f.is_symlink():
+                        h.update(os.readlink(f).encode())
+                    elif f.is_file():
+                        h.update(hashlib.sha256(f.read_bytes()).digest())
+        return h.hexdigest()
+
+
+def image_family(image: str) -> str:
+    """An image reference's family: `python` for python:3.11-slim or ghcr.io/org/python-3-13:tag, `alpine` for
+    any *-alpine tag."""
+    name, _, tag = image.rsplit("/", 1)[-1].partition(":")
+    name = name.split("@")[0].lower()
+    if "alpine" in tag.lower():
+        return "alpine"
+    for family in sorted(FAMILY_PACKAGES.keys() | set(NON_DEBIAN), key=len, reverse=True):
+        if name == family or name.startswith(family + "-") or re.match(rf"{re.escape(family)}[0-9.]", name):
+            return family
+    return name
 
 
 # A BuildKit heredoc: <<EOF, <<-EOF, <<"EOF" or <<'EOF' in a RUN, COPY or ADD line; its body follows the line.
@@ -128,6 +207,10 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
     variables: dict[str, str] = {}
     seen_from = False
     text = path.read_text()
+    plan.text = text
+
+    def reaches_out(why: str) -> None:
+        plan.build_reason = plan.build_reason or why
     for lineno, line in _logical_lines(text, path):
         where = f"{path}:{lineno}"
         keyword, _, rest = line.partition(" ")
@@ -142,7 +225,6 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             seen_from = True
             image = [w for w in rest.split() if not w.startswith("--")]  # --platform=...: the host's is used
             plan.base_image = image[0] if image else None
-            plan.notes.append(f"{where}: FROM {plan.base_image}: the host's system stands in for the image")
         elif keyword == "ARG":
             name, eq, default = rest.partition("=")
             variables.setdefault(name.strip(), _substitute(default.strip().strip('"'), variables) if eq else "")
@@ -168,22 +250,29 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             target = str(PurePosixPath(plan.workdir) / target) if not target.startswith("/") else target
             target = os.path.normpath(target)
             if not _in_tree(target):
-                raise UnsupportedDockerfile(f"{where}: WORKDIR {target} is outside the task tree {TREE_ROOT}; the "
-                                            f"local backend keeps all task files under /app: {CONTAINER_BACKENDS}")
+                reaches_out(f"{where}: WORKDIR {target} is outside {TREE_ROOT}")
             plan.workdir = target
         elif keyword in ("COPY", "ADD"):
-            plan.steps.extend(_copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env}))
+            steps = _copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env})
+            for step in steps:
+                if not _in_tree(step.dest):
+                    reaches_out(f"{where}: {keyword} to {step.dest} is outside {TREE_ROOT}")
+            plan.steps.extend(steps)
         elif keyword == "RUN":
             args = _args(rest) if rest.startswith("[") else None
             command = shlex.join(args) if args is not None else _heredoc_run(rest)
             if command.startswith("--"):
                 raise UnsupportedDockerfile(f"{where}: RUN flags ({command.split()[0]}) need a container backend")
+            if _REACHES_OUT.search(command):
+                reaches_out(f"{where}: RUN reaches past {TREE_ROOT} (it installs, downloads or names a system path)")
             plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))
+        elif keyword == "USER":
+            plan.notes.append(f"{where}: USER is not honoured: the agent runs as the sandbox's own user")
         elif keyword in NO_EFFECT:
             plan.notes.append(f"{where}: {keyword} has no effect on a local task and is ignored")
         else:
             raise UnsupportedDockerfile(f"{where}: the local backend cannot honour {keyword}; it supports FROM, "
-                                        "WORKDIR, ENV, ARG, COPY/ADD of the task's own files and RUN. Use a "
+                                        "WORKDIR, ENV, ARG, USER, COPY/ADD of the task's own files and RUN. Use a "
                                         "container backend (docker, podman, apptainer) for this task")
     return plan
 
@@ -205,9 +294,6 @@ def _copy_steps(keyword: str, rest: str, where: str, context: Path, plan: Docker
     dest_abs = dest if dest.startswith("/") else str(PurePosixPath(plan.workdir) / dest)
     dest_is_dir = dest.endswith("/") or dest in (".", "./") or len(sources) > 1
     dest_abs = os.path.normpath(dest_abs)
-    if not _in_tree(dest_abs):
-        raise UnsupportedDockerfile(f"{where}: {keyword} to {dest_abs} is outside the task tree {TREE_ROOT}; the "
-                                    "local backend's system is read-only (use a container backend)")
     context_real = os.path.realpath(context)
     steps = []
     for src in sources:

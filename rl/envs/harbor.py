@@ -184,10 +184,11 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     env = _env(env_t, f"{toml_path}: [environment]")
     environment_dir = task_dir / "environment"
     dockerfile = environment_dir / "Dockerfile"
-    setup, workdir, notes = [], "/app", []
+    setup, image, workdir, notes = [], None, "/app", []
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, environment_dir)
-        setup, workdir, notes = plan.steps, plan.workdir, plan.notes
+        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s)
+        workdir, notes = plan.workdir, plan.notes
         env = {**plan.env, **env}
     for note in unknown_keys(data, toml_path) + writable_search_paths(
             {"task environment": env, "verifier environment": _env(verifier_t, where)}, task_dir):
@@ -214,6 +215,7 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         workdir=workdir,
         env=env,
         setup=setup,
+        image=image,
         solution=solution,
         limits=limits,
         source=task_dir,

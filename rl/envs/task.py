@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.image import ImageBuilder, ImageRecipe
 from rl.sandbox.leftovers import held_dir
 
 
@@ -143,8 +144,9 @@ class RunStep:
         res = sandbox.exec(f"mkdir -p {shlex.quote(self.cwd)} && cd {shlex.quote(self.cwd)} && {self.command}",
                            cwd="/", env=self.env, timeout=timeout)
         if not res.ok:
-            why = (missing_tool(self.command, "this setup command", _INSTALLS)
-                   or missing_tool(res.output, "this setup command"))
+            why = None if getattr(sandbox, "builds_image", False) else (  # an image's build has what it needs
+                missing_tool(self.command, "this setup command", _INSTALLS)
+                or missing_tool(res.output, "this setup command"))
             last = next((line for line in reversed(res.output.splitlines()) if line.strip()), "no output")
             raise TaskError(f"{self.origin}: " + (why or f"setup command failed ({res.describe()}): {last[:200]}")
                             + f" (the whole log: {setup_log(self, res)})")
@@ -423,6 +425,9 @@ class Task:
     # For container backends: the build context with a Dockerfile, or a prebuilt image.
     environment_dir: Path | None = None
     docker_image: str | None = None
+    # Its Dockerfile as an image the local backend can build: built where `image.required` says the host's system
+    # cannot stand in (`setup` is then empty), or where the backend builds every image (`setup` is then skipped).
+    image: ImageRecipe | None = None
     notes: list[str] = field(default_factory=list)  # what a backend could not honour, said once
     metadata: dict = field(default_factory=dict)  # free-form (Harbor's [metadata]): e.g. a generated task's tier
 
@@ -433,14 +438,28 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
     limits = limits or task.limits.sandbox_limits(backend.limits)
+    image, setup = None, task.setup
+    if task.image is not None and (task.image.required or getattr(backend, "build_images", False)):
+        # built once per host, cached by its digest
+        if not getattr(backend, "runs_images", False):
+            raise TaskError(f"{task.name}: its Dockerfile must be built into an image, which the {backend.name} "
+                            "backend cannot run")
+        try:
+            image = ImageBuilder(backend.image_cache).build_recipe(task.image).root
+        except SandboxError as e:
+            raise TaskError(f"{task.name}: {e}" + (f" (it must be built: {task.image.required})"
+                                                   if task.image.required else "")) from None
+        setup = []
     with held_dir("task") as tmp:
         tree_dir = Path(tmp) / "tree"
         task.tree.materialize(tree_dir)
-        sandbox = backend.create(tree_dir, workdir="/app", env=task.env, limits=limits)
+        workdir = task.workdir if image is not None else "/app"
+        on_image = {"image": image} if image is not None else {}
+        sandbox = backend.create(tree_dir, workdir=workdir, env=task.env, limits=limits, **on_image)
     try:
-        for step in task.setup:
+        for step in setup:
             step.apply(sandbox, task.limits.setup_timeout_s)
-        if task.workdir != "/app":
+        if task.workdir != workdir:
             sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
         sandbox.end_episode()  # as after a Dockerfile's RUN: what setup left running is not part of the image
         snapshot = sandbox.snapshot()

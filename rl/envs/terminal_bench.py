@@ -128,10 +128,11 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
         agent_timeout_s=positive_number(data.get("max_agent_timeout_sec", 360.0), f"{where}: max_agent_timeout_sec"),
         verifier_timeout_s=positive_number(data.get("max_test_timeout_sec", 60.0), f"{where}: max_test_timeout_sec"))
     dockerfile = task_dir / "Dockerfile"
-    setup, workdir, env = [], "/app", {}
+    setup, image, workdir, env = [], None, "/app", {}
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, task_dir)
-        setup, workdir, env = plan.steps, plan.workdir, dict(plan.env)
+        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s)
+        workdir, env = plan.workdir, dict(plan.env)
         notes += plan.notes
     notes += compose_notes(task_dir)
     run_tests = task_dir / "run-tests.sh"
@@ -145,6 +146,7 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
         workdir=workdir,
         env=env,
         setup=setup,
+        image=image,
         solution=_solution(task_dir),
         limits=limits,
         source=task_dir,

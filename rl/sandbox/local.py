@@ -73,6 +73,9 @@ UID_RANGE = 1_000_000
 WRITABLE_DIRS = ("app", "tmp", "logs", "var", "run")
 VAR_DIRS = ("log", "lib", "cache", "spool")
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+# An image's top-level folders that are neither its system nor the sandbox's own (its /opt, /srv, /home, /root,
+# /workspace ...) become writable copies per sandbox, as a container's; these are never copied.
+IMAGE_SKIPPED = ("proc", "dev", "sys", "tmp", "run", "boot", "lost+found")
 # Readable by root only; masked in case the sandbox user can read them anyway.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
@@ -148,7 +151,7 @@ class _Episode:
         return set(process_tree(self.keeper)) - {self.keeper}
 
 
-def _read_info(fd: int, timeout_s: float = 30.0) -> dict:
+def read_bwrap_info(fd: int, timeout_s: float = 30.0) -> dict:
     """bubblewrap's --info-fd JSON (it closes the descriptor after writing, or at its exit)."""
     data = b""
     deadline = time.monotonic() + timeout_s
@@ -197,6 +200,7 @@ class LocalSnapshot:
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits | None = None  # the task's limits, applied to every fork
+    image: Path | None = None  # the built image (rl/sandbox/image.py) its forks run on; None: the host's system
     held: int | None = field(default=None, repr=False)  # its key in rl/sandbox/leftovers.py (a stop signal frees it)
 
     def discard(self) -> None:
@@ -306,15 +310,22 @@ class LocalSandbox(Sandbox):
     def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
                  limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
                  unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None,
-                 cgroups: bool | None = None, tmpfs: bool | None = None):
+                 cgroups: bool | None = None, tmpfs: bool | None = None, image: str | Path | None = None):
         self.limits = limits or SandboxLimits()
         self.limits.validate()
-        if workdir != "/app" and not workdir.startswith("/app/"):
-            raise SandboxError(f"LocalSandbox keeps the task tree at /app; workdir {workdir!r} must be under it")
+        self.image = Path(image) if image is not None else None
+        if self.image is not None and unisolated:
+            raise SandboxError("an unisolated sandbox runs on the host's system; it cannot run on a built image")
+        image_dirs = self._image_dirs()
+        top = workdir.split("/")[1] if workdir.startswith("/") else ""
+        if workdir != "/app" and not workdir.startswith("/app/") and top not in image_dirs:
+            raise SandboxError(f"LocalSandbox keeps the task tree at /app; workdir {workdir!r} must be under it"
+                               + (f" or under one of the image's folders {image_dirs}" if image_dirs else ""))
         self.unisolated = unisolated
         self.env = dict(env or {})
         self.extra_ro_binds = tuple(extra_ro_binds)
         self._mounts: list[tuple[Path, str]] = []
+        self._image_mounts: list[tuple[Path, str]] = []  # the image's own folders: the sandbox's, like /app
         self._closed = False
         self._bwrap = bwrap_path()
         self._mode = bwrap_mode
@@ -347,6 +358,8 @@ class LocalSandbox(Sandbox):
                     self._tmpfs = False  # the monitor measures disk use instead
             os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
             self._dirs = self._make_dirs(self.root)
+            for name in image_dirs:
+                self._copy_from_image(name)
             if tree is not None:
                 try:
                     copy_tree(Path(tree), self._dirs["app"])
@@ -373,6 +386,45 @@ class LocalSandbox(Sandbox):
         self.workdir = str(self.host_path(workdir)) if unisolated else workdir
         self.tree_root = str((self.root / "app").resolve()) if unisolated else "/app"
 
+    def _image_dirs(self) -> list[str]:
+        """The image's top-level folders the sandbox gets a writable copy of (its /app and /var among them)."""
+        if self.image is None:
+            return []
+        if not self.image.is_dir():
+            raise SandboxError(f"the image {self.image} does not exist; build the task again")
+        return sorted(e.name for e in self.image.iterdir() if e.is_dir() and not e.is_symlink()
+                      and e.name not in SYSTEM_DIRS + IMAGE_SKIPPED)
+
+    def _copy_from_image(self, name: str) -> None:
+        """The sandbox's own copy of the image's folder /name: into its /app or /var (/var/tmp stays /tmp), or a
+        writable mount of its own."""
+        source = self.image / name
+        if name in WRITABLE_DIRS:
+            for entry in source.iterdir():
+                if not (name == "var" and entry.name == "tmp"):
+                    subprocess.run(["cp", "-a", "--reflink=auto", str(entry), str(self._dirs[name])], check=True)
+            return
+        target = self._dirs["mounts"] / f"image-{name}"
+        copy_tree(source, target)
+        self._image_mounts.append((target, f"/{name}"))
+        self._judge_mountpoint()
+
+    def _judge_mountpoint(self) -> None:
+        """Where an image's folder (its /opt) holds the judge's tools' place: the mount point they need there (made
+        again, never through a link, if the agent removed or replaced it)."""
+        for host, dest in self._image_mounts:
+            if JUDGE_DIR.startswith(dest + "/"):
+                point = host / os.path.relpath(JUDGE_DIR, dest)
+                if point.is_symlink() or (point.exists() and not point.is_dir()):
+                    point.unlink()
+                real_parent = os.path.realpath(point.parent)
+                if not (real_parent + "/").startswith(str(host.resolve()) + "/"):
+                    raise SandboxError(f"the sandbox replaced {os.path.dirname(JUDGE_DIR)} with a link")
+                try:
+                    point.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise SandboxError(f"cannot make {JUDGE_DIR} for the verifier's tools: {e.strerror}") from None
+
     @staticmethod
     def _make_dirs(root: Path) -> dict[str, Path]:
         dirs = {d: root / d for d in WRITABLE_DIRS + ("mounts",)}
@@ -396,7 +448,7 @@ class LocalSandbox(Sandbox):
         parts = Path(sandbox_path).parts
         if len(parts) >= 2 and parts[0] == "/" and parts[1] in WRITABLE_DIRS:
             return self._dirs[parts[1]].joinpath(*parts[2:])
-        for host, dest in self._mounts:
+        for host, dest in self._image_mounts + self._mounts:
             if sandbox_path == dest or sandbox_path.startswith(dest + "/"):
                 return host / os.path.relpath(sandbox_path, dest)
         raise SandboxError(f"{sandbox_path} is not inside the sandbox's writable directories /app, /tmp, /logs")
@@ -440,7 +492,7 @@ class LocalSandbox(Sandbox):
         """The folders the sandbox writes: its own (which the episode keeps in the verifier phase) and the
         verifier's."""
         dirs = {str(self.root / d) for d in WRITABLE_DIRS} | {str(self._dirs[d]) for d in WRITABLE_DIRS}
-        return sorted(dirs) + [str(h) for h, _ in self._mounts]
+        return sorted(dirs) + [str(h) for h, _ in self._image_mounts + self._mounts]
 
     def _chown(self, path: Path) -> None:
         """Give `path` (recursively, never following symlinks) to the sandbox user."""
@@ -473,21 +525,24 @@ class LocalSandbox(Sandbox):
         """bubblewrap's options that build the sandbox's filesystem: the system read-only, its own writable
         folders and mounts (read-only in the verifier phase: the code it tests cannot rewrite its files)."""
         argv = []
+        system = str(self.image) if self.image is not None else ""
         for name in SYSTEM_DIRS:
-            host = f"/{name}"
+            host = f"{system}/{name}"
             if os.path.islink(host):
-                argv += ["--symlink", os.readlink(host), host]
+                argv += ["--symlink", os.readlink(host), f"/{name}"]
             elif os.path.isdir(host):
-                argv += ["--ro-bind", host, host]
-        for host in MASKED_FILES:
-            if os.path.exists(host):
-                argv += ["--ro-bind", "/dev/null", host]
+                argv += ["--ro-bind", host, f"/{name}"]
+        for path in MASKED_FILES:
+            if os.path.exists(system + path):
+                argv += ["--ro-bind", "/dev/null", path]
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
         argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
                  "--tmpfs", "/dev/shm"]
         for d in WRITABLE_DIRS:
             argv += ["--bind", str(self._dirs[d]), f"/{d}"]
+        for host, dest in self._image_mounts:
+            argv += ["--bind", str(host), dest]
         bind = "--ro-bind" if self._verifier_root is not None else "--bind"
         for host, dest in self._mounts:
             argv += [bind, str(host), dest]
@@ -540,7 +595,7 @@ class LocalSandbox(Sandbox):
         for fd in (block_r, info_w, keep_r):
             os.close(fd)
         try:
-            info = _read_info(info_r)
+            info = read_bwrap_info(info_r)
             keeper = info.get("child-pid") if isinstance(info, dict) else None
             if not isinstance(keeper, int):
                 raise SandboxError("bubblewrap gave no child pid")
@@ -766,6 +821,7 @@ class LocalSandbox(Sandbox):
         self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])
         self._mounts = []
         if self.provides_judge:
+            self._judge_mountpoint()
             tools = root / "tools"
             (tools / "bin").mkdir(parents=True)
             (tools / "bin" / "judge").write_text(judge_script(self._bwrap or "/usr/bin/bwrap"))
@@ -814,7 +870,7 @@ class LocalSandbox(Sandbox):
     def snapshot(self) -> LocalSnapshot:
         snap_root = make_dir("snapshot", self.root.parent)
         snap = LocalSnapshot(path=snap_root / "app", workdir=self.workdir if not self.unisolated else "/app",
-                             env=dict(self.env))
+                             env=dict(self.env), image=self.image)
         try:
             snap.held = hold(snap.discard)
             copy_tree(self._dirs["app"], snap.path)
@@ -860,6 +916,12 @@ class LocalBackend:
     bwrap_mode: str | None = None  # probed when not given
     cgroups: bool | None = None  # whole-sandbox memory/processes: None = a cgroup where possible, else the monitor
     tmpfs: bool | None = None  # whole-sandbox disk: None = a tmpfs of its own where possible, else the monitor
+    image_cache: str | None = None  # where built images are kept (rl/sandbox/image.py; MC_IMAGE_CACHE by default)
+    build_images: bool = False  # build every task's Dockerfile, even where the host's system could stand in
+
+    @property
+    def runs_images(self) -> bool:
+        return not self.unisolated
 
     def __post_init__(self):
         sweep(self.root_parent)  # what killed runs left where this backend's sandboxes go (once per process)
@@ -877,15 +939,15 @@ class LocalBackend:
                           UnisolatedWarning, stacklevel=2)
 
     def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
-               limits: SandboxLimits | None = None) -> LocalSandbox:
+               limits: SandboxLimits | None = None, image: str | Path | None = None) -> LocalSandbox:
         with warnings.catch_warnings():
             if self.unisolated:  # warned once, here, instead of per sandbox
                 warnings.simplefilter("ignore", UnisolatedWarning)
             return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
                                 root_parent=self.root_parent, unisolated=self.unisolated,
                                 extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode,
-                                cgroups=self.cgroups, tmpfs=self.tmpfs)
+                                cgroups=self.cgroups, tmpfs=self.tmpfs, image=image)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
-                           limits=limits or snapshot.limits)
+                           limits=limits or snapshot.limits, image=snapshot.image)

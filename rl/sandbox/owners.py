@@ -9,7 +9,7 @@ import re
 import tempfile
 from pathlib import Path
 
-KINDS = ("sandbox", "verifier", "snapshot", "task", "add", "probe")
+KINDS = ("sandbox", "verifier", "snapshot", "task", "add", "probe", "build")
 _NAME = re.compile(r"^mc-(" + "|".join(KINDS) + r")-(\d+)\.(\d+)-")
 
 

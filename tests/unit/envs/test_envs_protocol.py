@@ -1,12 +1,13 @@
 """The agent protocol: tool calls in the chat template's format, malformed calls counted, observations truncated
 with a marker, budgets, self-summarisation segments; and the Dockerfile subset the local backend honours."""
 
+import re
 
 import pytest
 
 from megatron_composer.data.chat_template import format_tool_call, render_text
 from rl.envs.agent import EpisodeConfig, ScriptedPolicy, run_episode
-from rl.envs.dockerfile import UnsupportedDockerfile, parse_dockerfile
+from rl.envs.dockerfile import UnsupportedDockerfile, image_family, parse_dockerfile
 from rl.envs.task import CopyStep, DirectoryTree, RunStep, ScriptVerifier, Task, TaskError, TaskLimits
 from rl.envs.tools import TRUNCATION_MARKER, ToolBox, truncate
 from rl.sandbox import LocalSandbox
@@ -166,18 +167,77 @@ def test_dockerfile_plan(tmp_path):
 
 
 @pytest.mark.parametrize("line, match", [
-    ("USER nobody", r"Dockerfile:3: the local backend cannot honour USER"),
-    ("VOLUME /data", r"cannot honour VOLUME"),
-    ("COPY a.py /opt/a.py", r"COPY to /opt/a.py is outside the task tree"),
+    ("VOLUME /data", r"Dockerfile:3: the local backend cannot honour VOLUME"),
     ("COPY --from=builder /x /app/x", r"COPY --from needs a container backend"),
     ("ADD https://example.com/x.tgz /app/", r"URL .* not supported"),
-    ("WORKDIR /srv", r"WORKDIR /srv is outside the task tree"),
     ("FROM other", r"multi-stage"),
 ])
 def test_dockerfile_unsupported_instructions_are_named(tmp_path, line, match):
     path, ctx = _dockerfile(tmp_path, f"FROM debian\nWORKDIR /app\n{line}\n")
     with pytest.raises(UnsupportedDockerfile, match=match):
         parse_dockerfile(path, ctx)
+
+
+@pytest.mark.parametrize("lines, reason", [
+    ("RUN chmod +x /app/a.py && python3 /app/a.py > /app/out.txt 2>/dev/null", None),
+    ("RUN mkdir -p sub && cp a.py sub/ && echo ${HOME}/x ./y", None),
+    ("RUN apt-get update && apt-get install -y jq", r"Dockerfile:3: RUN reaches past /app"),
+    ("RUN pip install --no-cache-dir requests==2.31", r"RUN reaches past /app"),
+    ("RUN python3 -m pip install numpy", r"RUN reaches past /app"),
+    ("RUN curl -LsSf https://astral.sh/uv/install.sh | sh", r"RUN reaches past /app"),
+    ("RUN ln -s /app/a.py /usr/local/bin/a", r"RUN reaches past /app"),
+    ("RUN mkdir -p /data", r"RUN reaches past /app"),
+    ("COPY a.py /opt/a.py", r"Dockerfile:3: COPY to /opt/a.py is outside /app"),
+    ("WORKDIR /srv", r"Dockerfile:3: WORKDIR /srv is outside /app"),
+])
+def test_dockerfile_steps_that_reach_past_the_tree_need_an_image(tmp_path, lines, reason):
+    """Steps that stay in /app run on the host's system; the first that reaches further makes the task an image."""
+    path, ctx = _dockerfile(tmp_path, f"FROM python:3.11-slim\nWORKDIR /app\n{lines}\nUSER nobody\n",
+                            files=("a.py",))
+    plan = parse_dockerfile(path, ctx)
+    assert any("USER is not honoured" in n for n in plan.notes)
+    setup, image = plan.task_parts(path, 60.0)
+    if reason is None:
+        assert plan.build_reason is None and image.required is None and setup == plan.steps
+        assert any("the host's system stands in" in n for n in plan.notes)
+    else:
+        assert re.search(reason, image.required) and setup == [] and image.steps == plan.steps
+        assert image.packages == () and image.timeout_s == 60.0
+        assert any("built into an image on a Debian root filesystem" in n for n in plan.notes)
+
+
+def test_image_digest_follows_what_the_build_reads(tmp_path):
+    path, ctx = _dockerfile(tmp_path, "FROM gcc:12-bookworm\nCOPY src /opt/src\nRUN make -C /opt/src\n",
+                            files=("src/m.c",))
+
+    def recipe():
+        return parse_dockerfile(path, ctx).task_parts(path, 60.0)[1]
+
+    first = recipe()
+    assert first.packages == ("build-essential",) and recipe().key == first.key
+    (ctx / "src" / "m.c").write_text("int main(void) { return 0; }\n")
+    assert recipe().key != first.key  # a copied file changed
+    changed = recipe().key
+    path.write_text(path.read_text() + "ENV A=1\n")
+    assert recipe().key != changed
+
+
+@pytest.mark.parametrize("image, family", [
+    ("python:3.11-slim-bookworm", "python"), ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "python"),
+    ("ubuntu:24.04", "ubuntu"), ("node:20", "node"), ("gcc:12-bookworm", "gcc"), ("python:3.12-alpine", "alpine"),
+    ("docker.io/library/alpine:3.19", "alpine"), ("golang1.22", "golang"), ("mcr.microsoft.com/foo/bar:1", "bar"),
+])
+def test_image_family(image, family):
+    assert image_family(image) == family
+
+
+def test_a_non_debian_base_that_must_be_built_is_refused(tmp_path):
+    path, ctx = _dockerfile(tmp_path, "FROM alpine:3.19\nRUN apk add --no-cache bash\n")
+    with pytest.raises(UnsupportedDockerfile, match=r"a non-Debian base \(alpine\) must be built .*container backend"):
+        parse_dockerfile(path, ctx).task_parts(path, 60.0)
+    path.write_text("FROM alpine:3.19\nCOPY a.py /app/\n")
+    (ctx / "a.py").write_text("x")
+    assert parse_dockerfile(path, ctx).task_parts(path, 60.0)[1].required is None  # the host can stand in
 
 
 def test_dockerfile_copy_source_must_exist_in_context(tmp_path):

@@ -36,11 +36,17 @@ def _modes() -> list[str]:
     return modes
 
 
-@pytest.fixture(params=_modes() if bwrap_problem() is None else ["userns"])
+@pytest.fixture(params=(_modes() if bwrap_problem() is None else ["userns"]) + ["image"])
 def sbx(request, tmp_path):
+    """A sandbox in each bwrap mode this host has, and one on a built image (which must give no more)."""
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "main.py").write_text("print('hi')\n")
+    if request.param == "image":
+        image = request.getfixturevalue("test_image")
+        with LocalSandbox(tree, limits=LIMITS, image=image.root) as s:
+            yield s
+        return
     with LocalSandbox(tree, limits=LIMITS, bwrap_mode=request.param) as s:
         yield s
 
@@ -208,8 +214,10 @@ def test_services_have_the_usual_writable_system_paths(sbx):
     res = sbx.exec("mkdir -p /var/log/svc /var/lib/db /var/cache/c /var/spool/s /run/svc && "
                    "(setsid bash -c 'echo started > /var/log/svc/out.log; exec sleep 1000' >/dev/null 2>&1 &) && "
                    "echo 7 > /run/svc/pid && touch /var/tmp/t && ls /tmp && "
-                   "for p in /usr/x /etc/x /opt/x /x; do touch $p 2>/dev/null && echo wrote $p; done; true")
-    assert res.output.split() == ["t"], res.output
+                   "for p in /usr/x /etc/x /usr/local/bin/x /x; do touch $p 2>/dev/null && echo wrote $p; done; "
+                   "touch /opt/x 2>/dev/null && echo wrote /opt/x; true")
+    # an image's /opt is the sandbox's copy, as in a container; the host's system has none to write
+    assert res.output.split() == ["t"] + (["wrote", "/opt/x"] if sbx.image is not None else []), res.output
     sbx.enter_verifier()
     res = sbx.exec("sleep 0.2; cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/")
     assert res.output.split() == ["started", "7"], res.output  # the verifier's /tmp (and /var/tmp) are its own

@@ -1,0 +1,435 @@
+"""Images for the local backend: a task's Dockerfile built without a daemon into a root filesystem on the host.
+
+A Debian root filesystem made from packages (mmdebstrap; the host's Debian release where the host runs Debian)
+stands in for the FROM image: one base per host, built once, with what the sandbox itself runs inside (bubblewrap,
+util-linux) and Python with pip, pytest and venv (what most tasks and verifiers expect). Each image starts as a
+copy of it: the packages the FROM image's family implies, then the Dockerfile's steps. It is cached under its
+digest (`ImageBuilder.build`), so a task is built once per host and a second prepare costs a lookup. Sandboxes
+run on it (rl/sandbox/local.py): its system folders read-only, copies of its other folders writable.
+
+The build is the only phase with the network: RUN steps may install from the Debian mirror and the package index.
+Its commands run as root of a user namespace of their own, whose uids 0-65535 are BUILD_UID_BASE.. on the host
+(so apt and dpkg can hand files to system users, and nothing in the image is the host's root), with pid, ipc, uts
+and mount namespaces of their own. Of the host they see only what networking needs: resolv.conf and hosts, the
+host's CA bundle (for hosts whose proxy signs TLS with its own authority) and pip's configuration with the local
+indexes it names. Building needs a root host (to map that uid range) with mmdebstrap; `build_problem` says what is
+missing in one line.
+"""
+
+from __future__ import annotations
+
+import configparser
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rl.sandbox.base import BASE_ENV, ExecResult, SandboxError, run_process
+from rl.sandbox.leftovers import force_rmtree, sweep
+from rl.sandbox.local import bwrap_path, copy_tree, read_bwrap_info
+from rl.sandbox.owners import make_dir
+
+BUILD_UID_BASE = 2_000_000  # below the sandboxes' uids (rl/sandbox/local.py UID_BASE)
+BUILD_UIDS = 65536
+# What the sandbox runs inside every image (nested bubblewrap for `judge`; nsenter, setpriv, prlimit) and what
+# most tasks and their verifiers expect of a python:* image (pip, venv, pytest; `python` is python3).
+BASE_PACKAGES = ("bubblewrap", "util-linux", "procps", "ca-certificates", "curl", "python3", "python3-pip",
+                 "python3-venv", "python3-pytest", "python-is-python3")
+DEFAULT_SUITE = "bookworm"
+# The capabilities a container engine gives a build's root by default (they count inside its user namespace only).
+BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+              "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_SETFCAP", "CAP_AUDIT_WRITE")
+BUILD_ENV = {**BASE_ENV, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
+CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")
+HOST_NET_FILES = ("/etc/resolv.conf", "/etc/hosts")
+MAX_BUILD_OUTPUT = 4 * 1024 * 1024
+BUILD_HOST_DIR = "/run/mc-build"  # where the build sees the host's CA bundle (a tmpfs, gone from the image)
+
+
+def default_cache_dir() -> Path:
+    """MC_IMAGE_CACHE, else a system folder: the build's and the sandboxes' users must be able to reach it (a home
+    folder is often closed to them)."""
+    return Path(os.environ.get("MC_IMAGE_CACHE") or "/var/cache/megatron-composer/images")
+
+
+def host_suite() -> str:
+    """The host's Debian release (its packages are what this host reaches), else DEFAULT_SUITE."""
+    try:
+        fields = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+    except OSError:
+        return DEFAULT_SUITE
+    if fields.get("ID", "").strip('"') == "debian" and fields.get("VERSION_CODENAME"):
+        return fields["VERSION_CODENAME"].strip('"')
+    return DEFAULT_SUITE
+
+
+def build_problem() -> str | None:
+    """Why this host cannot build images, in one line with the fix; None when it can."""
+    if os.geteuid() != 0:
+        return ("building a task's image needs root (its build maps a range of uids, as a container engine does); "
+                "run as root, or use a container backend (--backend podman or docker)")
+    if shutil.which("mmdebstrap") is None:
+        return "building a task's image needs mmdebstrap, which this host lacks: apt-get install mmdebstrap"
+    if bwrap_path() is None:
+        return "building a task's image needs bubblewrap: apt-get install bubblewrap"
+    return None
+
+
+@dataclass
+class ImageRecipe:
+    """What to build (made by a task loader from a Dockerfile): Debian packages that stand in for the FROM image's
+    family, then the steps (each has `apply(build_root, timeout)`), under `key`, a digest of all the build reads."""
+
+    key: str
+    packages: tuple[str, ...]
+    steps: list
+    timeout_s: float  # for each step
+    what: str  # what it is built from, for messages
+    required: str | None = None  # why the host's system cannot stand in (None: it can; a backend may build anyway)
+
+
+@dataclass
+class Image:
+    """A built image: its root filesystem on the host and how it came to be."""
+
+    root: Path
+    key: str
+    build_s: float  # how long its build took (when it was built)
+    cached: bool  # found in the cache by this lookup
+
+
+def _shift_owners(root: Path, by: int) -> None:
+    """Add `by` to every file's owner and group (never following links), keeping set-id bits, which chown clears."""
+    def shift(path: str) -> None:
+        st = os.lstat(path)
+        os.lchown(path, st.st_uid + by, st.st_gid + by)
+        if not os.path.islink(path) and st.st_mode & 0o7000:
+            os.chmod(path, st.st_mode & 0o7777)
+
+    shift(str(root))
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            shift(os.path.join(dirpath, name))
+
+
+def _pip_host_paths() -> tuple[list[str], dict[str, str]]:
+    """pip's configuration on the host: the config files and the local folders they or PIP_* name (file:// indexes,
+    find-links, constraints), to be seen read-only by the build; and the PIP_* environment to pass."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("PIP_") and k != "PIP_CERT"}
+    values = list(env.values())
+    files = [p for p in PIP_CONFIGS if os.path.isfile(p)]
+    for path in files:
+        parser = configparser.ConfigParser(interpolation=None)
+        with contextlib.suppress(configparser.Error, OSError):
+            parser.read(path)
+            values += [v for section in parser.sections() for _, v in parser.items(section)]
+    paths = list(files)
+    for value in values:
+        for word in value.split():
+            word = word[len("file://"):] if word.startswith("file://") else word
+            if word.startswith("/") and os.path.exists(word):
+                paths.append(os.path.normpath(word))
+    return sorted(set(paths)), env
+
+
+class BuildRoot:
+    """One image's build phase: commands run as root in its root filesystem, with the host's network.
+    It offers what a task's setup steps use of a sandbox (`exec`, `copy_in`)."""
+
+    builds_image = True  # a setup step's failure here is the build's, not a missing part of the host
+
+    def __init__(self, root: Path, default_timeout_s: float = 1800.0):
+        self.root = root
+        self.default_timeout_s = default_timeout_s
+        self._bwrap = bwrap_path()
+        self._pip_paths, self._pip_env = _pip_host_paths()
+        self._ca = next((p for p in CA_BUNDLES if os.path.isfile(p)), None)
+
+    def _mountpoints(self) -> list[str]:
+        return [p for p in (*HOST_NET_FILES, *self._pip_paths) if os.path.exists(p)]
+
+    def exec(self, command: str, *, timeout: float | None = None, cwd: str = "/",
+             env: dict[str, str] | None = None) -> ExecResult:
+        env = {**BUILD_ENV, **self._pip_env, **(env or {})}
+        argv = [self._bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv", "--uid", "0", "--gid", "0"]
+        for cap in BUILD_CAPS:
+            argv += ["--cap-add", cap]
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        if self._ca:  # a proxy may sign TLS with the host's own authority; the image's bundle stays its own
+            ca = f"{BUILD_HOST_DIR}/ca.crt"
+            for k in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
+                      "NODE_EXTRA_CA_CERTS"):
+                argv += ["--setenv", k, ca]
+        argv += ["--bind", str(self.root), "/", "--proc", "/proc", "--dev", "/dev"]
+        created = [p for p in self._mountpoints() if not os.path.lexists(self.root / p.lstrip("/"))]
+        for path in self._mountpoints():
+            argv += ["--ro-bind", path, path]
+        had_run_dir = os.path.lexists(self.root / BUILD_HOST_DIR.lstrip("/"))
+        if self._ca:
+            argv += ["--tmpfs", BUILD_HOST_DIR, "--ro-bind", self._ca, f"{BUILD_HOST_DIR}/ca.crt"]
+        argv += ["--chdir", cwd, "--", "bash", "--noprofile", "--norc", "-c", command]
+        try:
+            return self._run_mapped(argv, timeout or self.default_timeout_s)
+        finally:  # the mount points bwrap had to make are not part of the image
+            for path in sorted(created + ([] if had_run_dir else [BUILD_HOST_DIR]), key=len, reverse=True):
+                _remove_mountpoint(self.root / path.lstrip("/"), self.root)
+
+    def _run_mapped(self, argv: list[str], timeout: float) -> ExecResult:
+        """Run bubblewrap as the build range's first uid; as soon as it has made the user namespace, map uids and
+        gids 0-65535 inside to the build range outside (only a privileged host may map a range), then let it go on."""
+        block_r, block_w = os.pipe()
+        info_r, info_w = os.pipe()
+        argv = [argv[0], "--userns-block-fd", str(block_r), "--info-fd", str(info_w), *argv[1:]]
+        mapped: list[str] = []
+
+        def map_user():
+            try:
+                info = read_bwrap_info(info_r, timeout_s=60)
+                pid = info.get("child-pid")
+                if isinstance(pid, int):
+                    for name in ("uid_map", "gid_map"):
+                        with open(f"/proc/{pid}/{name}", "w") as f:
+                            f.write(f"0 {BUILD_UID_BASE} {BUILD_UIDS}\n")
+                    mapped.append("yes")
+            except (OSError, SandboxError) as e:
+                mapped.append(str(e))
+            finally:
+                with contextlib.suppress(OSError):
+                    os.write(block_w, b"1")
+
+        mapper = threading.Thread(target=map_user, daemon=True)
+        mapper.start()
+        try:
+            res = run_process(argv, timeout=timeout, max_output=MAX_BUILD_OUTPUT, env={"PATH": BASE_ENV["PATH"]},
+                              user=BUILD_UID_BASE, group=BUILD_UID_BASE, pass_fds=(block_r, info_w), poll_s=1.0)
+        finally:
+            os.close(block_r)
+            os.close(info_w)
+            mapper.join(timeout=60)
+            os.close(info_r)
+            os.close(block_w)
+        if mapped and mapped[0] != "yes":
+            res.events.append(f"the build's users could not be mapped: {mapped[0]}")
+        return res
+
+    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
+        """Put a host file or folder's contents at `dest` in the image (COPY/ADD), owned by the image's root, never
+        through a link that a RUN step left in the image."""
+        if not dest.startswith("/") or ".." in Path(dest).parts:
+            raise SandboxError(f"COPY destination must be an absolute path without '..', got {dest!r}")
+        host_path = Path(host_path)
+        target = self.root / dest.strip("/")
+        parent = self._make_parents(target.parent)
+        target = parent / target.name if dest.strip("/") else self.root
+        if host_path.is_dir():
+            if target.is_symlink() or (target.exists() and not target.is_dir()):
+                target.unlink()
+            if target.exists() and not merge:
+                force_rmtree(target)
+            copy_tree(host_path, target)
+            _own(target, recursive=True)
+        else:
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            elif target.is_dir():
+                raise SandboxError(f"COPY: {dest} is a folder in the image; name the file inside it")
+            shutil.copy2(host_path, target)
+            _own(target)
+
+    def _make_parents(self, path: Path) -> Path:
+        """Make `path`'s folders inside the image one by one, refusing any that is a link (it could lead out)."""
+        current = self.root
+        for name in path.relative_to(self.root).parts:
+            current = current / name
+            if current.is_symlink():
+                real = os.path.realpath(current)
+                if not (real + "/").startswith(str(self.root.resolve()) + "/"):
+                    raise SandboxError(f"COPY: /{current.relative_to(self.root)} is a link out of the image")
+                current = Path(real)
+            elif not current.exists():
+                current.mkdir()
+                _own(current)
+        return current
+
+
+def _own(path: Path, recursive: bool = False) -> None:
+    """Give `path` to the image's root (the build range's first uid)."""
+    paths = [path]
+    if recursive:
+        paths += [Path(d) / n for d, dirs, files in os.walk(path) for n in dirs + files]
+    for p in paths:
+        os.lchown(p, BUILD_UID_BASE, BUILD_UID_BASE)
+
+
+def _remove_mountpoint(path: Path, root: Path) -> None:
+    """Remove an empty file or folder bwrap made as a mount point, and the parents it made with it."""
+    while path != root and (path.is_dir() or path.is_file()):
+        try:
+            if path.is_dir():
+                path.rmdir()
+            elif path.stat().st_size == 0:
+                path.unlink()
+            else:
+                return
+        except OSError:
+            return
+        path = path.parent
+        if path == root or any(path.iterdir()):
+            return
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` (a file): builds of one image, or of the base, wait for each other."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class ImageBuilder:
+    """Builds and caches images under `cache_dir` (MC_IMAGE_CACHE, default /var/cache/megatron-composer/images):
+    `base-<digest>/` the Debian root filesystem, `<digest>/` each image (its root in `rootfs/`, how it was built
+    in `image.json`), `logs/` the build logs."""
+
+    def __init__(self, cache_dir: str | Path | None = None, suite: str | None = None, progress=print):
+        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.suite = suite or host_suite()
+        self.progress = progress
+        digest = hashlib.sha256(json.dumps([self.suite, BASE_PACKAGES, "shift", BUILD_UID_BASE]).encode())
+        self.base_key = digest.hexdigest()[:16]
+
+    def problem(self) -> str | None:
+        return build_problem()
+
+    def _work_dir(self) -> Path:
+        """A new build folder; it and the cache are open to traversal: the build's root (a uid of the build range)
+        and the sandboxes' users reach the image through them."""
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        for folder in [self.cache_dir, *self.cache_dir.parents]:
+            if folder.stat().st_mode & 0o001 == 0:
+                raise SandboxError(f"the image cache {self.cache_dir} is inside {folder}, which other users cannot "
+                                   "enter; set MC_IMAGE_CACHE to a folder under one they can (e.g. /var/cache)")
+        work = make_dir("build", self.cache_dir)
+        os.chmod(work, 0o711)
+        return work
+
+    def _finished(self, folder: Path) -> bool:
+        return (folder / "image.json").is_file()
+
+    def base(self) -> Path:
+        """The Debian root filesystem every image starts from (built by mmdebstrap on first use)."""
+        folder = self.cache_dir / f"base-{self.base_key}"
+        if self._finished(folder):
+            return folder / "rootfs"
+        if (why := self.problem()) is not None:
+            raise SandboxError(why)
+        with _locked(self.cache_dir / f".base-{self.base_key}.lock"):
+            if self._finished(folder):
+                return folder / "rootfs"
+            sweep(str(self.cache_dir))
+            self.progress(f"building the Debian {self.suite} base image (once per host; about a minute) ...")
+            t0 = time.monotonic()
+            work = self._work_dir()
+            try:
+                rootfs = work / "rootfs"
+                log = self.log_path(f"base-{self.base_key}")
+                cmd = ["mmdebstrap", "--variant=minbase", "--mode=root", f"--include={','.join(BASE_PACKAGES)}",
+                       self.suite, str(rootfs)]
+                with open(log, "w") as f:
+                    res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                if res.returncode != 0:
+                    raise SandboxError(f"building the Debian {self.suite} base image failed ({_last_line(log)}); "
+                                       f"the whole log: {log}")
+                for marker in rootfs.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
+                    marker.unlink()  # pip installs system-wide in a build, as in a python:* image
+                _shift_owners(rootfs, BUILD_UID_BASE)
+                self._finish(work, folder, {"suite": self.suite, "packages": list(BASE_PACKAGES),
+                                            "build_s": round(time.monotonic() - t0, 1)})
+            finally:
+                force_rmtree(work)
+        return folder / "rootfs"
+
+    def log_path(self, name: str) -> Path:
+        logs = self.cache_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        return logs / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+
+    def _finish(self, work: Path, folder: Path, meta: dict) -> None:
+        (work / "image.json").write_text(json.dumps(meta, indent=1) + "\n")
+        try:
+            os.rename(work, folder)
+        except OSError:
+            if not self._finished(folder):  # another process finished the same image first: keep theirs
+                raise
+
+    def key(self, recipe_key: str) -> str:
+        return hashlib.sha256(f"{self.base_key}:{recipe_key}".encode()).hexdigest()[:24]
+
+    def lookup(self, recipe_key: str) -> Image | None:
+        folder = self.cache_dir / self.key(recipe_key)
+        if not self._finished(folder):
+            return None
+        meta = json.loads((folder / "image.json").read_text())
+        return Image(folder / "rootfs", folder.name, float(meta.get("build_s", 0.0)), cached=True)
+
+    def build_recipe(self, recipe: ImageRecipe) -> Image:
+        """Build (or find) a loader's recipe: its packages from the Debian mirror, then its steps."""
+        def steps(root: BuildRoot) -> None:
+            if recipe.packages:
+                command = ("apt-get update -qq && apt-get install -y -qq --no-install-recommends "
+                           + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
+                res = root.exec(command, timeout=recipe.timeout_s)
+                if not res.ok:
+                    log = self.log_path("packages")
+                    log.write_text(f"$ {command}\n{res.output}")
+                    raise SandboxError(f"{recipe.what}: installing {', '.join(recipe.packages)} for the image failed "
+                                       f"({res.describe()}); the whole log: {log}")
+            for step in recipe.steps:
+                step.apply(root, recipe.timeout_s)
+
+        return self.build(recipe.key, steps, what=recipe.what)
+
+    def build(self, recipe_key: str, steps: Callable[[BuildRoot], None], what: str = "image") -> Image:
+        """The image of `recipe_key` (a digest of everything its build reads), building it with `steps` (run
+        against a BuildRoot on a copy of the base) unless it is cached. A failed build leaves nothing behind."""
+        if (found := self.lookup(recipe_key)) is not None:
+            return found
+        base = self.base()
+        key = self.key(recipe_key)
+        with _locked(self.cache_dir / f".{key}.lock"):
+            if (found := self.lookup(recipe_key)) is not None:
+                return found
+            self.progress(f"building {what} (cached afterwards as {key}) ...")
+            t0 = time.monotonic()
+            work = self._work_dir()
+            try:
+                copy_tree(base, work / "rootfs")
+                os.lchown(work / "rootfs", BUILD_UID_BASE, BUILD_UID_BASE)
+                steps(BuildRoot(work / "rootfs"))
+                build_s = time.monotonic() - t0
+                self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key,
+                                                          "build_s": round(build_s, 1)})
+            finally:
+                force_rmtree(work)
+        return Image(self.cache_dir / key / "rootfs", key, build_s, cached=False)
+
+
+def _last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return re.sub(r"\s+", " ", lines[-1])[:200] if lines else "no output"

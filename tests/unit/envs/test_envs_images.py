@@ -1,0 +1,99 @@
+"""Tasks whose Dockerfile reaches past /app, built into images without a daemon (rl/sandbox/image.py): packages from
+the Debian mirror and the package index in the build only, files anywhere, the same verdicts as their authors meant,
+cached so that the second prepare only forks. Skipped, with the reason, where this host cannot build images."""
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl.envs.check_task import check_task
+from rl.envs.harbor import load_harbor_task
+from rl.envs.task import TaskError, prepare_task
+from rl.sandbox.image import BUILD_UID_BASE, ImageBuilder, build_problem
+from rl.sandbox.local import LocalBackend
+
+pytestmark = pytest.mark.skipif(build_problem() is not None, reason=str(build_problem()))
+
+TOML = """\
+version = "1.0"
+[verifier]
+timeout_sec = 120.0
+[agent]
+timeout_sec = 120.0
+[environment]
+build_timeout_sec = 600.0
+"""
+DOCKERFILE = """\
+FROM python:3.11-slim-bookworm
+RUN apt-get update && apt-get install -y --no-install-recommends jq && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir six
+WORKDIR /opt/project
+COPY data /opt/project/data
+RUN python3 -c "import six, json; print(json.dumps({'six': six.__version__}))" > /opt/project/built.json
+ENV PROJECT_HOME=/opt/project
+"""
+TEST_SH = """\
+#!/bin/bash
+cd /opt/project
+total=$(jq '[.[] | .n] | add' data/items.json)
+if [ "$(cat answer.txt 2>/dev/null)" = "$total" ] && python3 -c "import six" && [ -s built.json ] \\
+   && [ "$PROJECT_HOME" = /opt/project ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def built_task(root: Path, dockerfile: str = DOCKERFILE) -> Path:
+    task = root / "jq-sum"
+    files = {"instruction.md": "Write the sum of the items' n in data/items.json to answer.txt.\n",
+             "task.toml": TOML, "environment/Dockerfile": dockerfile,
+             "environment/data/items.json": '[{"n": 3}, {"n": 4}, {"n": 35}]\n',
+             "solution/solve.sh": "#!/bin/bash\ncd /opt/project\njq '[.[] | .n] | add' data/items.json > answer.txt\n",
+             "tests/test.sh": TEST_SH}
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(textwrap.dedent(text))
+    return task
+
+
+def test_a_task_with_packages_and_files_outside_app_runs_as_written(tmp_path):
+    """apt and pip in RUN, WORKDIR and COPY outside /app, ENV: 0 untouched, 1 after its solution; the second prepare
+    finds the image instead of building it; the agent is not root and cannot change the image's system."""
+    task = load_harbor_task(built_task(tmp_path))
+    assert task.image.required and "RUN reaches past /app" in task.image.required
+    backend = LocalBackend()
+    assert check_task(task, backend, oracle=False, log=lambda _: None).reward == 0.0
+    assert check_task(task, backend, oracle=True, log=lambda _: None).reward == 1.0
+    found = ImageBuilder().lookup(task.image.key)
+    assert found is not None and found.cached
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sbx:
+            res = sbx.exec("id -u; pwd; jq --version; touch /usr/bin/new-tool /etc/x 2>&1; touch /opt/project/mine && "
+                           "echo wrote-own-copy")
+            assert res.output.splitlines()[:2] == ["1000", "/opt/project"], res.output
+            assert res.output.count("Read-only file system") == 2 and "wrote-own-copy" in res.output
+    finally:
+        snapshot.discard()
+    owners = {os.lstat(found.root / p).st_uid for p in ("usr/bin/jq", "opt/project/built.json", "etc/passwd")}
+    assert owners == {BUILD_UID_BASE}  # the build's root is not the host's
+
+
+def test_a_failed_build_is_one_line_with_its_log_and_leaves_nothing(tmp_path):
+    dockerfile = DOCKERFILE.replace("RUN pip install --no-cache-dir six",
+                                    "RUN pip install --no-cache-dir six && no-such-tool --now")
+    task = load_harbor_task(built_task(tmp_path, dockerfile))
+    before = set(os.listdir(ImageBuilder().cache_dir))
+    with pytest.raises(TaskError) as e:
+        prepare_task(task, LocalBackend())
+    (line,) = str(e.value).splitlines()
+    assert "Dockerfile:3: setup command failed (exit code 127)" in line and "no-such-tool: command not found" in line
+    log = Path(line.rsplit("(the whole log: ", 1)[1].rstrip(")"))
+    assert "no-such-tool --now" in log.read_text()
+    after = {n for n in os.listdir(ImageBuilder().cache_dir) if not n.startswith(".")}
+    assert after <= before | {"logs"}, after - before  # no half-built image is kept
+    assert ImageBuilder().lookup(task.image.key) is None
