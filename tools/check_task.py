@@ -35,13 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", help="the instance_id to check in a SWE-bench JSONL")
     parser.add_argument("--repos", help="folder with the SWE-bench repositories' clones (default: the JSONL's)")
     parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
+    parser.add_argument("--build-image", action="store_true",
+                        help="local backend: build the Dockerfile into an image even where the host's system could "
+                             "stand in (docs/SANDBOX.md, task images)")
     args = parser.parse_args(argv)
     release_on_signals()  # a stopped check leaves no sandbox, mount or cgroup behind
     try:
         with warnings.catch_warnings():  # a task's format notes are printed once, as check_task's "note:" lines
             warnings.simplefilter("ignore", TaskFormatWarning)
             task = load_task(args.task, args.instance, args.repos)
-        backend = make_backend(args.backend)
+        backend = make_backend(args.backend, build_images=args.build_image)
         result = check_task(task, backend, args.oracle)
     except (TaskError, SandboxError) as e:
         print(printable(f"error: {e}"), file=sys.stderr)

@@ -28,12 +28,12 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
-def make_backend(name: str, limits: SandboxLimits | None = None):
+def make_backend(name: str, limits: SandboxLimits | None = None, build_images: bool = False):
     limits = limits or SandboxLimits()
     if name == "local":
         from rl.sandbox.local import LocalBackend
 
-        return LocalBackend(limits=limits)
+        return LocalBackend(limits=limits, build_images=build_images)
     from rl.sandbox.container import make_container_backend
 
     return make_container_backend(name, limits=limits)

@@ -71,14 +71,22 @@ class DockerfilePlan:
     build_reason: str | None = None  # the first step that reaches past /app: the task needs a built image
     text: str = ""  # the Dockerfile as written (part of the image's digest)
 
-    def task_parts(self, path: Path, timeout_s: float) -> tuple[list, ImageRecipe]:
+    def task_parts(self, path: Path, timeout_s: float, verifier: tuple[str, list[str]] | None = None
+                   ) -> tuple[list, ImageRecipe]:
         """(the setup steps to run on the host's system, the image to build), the steps empty when one reaches past
-        /app and so the image must be built (a backend may build it anyway); the stand-in is stated in the notes."""
+        /app and so the image must be built (a backend may build it anyway); the stand-in is stated in the notes.
+        `verifier` is (its script's name, what it has uv or pip install): a verifier that installs tools needs the
+        image too, which carries them (the verifier runs offline)."""
         where = f"{path}: FROM {self.base_image}"
         family = image_family(self.base_image or "")
         packages = FAMILY_PACKAGES.get(family, ())
-        recipe = ImageRecipe(key=self.digest(packages), packages=packages, steps=list(self.steps),
-                             timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}", required=self.build_reason)
+        script, wanted = verifier or ("", [])
+        if wanted and self.build_reason is None:
+            self.build_reason = (f"{script} has uv or pip install {', '.join(wanted)}, which the image carries so that "
+                                 "the verifier runs offline")
+        recipe = ImageRecipe(key=self.digest(packages + tuple(wanted)), packages=packages, steps=list(self.steps),
+                             timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}", required=self.build_reason,
+                             verifier_packages=tuple(wanted))
         if self.build_reason is None:
             self.notes.append(f"{where}: the host's system stands in for the image (every step stays in {TREE_ROOT})")
             return self.steps, recipe
@@ -92,7 +100,7 @@ class DockerfilePlan:
         return [], recipe
 
     def digest(self, packages: tuple[str, ...]) -> str:
-        """Everything the build reads: the Dockerfile, the implied packages and every file its COPY/ADD take."""
+        """Everything the build reads: the Dockerfile, the packages it adds and every file its COPY/ADD take."""
         h = hashlib.sha256(json.dumps([self.text, list(packages)]).encode())
         for step in self.steps:
             if isinstance(step, CopyStep):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
-from rl.envs.task_folder import check_inside, compose_notes, positive_number
+from rl.envs.task_folder import check_inside, compose_notes, positive_number, verifier_requirements
 from rl.envs.terminal_bench import load_terminal_bench_task
 
 try:
@@ -187,7 +187,9 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     setup, image, workdir, notes = [], None, "/app", []
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, environment_dir)
-        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s)
+        test_sh = task_dir / "tests" / "test.sh"
+        wanted = verifier_requirements(test_sh.read_text(errors="replace")) if test_sh.is_file() else []
+        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s, ("tests/test.sh", wanted))
         workdir, notes = plan.workdir, plan.notes
         env = {**plan.env, **env}
     for note in unknown_keys(data, toml_path) + writable_search_paths(

@@ -24,7 +24,7 @@ import yaml
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.swebench import PASSING, parse_test_log
 from rl.envs.task import EmptyTree, Task, TaskError, TaskLimits, VerifyResult, missing_tool, verifier_anomaly
-from rl.envs.task_folder import check_inside, compose_notes, positive_number
+from rl.envs.task_folder import check_inside, compose_notes, positive_number, verifier_requirements
 from rl.sandbox.base import ExecResult, Sandbox
 
 DEFAULT_RUN_TESTS = "#!/bin/bash\npython3 -m pytest \"$TEST_DIR/test_outputs.py\" -rA\n"
@@ -128,21 +128,23 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
         agent_timeout_s=positive_number(data.get("max_agent_timeout_sec", 360.0), f"{where}: max_agent_timeout_sec"),
         verifier_timeout_s=positive_number(data.get("max_test_timeout_sec", 60.0), f"{where}: max_test_timeout_sec"))
     dockerfile = task_dir / "Dockerfile"
+    run_tests = task_dir / "run-tests.sh"
+    run_tests_text = run_tests.read_text(errors="replace") if run_tests.is_file() else DEFAULT_RUN_TESTS
     setup, image, workdir, env = [], None, "/app", {}
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, task_dir)
-        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s)
+        wanted = ("run-tests.sh", verifier_requirements(run_tests_text))
+        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s, wanted)
         workdir, env = plan.workdir, dict(plan.env)
         notes += plan.notes
     notes += compose_notes(task_dir)
-    run_tests = task_dir / "run-tests.sh"
     tests_dir = task_dir / "tests"
     return Task(
         name=task_dir.name,
         instruction=_instruction(data, str(where)),
         tree=EmptyTree(),
         verifier=PytestLogVerifier(tests_dir if tests_dir.is_dir() else None,
-                                   run_tests.read_text() if run_tests.is_file() else DEFAULT_RUN_TESTS),
+                                   run_tests_text),
         workdir=workdir,
         env=env,
         setup=setup,

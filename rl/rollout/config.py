@@ -61,6 +61,9 @@ class RolloutConfig:
     sandbox_concurrency: int = field(default=2, metadata={"help": "sandboxes a worker runs at once"})
     sandbox_unisolated: bool = field(default=False, metadata={
         "help": "run sandboxes without bubblewrap (trusted code only)"})
+    sandbox_build_images: bool = field(default=False, metadata={
+        "help": "build every task's Dockerfile into an image (rl/sandbox/image.py), even where the host's system "
+                "could stand in (a task whose steps reach past /app is built either way)"})
     episode_retries: int = field(default=2, metadata={
         "help": "a crashed sandbox episode is rerun this often before the group is re-queued"})
     group_timeout_s: float = field(default=1800.0, metadata={

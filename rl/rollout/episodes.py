@@ -162,7 +162,8 @@ class EpisodeRunner:
         if self._backend is None:
             from rl.sandbox import LocalBackend
 
-            self._backend = LocalBackend(unisolated=self.cfg.sandbox_unisolated)
+            self._backend = LocalBackend(unisolated=self.cfg.sandbox_unisolated,
+                                         build_images=self.cfg.sandbox_build_images)
         return self._backend
 
     def _get_pool(self):

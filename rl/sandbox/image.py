@@ -21,11 +21,14 @@ from __future__ import annotations
 import configparser
 import contextlib
 import fcntl
+import filecmp
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -54,6 +57,9 @@ PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")
 HOST_NET_FILES = ("/etc/resolv.conf", "/etc/hosts")
 MAX_BUILD_OUTPUT = 4 * 1024 * 1024
 BUILD_HOST_DIR = "/run/mc-build"  # where the build sees the host's CA bundle (a tmpfs, gone from the image)
+# uv and uvx for verifiers that run offline (image_tools/uv.py), put into every image after its steps.
+UV_STAND_IN = Path(__file__).with_name("image_tools") / "uv.py"
+TOOLS_DIGEST = hashlib.sha256(UV_STAND_IN.read_bytes()).hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -96,6 +102,7 @@ class ImageRecipe:
     timeout_s: float  # for each step
     what: str  # what it is built from, for messages
     required: str | None = None  # why the host's system cannot stand in (None: it can; a backend may build anyway)
+    verifier_packages: tuple[str, ...] = ()  # what the task's verifier has uv or pip install: pip installs them here
 
 
 @dataclass
@@ -379,7 +386,7 @@ class ImageBuilder:
                 raise
 
     def key(self, recipe_key: str) -> str:
-        return hashlib.sha256(f"{self.base_key}:{recipe_key}".encode()).hexdigest()[:24]
+        return hashlib.sha256(f"{self.base_key}:{TOOLS_DIGEST}:{recipe_key}".encode()).hexdigest()[:24]
 
     def lookup(self, recipe_key: str) -> Image | None:
         folder = self.cache_dir / self.key(recipe_key)
@@ -402,6 +409,16 @@ class ImageBuilder:
                                        f"({res.describe()}); the whole log: {log}")
             for step in recipe.steps:
                 step.apply(root, recipe.timeout_s)
+            if recipe.verifier_packages:  # from the package index now, so that the verifier needs no network
+                command = "python3 -m pip install --no-cache-dir -q " + " ".join(
+                    shlex.quote(p) for p in recipe.verifier_packages)
+                res = root.exec(command, timeout=recipe.timeout_s)
+                if not res.ok:
+                    log = self.log_path("verifier-packages")
+                    log.write_text(f"$ {command}\n{res.output}")
+                    raise SandboxError(f"{recipe.what}: installing what the verifier asks for "
+                                       f"({', '.join(recipe.verifier_packages)}) failed ({res.describe()}: "
+                                       f"{_last_line(log)}); the whole log: {log}")
 
         return self.build(recipe.key, steps, what=recipe.what)
 
@@ -421,13 +438,44 @@ class ImageBuilder:
             try:
                 copy_tree(base, work / "rootfs")
                 os.lchown(work / "rootfs", BUILD_UID_BASE, BUILD_UID_BASE)
-                steps(BuildRoot(work / "rootfs"))
+                root = BuildRoot(work / "rootfs")
+                steps(root)
+                for name in ("uv", "uvx"):  # after the steps: a uv the Dockerfile installed would need the network
+                    root.copy_in(UV_STAND_IN, f"/usr/local/bin/{name}")
+                    os.chmod(work / "rootfs" / "usr" / "local" / "bin" / name, 0o755)
+                share_unchanged(work / "rootfs", base)
                 build_s = time.monotonic() - t0
                 self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key,
                                                           "build_s": round(build_s, 1)})
             finally:
                 force_rmtree(work)
         return Image(self.cache_dir / key / "rootfs", key, build_s, cached=False)
+
+
+def share_unchanged(image: Path, base: Path) -> int:
+    """Make every file of a finished image that is the base's file unchanged (content, mode, owner, time) a hard
+    link to it, so that an image costs the disk of what its build changed. Safe because nothing writes either
+    after this: sandboxes see images read-only, and builds start from copies. Returns the files shared."""
+    shared = 0
+    for dirpath, _, filenames in os.walk(image):
+        rel = os.path.relpath(dirpath, image)
+        for name in filenames:
+            mine, theirs = os.path.join(dirpath, name), os.path.join(base, rel, name)
+            try:
+                a, b = os.lstat(mine), os.lstat(theirs)
+            except OSError:
+                continue
+            if not stat.S_ISREG(a.st_mode) or a.st_ino == b.st_ino:
+                continue
+            if (a.st_mode, a.st_uid, a.st_gid, a.st_size, a.st_mtime_ns) != (
+                    b.st_mode, b.st_uid, b.st_gid, b.st_size, b.st_mtime_ns) or not filecmp.cmp(mine, theirs,
+                                                                                                  shallow=False):
+                continue
+            link = f"{mine}.mc-link"
+            os.link(theirs, link)
+            os.replace(link, mine)
+            shared += 1
+    return shared
 
 
 def _last_line(log: Path) -> str:

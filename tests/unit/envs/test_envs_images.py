@@ -81,6 +81,9 @@ def test_a_task_with_packages_and_files_outside_app_runs_as_written(tmp_path):
         snapshot.discard()
     owners = {os.lstat(found.root / p).st_uid for p in ("usr/bin/jq", "opt/project/built.json", "etc/passwd")}
     assert owners == {BUILD_UID_BASE}  # the build's root is not the host's
+    base = ImageBuilder().base()  # what the build left unchanged is the base's file, not a copy
+    assert os.stat(found.root / "usr/bin/bash").st_ino == os.stat(base / "usr/bin/bash").st_ino
+    assert not (base / "usr/bin/jq").exists() and not (base / "usr/local/bin/uv").exists()
 
 
 def test_a_failed_build_is_one_line_with_its_log_and_leaves_nothing(tmp_path):
@@ -97,3 +100,63 @@ def test_a_failed_build_is_one_line_with_its_log_and_leaves_nothing(tmp_path):
     after = {n for n in os.listdir(ImageBuilder().cache_dir) if not n.startswith(".")}
     assert after <= before | {"logs"}, after - before  # no half-built image is kept
     assert ImageBuilder().lookup(task.image.key) is None
+
+
+TB2_UVX = """\
+#!/bin/bash
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  -p 3.13 \\
+  -w pytest==8.4.1 \\
+  -w pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+UV_PROJECT = """\
+#!/bin/bash
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh
+source $HOME/.local/bin/env
+uv init
+uv add pytest==8.4.1
+uv run pytest /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+UV_VENV = """\
+#!/bin/bash
+curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh
+source $HOME/.local/bin/env
+uv venv .tbench-testing
+source .tbench-testing/bin/activate
+uv pip install pytest==8.4.1
+uv run pytest /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+@pytest.mark.parametrize("test_sh", [TB2_UVX, UV_PROJECT, UV_VENV], ids=["uvx", "uv-project", "uv-venv"])
+def test_the_usual_uv_boilerplates_run_offline_on_the_image(tmp_path, test_sh):
+    """Harbor and Terminal-Bench verifiers fetch uv and have it install pytest: the image carries what they name
+    (pip installed it in the build) and a uv that runs offline, so they score 0 untouched and 1 solved."""
+    task_dir = tmp_path / "hello"
+    files = {"instruction.md": "Write Hello, world! to /app/hello.txt\n", "task.toml": TOML,
+             "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n",
+             "solution/solve.sh": "#!/bin/bash\necho 'Hello, world!' > /app/hello.txt\n", "tests/test.sh": test_sh,
+             "tests/test_outputs.py": "from pathlib import Path\n\n\ndef test_hello():\n"
+                                      "    assert Path('/app/hello.txt').read_text() == 'Hello, world!\\n'\n"}
+    for rel, text in files.items():
+        (task_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task_dir / rel).write_text(text)
+    task = load_harbor_task(task_dir)
+    assert "pytest==8.4.1" in task.image.verifier_packages and "tests/test.sh has uv or pip install" in \
+        task.image.required
+    backend = LocalBackend()
+    untouched = check_task(task, backend, oracle=False, log=lambda _: None)
+    assert untouched.reward == 0.0 and "FAILED" in untouched.output, untouched.output[-2000:]
+    solved = check_task(task, backend, oracle=True, log=lambda _: None)
+    assert solved.reward == 1.0, solved.output[-2000:]
+    assert "pytest-8.4.1" in solved.output  # the version the task asked for, installed in the build

@@ -9,6 +9,7 @@ from megatron_composer.data.chat_template import format_tool_call, render_text
 from rl.envs.agent import EpisodeConfig, ScriptedPolicy, run_episode
 from rl.envs.dockerfile import UnsupportedDockerfile, image_family, parse_dockerfile
 from rl.envs.task import CopyStep, DirectoryTree, RunStep, ScriptVerifier, Task, TaskError, TaskLimits
+from rl.envs.task_folder import verifier_requirements
 from rl.envs.tools import TRUNCATION_MARKER, ToolBox, truncate
 from rl.sandbox import LocalSandbox
 from rl.sandbox.local import bwrap_problem
@@ -278,3 +279,22 @@ def test_dockerfile_add_unpacks_local_archives(tmp_path):
             for step in (unpack, plain):
                 step.apply(sbx, timeout=60)
             assert sbx.exec("cat lib/pkg/m.txt b.py").output == "inside\nx\n"
+
+
+@pytest.mark.parametrize("script, wanted", [
+    ("uvx \\\n  -p 3.13 \\\n  -w pytest==8.4.1 \\\n  -w pytest-json-ctrf==0.3.5 \\\n"
+     "  pytest --ctrf /logs/x.json /tests -rA\n",
+     ["pytest==8.4.1", "pytest-json-ctrf==0.3.5", "pytest"]),
+    ("uv init\nuv add pytest==8.4.1 requests  # comment\nuv run pytest /tests/test_outputs.py -rA\n",
+     ["pytest==8.4.1", "requests"]),
+    ("uv venv .t && source .t/bin/activate && uv pip install 'numpy>=1.26' $EXTRA -r /tests/req.txt\n",
+     ["numpy>=1.26"]),
+    ("FOO=1 sudo python3 -m pip install --no-cache-dir -q pandas==2.2.2; pip3 install --target /x six\n",
+     ["pandas==2.2.2", "six"]),
+    ("uv tool run --from black==24.1 black --check .\nuvx --with=a==1 ruff check .\n", ["black==24.1", "black", "a==1",
+                                                                                      "ruff"]),
+    ("#!/bin/bash\n# uvx --with not-this pytest\npython3 -m pytest /tests -rA\n", []),
+])
+def test_verifier_requirements(script, wanted):
+    """What a verifier script has uv or pip install, so that a built image can carry it."""
+    assert verifier_requirements(script) == wanted

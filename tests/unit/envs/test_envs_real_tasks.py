@@ -443,12 +443,13 @@ def test_harbor_1_1_keys_are_read_and_a_gpu_task_is_refused_in_one_line(tmp_path
 
 @needs_bwrap
 def test_a_verifier_that_downloads_its_tools_is_told_about_the_network(tmp_path):
-    """The usual Harbor boilerplate fetches uv, then runs `uvx --with pytest`: the error names the network it
-    lacked, not (only) the uv that never arrived."""
+    """A verifier that downloads what it needs beyond what uv and pip install (which a built image carries: see
+    test_envs_images.py) is told about the network it lacked, not (only) about the file that never arrived."""
     task_dir = hello_world(tmp_path)
     (task_dir / "tests" / "test.sh").write_text(
-        "python3 -c 'import urllib.request; urllib.request.urlopen(\"https://astral.sh/uv/install.sh\", timeout=5)'\n"
-        "uvx --with pytest pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifier/reward.txt "
+        "python3 -c 'import urllib.request; urllib.request.urlretrieve(\"https://example.com/expected.txt\", "
+        "\"/tmp/expected.txt\")'\n"
+        "cmp /tmp/expected.txt /app/hello.txt && echo 1 > /logs/verifier/reward.txt "
         "|| echo 0 > /logs/verifier/reward.txt\n")
     result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
     assert result.reward == 0.0 and "the verifier needs the network, which sandboxes do not have" in \
