@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e test-vllm demo demo-agent bench gpu-check clean
+.PHONY: install test test-e2e test-vllm test-podman demo demo-agent bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ $(VLLM_VENV)/.installed: setup.py
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_backend
+
+# The podman backend for real (docs/SANDBOX.md): podman and runc from Debian's packages (podman's crun refuses hosts
+# whose cgroups are v1), tasks built on the local Debian base instead of a registry's images, the same rewards as the
+# local backend.
+test-podman: install
+	{ command -v podman && command -v runc; } >/dev/null \
+		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc; }
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/sandbox/test_sandbox_container.py -k podman
 
 demo: install
 	$(PY) tools/demo.py

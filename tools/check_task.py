@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", help="the instance_id to check in a SWE-bench JSONL")
     parser.add_argument("--repos", help="folder with the SWE-bench repositories' clones (default: the JSONL's)")
     parser.add_argument("--backend", default="local", choices=["local", "docker", "podman", "apptainer"])
+    parser.add_argument("--local-base", action="store_true",
+                        help="docker/podman: build on the local backend's Debian base instead of the FROM image "
+                             "of a registry (for hosts without one; the same system as the local backend)")
     parser.add_argument("--build-image", action="store_true",
                         help="local backend: build the Dockerfile into an image even where the host's system could "
                              "stand in (docs/SANDBOX.md, task images)")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():  # a task's format notes are printed once, as check_task's "note:" lines
             warnings.simplefilter("ignore", TaskFormatWarning)
             task = load_task(args.task, args.instance, args.repos)
-        backend = make_backend(args.backend, build_images=args.build_image)
+        backend = make_backend(args.backend, build_images=args.build_image, local_base=args.local_base)
         result = check_task(task, backend, args.oracle)
     except (TaskError, SandboxError) as e:
         print(printable(f"error: {e}"), file=sys.stderr)

@@ -28,7 +28,8 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
-def make_backend(name: str, limits: SandboxLimits | None = None, build_images: bool = False):
+def make_backend(name: str, limits: SandboxLimits | None = None, build_images: bool = False,
+                 local_base: bool = False):
     limits = limits or SandboxLimits()
     if name == "local":
         from rl.sandbox.local import LocalBackend
@@ -36,7 +37,7 @@ def make_backend(name: str, limits: SandboxLimits | None = None, build_images: b
         return LocalBackend(limits=limits, build_images=build_images)
     from rl.sandbox.container import make_container_backend
 
-    return make_container_backend(name, limits=limits)
+    return make_container_backend(name, limits=limits, local_base=local_base)
 
 
 def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:

@@ -86,7 +86,7 @@ class DockerfilePlan:
                                  "the verifier runs offline")
         recipe = ImageRecipe(key=self.digest(packages + tuple(wanted)), packages=packages, steps=list(self.steps),
                              timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}", required=self.build_reason,
-                             verifier_packages=tuple(wanted))
+                             verifier_packages=tuple(wanted), dockerfile=self.text)
         if self.build_reason is None:
             self.notes.append(f"{where}: the host's system stands in for the image (every step stays in {TREE_ROOT})")
             return self.steps, recipe

@@ -156,6 +156,12 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     test_sh = task_dir / "tests" / "test.sh"
     if not instruction_path.is_file() and (task_dir / "task.yaml").is_file():
         return load_terminal_bench_task(task_dir)  # a Terminal-Bench 1 folder
+    steps = read_task_toml(toml_path).get("steps") if toml_path.is_file() else None
+    if steps:
+        names = [str(s.get("name", "?")) for s in steps if isinstance(s, dict)] if isinstance(steps, list) else []
+        raise TaskError(f"{toml_path}: a multi-step task ([[steps]]: {', '.join(names) or '?'}) runs "
+                        "its steps' instructions, tests and solutions in order in one container; this loader does not "
+                        "run multi-step tasks: run them with Harbor, or split them into one task per step")
     if not instruction_path.is_file():
         raise TaskError(f"{task_dir} has no instruction.md: a Harbor task states its instruction there")
     if not toml_path.is_file():

@@ -3,7 +3,9 @@
 - docker / podman (`ContainerSandbox`): the task's environment/Dockerfile is built as an image (its RUN lines run
   in the build); a container started from it with no network, a memory limit, a pid limit and rlimits stays up
   for the episode and each command runs with `exec` under `timeout -s KILL`. Snapshots are committed images,
-  so every fork starts from the prepared state.
+  so every fork starts from the prepared state. With `local_base` (no registry needed) the image is built on the
+  local backend's Debian base, imported into the engine, from the same recipe as the local backend's images
+  (rl/sandbox/image.py `containerfile`): the same tasks get the same system on both.
 - apptainer (`ApptainerSandbox`): like LocalSandbox, each command is a fresh `apptainer exec --containall` of
   the backend's image (default docker://python:3.11-slim-bookworm) with the task tree bound at /app; the
   Dockerfile subset is applied as for the local backend.
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import resource
 import secrets
 import shlex
 import shutil
@@ -29,9 +32,11 @@ from rl.sandbox.base import (
     note_limits,
     run_process,
 )
+from rl.sandbox.image import ImageBuilder, containerfile, host_network_view
 from rl.sandbox.local import LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
+BUILD_RLIMIT = 16384  # open files and processes of a build's RUN steps
 
 
 def engine_problem(engine: str) -> str | None:
@@ -80,7 +85,7 @@ class ContainerSandbox(Sandbox):
     """A docker or podman container kept running for the episode; commands run via `exec`."""
 
     def __init__(self, engine: str, image: str, *, workdir: str = "/app", env: dict[str, str] | None = None,
-                 limits: SandboxLimits | None = None):
+                 limits: SandboxLimits | None = None, runtime: str | None = None):
         self.engine = engine
         self.limits = limits or SandboxLimits()
         self.workdir = workdir
@@ -89,9 +94,10 @@ class ContainerSandbox(Sandbox):
         lim = self.limits
         mb = 1024 * 1024
         self.name = f"mc-sandbox-{secrets.token_hex(6)}"
-        argv = [engine, "run", "-d", "--name", self.name, "--network", "none", "--memory", f"{lim.memory_mb}m",
-                "--pids-limit", str(lim.max_processes), "--security-opt", "no-new-privileges",
-                "--ulimit", f"fsize={lim.max_file_mb * mb}", "--ulimit", f"nofile={lim.max_open_files}",
+        argv = [engine, *(["--runtime", runtime] if runtime else []), "run", "-d", "--name", self.name,
+                "--network", "none", "--memory", f"{lim.memory_mb}m", "--pids-limit", str(lim.max_processes),
+                "--security-opt", "no-new-privileges", "--ulimit", f"fsize={lim.max_file_mb * mb}",
+                "--ulimit", f"nofile={lim.max_open_files}", "--ulimit", f"nproc={lim.max_processes}",
                 "--ulimit", f"cpu={lim.cpu_time_s}", "--ulimit", "core=0", "--workdir", workdir,
                 "--entrypoint", "sleep", image, "infinity"]
         self.container = _cli(argv, f"{engine} run")
@@ -157,6 +163,8 @@ class ContainerBackend:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     default_image: str = "python:3.11-slim-bookworm"
     name: str = "container"
+    local_base: bool = False  # build on the local backend's Debian base (imported), not the FROM image of a registry
+    runtime: str | None = None  # the engine's OCI runtime; None: its own, or runc where crun cannot run (cgroup v1)
 
     def __post_init__(self):
         if self.engine == "apptainer":
@@ -164,21 +172,50 @@ class ContainerBackend:
         problem = engine_problem(self.engine)
         if problem:
             raise SandboxError(problem)
+        if self.runtime is None and self.engine == "podman" and shutil.which("runc") and \
+                not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            self.runtime = "runc"  # podman's crun refuses hosts whose cgroups are v1 (or hybrid)
+
+    def _engine(self) -> list[str]:
+        return [self.engine, *(["--runtime", self.runtime] if self.runtime else [])]
+
+    def _build_argv(self, task, image: str) -> tuple[list[str], str | None]:
+        """The engine's build command for the task's Dockerfile, and a Containerfile it reads (local_base)."""
+        context = str(task.environment_dir)
+        if not self.local_base or task.image is None:
+            return [*self._engine(), "build", "-q", "-t", image, "-f", str(task.environment_dir / "Dockerfile"),
+                    context], None
+        builder = ImageBuilder()
+        text = containerfile(task.image, builder.export_base(self.engine))
+        network = host_network_view(name_service=False)
+        argv = [*self._engine(), "build", "-q", "-t", image]
+        for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+            # The engine's defaults (about a million) may pass what this host lets a process set: the build's own
+            # limits are this process's, at most BUILD_RLIMIT.
+            soft = resource.getrlimit(which)[0]
+            value = BUILD_RLIMIT if soft == resource.RLIM_INFINITY else min(soft, BUILD_RLIMIT)
+            argv += ["--ulimit", f"{name}={value}:{value}"]
+        for host, dest in network.binds:
+            argv += ["-v", f"{host}:{dest}:ro"]
+        for k, v in network.env.items():
+            argv += ["--build-arg", f"{k}={v}"]
+        return argv + ["-f", "-", context], text
 
     def build(self, task) -> ContainerSnapshot:
         limits = task.limits.sandbox_limits(self.limits)
         if task.environment_dir is not None:
             image = f"mc-task-{secrets.token_hex(6)}"
-            _cli([self.engine, "build", "-q", "-t", image, "-f", str(task.environment_dir / "Dockerfile"),
-                  str(task.environment_dir)], f"building {task.environment_dir}/Dockerfile",
-                 timeout=task.limits.setup_timeout_s)
+            argv, text = self._build_argv(task, image)
+            _cli(argv, f"building {task.environment_dir}/Dockerfile", timeout=task.limits.setup_timeout_s,
+                 stdin=text.encode() if text is not None else None)
             base = ContainerSnapshot(self.engine, image, task.workdir, dict(task.env))
             steps = []  # the Dockerfile's own COPY/RUN lines ran in the build
         else:
             base = ContainerSnapshot(self.engine, task.docker_image or self.default_image, task.workdir,
                                      dict(task.env), owned=False)
             steps = task.setup
-        sandbox = ContainerSandbox(self.engine, base.image, workdir="/", env=task.env, limits=limits)
+        sandbox = ContainerSandbox(self.engine, base.image, workdir="/", env=task.env, limits=limits,
+                                   runtime=self.runtime)
         try:
             with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
                 task.tree.materialize(Path(tmp) / "tree")
@@ -195,15 +232,18 @@ class ContainerBackend:
             base.discard()
 
     def create(self, tree, workdir: str = "/app", env=None, limits=None) -> ContainerSandbox:
-        sandbox = ContainerSandbox(self.engine, self.default_image, workdir="/", env=env, limits=limits or self.limits)
+        image = ImageBuilder().export_base(self.engine) if self.local_base else self.default_image
+        sandbox = ContainerSandbox(self.engine, image, workdir="/", env=env, limits=limits or self.limits,
+                                   runtime=self.runtime)
         if tree is not None:
             sandbox.copy_in(tree, "/app", merge=True)
+        _cli([self.engine, "exec", sandbox.container, "mkdir", "-p", workdir], f"mkdir {workdir}")
         sandbox.workdir = workdir
         return sandbox
 
     def fork(self, snapshot: ContainerSnapshot, limits: SandboxLimits | None = None) -> ContainerSandbox:
         return ContainerSandbox(self.engine, snapshot.image, workdir=snapshot.workdir, env=snapshot.env,
-                                limits=limits or snapshot.limits or self.limits)
+                                limits=limits or snapshot.limits or self.limits, runtime=self.runtime)
 
 
 class ApptainerSandbox(LocalSandbox):
@@ -249,8 +289,8 @@ class ApptainerBackend:
                            limits=limits or snapshot.limits)
 
 
-def make_container_backend(engine: str, limits: SandboxLimits | None = None):
+def make_container_backend(engine: str, limits: SandboxLimits | None = None, local_base: bool = False):
     limits = limits or SandboxLimits()
     if engine == "apptainer":
         return ApptainerBackend(limits=limits)
-    return ContainerBackend(engine=engine, limits=limits)
+    return ContainerBackend(engine=engine, limits=limits, local_base=local_base)

@@ -18,6 +18,7 @@ missing in one line.
 
 from __future__ import annotations
 
+import base64
 import configparser
 import contextlib
 import fcntl
@@ -30,6 +31,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +104,7 @@ class ImageRecipe:
     timeout_s: float  # for each step
     what: str  # what it is built from, for messages
     required: str | None = None  # why the host's system cannot stand in (None: it can; a backend may build anyway)
+    dockerfile: str = ""  # the Dockerfile as written, for a container engine that builds it from the same base
     verifier_packages: tuple[str, ...] = ()  # what the task's verifier has uv or pip install: pip installs them here
 
 
@@ -149,6 +152,31 @@ def _pip_host_paths() -> tuple[list[str], dict[str, str]]:
     return sorted(set(paths)), env
 
 
+@dataclass
+class HostNetworkView:
+    """What a build sees of the host to reach the network as the host does: read-only binds (host path, path in
+    the build) and environment. The host's CA bundle goes to BUILD_HOST_DIR (the image's own bundle stays its
+    own), named by the usual variables: a proxy may sign TLS with the host's own authority."""
+
+    binds: list[tuple[str, str]]
+    env: dict[str, str]
+
+
+def host_network_view(name_service: bool = True) -> HostNetworkView:
+    """The host's CA bundle, pip's configuration and the local indexes it names, and (`name_service`: for a build
+    that shares the host's network namespace) resolv.conf and hosts."""
+    pip_paths, env = _pip_host_paths()
+    paths = [p for p in ((*HOST_NET_FILES,) if name_service else ()) + tuple(pip_paths) if os.path.exists(p)]
+    binds = [(p, p) for p in paths]
+    ca = next((p for p in CA_BUNDLES if os.path.isfile(p)), None)
+    if ca:
+        binds.append((ca, f"{BUILD_HOST_DIR}/ca.crt"))
+        env.update({k: f"{BUILD_HOST_DIR}/ca.crt" for k in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE",
+                                                             "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
+                                                             "NODE_EXTRA_CA_CERTS")})
+    return HostNetworkView(binds, env)
+
+
 class BuildRoot:
     """One image's build phase: commands run as root in its root filesystem, with the host's network.
     It offers what a task's setup steps use of a sandbox (`exec`, `copy_in`)."""
@@ -159,33 +187,25 @@ class BuildRoot:
         self.root = root
         self.default_timeout_s = default_timeout_s
         self._bwrap = bwrap_path()
-        self._pip_paths, self._pip_env = _pip_host_paths()
-        self._ca = next((p for p in CA_BUNDLES if os.path.isfile(p)), None)
-
-    def _mountpoints(self) -> list[str]:
-        return [p for p in (*HOST_NET_FILES, *self._pip_paths) if os.path.exists(p)]
+        self._network = host_network_view()
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str = "/",
              env: dict[str, str] | None = None) -> ExecResult:
-        env = {**BUILD_ENV, **self._pip_env, **(env or {})}
+        env = {**BUILD_ENV, **self._network.env, **(env or {})}
         argv = [self._bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv", "--uid", "0", "--gid", "0"]
         for cap in BUILD_CAPS:
             argv += ["--cap-add", cap]
         for k, v in env.items():
             argv += ["--setenv", k, v]
-        if self._ca:  # a proxy may sign TLS with the host's own authority; the image's bundle stays its own
-            ca = f"{BUILD_HOST_DIR}/ca.crt"
-            for k in ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO",
-                      "NODE_EXTRA_CA_CERTS"):
-                argv += ["--setenv", k, ca]
         argv += ["--bind", str(self.root), "/", "--proc", "/proc", "--dev", "/dev"]
-        created = [p for p in self._mountpoints() if not os.path.lexists(self.root / p.lstrip("/"))]
-        for path in self._mountpoints():
-            argv += ["--ro-bind", path, path]
         had_run_dir = os.path.lexists(self.root / BUILD_HOST_DIR.lstrip("/"))
-        if self._ca:
-            argv += ["--tmpfs", BUILD_HOST_DIR, "--ro-bind", self._ca, f"{BUILD_HOST_DIR}/ca.crt"]
+        created = [dest for _, dest in self._network.binds if not dest.startswith(BUILD_HOST_DIR + "/")
+                   and not os.path.lexists(self.root / dest.lstrip("/"))]
+        if any(dest.startswith(BUILD_HOST_DIR + "/") for _, dest in self._network.binds):
+            argv += ["--tmpfs", BUILD_HOST_DIR]
+        for host, dest in self._network.binds:
+            argv += ["--ro-bind", host, dest]
         argv += ["--chdir", cwd, "--", "bash", "--noprofile", "--norc", "-c", command]
         try:
             return self._run_mapped(argv, timeout or self.default_timeout_s)
@@ -372,6 +392,30 @@ class ImageBuilder:
                 force_rmtree(work)
         return folder / "rootfs"
 
+    def export_base(self, engine: str) -> str:
+        """The base as an image of a container engine (podman, docker), imported once: its owners as the build
+        made them (uid 0 is root there). Returns its reference."""
+        ref = f"localhost/megatron-composer/debian-{self.suite}:{self.base_key}"
+        if subprocess.run([engine, "image", "exists", ref], capture_output=True).returncode == 0:
+            return ref
+        root = self.base()
+        self.progress(f"importing the Debian {self.suite} base into {engine} as {ref} ...")
+
+        def unshift(info: tarfile.TarInfo) -> tarfile.TarInfo:
+            info.uid, info.gid = info.uid - BUILD_UID_BASE, info.gid - BUILD_UID_BASE
+            info.uname = info.gname = ""
+            return info
+
+        importer = subprocess.Popen([engine, "import", "--change", f"ENV PATH={BASE_ENV['PATH']}", "-", ref],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
+            for entry in sorted(os.listdir(root)):
+                tar.add(root / entry, arcname=entry, filter=unshift)
+        importer.stdin.close()
+        if importer.wait() != 0:
+            raise SandboxError(f"{engine} import of the base failed: {importer.stderr.read().decode()[-300:]}")
+        return ref
+
     def log_path(self, name: str) -> Path:
         logs = self.cache_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -450,6 +494,25 @@ class ImageBuilder:
             finally:
                 force_rmtree(work)
         return Image(self.cache_dir / key / "rootfs", key, build_s, cached=False)
+
+
+def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
+    """The recipe as a Containerfile on `base_ref` (the Debian base, imported into a container engine by
+    `ImageBuilder.export_base`): the same packages, the Dockerfile's own instructions, what the verifier asks for
+    and the uv stand-in, so that the engine builds what the local backend builds."""
+    lines = [f"FROM {base_ref}", "ARG " + " ".join(sorted(host_network_view(name_service=False).env))]
+    if recipe.packages:
+        lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "
+                     + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
+    body = recipe.dockerfile.replace("\\\n", " ").splitlines()
+    lines += [line for line in body if not re.match(r"\s*FROM\s", line, re.IGNORECASE)]
+    if recipe.verifier_packages:
+        lines.append("RUN python3 -m pip install --no-cache-dir -q "
+                     + " ".join(shlex.quote(p) for p in recipe.verifier_packages))
+    encoded = base64.b64encode(UV_STAND_IN.read_bytes()).decode()
+    lines.append(f"RUN echo {encoded} | base64 -d > /usr/local/bin/uv && cp /usr/local/bin/uv /usr/local/bin/uvx "
+                 "&& chmod 755 /usr/local/bin/uv /usr/local/bin/uvx")
+    return "\n".join(lines) + "\n"
 
 
 def share_unchanged(image: Path, base: Path) -> int:

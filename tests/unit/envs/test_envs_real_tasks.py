@@ -454,3 +454,18 @@ def test_a_verifier_that_downloads_its_tools_is_told_about_the_network(tmp_path)
     result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
     assert result.reward == 0.0 and "the verifier needs the network, which sandboxes do not have" in \
         result.details["error"], result.details
+
+
+def test_a_multi_step_task_is_refused_in_one_line(tmp_path):
+    """Harbor's multi-step tasks ([[steps]], steps/<name>/instruction.md) are named, not misread as a task
+    without an instruction."""
+    task_dir = tmp_path / "multi-step"
+    (task_dir / "steps" / "scaffold").mkdir(parents=True)
+    (task_dir / "steps" / "scaffold" / "instruction.md").write_text("Create greet.sh.\n")
+    (task_dir / "task.toml").write_text('schema_version = "1.1"\nmulti_step_reward_strategy = "mean"\n'
+                                        '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n'
+                                        '[[steps]]\nname = "document"\n')
+    with pytest.raises(TaskError) as e:
+        load_harbor_task(task_dir)
+    (line,) = str(e.value).splitlines()
+    assert "a multi-step task ([[steps]]: scaffold, document)" in line and "run them with Harbor" in line
