@@ -89,8 +89,11 @@ def run_rl(cfg: RLConfig) -> Path | None:
     check_model_layout(cfg)
     check_chat_format(cfg)
     if cfg.rollout.backend == "vllm" and cfg.role != "trainer":
-        from megatron_composer.inference.vllm_engine import VLLMError, require_vllm
+        from megatron_composer.data.tokenizer import load_tokenizer
+        from megatron_composer.inference.vllm_engine import VLLMError, cpu_serving_problem, require_vllm
 
+        if (why := cpu_serving_problem(build_model_meta(cfg, load_tokenizer(cfg.data.tokenizer))[0])) is not None:
+            raise ConfigError(f"rollout.backend=vllm: {why}")
         try:
             require_vllm()
         except VLLMError as e:

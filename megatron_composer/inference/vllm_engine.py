@@ -77,12 +77,48 @@ def require_vllm():
     return vllm
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The CPU's feature flags as Linux lists them (amx_tile, avx512f, ...); None where they cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), None)
+    return set(line.split(":", 1)[1].split()) if line else None
+
+
+def cpu_serving_problem(cfg: ModelConfig, flags: set[str] | None = None) -> str | None:
+    """Why vLLM's CPU build cannot serve `cfg` on this CPU, in one line with the ways out; None when it can (or on a
+    GPU). Its CPU MLA attention runs only on AMX tiles (Intel Sapphire Rapids and later): without them vLLM picks
+    its reference MLA kernel at block size 16, which that kernel then refuses deep in the first decode step."""
+    if torch.cuda.is_available() or cfg.attention != "mla":
+        return None
+    flags = cpu_flags() if flags is None else flags
+    if flags is None or "amx_tile" in flags:
+        return None
+    return ("vLLM's CPU build serves MLA attention (this model's) only on CPUs with AMX (Intel Sapphire Rapids or "
+            "later), which this one lacks: serve a GQA model here (e.g. model.preset=tiny-qwen3-moe), use "
+            "rollout.backend=engine, or a GPU")
+
+
+def release_vllm_state() -> None:
+    """Tear down what vLLM keeps per process (its model-parallel groups and distributed state), so that a later
+    engine in the same process starts as the first did."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return
+    cleanup_dist_env_and_memory()
+
+
 class VLLMEngine:
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 64,
                  max_seq_len: int = 4096, cache_memory_bytes: int = 1 << 30, seed: int = 0, tp: int = 1,
                  ep: int = 1, routed_experts: Optional[bool] = None, quantize_experts: Optional[str] = None,
                  dcp: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        if (why := cpu_serving_problem(cfg)) is not None:  # before vLLM sets up anything it would leave behind
+            raise VLLMError(why)
         vllm = require_vllm()
         from megatron_composer.checkpoint.hf import config_to_hf
 
@@ -101,6 +137,16 @@ class VLLMEngine:
         native = capture and not on_cpu
         if capture and on_cpu and tp * ep > 1:
             raise VLLMError("routed experts on vLLM's CPU build are captured in this process: use tp = ep = 1 there")
+        try:
+            self._start(vllm, cfg, dtype, max_batch_size, max_seq_len, cache_memory_bytes, seed, tp, ep, dcp,
+                        capture, native, on_cpu)
+        except BaseException:
+            release_vllm_state()  # the next engine in this process starts clean
+            raise
+
+    def _start(self, vllm, cfg, dtype, max_batch_size, max_seq_len, cache_memory_bytes, seed, tp, ep, dcp, capture,
+               native, on_cpu) -> None:
+        quantize_experts = self.quantize_experts
         self.llm = vllm.LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy",
                             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
                                    torch.float16: "float16"}[dtype],
@@ -125,6 +171,17 @@ class VLLMEngine:
         if capture and on_cpu:
             layers, top_k = self.moe_layers, cfg.num_experts_per_tok
             self._capture = self.llm.collective_rpc(lambda w: _RouterCapture.bind(w.model_runner, layers, top_k))[0]
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's per-process state: the next engine in this process starts
+        clean (release_vllm_state)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        self._engine = None
+        del llm
+        release_vllm_state()
+        self._dir.cleanup()
 
     # -- requests ---------------------------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams) -> int:

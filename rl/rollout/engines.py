@@ -129,10 +129,13 @@ class EngineLeader:
         return LockstepHeartbeat(self.drive) if self.drive.group is not None else None
 
     def stop(self) -> None:
-        """Stop the followers and the subscriber's background prefetch."""
+        """Stop the followers and the subscriber's background prefetch, and close an engine that holds
+        process-wide state (vLLM's)."""
         self.drive.stop()
         if self.subscriber is not None:  # None: fixed weights
             self.subscriber.stop()
+        if callable(close := getattr(self.engine, "close", None)):
+            close()
 
 
 class LockstepHeartbeat:
