@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from rl.envs.harbor import load_harbor_task
+from rl.envs.steps import run_steps
 from rl.envs.swebench import load_swebench
 from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
 from rl.sandbox import SandboxLimits
@@ -43,11 +44,19 @@ def make_backend(name: str, limits: SandboxLimits | None = None, build_images: b
 def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
     for note in task.notes:
         log(printable(f"note: {note}"))
-    if oracle and task.solution is None:  # said before any setup runs
-        raise TaskError(f"{task.source or task.name} has no reference solution (solution/solve.sh)")
+    if oracle and any(t.solution is None for t in [task] + [s.task for s in task.steps]):  # before any setup
+        raise TaskError(f"{task.source or task.name} has no reference solution (solution/solve.sh)" if not task.steps
+                        else f"{task.source or task.name}: a step has no reference solution (steps/<name>/solution/"
+                        "solve.sh)")
     snapshot = prepare_task(task, backend)
     try:
         with backend.fork(snapshot) as sandbox:
+            if task.steps:
+                def solve(step: Task, box) -> None:
+                    res = step.solution.apply(box, step)
+                    log(printable(f"solution of {step.name}: {res.describe()}"))
+
+                return run_steps(task, sandbox, solve if oracle else lambda step, box: None)
             if oracle:
                 res = task.solution.apply(sandbox, task)
                 log(printable(f"solution: {res.describe()}"))

@@ -21,13 +21,15 @@ instruction.md) is read by rl/envs/terminal_bench.py into the same Task.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
 from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
-from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits
+from rl.envs.steps import STRATEGIES
+from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep
 from rl.envs.task_folder import check_inside, compose_notes, positive_number, verifier_requirements
 from rl.envs.terminal_bench import load_terminal_bench_task
 
@@ -97,7 +99,8 @@ def _env(table: dict, where: str) -> dict[str, str]:
 
 # task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
 KNOWN_KEYS = {
-    "": {"version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution", "source"},
+    "": {"version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution", "source",
+         "steps", "multi_step_reward_strategy", "artifacts"},
     "verifier": {"timeout_sec", "env", "reward_range", "judge_reads"},
     "agent": {"timeout_sec", "max_turns"},
     "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
@@ -156,17 +159,12 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     test_sh = task_dir / "tests" / "test.sh"
     if not instruction_path.is_file() and (task_dir / "task.yaml").is_file():
         return load_terminal_bench_task(task_dir)  # a Terminal-Bench 1 folder
-    steps = read_task_toml(toml_path).get("steps") if toml_path.is_file() else None
-    if steps:
-        names = [str(s.get("name", "?")) for s in steps if isinstance(s, dict)] if isinstance(steps, list) else []
-        raise TaskError(f"{toml_path}: a multi-step task ([[steps]]: {', '.join(names) or '?'}) runs "
-                        "its steps' instructions, tests and solutions in order in one container; this loader does not "
-                        "run multi-step tasks: run them with Harbor, or split them into one task per step")
-    if not instruction_path.is_file():
+    multi_step = toml_path.is_file() and "steps" in read_task_toml(toml_path)
+    if not instruction_path.is_file() and not multi_step:
         raise TaskError(f"{task_dir} has no instruction.md: a Harbor task states its instruction there")
     if not toml_path.is_file():
         raise TaskError(f"{task_dir} has no task.toml: a Harbor task declares its limits there")
-    if not test_sh.is_file():
+    if not test_sh.is_file() and not multi_step:
         raise TaskError(f"{task_dir} has no verifier: expected {test_sh.relative_to(task_dir)} "
                         "(it runs as `bash /tests/test.sh` and writes /logs/verifier/reward.txt)")
     check_inside(task_dir)
@@ -193,9 +191,11 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     setup, image, workdir, notes = [], None, "/app", []
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, environment_dir)
-        test_sh = task_dir / "tests" / "test.sh"
-        wanted = verifier_requirements(test_sh.read_text(errors="replace")) if test_sh.is_file() else []
-        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s, ("tests/test.sh", wanted))
+        scripts = [test_sh] + sorted((task_dir / "steps").glob("*/tests/test.sh"))
+        wanted = [r for script in scripts if script.is_file()
+                  for r in verifier_requirements(script.read_text(errors="replace"))]
+        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s,
+                                       ("tests/test.sh", list(dict.fromkeys(wanted))))
         workdir, notes = plan.workdir, plan.notes
         env = {**plan.env, **env}
     for note in unknown_keys(data, toml_path) + writable_search_paths(
@@ -208,14 +208,16 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         raise TaskError(f"{toml_path}: [environment].gpus must be a whole number, got {gpus!r}")
     if gpus:
         raise TaskError(f"{toml_path}: the task needs {gpus} GPU(s) ([environment].gpus); the sandboxes here have none")
+    if data.get("artifacts"):
+        notes.append(f"{toml_path}: artifacts are not collected here; what the verifier needs it reads in the sandbox")
     if env_t.get("allow_internet"):
         notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
     solution_dir = task_dir / "solution"
     solution_env = _env(_table(data, "solution", str(toml_path)), f"{toml_path}: [solution]")
     solution = ScriptSolution(solution_dir, solution_env) if (solution_dir / "solve.sh").is_file() else None
-    return Task(
+    task = Task(
         name=task_dir.name,
-        instruction=instruction_path.read_text(),
+        instruction=instruction_path.read_text() if instruction_path.is_file() else "",
         tree=EmptyTree(),
         verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where),
                                 reward_range=_reward_range(verifier_t, where),
@@ -232,3 +234,52 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         notes=notes,
         metadata=dict(data.get("metadata") or {}),
     )
+    return with_steps(task, data, toml_path) if multi_step else task
+
+
+def with_steps(task: Task, data: dict, toml_path: Path) -> Task:
+    """The task with Harbor 1.1's [[steps]]: each steps/<name>/ holds instruction.md, tests/test.sh (over the
+    task's shared tests/), solution/solve.sh and workdir/; [steps.agent]/[steps.verifier] timeouts and env,
+    [steps.healthcheck] command and min_reward come from task.toml (rl/envs/steps.py runs them)."""
+    task_dir, where = task.source, str(toml_path)
+    tables = data.get("steps")
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise TaskError(f"{where}: steps must be [[steps]] tables, each with a name")
+    strategy = data.get("multi_step_reward_strategy", "mean")
+    if strategy not in STRATEGIES:
+        raise TaskError(f"{where}: multi_step_reward_strategy {strategy!r} is not one of {list(STRATEGIES)}")
+    shared = task_dir / "tests"
+    steps = []
+    for n, table in enumerate(tables, 1):
+        name = table.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise TaskError(f"{where}: step {n} needs a name (a folder under steps/), got {name!r}")
+        folder, at = task_dir / "steps" / name, f"{where}: step {name!r}"
+        for need in ("instruction.md", "tests/test.sh"):
+            if not (folder / need).is_file():
+                raise TaskError(f"{at} has no steps/{name}/{need}")
+        agent_t, verifier_t = _table(table, "agent", at), _table(table, "verifier", at)
+        base = task.limits
+        limits = dataclasses.replace(
+            base, agent_timeout_s=_number(agent_t, "timeout_sec", f"{at} [agent]", base.agent_timeout_s),
+            verifier_timeout_s=_number(verifier_t, "timeout_sec", f"{at} [verifier]", base.verifier_timeout_s))
+        check = _table(table, "healthcheck", at).get("command")
+        if check is not None and not isinstance(check, str):
+            raise TaskError(f"{at}: [steps.healthcheck].command must be a shell command, got {check!r}")
+        need = table.get("min_reward")
+        if need is not None and not (isinstance(need, (int, float)) and not isinstance(need, bool)) and not (
+                isinstance(need, dict) and all(isinstance(v, (int, float)) for v in need.values())):
+            raise TaskError(f"{at}: min_reward must be a number or a table of numbers, got {need!r}")
+        solve = folder / "solution"
+        verifier = dataclasses.replace(task.verifier, tests_dir=folder / "tests",
+                                       env={**task.verifier.env, **_env(verifier_t, f"{at} [verifier]")},
+                                       shared_tests_dir=shared if shared.is_dir() else None)
+        step_task = dataclasses.replace(
+            task, name=f"{task.name}/{name}", instruction=(folder / "instruction.md").read_text(), verifier=verifier,
+            solution=ScriptSolution(solve, task.solution.env if task.solution else {})
+            if (solve / "solve.sh").is_file() else None, limits=limits)
+        steps.append(TaskStep(name, step_task, folder / "workdir" if (folder / "workdir").is_dir() else None, check,
+                              float(need) if isinstance(need, (int, float)) else need))
+    first = steps[0].task
+    return dataclasses.replace(task, instruction=first.instruction, verifier=first.verifier, solution=first.solution,
+                               steps=steps, step_reward=strategy)

@@ -308,12 +308,15 @@ class ScriptVerifier:
     env: dict[str, str] = field(default_factory=dict)
     reward_range: tuple[float, float] = (0.0, 1.0)  # task.toml [verifier].reward_range
     judge_reads: tuple[str, ...] = ()  # task.toml [verifier].judge_reads: files of /tests visible inside `judge`
+    shared_tests_dir: Path | None = None  # a multi-step task's tests/: in /tests under each step's own
 
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
         # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
         # the host made afresh, out of the agent's reach.
         sandbox.enter_verifier()
-        sandbox.copy_in(self.tests_dir, "/tests")
+        if self.shared_tests_dir is not None:
+            sandbox.copy_in(self.shared_tests_dir, "/tests")
+        sandbox.copy_in(self.tests_dir, "/tests", merge=self.shared_tests_dir is not None)
         env = {**self.env, "MC_JUDGE_READS": ":".join(self.judge_reads)}
         res = sandbox.exec(self.command, cwd=task.workdir, env=env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
@@ -430,6 +433,23 @@ class Task:
     image: ImageRecipe | None = None
     notes: list[str] = field(default_factory=list)  # what a backend could not honour, said once
     metadata: dict = field(default_factory=dict)  # free-form (Harbor's [metadata]): e.g. a generated task's tier
+    # A multi-step task (Harbor's [[steps]]): its steps run in order in one sandbox (rl/envs/steps.py); the task's
+    # own instruction, verifier and solution are its first step's.
+    steps: list["TaskStep"] = field(default_factory=list)
+    step_reward: str = "mean"  # multi_step_reward_strategy: "mean" of every step (0 for one not reached) or "final"
+
+
+@dataclass
+class TaskStep:
+    """One step of a multi-step task: a task of its own (instruction, verifier, solution, limits) and what comes
+    before its agent (files for the work dir, whose setup.sh runs once; a health check) and after its verifier (the
+    reward it needs for the task to go on)."""
+
+    name: str
+    task: Task
+    workdir_files: Path | None = None  # steps/<name>/workdir/
+    healthcheck: str | None = None  # a command that must succeed before the agent starts
+    min_reward: float | dict[str, float] | None = None  # below it (or any key of reward.json below its value): stop
 
 
 def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):

@@ -87,6 +87,9 @@ def load_rl_tasks(path: str | Path) -> list[RLTask]:
 
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and (p / "task.toml").is_file()):
         task = load_harbor_task(sub)
+        if task.steps:
+            raise ConfigError(f"{sub} is a multi-step task ([[steps]]); RL rollouts run single-step tasks: check it "
+                              "with tools/check_task.py, or train on its steps as tasks of their own")
         tasks.append(RLTask(name=task.name, kind="agent", prompt=task.instruction, harbor=task))
     if not tasks:
         raise ConfigError(f"'{root}' holds no tasks.jsonl and no Harbor task folders (task.toml)")

@@ -406,6 +406,11 @@ class Sandbox:
         no process of the agent's is left. Each call starts the phase afresh."""
         raise NotImplementedError
 
+    def leave_verifier(self) -> None:
+        """Back to the agent phase after a verifier (the next step of a multi-step task): the agent's own /tmp and
+        /logs again, the verifier's gone; nothing of the verifier's is left running."""
+        raise NotImplementedError
+
     def end_episode(self) -> int | None:
         """End what the episode's commands left running in the background (the services a task's verifier may
         query) and return how many processes that was; None where the backend does not count them."""

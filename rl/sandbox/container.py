@@ -143,6 +143,11 @@ class ContainerSandbox(Sandbox):
         _cli([self.engine, "exec", "-u", "0", self.container, "sh", "-c", reset], "starting the verifier phase")
         self.env = {**self.env, **VERIFIER_ENV}
 
+    def leave_verifier(self) -> None:
+        """The verifier's processes are gone with its command; its environment goes too (/tmp and /logs stay as the
+        verifier left them: the container has one of each)."""
+        self.env = {k: v for k, v in self.env.items() if k not in VERIFIER_ENV}
+
     def snapshot(self) -> ContainerSnapshot:
         image = f"mc-snapshot-{secrets.token_hex(6)}"
         _cli([self.engine, "commit", self.container, image], f"{self.engine} commit")

@@ -829,6 +829,13 @@ class LocalSandbox(Sandbox):
                 os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
             self._mounts.append((tools, JUDGE_DIR))
 
+    def leave_verifier(self) -> None:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        self._drop_verifier_root()
+        self._dirs.update(tmp=self.root / "tmp", logs=self.root / "logs", mounts=self.root / "mounts")
+        self._mounts = []
+
     def _drop_verifier_root(self) -> None:
         if self._verifier_root is not None:
             root, self._verifier_root = self._verifier_root, None

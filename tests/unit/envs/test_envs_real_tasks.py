@@ -456,16 +456,86 @@ def test_a_verifier_that_downloads_its_tools_is_told_about_the_network(tmp_path)
         result.details["error"], result.details
 
 
-def test_a_multi_step_task_is_refused_in_one_line(tmp_path):
-    """Harbor's multi-step tasks ([[steps]], steps/<name>/instruction.md) are named, not misread as a task
-    without an instruction."""
-    task_dir = tmp_path / "multi-step"
-    (task_dir / "steps" / "scaffold").mkdir(parents=True)
-    (task_dir / "steps" / "scaffold" / "instruction.md").write_text("Create greet.sh.\n")
-    (task_dir / "task.toml").write_text('schema_version = "1.1"\nmulti_step_reward_strategy = "mean"\n'
-                                        '[[steps]]\nname = "scaffold"\nmin_reward = 1.0\n'
-                                        '[[steps]]\nname = "document"\n')
-    with pytest.raises(TaskError) as e:
+MULTI_STEP_TOML = """\
+schema_version = "1.1"
+multi_step_reward_strategy = "{strategy}"
+artifacts = ["/app/greet.sh"]
+
+[agent]
+timeout_sec = 60.0
+
+[verifier]
+timeout_sec = 60.0
+
+[[steps]]
+name = "scaffold"
+min_reward = 1.0
+
+[[steps]]
+name = "implement"
+min_reward = 0.5
+[steps.verifier]
+env = {{ EXPECTED_GREETING = "Hello, Ada!" }}
+[steps.healthcheck]
+command = "test -x /app/greet.sh"
+
+[[steps]]
+name = "document"
+"""
+HELPERS = "check() {{ if eval \"$1\"; then echo 1; else echo 0; fi > /logs/verifier/reward.txt; }}\n"
+
+
+def multi_step_task(root: Path, strategy: str = "mean") -> Path:
+    """Harbor's multi-step recipe: scaffold -> implement -> document against one sandbox, shared test helpers,
+    a step's workdir files with their setup.sh, a health check, a step's verifier env, min_reward."""
+    return write_task(root, "multi-step", {
+        "task.toml": MULTI_STEP_TOML.format(strategy=strategy),
+        "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n",
+        "tests/helpers.sh": HELPERS.format(),
+        "steps/scaffold/instruction.md": "Create /app/greet.sh that prints hello.\n",
+        "steps/scaffold/tests/test.sh": "source /tests/helpers.sh\ncheck '[ \"$(bash /app/greet.sh)\" = hello ]'\n",
+        "steps/scaffold/solution/solve.sh": "printf 'echo hello\\n' > /app/greet.sh && chmod +x /app/greet.sh\n",
+        "steps/implement/instruction.md": "Make greet.sh print Hello, <name>! with the name in config.txt.\n",
+        "steps/implement/workdir/config.txt": "Ada\n",
+        "steps/implement/workdir/setup.sh": "echo prepared > /app/.prepared\n",
+        "steps/implement/tests/test.sh": "source /tests/helpers.sh\n"
+                                         "check '[ \"$(bash /app/greet.sh)\" = \"$EXPECTED_GREETING\" ] && "
+                                         "[ -f /app/.prepared ] && [ ! -e /app/setup.sh ]'\n",
+        "steps/implement/solution/solve.sh": "printf 'echo \"Hello, $(cat /app/config.txt)!\"\\n' > /app/greet.sh\n",
+        "steps/document/instruction.md": "Describe greet.sh in /app/README.md.\n",
+        "steps/document/tests/test.sh": "source /tests/helpers.sh\ncheck 'grep -q greet.sh /app/README.md'\n",
+        "steps/document/solution/solve.sh": "echo 'greet.sh greets' > /app/README.md\n",
+    })
+
+
+@needs_bwrap
+@pytest.mark.parametrize("strategy", ["mean", "final"])
+def test_a_multi_step_task_runs_its_steps_in_order(tmp_path, strategy):
+    """Harbor 1.1's [[steps]]: each step's files, setup.sh and health check before its work, its verifier (its
+    tests over the shared ones, its env) after; min_reward stops the task; the reward is the mean or the final's."""
+    task = load_harbor_task(multi_step_task(tmp_path, strategy))
+    assert [s.name for s in task.steps] == ["scaffold", "implement", "document"] and task.step_reward == strategy
+    assert task.instruction.startswith("Create /app/greet.sh") and task.steps[1].healthcheck == "test -x /app/greet.sh"
+    backend = LocalBackend()
+    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    assert solved.reward == 1.0 and [s["reward"] for s in solved.details["steps"]] == [1.0, 1.0, 1.0], solved.details
+    untouched = check_task(task, backend, oracle=False, log=lambda s: None)
+    (first,) = untouched.details["steps"]  # scaffold's 0 is below its min_reward: the task stops there
+    assert untouched.reward == 0.0 and first["stopped"] == "below its min_reward 1.0"
+    # implement's solution fails (greet.sh gone): its health check stops the task after scaffold's 1
+    (task.source / "steps" / "implement" / "workdir" / "setup.sh").write_text("rm -f /app/greet.sh\n")
+    (task.source / "steps" / "implement" / "solution" / "solve.sh").write_text("true\n")
+    task = load_harbor_task(task.source)
+    partial = check_task(task, backend, oracle=True, log=lambda s: None)
+    assert partial.reward == (1 / 3 if strategy == "mean" else 0.0), partial.details
+    assert "step implement: its health check `test -x /app/greet.sh` failed" in partial.details["error"]
+
+
+def test_a_multi_step_task_names_what_it_lacks(tmp_path):
+    task_dir = multi_step_task(tmp_path)
+    (task_dir / "steps" / "document" / "tests" / "test.sh").unlink()
+    with pytest.raises(TaskError, match=r"task.toml: step 'document' has no steps/document/tests/test.sh"):
         load_harbor_task(task_dir)
-    (line,) = str(e.value).splitlines()
-    assert "a multi-step task ([[steps]]: scaffold, document)" in line and "run them with Harbor" in line
+    (task_dir / "task.toml").write_text(MULTI_STEP_TOML.format(strategy="best"))
+    with pytest.raises(TaskError, match=r"multi_step_reward_strategy 'best' is not one of \['mean', 'final'\]"):
+        load_harbor_task(task_dir)

@@ -334,6 +334,12 @@ def test_bad_task_files_are_named(tmp_path):
         load_rl_tasks(tmp_path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_rl_tasks(tmp_path / "missing")
+    from tests.unit.envs.test_envs_real_tasks import multi_step_task
+
+    multi_step_task(tmp_path / "agentic")
+    with pytest.raises(ConfigError, match=r"multi-step is a multi-step task \(\[\[steps\]\]\); RL rollouts run "
+                                          r"single-step tasks"):
+        load_rl_tasks(tmp_path / "agentic")
 
 
 def test_pass_at_k():
