@@ -53,6 +53,11 @@ DEFAULT_SUITE = "bookworm"
 # The capabilities a container engine gives a build's root by default (they count inside its user namespace only).
 BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
               "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_SETFCAP", "CAP_AUDIT_WRITE")
+# As Debian's official images do: apt drops the packages it downloaded once they are installed, so that an image
+# (and each sandbox's copy of its /var) does not keep them.
+_APT_DROP = "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"
+APT_CLEAN = (f'DPkg::Post-Invoke {{ "{_APT_DROP}"; }};\nAPT::Update::Post-Invoke {{ "{_APT_DROP}"; }};\n'
+             'Dir::Cache::pkgcache "";\nDir::Cache::srcpkgcache "";\n')
 BUILD_ENV = {**BASE_ENV, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")
@@ -338,7 +343,7 @@ class ImageBuilder:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.suite = suite or host_suite()
         self.progress = progress
-        digest = hashlib.sha256(json.dumps([self.suite, BASE_PACKAGES, "shift", BUILD_UID_BASE]).encode())
+        digest = hashlib.sha256(json.dumps([self.suite, BASE_PACKAGES, "shift", BUILD_UID_BASE, APT_CLEAN]).encode())
         self.base_key = digest.hexdigest()[:16]
 
     def problem(self) -> str | None:
@@ -385,6 +390,7 @@ class ImageBuilder:
                                        f"the whole log: {log}")
                 for marker in rootfs.glob("usr/lib/python3*/EXTERNALLY-MANAGED"):
                     marker.unlink()  # pip installs system-wide in a build, as in a python:* image
+                (rootfs / "etc" / "apt" / "apt.conf.d" / "docker-clean").write_text(APT_CLEAN)
                 _shift_owners(rootfs, BUILD_UID_BASE)
                 self._finish(work, folder, {"suite": self.suite, "packages": list(BASE_PACKAGES),
                                             "build_s": round(time.monotonic() - t0, 1)})

@@ -84,6 +84,7 @@ def test_a_task_with_packages_and_files_outside_app_runs_as_written(tmp_path):
     base = ImageBuilder().base()  # what the build left unchanged is the base's file, not a copy
     assert os.stat(found.root / "usr/bin/bash").st_ino == os.stat(base / "usr/bin/bash").st_ino
     assert not (base / "usr/bin/jq").exists() and not (base / "usr/local/bin/uv").exists()
+    assert not list((found.root / "var/cache/apt/archives").glob("*.deb"))  # apt keeps no downloads, as in Debian's
 
 
 def test_a_failed_build_is_one_line_with_its_log_and_leaves_nothing(tmp_path):
