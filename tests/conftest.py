@@ -50,14 +50,25 @@ def sandbox_parent():
 
 
 @pytest.fixture(scope="session")
-def test_image():
-    """A small built image (rl/sandbox/image.py): the Debian base, a tool in /opt and a command in /usr/local/bin.
-    Built once per host into the image cache (the base needs the Debian mirror the first time). Skips, with the
-    reason, where this host cannot build images."""
+def image_base():
+    """The Debian base of built images (rl/sandbox/image.py), made once per host into the image cache. Skips, with
+    the reason, where this host cannot build images: not root, no mmdebstrap, or no way to the Debian mirror."""
+    from rl.sandbox.base import SandboxError
     from rl.sandbox.image import ImageBuilder, build_problem
 
     if build_problem() is not None:
         pytest.skip(build_problem())
+    try:
+        return ImageBuilder().base()
+    except SandboxError as e:
+        pytest.skip(f"no Debian base for task images here: {e}")
+
+
+@pytest.fixture(scope="session")
+def test_image(image_base):
+    """A small built image (rl/sandbox/image.py) on the Debian base: a tool in /opt and a command in
+    /usr/local/bin."""
+    from rl.sandbox.image import ImageBuilder
 
     def steps(root):
         res = root.exec("mkdir -p /opt/tool /srv/data && echo tool > /opt/tool/version && "

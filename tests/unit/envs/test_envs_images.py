@@ -14,7 +14,8 @@ from rl.envs.task import TaskError, prepare_task
 from rl.sandbox.image import BUILD_UID_BASE, ImageBuilder, build_problem
 from rl.sandbox.local import LocalBackend
 
-pytestmark = pytest.mark.skipif(build_problem() is not None, reason=str(build_problem()))
+pytestmark = [pytest.mark.skipif(build_problem() is not None, reason=str(build_problem())),
+              pytest.mark.usefixtures("image_base")]  # skips where the Debian base cannot be made (the mirror)
 
 TOML = """\
 version = "1.0"

@@ -26,7 +26,6 @@ from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.envs.task import TaskError, prepare_task
 from rl.sandbox import SandboxLimits
-from rl.sandbox.image import build_problem
 from rl.sandbox.limits import cgroup_problem, find_cgroup_parents, tmpfs_problem
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
@@ -63,8 +62,7 @@ def backend(request, sandbox_root):
     """Whole-sandbox limits by the kernel (a cgroup and a tmpfs per sandbox) and by the polling fallback; and every
     task built into an image (rl/sandbox/image.py), which must give the agent no more than the host's system."""
     if request.param == "image":
-        if build_problem() is not None:
-            pytest.skip(build_problem())
+        request.getfixturevalue("image_base")  # skips, with the reason, where no image can be built
         return RecordingBackend(limits=LIMITS, root_parent=sandbox_root, build_images=True)
     if request.param == "kernel" and _kernel_limits_problem():
         pytest.skip(f"kernel limits unavailable here: {_kernel_limits_problem()}")
