@@ -162,7 +162,7 @@ def main(argv: list[str]) -> None:
         options, names = split_options(args[1:])
         python_note({"-p": names[:1]})
     elif command in ("cache", "self", "generate-shell-completion", "help"):
-        pass
+        return  # uv's own housekeeping: nothing to do for an offline stand-in
     else:
         say(f"`uv {command}` is not supported offline")
         sys.exit(2)
