@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -203,3 +204,22 @@ def describe_schema(cls: type, indent: int = 0) -> str:
         doc = (f.metadata or {}).get("help", "")
         lines.append(f"{pad}{f.name}: {default!r}  ({tname}){'  # ' + doc if doc else ''}")
     return "\n".join(lines)
+
+
+def resolve_function(path: str) -> Callable:
+    """Import ``package.module:function`` (or ``package.module.function``) and return the callable: how configs
+    name the hooks they plug in (reward terms, advantage estimators, evaluation probes)."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"function path '{path}' must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"function path '{path}': cannot import module '{module_name}' ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"function path '{path}': module '{module_name}' has no function '{attr}'")
+    return fn

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from megatron_composer.config import ConfigError, save_config, to_dict
+from megatron_composer.config import ConfigError, resolve_function, save_config, to_dict
 from megatron_composer.data.pretrain_data import DataConfig, build_pretrain_datasets, collate
 from megatron_composer.data.sft import build_sft_datasets
 from megatron_composer.data.tokenizer import load_tokenizer
@@ -63,12 +63,20 @@ class TrainConfig:
     eval_interval: int = field(
         default=50, metadata={"help": "validation loss every N steps (0: only at start and end)"})
     eval_samples: int = field(default=32, metadata={"help": "validation sequences per evaluation"})
+    eval_hooks: list[str] = field(default_factory=list, metadata={
+        "help": "probes run at every evaluation, as 'package.module:function' paths called fn(model, tokenizer) -> "
+                "{name: number}; logged beside the validation loss (e.g. tools.copy_eval:copy_probe). Every rank "
+                "calls them with the same inputs, so layouts that shard a sequence or the vocabulary (tp, cp) "
+                "cannot run them"})
     expert_bias_update_rate: float = field(
         default=1e-3,
         metadata={"help": "aux-loss-free balancing: bias step toward uniform expert load (0 disables)"})
     peak_flops: float = field(
         default=0.0, metadata={"help": "per-device peak FLOP/s for MFU; "
                                        "0: datasheet for known GPUs, else measured matmul peak"})
+    stop_below: dict[str, float] = field(default_factory=dict, metadata={
+        "help": "end the stage early, with a checkpoint, at the first evaluation where every named metric (e.g. "
+                "copy_pool_second from an eval hook, or val_loss) is below its value"})
     max_skipped_steps: int = field(default=20, metadata={"help": "abort after this many consecutive non-finite steps"})
 
 
@@ -100,6 +108,15 @@ class PretrainConfig:
                               f"is not a multiple of data.seq_length={self.data.seq_length}")
         if self.checkpoint.interval < 1:
             raise ConfigError(f"checkpoint.interval={self.checkpoint.interval} must be >= 1")
+        if self.train.eval_hooks and (self.parallel.tp > 1 or self.parallel.cp > 1):
+            raise ConfigError("train.eval_hooks run the whole model on every rank's same inputs; with parallel.tp="
+                              f"{self.parallel.tp} and parallel.cp={self.parallel.cp} they cannot: set both to 1 or "
+                              "drop the hooks")
+        for path in self.train.eval_hooks:
+            try:
+                resolve_function(path)
+            except ValueError as e:
+                raise ConfigError(f"train.eval_hooks: {e}") from None
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -177,9 +194,18 @@ def forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout)
 
 
 @torch.no_grad()
-def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast) -> dict[str, float]:
+def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast, tokenizer=None) -> dict[str, float]:
+    """The validation loss (and MTP metrics) over eval_samples sequences, then each of train.eval_hooks."""
+    probes = {}
+    if cfg.train.eval_hooks:
+        model.eval()
+        with autocast:
+            for path in cfg.train.eval_hooks:
+                probes.update({k: float(v) for k, v in resolve_function(path)(model, tokenizer).items()})
+        reshard(model)
+        model.train()
     if valid is None or cfg.train.eval_samples == 0:
-        return {}
+        return probes
     model.eval()
     idx = list(range(layout.dp_rank, min(cfg.train.eval_samples, len(valid)), layout.dp_size))
     mbs = cfg.train.micro_batch_size
@@ -197,7 +223,7 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
     vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0))
     reshard(model)  # no backward follows: FSDP's root would stay gathered until the next step's forward
     model.train()
-    return {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
+    return probes | {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
 
 
 class Stage:
@@ -211,7 +237,7 @@ class Stage:
         self.device = device = local_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = tokenizer = load_tokenizer(cfg.data.tokenizer)
         # the rope scaling of the weights the stage resumes or starts from
         # (megatron_composer.model.args.stage_rope_scaling)
         self.mc = mc = model_config(cfg, tokenizer, weights=starting_checkpoint(self.run_dir, init_from or ""))
@@ -288,24 +314,45 @@ class Stage:
         )
         return metrics
 
+    def evaluate(self) -> dict[str, float]:
+        metrics = evaluate(self.model, self.valid, self.cfg, self.layout, self.device, self.autocast, self.tokenizer)
+        self.logger.console_keys = sorted(k for k in metrics if not k.startswith("val_"))  # the probes' numbers
+        return metrics
+
     def run(self) -> Path:
         cfg = self.cfg
         self.describe()
         if self.start_step == 0:
-            self.logger.log(0, evaluate(self.model, self.valid, cfg, self.layout, self.device, self.autocast),
-                            console=True)
+            first = self.evaluate()
+            unknown = sorted(set(cfg.train.stop_below) - set(first))
+            if unknown:  # before any step is spent
+                raise ConfigError(f"train.stop_below names {unknown}, which no evaluation reports; it reports "
+                                  f"{sorted(first)} (train.eval_hooks add probes)")
+            self.logger.log(0, first, console=True)
         self.model.train()
         for step in range(self.start_step, cfg.train.steps):
             metrics = self.train_step(step)
             done = step + 1
             if (cfg.train.eval_interval and done % cfg.train.eval_interval == 0) or done == cfg.train.steps:
-                metrics.update(evaluate(self.model, self.valid, cfg, self.layout, self.device, self.autocast))
+                metrics.update(self.evaluate())
             console = (done % cfg.logging.interval == 0 or done == cfg.train.steps or metrics["skipped"]
                        or "val_loss" in metrics)
+            reached = bool(cfg.train.stop_below) and all(
+                k in metrics and metrics[k] < v for k, v in cfg.train.stop_below.items())
+            if cfg.train.stop_below and self.layout.world > 1:  # every rank stops at the same step
+                votes = self.layout.all_reduce_sum(torch.tensor([float(reached)], device=self.device))
+                reached = bool(votes.item() == self.layout.groups.size("dp_cp"))
+            if reached:
+                metrics["stopped_early"] = 1.0
             self.logger.log(done, metrics, console=console)
-            if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps:
+            if done % cfg.checkpoint.interval == 0 or done == cfg.train.steps or reached:
                 state = {"step": done, "consumed_samples": done * self.batches.global_seqs, "lr": metrics["lr"]}
                 self.core.save(self.run_dir, done, state, cfg.checkpoint.keep_last)
+            if reached:
+                if self.is_main:
+                    print(f"stopping at step {done}: " + ", ".join(
+                        f"{k} {metrics[k]:.4g} < {v:g}" for k, v in cfg.train.stop_below.items()))
+                break
         self.core.finish_save()
         self.logger.close()
         return self.run_dir

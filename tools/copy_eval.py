@@ -25,12 +25,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 GATE_NATS = 1.0
+LAW_T = 10 ** 5.7  # induction heads form after about T x sqrt(B x C) tokens (Aoyama, Wilcox and Schneider, 2025)
 
 
 def default_pool() -> list[str]:
     from tools.task_family import FOLDERS, MODULES, NAMES, WORDS
 
     return sorted(set(NAMES) | set(FOLDERS) | set(WORDS) | set(MODULES))
+
+
+def open_pool(tokenizer, exclude: set[str] = frozenset(), size: int = 512) -> list[str]:
+    """Words the model has no closed-set reason to copy: alphabetic vocabulary entries of 3+ letters that the
+    tokenizer writes as one token after a space, outside `exclude` (a deterministic spread over the vocabulary)."""
+    words = []
+    for i in range(tokenizer.vocab_size):
+        w = tokenizer.decode([i]).strip()
+        if len(w) >= 3 and w.isascii() and w.isalpha() and w not in exclude and len(tokenizer.encode(" " + w)) == 1:
+            words.append(w)
+    words = sorted(set(words))
+    return words[:: max(1, len(words) // size)][:size]
 
 
 def word_spans(tokenizer, words: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -68,6 +81,24 @@ def copy_score(model, tokenizer, pool: list[str], n_words: int = 8, trials: int 
     return {"words": n_words, "trials": trials, "pool": len(pool),
             "first_copy_nats_per_word": sum(first) / len(first),
             "second_copy_nats_per_word": sum(second) / len(second)}
+
+
+def copy_probe(model, tokenizer) -> dict:
+    """A training-time probe (train.eval_hooks: tools.copy_eval:copy_probe): the gate on the task family's words
+    (copy_pool_*) and the same test on words outside it (copy_open_*, the open copy an induction circuit does)."""
+    pool = default_pool()
+    key = getattr(tokenizer, "path", id(tokenizer))
+    if key not in _OPEN_POOLS:
+        _OPEN_POOLS[key] = open_pool(tokenizer, exclude=set(pool))
+    out = {}
+    for name, words in (("pool", pool), ("open", _OPEN_POOLS[key])):
+        r = copy_score(model, tokenizer, words, n_words=8, trials=32)
+        out[f"copy_{name}_first"] = r["first_copy_nats_per_word"]
+        out[f"copy_{name}_second"] = r["second_copy_nats_per_word"]
+    return out
+
+
+_OPEN_POOLS: dict = {}
 
 
 def main() -> int:

@@ -116,7 +116,9 @@ def main(argv=None) -> int:
     if any("reward_mean" in row for _, rows in data for row in rows):
         return plot_rl(plt, data, args.output, args.smoothing)
     has_mtp = any("mtp1_top1" in row for _, rows in data for row in rows)
-    fig, axes = plt.subplots(1, 2 if has_mtp else 1, figsize=(12 if has_mtp else 7, 4.5), squeeze=False)
+    has_copy = any("copy_pool_second" in row for _, rows in data for row in rows)
+    panels = 1 + has_mtp + has_copy
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels if panels > 1 else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     offset = 0  # runs are drawn one after another, as a chain of stages
     for run, rows in data:
@@ -142,11 +144,39 @@ def main(argv=None) -> int:
         axes[0][1].set_ylabel("MTP depth-1 top-1 agreement with main head")
         axes[0][1].legend(fontsize=8)
         axes[0][1].grid(alpha=0.3)
+    if has_copy:
+        plot_copy(axes[0][-1], data)
     fig.tight_layout()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.output, dpi=110)
     print(f"wrote {args.output}")
     return 0
+
+
+def plot_copy(ax, data: list[tuple[Path, list[dict]]]) -> None:
+    """The copy probe (tools.copy_eval:copy_probe) against training tokens: first and second copy of the task
+    family's words and of other words, the gate, and the formation point the induction-head law predicts for the
+    run's tokens per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.copy_eval import GATE_NATS, LAW_T
+
+    for run, rows in data:
+        per_step = max((r["tokens_seen"] / r["step"] for r in rows if r.get("step") and "tokens_seen" in r), default=0)
+        rows = [r for r in rows if "copy_pool_second" in r]
+        x = [r["step"] * per_step / 1e6 for r in rows]
+        for key, style in (("copy_pool_first", ":"), ("copy_pool_second", "-o"), ("copy_open_second", "-s")):
+            ax.plot(x, [r[key] for r in rows], style, ms=3, lw=1.2, label=f"{run.name} {key[5:].replace('_', ' ')}")
+        if per_step:
+            law = LAW_T * per_step ** 0.5 / 1e6
+            ax.axvline(law, color="grey", ls="--", lw=1)
+            ax.text(law, ax.get_ylim()[1] * 0.95, f" law: {law:.1f}M\n (B x C = {per_step:.0f})", fontsize=7,
+                    va="top")
+    ax.axhline(GATE_NATS, color="red", lw=0.8, label=f"gate {GATE_NATS:g} nat/word")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("nats per word")
+    ax.set_title("copy probe: a list of 8 words repeated after itself", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, cfg: LoggingConfig, enabled: bool, run_config: dict | None = None):
         self.cfg = cfg
         self.enabled = enabled
+        self.console_keys: list[str] = []  # more numbers for the console line (e.g. evaluation probes)
         self._file = None
         self._tb = None
         self._wandb = None
@@ -91,7 +92,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if console:
-            print(format_console(record), flush=True)
+            print(format_console(record, self.console_keys), flush=True)
 
     def close(self) -> None:
         if self._file:
@@ -102,7 +103,7 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def format_console(r: dict) -> str:
+def format_console(r: dict, extra: list[str] = ()) -> str:
     def f(key, fmt):
         v = r.get(key)
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
@@ -116,6 +117,7 @@ def format_console(r: dict) -> str:
         s = f(key, fmt)
         if s is not None:
             parts.append(f"{label} {s}")
+    parts += [f"{key} {f(key, '{:.4g}')}" for key in extra if f(key, "{}") is not None]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)

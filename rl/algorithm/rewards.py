@@ -11,13 +11,13 @@ with the signature ``f(transcript) -> float`` can be plugged in by its ``module:
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from megatron_composer.config import resolve_function
 from megatron_composer.data.chat_template import parse_assistant, structured_tool_calls
 
 Number = Union[float, int, torch.Tensor]
@@ -180,24 +180,6 @@ def single_tool_collapse(transcript: Transcript, min_calls: int = 5, max_share: 
 
 
 # ---- combination ------------------------------------------------------------------------------------------
-
-def resolve_function(path: str) -> Callable:
-    """Import ``package.module:function`` (or ``package.module.function``) and return the callable."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"function path '{path}' must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"function path '{path}': cannot import module '{module_name}' ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"function path '{path}': module '{module_name}' has no function '{attr}'")
-    return fn
-
 
 def shaped_reward(
     task_reward: float,

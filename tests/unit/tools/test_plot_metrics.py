@@ -60,3 +60,23 @@ def test_training_curve_is_drawn_raw_in_a_light_shade_under_its_ema(tmp_path, ca
     assert "sft train" in {line.get_label() for line in plt.gcf().axes[0].get_lines()}
     assert plot_metrics.main([str(run), "--output", str(tmp_path / "c.png"), "--smoothing", "1"]) == 2
     assert "--smoothing must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_copy_probe_panel_plots_against_tokens_with_the_gate_and_the_law(tmp_path):
+    """A stage with the copy probe (train.eval_hooks: tools.copy_eval:copy_probe) gets a panel of the probe against
+    training tokens, the gate line and the induction-head law's prediction for its tokens per step."""
+    import matplotlib.pyplot as plt
+
+    rows = [{"step": s, "loss": 8 - s / 1000, "tokens_seen": 1024 * s,
+             **({"copy_pool_first": 9.0, "copy_pool_second": 8.0 - s / 500, "copy_open_second": 7.0 - s / 500}
+                if s % 500 == 0 else {})} for s in range(1, 3001)]
+    rows.insert(0, {"step": 0, "copy_pool_first": 9.0, "copy_pool_second": 9.0, "copy_open_second": 8.5})
+    run = _write(tmp_path / "tiny_base", rows)
+    assert plot_metrics.main([str(run), "--output", str(tmp_path / "base.png")]) == 0
+    ax = plt.gcf().axes[-1]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    second = lines["tiny_base pool second"]
+    assert list(second.get_xdata()) == pytest.approx([1024 * s / 1e6 for s in range(0, 3001, 500)])
+    assert list(lines["gate 1 nat/word"].get_ydata()) == [1.0, 1.0]
+    law = [line for line in ax.get_lines() if line.get_label().startswith("_") and line.get_xdata()[0] > 0]
+    assert law and law[0].get_xdata()[0] == pytest.approx(10 ** 5.7 * 1024 ** 0.5 / 1e6)
