@@ -121,6 +121,14 @@ class Transformer(nn.Module):
                 t.copy_(init_box(self.init_rule(name), t.shape, self.init_seed, name))
         self.reset_buffers()
 
+    def _apply(self, fn, recurse=True):
+        # Module._apply (to_empty, .to, .cuda) converts a shared parameter once per module that holds it, which
+        # unties the output head from the embedding; tie them again.
+        super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
     @torch.no_grad()
     def reset_buffers(self) -> None:
         """Recompute the derived, non-persistent buffers (rope inverse frequencies), e.g. after to_empty."""
