@@ -5,7 +5,7 @@
     python tools/copy_eval.py --hf /path/to/hf_model --pool alpha,beta,gamma,delta,epsilon,zeta,eta,theta
 
 Each trial samples --words distinct words from the pool (default: the agent task family's names, folders and
-words, the values its tool calls must copy) and scores the text "w1 w2 ... wN w1 w2 ... wN": per word, the
+words, the values its tool calls must copy) and scores the text " w1 w2 ... wN w1 w2 ... wN": per word, the
 summed loss of its tokens, in nats. The first copy is what the model guesses without anything to copy (about
 log(pool size) for a uniform guess); the second copy is what it pays with the list in front of it. A model
 that copies pays well under 1 nat per word on the second copy; the gate is that figure below --gate.
@@ -47,11 +47,13 @@ def open_pool(tokenizer, exclude: set[str] = frozenset(), size: int = 512) -> li
 
 
 def word_spans(tokenizer, words: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of "w1 w2 ... wN w1 ... wN" and, per word occurrence, its [start, end) token span (each word
-    with its leading space is tokenized as the whole text tokenizes it: spans come from encoding prefixes)."""
+    """Token ids of " w1 w2 ... wN w1 ... wN" and, per word occurrence, its [start, end) token span (each word
+    with its leading space is tokenized as the whole text tokenizes it: spans come from encoding prefixes). The
+    first word has its space too: a word at the very start of a text is other tokens for most tokenizers, and its
+    second occurrence would then have nothing to be copied from."""
     text, ends = "", []
     for w in words + words:
-        text += (" " if text else "") + w
+        text += " " + w
         ends.append(len(tokenizer.encode(text)))
     ids = tokenizer.encode(text)
     if ends[-1] != len(ids):

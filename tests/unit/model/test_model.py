@@ -186,3 +186,23 @@ def test_bf16_forward_backward():
     logits = model(torch.randint(0, 128, (2, 16)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     logits.float().mean().backward()
+
+
+def test_tied_embeddings_stay_one_tensor_when_the_model_is_materialised_or_cast():
+    """to_empty (how every trainer, loader and engine materialises a meta-built model) and .to() keep the output head
+    and the embedding one parameter, so one gradient and one optimizer state train both."""
+    from megatron_composer.parallel.layers import to_empty
+
+    cfg = get_preset("tiny-qwen3-moe").replace(num_layers=1, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    to_empty(model, "cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    model.reset_parameters(seed=0)
+    model = model.to(torch.bfloat16).to(torch.float32)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in dict(model.named_parameters())  # one parameter: one optimizer state
+    model(torch.tensor([[5, 6, 7]])).sum().backward()
+    assert model.output.weight.grad is model.tok_embeddings.weight.grad
+    untied = Transformer(cfg.replace(tie_word_embeddings=False)).to(torch.bfloat16)
+    assert untied.output.weight is not untied.tok_embeddings.weight
