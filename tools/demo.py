@@ -10,9 +10,10 @@
 5. Runs examples/tiny/{pretrain,long_context,sft}.yaml as one chain with torchrun on 2 CPU ranks, then prints
    each stage's losses and the copy gate (tools/copy_eval.py).
 
-`--chain agent` (`make demo-agent`) is the agentic chain: the same pretraining, tool-use SFT on the tiered tasks
-told the compact agent profile (examples/tiny/agent/sft.yaml, data under data/tiny_agent/), the SFT checkpoint's
-pass@1 / pass@4 per tier on train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table.
+`--chain agent` (`make demo-agent`) is the agentic chain: from the shipped base that copies (models/tiny-agent-base,
+made by `make base`, with its own tokenizer), tool-use SFT on the tiered tasks told the compact agent profile
+(examples/tiny/agent/sft.yaml, data under data/tiny_agent/), the SFT checkpoint's pass@1 / pass@4 per tier on train
+and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table.
 Nothing it writes is committed (data/ and runs/ are git-ignored). Re-running resumes / reuses what exists.
 """
 
@@ -36,8 +37,9 @@ STAGES = ["examples/tiny/pretrain.yaml", "examples/tiny/long_context.yaml", "exa
 AGENT_SPLITS = {"sft": 480, "train": 320, "heldout": 18}  # instances per split (one seeded stream: disjoint)
 AGENT_SUMMARY_TRIGGER = 600  # the full agent profile's episodes of examples/tiny/sft.yaml summarise there
 
-# `--chain agent` (make demo-agent): code pretraining, tool-use SFT on the tiered tasks, then agentic RL.
-AGENT_STAGES = ["examples/tiny/pretrain.yaml", "examples/tiny/agent/sft.yaml"]
+# `--chain agent` (make demo-agent): the shipped base, tool-use SFT on the tiered tasks, then agentic RL.
+AGENT_BASE = Path("models/tiny-agent-base")  # tools/make_base.py ships it; it holds its tokenizer
+AGENT_STAGES = ["examples/tiny/agent/sft.yaml"]
 AGENT_RL = "examples/tiny/rl_agent.yaml"
 AGENT_CHAIN_SPLITS = {"sft": 480, "train": 320, "heldout": 32}
 AGENT_CHAIN_SUMMARY_TRIGGER = 300  # = rollout.summary_trigger_tokens of examples/tiny/rl_agent.yaml
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     py = sys.executable
     data = Path("data/tiny")  # where examples/tiny/*.yaml read their data
+    if args.chain == "agent":
+        return agent_chain(args, py, t0)
     stdlib = Path(args.stdlib)
     if not any(stdlib.glob("*.py")):
         print(f"error: {stdlib} has no .py files; pass --stdlib DIR with a directory of Python sources",
@@ -144,8 +148,6 @@ def main(argv=None) -> int:
     if not (data / "stdlib.idx").exists():
         _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"),
               "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
-    if args.chain == "agent":
-        return agent_chain(args, py, data, t0)
     if not (data / "sft.jsonl").exists():
         print(f"wrote {write_sft(stdlib, data / 'sft.jsonl')} SFT conversations to {data / 'sft.jsonl'}")
     if not (data / "agent_sft.jsonl").exists():
@@ -160,26 +162,32 @@ def main(argv=None) -> int:
     return 0
 
 
-def agent_chain(args, py: str, data: Path, t0: float) -> int:
-    """Code pretraining and tool-use SFT (one torchrun chain), the copy gate on both, the SFT checkpoint's
-    pass@1/pass@4 per tier on train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table."""
+def agent_chain(args, py: str, t0: float) -> int:
+    """Tool-use SFT of the shipped base, the copy gate on both, the SFT checkpoint's pass@1/pass@4 per tier on
+    train and held-out tasks, then examples/tiny/rl_agent.yaml's RL and its table."""
+    if not (ROOT / AGENT_BASE / "config.json").is_file():
+        print(f"error: the tiny agent base {AGENT_BASE} is missing; restore it (git checkout {AGENT_BASE}) or "
+              "rebuild it with `make base`", file=sys.stderr)
+        return 1
     agent = Path("data/tiny_agent")  # where examples/tiny/agent/sft.yaml and rl_agent.yaml read their data
     run_root = Path(args.run_dir)
     agent.mkdir(parents=True, exist_ok=True)
     if not (agent / "agent_sft.jsonl").exists():
-        n = write_agent_sft(agent / "agent_tasks", agent / "agent_sft.jsonl", data / "tokenizer", args.nproc,
+        n = write_agent_sft(agent / "agent_tasks", agent / "agent_sft.jsonl", AGENT_BASE, args.nproc,
                             splits=AGENT_CHAIN_SPLITS, profile="compact", summary_trigger=AGENT_CHAIN_SUMMARY_TRIGGER)
         print(f"wrote {n} tool-use SFT conversations (compact agent profile) to {agent / 'agent_sft.jsonl'}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    sft = run_root / Path(AGENT_STAGES[-1]).stem
+    # a chain places each stage in run.dir/<config stem>; a single stage takes run.dir itself
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-              "pretrain_composer.py", "--config", *AGENT_STAGES, f"run.dir={run_root}", *args.overrides], env)
-    sft = run_root / "sft"
+              "pretrain_composer.py", "--config", *AGENT_STAGES,
+              f"run.dir={run_root if len(AGENT_STAGES) > 1 else sft}", *args.overrides], env)
     tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft,
                                AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
              for split in ("train", "heldout")}
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "rl_composer.py",
               "--config", AGENT_RL, f"run.dir={run_root / 'rl'}", f"checkpoint.init_from={sft}"], env)
-    _summarise(run_root, AGENT_STAGES, time.time() - t0)
+    _summarise(run_root, AGENT_STAGES, time.time() - t0, base=AGENT_BASE)
     print("\nSFT checkpoint, 4 samples per task:")
     for split, summary in tiers.items():
         for tier, t in summary["per_tier"].items():
@@ -191,15 +199,17 @@ def agent_chain(args, py: str, data: Path, t0: float) -> int:
     return 0
 
 
-def _copy_gates(run_root: Path, stages: list[str]) -> None:
-    """tools/copy_eval.py on each stage's last checkpoint: a list of the task family's words repeated after itself."""
+def _copy_gates(run_root: Path, stages: list[str], base: Path | None = None) -> None:
+    """tools/copy_eval.py on the base the chain starts from (a Hugging Face directory) and on each stage's last
+    checkpoint: a list of the task family's words repeated after itself."""
     print("copy gate (second copy of a repeated word list; a model that copies pays < 1 nat/word):")
-    for stage in stages:
-        out = subprocess.run([sys.executable, str(ROOT / "tools" / "copy_eval.py"), "--checkpoint",
-                              str(run_root / Path(stage).stem), "--json"], cwd=ROOT, check=True, capture_output=True,
-                             text=True).stdout
+    sources = ([("base", ["--hf", str(base)])] if base else []) + [
+        (Path(stage).stem, ["--checkpoint", str(run_root / Path(stage).stem)]) for stage in stages]
+    for name, source in sources:
+        out = subprocess.run([sys.executable, str(ROOT / "tools" / "copy_eval.py"), *source, "--json"], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout
         g = json.loads(out.strip().splitlines()[-1])
-        print(f"  {Path(stage).stem:13s} first copy {g['first_copy_nats_per_word']:.2f}  second copy "
+        print(f"  {name:13s} first copy {g['first_copy_nats_per_word']:.2f}  second copy "
               f"{g['second_copy_nats_per_word']:.2f} nats/word  {'pass' if g['passes'] else 'FAIL'}")
 
 
@@ -241,7 +251,7 @@ def _rl_table(rl_dir: Path) -> None:
         print(f"  (no plot: {e})")
 
 
-def _summarise(run_root: Path, stages: list[str], seconds: float) -> None:
+def _summarise(run_root: Path, stages: list[str], seconds: float, base: Path | None = None) -> None:
     print(f"\n=== demo finished in {seconds / 60:.1f} min ===")
     for stage in stages:
         name = Path(stage).stem
@@ -256,7 +266,7 @@ def _summarise(run_root: Path, stages: list[str], seconds: float) -> None:
             msg += f" | MTP top-1 agreement {sum(top1[:k]) / k:.3f} -> {sum(top1[-k:]) / k:.3f}"
         print(msg)
         print(f"{'':13s} metrics {run_root / name / 'metrics.jsonl'}  checkpoints {run_root / name / 'checkpoints'}")
-    _copy_gates(run_root, stages)
+    _copy_gates(run_root, stages, base)
     png = run_root / "loss.png"
     try:
         subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"),
