@@ -127,3 +127,17 @@ def test_the_shipped_base_is_what_the_agent_chain_configures_and_transformers_re
     ids = torch.randint(3, tok.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=2e-4, rtol=1e-4)
+
+
+def test_the_agent_chain_without_its_base_stops_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    import argparse
+    import time
+
+    from tools import demo
+
+    monkeypatch.setattr(demo, "AGENT_BASE", tmp_path / "gone")
+    args = argparse.Namespace(run_dir=str(tmp_path / "run"), nproc=1, overrides=[])
+    assert demo.agent_chain(args, sys.executable, time.time()) == 1
+    err = capsys.readouterr().err
+    assert "the tiny agent base" in err and "make base" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
