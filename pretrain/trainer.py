@@ -195,18 +195,23 @@ def forward_stats(model, batch, mtp_cfg, counts, autocast, want_routing, layout)
 
 @torch.no_grad()
 def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast, tokenizer=None) -> dict[str, float]:
-    """The validation loss (and MTP metrics) over eval_samples sequences, then each of train.eval_hooks."""
-    probes = {}
-    if cfg.train.eval_hooks:
-        model.eval()
-        with autocast:
-            for path in cfg.train.eval_hooks:
-                probes.update({k: float(v) for k, v in resolve_function(path)(model, tokenizer).items()})
-        reshard(model)
-        model.train()
-    if valid is None or cfg.train.eval_samples == 0:
-        return probes
+    """Each of train.eval_hooks, then the validation loss (and MTP metrics) over eval_samples sequences."""
+    has_valid = valid is not None and cfg.train.eval_samples > 0
+    if not cfg.train.eval_hooks and not has_valid:
+        return {}
     model.eval()
+    metrics = {}
+    with autocast:
+        for path in cfg.train.eval_hooks:
+            metrics.update({k: float(v) for k, v in resolve_function(path)(model, tokenizer).items()})
+    if has_valid:
+        metrics.update(_validation_loss(model, valid, cfg, layout, device, autocast))
+    reshard(model)  # no backward follows: FSDP's root would stay gathered until the next step's forward
+    model.train()
+    return metrics
+
+
+def _validation_loss(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast) -> dict[str, float]:
     idx = list(range(layout.dp_rank, min(cfg.train.eval_samples, len(valid)), layout.dp_size))
     mbs = cfg.train.micro_batch_size
     batches = [collate([valid[i] for i in idx[j: j + mbs]]) for j in range(0, len(idx), mbs)]
@@ -221,9 +226,7 @@ def evaluate(model, valid, cfg: PretrainConfig, layout: Layout, device, autocast
             totals[k] = totals.get(k, 0) + v.float()
     keys = sorted(totals)
     vec = layout.all_reduce_sum(torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0))
-    reshard(model)  # no backward follows: FSDP's root would stay gathered until the next step's forward
-    model.train()
-    return probes | {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
+    return {f"val_{k.replace('lm_loss', 'loss')}": float(v) for k, v in zip(keys, vec) if k != "aux_loss"}
 
 
 class Stage:
@@ -319,6 +322,15 @@ class Stage:
         self.logger.console_keys = sorted(k for k in metrics if not k.startswith("val_"))  # the probes' numbers
         return metrics
 
+    def stop_reached(self, metrics: dict) -> bool:
+        """Every train.stop_below metric of this evaluation is under its threshold, on every rank (one vote)."""
+        below = self.cfg.train.stop_below
+        reached = bool(below) and all(k in metrics and metrics[k] < v for k, v in below.items())
+        if below and self.layout.world > 1:  # every rank stops at the same step
+            votes = self.layout.all_reduce_sum(torch.tensor([float(reached)], device=self.device))
+            reached = bool(votes.item() == self.layout.groups.size("dp_cp"))
+        return reached
+
     def run(self) -> Path:
         cfg = self.cfg
         self.describe()
@@ -333,15 +345,12 @@ class Stage:
         for step in range(self.start_step, cfg.train.steps):
             metrics = self.train_step(step)
             done = step + 1
+            reached = False
             if (cfg.train.eval_interval and done % cfg.train.eval_interval == 0) or done == cfg.train.steps:
                 metrics.update(self.evaluate())
+                reached = self.stop_reached(metrics)
             console = (done % cfg.logging.interval == 0 or done == cfg.train.steps or metrics["skipped"]
                        or "val_loss" in metrics)
-            reached = bool(cfg.train.stop_below) and all(
-                k in metrics and metrics[k] < v for k, v in cfg.train.stop_below.items())
-            if cfg.train.stop_below and self.layout.world > 1:  # every rank stops at the same step
-                votes = self.layout.all_reduce_sum(torch.tensor([float(reached)], device=self.device))
-                reached = bool(votes.item() == self.layout.groups.size("dp_cp"))
             if reached:
                 metrics["stopped_early"] = 1.0
             self.logger.log(done, metrics, console=console)

@@ -34,15 +34,20 @@ def default_pool() -> list[str]:
     return sorted(set(NAMES) | set(FOLDERS) | set(WORDS) | set(MODULES))
 
 
-def open_pool(tokenizer, exclude: set[str] = frozenset(), size: int = 512) -> list[str]:
-    """Words the model has no closed-set reason to copy: alphabetic vocabulary entries of 3+ letters that the
-    tokenizer writes as one token after a space, outside `exclude` (a deterministic spread over the vocabulary)."""
-    words = []
+def one_token_words(tokenizer) -> list[str]:
+    """The alphabetic vocabulary entries of 3+ letters that the tokenizer writes as one token after a space."""
+    words = set()
     for i in range(tokenizer.vocab_size):
         w = tokenizer.decode([i]).strip()
-        if len(w) >= 3 and w.isascii() and w.isalpha() and w not in exclude and len(tokenizer.encode(" " + w)) == 1:
-            words.append(w)
-    words = sorted(set(words))
+        if len(w) >= 3 and w.isascii() and w.isalpha() and len(tokenizer.encode(" " + w)) == 1:
+            words.add(w)
+    return sorted(words)
+
+
+def open_pool(tokenizer, exclude: set[str] = frozenset(), size: int = 512) -> list[str]:
+    """Words the model has no closed-set reason to copy: one-token words outside `exclude`, a deterministic
+    spread of `size` over the vocabulary."""
+    words = [w for w in one_token_words(tokenizer) if w not in exclude]
     return words[:: max(1, len(words) // size)][:size]
 
 

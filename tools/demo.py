@@ -142,12 +142,7 @@ def main(argv=None) -> int:
         print(f"error: {stdlib} has no .py files; pass --stdlib DIR with a directory of Python sources",
               file=sys.stderr)
         return 1
-    if not (data / "tokenizer" / "tokenizer.model").exists():
-        _run([py, "tools/train_tokenizer.py", "--input", str(stdlib), "--output", str(data / "tokenizer"),
-              "--vocab-size", str(args.vocab_size), "--max-lines", "300000"])
-    if not (data / "stdlib.idx").exists():
-        _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"),
-              "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
+    code_corpus(py, stdlib, data, args.vocab_size, args.nproc)
     if not (data / "sft.jsonl").exists():
         print(f"wrote {write_sft(stdlib, data / 'sft.jsonl')} SFT conversations to {data / 'sft.jsonl'}")
     if not (data / "agent_sft.jsonl").exists():
@@ -160,6 +155,16 @@ def main(argv=None) -> int:
               "pretrain_composer.py", "--config", *STAGES, f"run.dir={args.run_dir}", *args.overrides], env)
     _summarise(Path(args.run_dir), STAGES, time.time() - t0)
     return 0
+
+
+def code_corpus(py: str, stdlib: Path, data: Path, vocab_size: int, nproc: int) -> None:
+    """The tokenizer and the code corpus trained on `stdlib`'s .py files (data/tokenizer, data/stdlib), made once."""
+    if not (data / "tokenizer" / "tokenizer.model").exists():
+        _run([py, "tools/train_tokenizer.py", "--input", str(stdlib), "--output", str(data / "tokenizer"),
+              "--vocab-size", str(vocab_size), "--max-lines", "300000"])
+    if not (data / "stdlib.idx").exists():
+        _run([py, "tools/preprocess_data.py", "--input", str(stdlib), "--tokenizer", str(data / "tokenizer"),
+              "--output-prefix", str(data / "stdlib"), "--workers", str(nproc)])
 
 
 def agent_chain(args, py: str, t0: float) -> int:
@@ -177,11 +182,9 @@ def agent_chain(args, py: str, t0: float) -> int:
                             splits=AGENT_CHAIN_SPLITS, profile="compact", summary_trigger=AGENT_CHAIN_SUMMARY_TRIGGER)
         print(f"wrote {n} tool-use SFT conversations (compact agent profile) to {agent / 'agent_sft.jsonl'}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    sft = run_root / Path(AGENT_STAGES[-1]).stem
-    # a chain places each stage in run.dir/<config stem>; a single stage takes run.dir itself
+    sft = run_root / "sft"  # one stage: its run.dir (a chain of stages would place each in run.dir/<stem>)
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-              "pretrain_composer.py", "--config", *AGENT_STAGES,
-              f"run.dir={run_root if len(AGENT_STAGES) > 1 else sft}", *args.overrides], env)
+              "pretrain_composer.py", "--config", *AGENT_STAGES, f"run.dir={sft}", *args.overrides], env)
     tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft,
                                AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
              for split in ("train", "heldout")}

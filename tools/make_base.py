@@ -47,18 +47,14 @@ SHIPPED = ROOT / "models" / "tiny-agent-base"
 
 
 def word_token_ids(tokenizer) -> list[int]:
-    """The ids of the tokenizer's one-token words (alphabetic, 3+ letters, written after a space): what open copy
-    rows are made of, so that a row's text is a plain list of words."""
-    ids = set()
-    for i in range(tokenizer.vocab_size):
-        w = tokenizer.decode([i]).strip()
-        if len(w) >= 3 and w.isascii() and w.isalpha():
-            enc = tokenizer.encode(" " + w)
-            if len(enc) == 1:
-                ids.add(enc[0])
+    """The ids of the tokenizer's one-token words (tools/copy_eval.py: one_token_words): what open copy rows are
+    made of, so that a row's text is a plain list of words."""
+    from tools.copy_eval import one_token_words
+
+    ids = sorted(tokenizer.encode(" " + w)[0] for w in one_token_words(tokenizer))
     if len(ids) < 64:
         raise ValueError(f"the tokenizer has only {len(ids)} one-token words; copy rows need at least 64")
-    return sorted(ids)
+    return ids
 
 
 def copy_words(tokenizer, which: str) -> list[tuple[int, ...]]:
@@ -196,16 +192,12 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the stage config, e.g. train.steps=2000")
     args = ap.parse_args(argv)
     from megatron_composer.data.tokenizer import load_tokenizer
+    from tools.demo import code_corpus
 
     t0 = time.time()
     py = sys.executable
-    data = Path("data/tiny")
-    if not (ROOT / data / "tokenizer" / "tokenizer.model").exists():
-        _run([py, "tools/train_tokenizer.py", "--input", args.stdlib, "--output", str(data / "tokenizer"),
-              "--vocab-size", "4096", "--max-lines", "300000"])
-    if not (ROOT / data / "stdlib.idx").exists():
-        _run([py, "tools/preprocess_data.py", "--input", args.stdlib, "--tokenizer", str(data / "tokenizer"),
-              "--output-prefix", str(data / "stdlib"), "--workers", str(args.nproc)])
+    data = Path("data/tiny")  # the demo's tokenizer and code corpus, which examples/tiny/base.yaml reads
+    code_corpus(py, Path(args.stdlib), ROOT / data, 4096, args.nproc)
     from megatron_composer.config import load_config
     from pretrain.trainer import PretrainConfig
 
