@@ -33,6 +33,7 @@ def _launch(rl_assets: Path, run_dir: Path, steps: int) -> subprocess.CompletedP
         "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
         "rl.loss_constant": 6, "checkpoint.interval": 2, "checkpoint.keep_last": 0, "logging.interval": 1,
         "weight_sync.dtype": "float32", "weight_sync.poll_seconds": 0.2, "checkpoint.init_from": "''",
+        "eval.interval": 0,
     }
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))

@@ -190,7 +190,7 @@ def _overrides(assets: Path, run_dir: Path, **extra) -> list[str]:
         "rollout.lease_s": 4, "rollout.heartbeat_s": 0.5, "rollout.group_timeout_s": 120,
         "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
         "rl.loss_constant": 6, "checkpoint.interval": 2, "checkpoint.keep_last": 0, "logging.interval": 1,
-        "weight_sync.dtype": "float32", "checkpoint.init_from": "''",
+        "weight_sync.dtype": "float32", "checkpoint.init_from": "''", "eval.interval": 0,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
