@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e test-vllm test-podman demo base demo-agent bench gpu-check clean
+.PHONY: install test test-e2e test-vllm test-podman demo base demo-agent ablation loss-to-reward bench gpu-check \
+	clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,16 @@ base: install
 # (examples/tiny/rl_agent.yaml); prints the copy gate, per-tier pass rates and the RL table.
 demo-agent: install
 	$(PY) tools/demo.py --chain agent
+
+# The recipe's effects at tiny scale (docs/RESULTS.md), after `make demo`, on 2 idle cores. ablation: every arm that
+# changes the single-turn task's run (7 arms x 5 seeds of examples/tiny/rl.yaml, 40 steps each), the table with 95%
+# intervals and differences to the baseline. loss-to-reward: the report's Figure 2, 4 pretraining budgets each through
+# the demo's long-context and SFT stages, then 3 RL seeds each.
+ablation: install
+	$(PY) tools/ablate.py --config examples/tiny/rl.yaml --seeds 5 --jobs 2 --out runs/ablation train.steps=40
+
+loss-to-reward: install
+	$(PY) tools/loss_to_reward.py --seeds 3 --jobs 2 --out runs/loss_to_reward --rl-overrides train.steps=40
 
 bench: install
 	$(PY) benchmarks/model_forward_backward.py
