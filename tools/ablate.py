@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.intervals import Interval, difference_interval, mean_interval, sample_std  # noqa: E402
+from tools.intervals import Interval, difference_interval, mean_interval, paired_difference_interval, sample_std  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "baseline": [],
@@ -65,7 +65,7 @@ ARMS: dict[str, list[str]] = {
 AGENT_ONLY_ARMS = ("summarisation",)
 METRICS = ("verifier_reward", "heldout_pass1", "heldout_gain")  # the ones compared with the baseline
 KEYS = ("reward", "verifier_reward", "verifier_gain", "heldout_start", "heldout_pass1", "heldout_gain", "mismatch",
-        "kl", "tokens_per_episode")
+        "routing_mismatch", "kl", "tokens_per_episode")
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -120,6 +120,7 @@ def seed_values(rows: list[dict], final_steps: int) -> dict:
         "heldout_pass1": last,
         "heldout_gain": last - start if last is not None and start is not None else None,
         "mismatch": run_mean(steps, "mismatch_masked_fraction"),
+        "routing_mismatch": run_mean(steps, "routing_mismatch_token_fraction"),
         "kl": run_mean(steps, "kl"),
         "tokens_per_episode": (sum(r.get("generated_tokens", 0) for r in steps)
                                / max(sum(r.get("episodes", 0) for r in steps), 1)) if steps else None,
@@ -127,21 +128,26 @@ def seed_values(rows: list[dict], final_steps: int) -> dict:
 
 
 def summarise(arm: str, runs: list[list[dict]], final_steps: int, baseline: dict | None = None) -> dict:
-    """One table row: per metric the mean over seeds with its 95% interval; against `baseline` (its per-seed
-    values) the difference with its interval."""
-    done = [r for r in runs if train_rows(r)]
-    per_seed: dict[str, list] = {}
-    for rows in done:
-        for key, value in seed_values(rows, final_steps).items():
-            per_seed.setdefault(key, []).append(value)
-    out: dict = {"arm": arm, "seeds": len(done), "steps": max((len(train_rows(r)) for r in runs), default=0),
-                 "per_seed": per_seed}
+    """One table row: per metric the mean over seeds with its 95% interval; against `baseline` the difference,
+    paired by seed (the same seeds' prompts and draws), with its interval. `runs` holds one entry per seed (empty
+    for a seed without a finished run)."""
+    per_seed: dict[str, list] = {key: [] for key in KEYS}
+    for rows in runs:
+        values = seed_values(rows, final_steps) if train_rows(rows) else {}
+        for key in KEYS:
+            per_seed[key].append(values.get(key))
+    out: dict = {"arm": arm, "seeds": sum(1 for r in runs if train_rows(r)),
+                 "steps": max((len(train_rows(r)) for r in runs), default=0), "per_seed": per_seed}
     for key in KEYS:
-        values = per_seed.get(key, [])
+        values = per_seed[key]
         out[key] = mean_interval(values)
         out[f"{key}_std"] = sample_std(values)
         if baseline is not None and key in METRICS:
-            out[f"{key}_diff"] = difference_interval(values, baseline["per_seed"].get(key, []))
+            base = baseline["per_seed"][key]
+            n = max(len(values), len(base))
+            pad = [None] * n
+            out[f"{key}_diff"] = paired_difference_interval((values + pad)[:n], (base + pad)[:n])
+            out[f"{key}_diff_unpaired"] = difference_interval(values, base)
     return out
 
 
@@ -167,23 +173,29 @@ def write_table(rows: list[dict], out: Path) -> None:
         d = {"arm": r["arm"], "seeds": r["seeds"], "steps": r["steps"]}
         for key in KEYS:
             d.update({**r[key].columns(key), f"{key}_std": r[f"{key}_std"]})
-            if f"{key}_diff" in r:
-                d.update(r[f"{key}_diff"].columns(f"{key}_diff"))
+            for kind in ("diff", "diff_unpaired"):
+                if f"{key}_{kind}" in r:
+                    d.update(r[f"{key}_{kind}"].columns(f"{key}_{kind}"))
         d["per_seed"] = json.dumps(r["per_seed"])
         flat.append(d)
     write_csv(out / "ablation.csv", flat)
     lines = ["| arm | seeds | steps | final verifier reward | Δ vs baseline | held-out pass@1 | Δ vs baseline | "
-             "held-out gain over step 0 | mismatch-masked fraction | KL | tokens / episode |", "|" + "---|" * 11]
+             "held-out gain over step 0 | mismatch-masked fraction | routing mismatch | KL | tokens / episode |",
+             "|" + "---|" * 12]
     for r in rows:
         lines.append(" | ".join([
             f"| {r['arm']}", str(r["seeds"]), str(r["steps"]), _cell(r["verifier_reward"]),
             _cell(r.get("verifier_reward_diff"), True), _cell(r["heldout_pass1"]),
             _cell(r.get("heldout_pass1_diff"), True), _cell(r["heldout_gain"]),
-            f"{r['mismatch'].mean:.3g}", f"{r['kl'].mean:.3g}", f"{r['tokens_per_episode'].mean:.3g} |"]))
-    lines += ["", "mean over seeds [95% percentile-bootstrap interval over seeds]; Δ = arm - baseline, each arm's "
-              "seeds resampled on their own; * = the interval excludes 0. Final verifier reward = mean of the last "
-              "steps; held-out pass@1 = the last evaluation; mismatch, KL (the arm's own estimator: k3 for "
-              "k3_in_loss, k1 otherwise), tokens: run means."]
+            f"{r['mismatch'].mean:.3g}", f"{r['routing_mismatch'].mean:.3g}", f"{r['kl'].mean:.3g}",
+            f"{r['tokens_per_episode'].mean:.3g} |"]))
+    lines += ["", "mean over seeds [95% percentile-bootstrap interval over seeds]; Δ = arm - baseline of the same "
+              "seed (a seed fixes every step's prompts and the evaluations' draws), its mean over seeds and the "
+              "bootstrap interval of that mean (ablation.csv also has the unpaired interval, each arm's seeds "
+              "resampled on their own); * = the interval excludes 0. Final verifier reward = mean of the last "
+              "steps; held-out pass@1 = the last evaluation; run means: mismatch (tokens masked for train/rollout "
+              "log-prob mismatch), routing mismatch (tokens the trainer routes to other experts than the rollout "
+              "did), KL (the arm's own estimator: k3 for k3_in_loss, k1 otherwise), tokens per episode."]
     base = next((r for r in rows if r["arm"] == "baseline"), None)
     if base is not None and base["seeds"] > 1:
         lines.append("")
@@ -288,8 +300,9 @@ def main(argv=None) -> int:
     if args.seeds < 1 or args.jobs < 1:
         ap.error("--seeds and --jobs must be >= 1")
     args.config = str(Path(args.config).resolve())
-    if args.arms == "all":
-        arms = list(ARMS) if args.report_only else default_arms(args.config, args.overrides)
+    if args.arms == "all":  # report-only: the arms that have runs under --out
+        arms = ([a for a in ARMS if (Path(args.out) / a).is_dir()] if args.report_only
+                else default_arms(args.config, args.overrides))
     else:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]

@@ -1,9 +1,10 @@
 """Confidence intervals over seeds: percentile bootstrap of a mean and of a difference of two means.
 
 Seeds are few (5-10), so the interval comes from resampling the seeds themselves, not from a normal
-approximation. Two arms are resampled independently (their runs share no randomness the analysis could pair on
-once training has diverged), which is the conservative choice. The generator is seeded: the same values give the
-same interval.
+approximation. Two arms run with the same seeds share their common random numbers (an RL seed fixes the prompts of
+every step and the held-out samples' draws), so their difference is taken per seed and those differences are
+resampled (`paired_difference_interval`); `difference_interval` resamples each arm on its own, for arms without
+shared seeds. The generator is seeded: the same values give the same interval.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def difference_interval(values, baseline, level: float = 0.95, resamples: int = 
              for _ in range(resamples)]
     lo, hi = _percentiles(diffs, level)
     return Interval(diff, lo, hi, n)
+
+
+def paired_difference_interval(values, baseline, level: float = 0.95, resamples: int = RESAMPLES,
+                               seed: int = 0) -> Interval:
+    """mean over seeds of (value - baseline) of the same seed, with the bootstrap interval of that mean; `values`
+    and `baseline` are aligned by seed (None where a seed has no run: that pair is left out)."""
+    if len(values) != len(baseline):
+        raise ValueError(f"paired values need one entry per seed on both sides, got {len(values)} and {len(baseline)}")
+    diffs = [a - b for a, b in zip(values, baseline) if _finite([a]) and _finite([b])]
+    return mean_interval(diffs, level, resamples, seed)
 
 
 def sample_std(values) -> float:

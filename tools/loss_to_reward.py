@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tools.ablate import eval_rows, read_rows, run_one, seed_values, train_rows, write_csv  # noqa: E402
-from tools.intervals import mean_interval  # noqa: E402
+from tools.intervals import RESAMPLES, mean_interval  # noqa: E402
 
 PRETRAIN, LONG_CONTEXT, SFT = "examples/tiny/pretrain.yaml", "examples/tiny/long_context.yaml", "examples/tiny/sft.yaml"
 RL = "examples/tiny/rl.yaml"
@@ -149,9 +150,26 @@ def summarise(points: list[dict]) -> dict:
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         intercept, slope = fit_line(xs, ys)
         monotone = all(ys[i] > ys[i + 1] for i in range(len(ys) - 1))  # xs ascending: y must fall
-        out[key] = {"intercept": intercept, "slope": slope, "spearman": spearman(xs, ys), "monotone": monotone,
-                    "points": len(pts)}
+        low, high = slope_interval(points, key)
+        out[key] = {"intercept": intercept, "slope": slope, "slope_low": low, "slope_high": high,
+                    "spearman": spearman(xs, ys), "monotone": monotone, "points": len(pts)}
     return out
+
+
+def slope_interval(points: list[dict], key: str, level: float = 0.95, resamples: int = RESAMPLES,
+                   seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of the trend's slope: each budget's seeds resampled on their own, the line refitted."""
+    groups = [(p["cpt_loss"], [v for v in p["per_seed"].get(key, []) if v is not None and math.isfinite(v)])
+              for p in points if p["cpt_loss"] is not None]
+    groups = [(x, vs) for x, vs in groups if vs]
+    if len(groups) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    xs = [x for x, _ in groups]
+    slopes = sorted(fit_line(xs, [sum(rng.choice(vs) for _ in vs) / len(vs) for _, vs in groups])[1]
+                    for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    return slopes[int(tail * resamples)], slopes[min(resamples - 1, int((1.0 - tail) * resamples))]
 
 
 def collect(out: Path, budgets: list[tuple[int, int]], fractions: list[float], seeds: int,
@@ -201,8 +219,10 @@ def write_report(points: list[dict], trends: dict, out: Path, tokens_per_step: i
             lines.append(f"- {label}: fewer than 2 budgets with runs; no trend")
             continue
         lines.append(f"- {label} = {t['intercept']:.3f} {'+' if t['slope'] >= 0 else '-'} {abs(t['slope']):.3f} x "
-                     f"CPT loss (least squares over {t['points']} budgets' means); Spearman rho {t['spearman']:.2f}; "
-                     f"monotone (lower loss, higher reward at every budget): {'yes' if t['monotone'] else 'no'}")
+                     f"CPT loss (least squares over {t['points']} budgets' means; slope 95% interval "
+                     f"[{t['slope_low']:.3f}, {t['slope_high']:.3f}], seeds resampled within budgets); Spearman rho "
+                     f"{t['spearman']:.2f}; monotone (lower loss, higher reward at every budget): "
+                     f"{'yes' if t['monotone'] else 'no'}")
     (out / "loss_to_reward.md").write_text("\n".join(lines) + "\n")
 
 

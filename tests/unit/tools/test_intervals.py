@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tools.intervals import difference_interval, mean_interval, sample_std
+from tools.intervals import difference_interval, mean_interval, paired_difference_interval, sample_std
 
 
 def test_mean_interval_brackets_the_mean_and_is_reproducible():
@@ -42,3 +42,15 @@ def test_difference_interval_separates_distinct_arms_only():
     same = difference_interval([0.29, 0.35, 0.30, 0.32, 0.33], base)
     assert not same.excludes_zero() and same.low < 0 < same.high
     assert difference_interval(base, better).high < 0
+
+
+def test_paired_difference_removes_what_seeds_share():
+    base = [0.20, 0.35, 0.28, 0.41, 0.25]  # seeds differ a lot (e.g. their prompts' difficulty)
+    arm = [b + d for b, d in zip(base, [0.02, 0.03, 0.01, 0.02, 0.03])]  # a small, consistent gain per seed
+    assert not difference_interval(arm, base).excludes_zero()
+    paired = paired_difference_interval(arm, base)
+    assert paired.mean == pytest.approx(0.022) and paired.excludes_zero() and paired.low >= 0.01 - 1e-12
+    # a seed missing on either side leaves its pair out
+    assert paired_difference_interval([*arm[:4], None], base).n == 4
+    with pytest.raises(ValueError, match="one entry per seed"):
+        paired_difference_interval(arm[:4], base)

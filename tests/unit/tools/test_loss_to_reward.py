@@ -83,3 +83,14 @@ def test_bad_budgets_and_missing_demo_data_are_refused(tmp_path, monkeypatch, ca
     assert ltr.main(["--budgets", "0.5,1", "--out", str(tmp_path / "out")]) == 2
     assert "run `make demo` first" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_slope_interval_resamples_seeds_within_budgets():
+    points = [{"cpt_loss": x, "per_seed": {"heldout_pass1": ys}}
+              for x, ys in ((6.0, [0.10, 0.12, 0.11]), (5.5, [0.20, 0.22, 0.21]), (5.0, [0.30, 0.29, 0.31]))]
+    low, high = ltr.slope_interval(points, "heldout_pass1")
+    assert low <= -0.2 <= high and high < 0  # the fitted slope -0.199 lies inside; the interval excludes 0
+    noisy = [{"cpt_loss": x, "per_seed": {"heldout_pass1": ys}}
+             for x, ys in ((6.0, [0.0, 0.4]), (5.5, [0.1, 0.3]), (5.0, [0.05, 0.35]))]
+    low, high = ltr.slope_interval(noisy, "heldout_pass1")
+    assert low < 0 < high
