@@ -66,12 +66,12 @@ base: install
 demo-agent: install
 	$(PY) tools/demo.py --chain agent
 
-# The recipe's effects at tiny scale (docs/RESULTS.md), after `make demo`, on 2 idle cores. ablation: every arm that
-# changes the single-turn task's run (7 arms x 5 seeds of examples/tiny/rl.yaml, 40 steps each), the table with 95%
-# intervals and differences to the baseline. loss-to-reward: the report's Figure 2, 4 pretraining budgets each through
-# the demo's long-context and SFT stages, then 3 RL seeds each.
+# The recipe's effects at tiny scale (docs/RESULTS.md), after `make demo`, on 2 idle cores. ablation (about 75
+# minutes): every arm that changes the single-turn task's run (7 arms x 10 seeds of examples/tiny/rl.yaml, 40 steps
+# each), the table with 95% intervals and differences to the baseline. loss-to-reward (about 50 minutes): the report's
+# Figure 2, 4 pretraining budgets each through the demo's long-context and SFT stages, then 3 RL seeds each.
 ablation: install
-	$(PY) tools/ablate.py --config examples/tiny/rl.yaml --seeds 5 --jobs 2 --out runs/ablation train.steps=40
+	$(PY) tools/ablate.py --config examples/tiny/rl.yaml --seeds 10 --jobs 2 --out runs/ablation train.steps=40
 
 loss-to-reward: install
 	$(PY) tools/loss_to_reward.py --seeds 3 --jobs 2 --out runs/loss_to_reward --rl-overrides train.steps=40
