@@ -39,7 +39,7 @@ def _overrides(rl_assets: Path, run_dir: Path, steps: int, **extra) -> list[str]
         "optim.lr": 1e-3, "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.min_lr": 1e-3,
         "rl.loss_constant": 8, "checkpoint.interval": 10, "checkpoint.keep_last": 0, "logging.interval": 1,
         "weight_sync.dtype": "float32", "weight_sync.poll_seconds": 0.1, "checkpoint.init_from": "''",
-        "eval.interval": 0, **extra,
+        "eval.interval": 0, "eval.at_start": "false", **extra,  # rl.yaml's own held-out evaluation off
     }
     return [f"{k}={v}" for k, v in over.items()]
 
