@@ -44,12 +44,15 @@ RL = "examples/tiny/rl.yaml"
 YS = (("verifier_reward", "final verifier reward"), ("heldout_pass1", "held-out pass@1"))
 
 
-def budget_steps(config: str, fractions: list[float]) -> list[tuple[int, int]]:
-    """(steps, warmup steps) of each budget: fractions of the stage's steps, warmup scaled alike (at least 1)."""
+def pretrain_config(root: Path):
     from megatron_composer.config import load_config
     from pretrain.trainer import PretrainConfig
 
-    cfg = load_config(PretrainConfig, config, [])
+    return load_config(PretrainConfig, str(root / PRETRAIN), [])
+
+
+def budget_steps(cfg, fractions: list[float]) -> list[tuple[int, int]]:
+    """(steps, warmup steps) of each budget: fractions of the stage's steps, warmup scaled alike (at least 1)."""
     out = []
     for f in fractions:
         steps = max(1, round(cfg.train.steps * f))
@@ -279,15 +282,13 @@ def main(argv=None) -> int:
     if args.seeds < 1 or args.jobs < 1 or args.nproc < 1:
         ap.error("--seeds, --jobs and --nproc must be >= 1")
     fractions.sort()
-    budgets = budget_steps(str(ROOT / PRETRAIN), fractions)
+    pcfg = pretrain_config(ROOT)
+    budgets = budget_steps(pcfg, fractions)
     if len({s for s, _ in budgets}) != len(budgets):
         ap.error(f"--budgets {args.budgets} round to the same step counts {[s for s, _ in budgets]}; spread them")
     out = Path(args.out).resolve()
     if not args.report_only:
-        from megatron_composer.config import load_config
-        from pretrain.trainer import PretrainConfig
-
-        missing = [p for p in load_config(PretrainConfig, str(ROOT / PRETRAIN), []).data.paths
+        missing = [p for p in pcfg.data.paths
                    if not (ROOT / (p + ".idx")).is_file() and not (ROOT / p).exists()]
         if missing or not (ROOT / "data/tiny/sft.jsonl").is_file():
             print("error: the demo's data (data/tiny/stdlib, data/tiny/sft.jsonl) is missing; run `make demo` first",
@@ -324,10 +325,6 @@ def main(argv=None) -> int:
     if not out.is_dir():
         print(f"error: {out} does not exist; run without --report-only first", file=sys.stderr)
         return 2
-    from megatron_composer.config import load_config
-    from pretrain.trainer import PretrainConfig
-
-    pcfg = load_config(PretrainConfig, str(ROOT / PRETRAIN), [])
     points = collect(out, budgets, fractions, args.seeds, args.final_steps)
     trends = summarise(points)
     write_report(points, trends, out, pcfg.train.global_batch_tokens)

@@ -15,11 +15,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_budgets_scale_steps_and_warmup():
-    budgets = ltr.budget_steps(str(ROOT / ltr.PRETRAIN), [0.125, 0.25, 0.5, 1.0])
-    from megatron_composer.config import load_config
-    from pretrain.trainer import PretrainConfig
-
-    cfg = load_config(PretrainConfig, str(ROOT / ltr.PRETRAIN), [])
+    cfg = ltr.pretrain_config(ROOT)
+    budgets = ltr.budget_steps(cfg, [0.125, 0.25, 0.5, 1.0])
     assert [s for s, _ in budgets] == [round(cfg.train.steps * f) for f in (0.125, 0.25, 0.5, 1.0)]
     assert budgets[-1][1] == cfg.optim.warmup_steps
     assert all(1 <= w < s for s, w in budgets)
@@ -46,7 +43,7 @@ def _rl_rows(final: float, start: float = 0.15) -> list[dict]:
 
 
 def test_report_from_finished_runs(tmp_path, capsys):
-    budgets = ltr.budget_steps(str(ROOT / ltr.PRETRAIN), [0.25, 0.5, 1.0])
+    budgets = ltr.budget_steps(ltr.pretrain_config(ROOT), [0.25, 0.5, 1.0])
     losses = {budgets[0][0]: 5.2, budgets[1][0]: 4.6, budgets[2][0]: 4.1}
     finals = {budgets[0][0]: [0.20, 0.24], budgets[1][0]: [0.30, 0.31], budgets[2][0]: [0.45, 0.41]}
     for steps, _ in budgets:
