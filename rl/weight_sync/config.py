@@ -45,13 +45,13 @@ class WeightSyncConfig:
         return ObjectStore(url, storage_options=self.storage_options, max_retries=self.max_retries,
                            retry_base_seconds=self.retry_base_seconds, threads=self.threads)
 
-    def publisher(self, store: ObjectStore, group=None) -> WeightPublisher:
+    def publisher(self, store: ObjectStore, group=None, experts: Optional[str] = None) -> WeightPublisher:
         """The publisher of every rank of `group` (None: this process alone), floating weights of a model in
-        ``dtype`` (see publisher.py)."""
+        ``dtype``, routed experts as the engines serve them (experts="int4": packed INT4; see publisher.py)."""
         return WeightPublisher(store, group=group, snapshot_interval=self.snapshot_interval,
                                keep_snapshots=self.keep_snapshots, shard_bytes=self.shard_mb << 20,
                                chunk_bytes=self.chunk_mb << 20, compression_level=self.compression_level,
-                               dtype=getattr(torch, self.dtype))
+                               dtype=getattr(torch, self.dtype), experts=experts)
 
     def subscriber(self, store: ObjectStore, model=None) -> WeightSubscriber:
         """A subscriber of whole tensors, or (given `model`, a rollout rank's shard of the engine's model) of the

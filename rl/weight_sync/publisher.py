@@ -16,6 +16,7 @@ subscriber reads for any box of any layout (boxes.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megatron_composer.checkpoint import int4
 from megatron_composer.parallel.slices import full_shape, local_pieces, local_tensor, named_tensors
 
 from . import manifest as mf
@@ -83,6 +85,11 @@ def owned_boxes(held: list[list[tuple[str, Box]]], shapes: dict[str, list[int]])
     return out
 
 
+def _piece(local: torch.Tensor, where: tuple[slice, ...], to: torch.dtype | None) -> torch.Tensor:
+    t = local[where]
+    return t.to(to) if to is not None else t
+
+
 def _full_bytes(meta: dict[str, tuple[str, list[int]]]) -> int:
     """Raw bytes of the full (unsharded) state dict."""
     return sum(volume(full_box(shape)) * torch.empty((), dtype=dtype_from_name(d)).element_size()
@@ -101,13 +108,19 @@ class WeightPublisher:
             bf16 while the trainer holds fp32 masters; a state dict is published as given.
         threads: encode threads per rank (store transfers use the store's own pool).
         snapshot_interval, keep_snapshots, shard_bytes, chunk_bytes, compression_level: policy.VersionPolicy's.
+        experts: "int4": a model's routed experts are published as the engine serves them, pack-quantized INT4
+            (checkpoint/int4.py: `X.weight_packed` int32 and `X.weight_scale` bf16 per expert tensor X, equal to
+            the INT4 export's), so the deltas are taken of the bytes the engine holds; None: like other tensors.
     """
 
     def __init__(self, store: ObjectStore, *, group=None, snapshot_interval: int = 20,
                  keep_snapshots: int | None = 2, shard_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20,
-                 compression_level: int = 1, threads: int | None = None, dtype: torch.dtype | None = None):
+                 compression_level: int = 1, threads: int | None = None, dtype: torch.dtype | None = None,
+                 experts: str | None = None):
+        if experts not in (None, "int4"):
+            raise WeightSyncError(f"experts={experts!r}: publish routed experts as they are (None) or as int4")
         self.policy = VersionPolicy(snapshot_interval, keep_snapshots, shard_bytes, chunk_bytes, compression_level)
-        self.store, self.group, self.dtype = store, group, dtype
+        self.store, self.group, self.dtype, self.experts = store, group, dtype, experts
         self.distributed = group is not None
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
@@ -132,44 +145,62 @@ class WeightPublisher:
         return out
 
     def _layout(self, weights: nn.Module | Mapping[str, torch.Tensor]):
-        """The tensors (this rank's local tensor and its pieces), their full metadata as published, and the
-        (name, box) this rank holds."""
+        """The published tensors as (box of the full tensor, bits of it) per name, their full metadata as
+        published, and the (name, box) this rank holds. With int4 experts a model's routed-expert tensors are
+        published as their served parts (`X.weight_packed`, `X.weight_scale`), each box quantised from this
+        rank's piece when it is taken."""
         module = isinstance(weights, nn.Module)
         named = list(named_tensors(weights) if module else weights.items())
         if not named:
             what = "a model without parameters" if module else "an empty state_dict"
             raise WeightSyncError(f"cannot publish {what}")
         cast = self.dtype if module else None
-        tensors: dict[str, tuple[torch.Tensor, list, torch.dtype | None]] = {}
+        sources: dict[str, list[tuple[Box, Callable[[], torch.Tensor]]]] = {}
         meta: dict[str, tuple[str, list[int]]] = {}
         for name, t in named:
             if not isinstance(t, torch.Tensor):
                 raise WeightSyncError(f"state_dict['{name}'] is a {type(t).__name__}, not a tensor")
+            local, pieces, shape = local_tensor(t), local_pieces(t), list(full_shape(t))
+            if self.experts == "int4" and int4.is_routed_expert(name):
+                self._add_int4(sources, meta, name, local, pieces, shape)
+                continue
             to = cast if cast is not None and t.is_floating_point() else None
-            tensors[name] = (local_tensor(t), local_pieces(t), to)
-            meta[name] = (dtype_name(to or t.dtype), list(full_shape(t)))
-        held = [(name, box_key(pc.full)) for name, (_, pieces, _) in tensors.items() for pc in pieces]
-        return tensors, meta, held
+            sources[name] = [(box_key(pc.full), functools.partial(_piece, local, pc.local, to)) for pc in pieces]
+            meta[name] = (dtype_name(to or t.dtype), shape)
+        held = [(name, box) for name, items in sources.items() for box, _ in items]
+        return sources, meta, held
 
     @staticmethod
-    def _take(tensors: dict, mine: set) -> dict[tuple[str, Box], torch.Tensor]:
+    def _add_int4(sources: dict, meta: dict, name: str, local: torch.Tensor, pieces: list, shape: list[int]) -> None:
+        """The served parts of a routed-expert tensor: per piece, the same box of rows and its input columns / 8
+        (words) or / 32 (scales); a piece is quantised once for both parts."""
+        for pc in pieces:
+            cols = pc.full[-1]
+            if cols.start % int4.GROUP or cols.stop % int4.GROUP:
+                raise WeightSyncError(f"'{name}' is cut at input columns {cols.start}:{cols.stop}, not on INT4 "
+                                      f"groups of {int4.GROUP}: publish its experts unquantised "
+                                      "(rollout.quantize_experts=none) or cut it on group boundaries")
+        quantised = [functools.lru_cache(1)(functools.partial(int4.served_parts, local[pc.local])) for pc in pieces]
+        for suffix in int4.SERVED_PARTS:
+            per = shape[-1] // int4.served_shape(shape, suffix)[-1]
+            meta[name + suffix] = (dtype_name(int4.PART_DTYPES[suffix]), int4.served_shape(shape, suffix))
+            sources[name + suffix] = [
+                (box_key((*pc.full[:-1], slice(pc.full[-1].start // per, pc.full[-1].stop // per))),
+                 lambda q=q, suffix=suffix: q()[suffix]) for pc, q in zip(pieces, quantised)]
+
+    @staticmethod
+    def _take(sources: dict, mine: set) -> dict[tuple[str, Box], torch.Tensor]:
         """Bits (CPU copies, in the published dtype) of the boxes in `mine`."""
-        bits = {}
-        for name, (local, pieces, to) in tensors.items():
-            for pc in pieces:
-                key = (name, box_key(pc.full))
-                if key in mine:
-                    t = local[pc.local]
-                    bits[key] = to_bits(t.to(to) if to is not None else t)
-        return bits
+        return {(name, box): to_bits(get()) for name, items in sources.items() for box, get in items
+                if (name, box) in mine}
 
     @torch.no_grad()
     def publish(self, weights: nn.Module | Mapping[str, torch.Tensor], version: int) -> PublishStats:
         """Write ``version`` of a model's weights or of a state dict of full tensors (every rank its owned boxes);
         returns on every rank once the version is visible, or raises WeightSyncError on every rank if any owner
         failed (then nothing is)."""
-        tensors, meta, held = self._layout(weights)
-        return self._write(version, meta, held, lambda mine: self._take(tensors, mine))
+        sources, meta, held = self._layout(weights)
+        return self._write(version, meta, held, lambda mine: self._take(sources, mine))
 
     @torch.no_grad()
     def publish_async(self, weights: nn.Module | Mapping[str, torch.Tensor], version: int,
@@ -190,8 +221,8 @@ class WeightPublisher:
                 return done + [(version, self.publish(weights, version))]
             except (WeightSyncError, ObjectStoreError) as e:
                 return done + [(version, e)]
-        tensors, meta, held = self._layout(weights)
-        bits = self._take(tensors, self._owned)
+        sources, meta, held = self._layout(weights)
+        bits = self._take(sources, self._owned)
 
         def take(mine: set) -> dict:
             if mine != set(bits):

@@ -194,31 +194,65 @@ def test_a_worker_holds_only_its_experts(tmp_path):
 
 
 def test_int4_experts_reach_vllm_in_the_released_format(tmp_path):
-    """rollout.quantize_experts=int4 (Kimi K2.5 served as released): what a worker hands vLLM's reload is, tensor
-    for tensor, what our INT4 export writes (compressed-tensors pack-quantized experts, the rest in the engine's
-    dtype), which transformers + compressed-tensors read with logits equal to ours (tests/test_int4_checkpoint.py).
-    vLLM's CPU build has no kernel for this scheme (its CPU INT4 MoE takes another), so the reload is captured."""
+    """rollout.quantize_experts=int4 (Kimi K2.5 served as released): the trainer publishes the routed experts as
+    their packed INT4 words and scales (WeightPublisher experts="int4"); a worker subscribes to those, keeps them
+    as its base (no worker quantises) and hands vLLM's reload, for each of 5 versions after AdamW steps (XOR
+    deltas of the served bytes), tensor for tensor what our INT4 export of that version writes (compressed-tensors
+    pack-quantized experts, the rest in the engine's dtype; transformers + compressed-tensors read it with logits
+    equal to ours: tests/unit/checkpoint/test_checkpoint_int4.py). vLLM's CPU build has no kernel for this scheme
+    (its CPU INT4 MoE takes another), so the reload is captured. The host bytes the worker holds (base and the
+    staged version) equal the plan's (cost.rollout_update_plan) within 5%."""
     from types import SimpleNamespace
 
     from safetensors.torch import load_file
 
     from megatron_composer.checkpoint.hf import save_hf_checkpoint
-    from megatron_composer.inference.vllm_engine import VLLMWorkerWeights, _Tensors
+    from megatron_composer.inference.vllm_engine import VLLMWorkerWeights
+    from megatron_composer.parallel.cost import RolloutEngine, rollout_update_plan
+    from rl.weight_sync import ObjectStore, WeightPublisher
+    from rl.weight_sync.subscriber import WeightSubscriber
 
     torch.manual_seed(0)
     cfg = get_preset("tiny-qwen3-moe").replace(num_layers=2)
-    model = Transformer(cfg).to(torch.bfloat16)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     handed = {}
     runner = SimpleNamespace(model=torch.nn.Module(),
                              reload_weights=lambda weights_iterator: handed.update(dict(weights_iterator)))
     worker = VLLMWorkerWeights(runner, cfg, torch.bfloat16, quantize_experts="int4")
-    worker.apply(_Tensors({k: t.detach() for k, t in model.state_dict().items()}), delta=False)
-    save_hf_checkpoint(model, tmp_path / "export", dtype=torch.bfloat16, quantize="int4-experts", progress=False)
-    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
-    assert set(handed) == set(exported)
-    assert any(k.endswith(".weight_packed") for k in handed)
-    for k, t in exported.items():
-        assert torch.equal(handed[k].to(t.dtype), t), k
+    store = ObjectStore(f"file://{tmp_path}/store")
+    publisher = WeightPublisher(store, snapshot_interval=3, dtype=torch.bfloat16, experts="int4")
+    worker.subscribe(lambda wants: WeightSubscriber(store, wants, max_refetch=0))
+    g = torch.Generator().manual_seed(1)
+    deltas = 0
+    for version in range(6):
+        if version:
+            tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        publisher.publish(model, version)
+        info = worker.prepare(version)
+        staged = worker.staged
+        deltas += info["delta"]
+        held_before = worker.held_bytes()
+        handed.clear()
+        worker.apply_version(version)
+        worker.commit(version)
+        save_hf_checkpoint(model, tmp_path / f"export{version}", dtype=torch.bfloat16, quantize="int4-experts",
+                           progress=False)
+        exported = load_file(str(tmp_path / f"export{version}" / "model.safetensors"))
+        assert set(handed) == set(exported)
+        assert any(k.endswith(".weight_packed") for k in handed)
+        for k, t in exported.items():
+            assert torch.equal(handed[k].to(t.dtype), t), (version, k)
+    assert deltas == 5
+    staged_bytes = sum(b.numel() * b.element_size() for boxes in staged.bits.values() for b in boxes.values())
+    plan = rollout_update_plan(cfg, RolloutEngine(gpus=1, weights="int4"), gpus_per_node=1, base="host")
+    measured = held_before + staged_bytes
+    assert abs(measured - plan["host_total"]) <= 0.05 * plan["host_total"], (measured, plan["host"])
 
 
 def test_a_deepseek_shaped_model_loads_generates_and_updates():
