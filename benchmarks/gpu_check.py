@@ -12,7 +12,9 @@ budget and the next one starts; time a part leaves unused passes to the parts af
   2. training speed: train_speed (ours, bf16 and each FP8 recipe) and train_speed_hf (transformers'
      DeepseekV3, each experts implementation): forward+backward tokens/s and MFU against the bf16 matmul peak
      measured in the same process, for a DeepSeek-V3-shaped MoE of 2.4B parameters at sequence 4096;
-  3. decode: engine vs transformers generate at batch 1, 16, 64; speculative decoding with the MTP head.
+  3. decode: engine vs transformers generate at batch 1, 16, 64; speculative decoding with the MTP head;
+then vllm (rollout.backend=vllm against our engine, where vLLM is installed) and xor_apply (a weight update's
+XOR delta applied in place on the GPU, dense and sparse, against the reference; its bandwidth).
 
 Writes OUT_DIR/report.json (after every part), OUT_DIR/log.txt (every part's output) and OUT_DIR/summary.txt
 (the table printed last). Without CUDA it runs reduced (small sizes, CPU): every section is in the report
@@ -40,13 +42,14 @@ STATUSES = ("pass", "fail", "skipped", "error", "timeout")
 PARTS = [
     ("env", "environment", "versions, optional packages, bf16 matmul peak", 20, 30),
     ("model_parity", "correctness", "tiny presets fwd/MTP/bwd on the device vs CPU fp32; router replay", 40, 60),
-    ("fp8_kernels", "correctness", "FP8 quantisation / GEMM / linear kernels vs reference", 80, 20),
+    ("fp8_kernels", "correctness", "FP8 quantisation / GEMM / linear kernels vs reference", 65, 20),
     ("engine_greedy", "correctness", "engine greedy == transformers generate; speculative == plain", 35, 60),
     ("train_steps", "correctness", "pretrain_composer.py steps under torchrun, 1 rank", 55, 90),
     ("train_speed", "training_speed", "ours fwd+bwd tokens/s and MFU, bf16 and FP8 recipes", 80, 60),
     ("train_speed_hf", "training_speed", "transformers DeepseekV3 fwd+bwd tokens/s and MFU", 55, 60),
     ("decode", "decode", "decode tokens/s vs transformers generate; speculative (MTP)", 70, 60),
     ("vllm", "correctness", "rollout.backend=vllm vs our engine, a weight update (skipped without vLLM)", 45, 20),
+    ("xor_apply", "correctness", "weight-update XOR applied on the device, dense and sparse, vs reference", 15, 10),
 ]
 
 

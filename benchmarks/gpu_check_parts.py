@@ -709,9 +709,52 @@ def part_vllm(p: Part) -> None:
     compare("int4_experts", 2)
 
 
+def part_xor_apply(p: Part) -> None:
+    """The device-side apply of weight updates (kernels/xor_apply.py): a version's XOR delta, dense and sparse,
+    applied in place to a tensor on the GPU equals the reference bit for bit and gives the new version; the
+    apply's bandwidth (bytes of the base per second)."""
+    if not p.cuda:
+        return p.skip_part("needs a CUDA GPU; on the CPU tests/unit/kernels/test_kernels_xor_apply.py checks the same "
+                           "kernels with TRITON_INTERPRET=1")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return p.skip_part(f"triton is not importable: {e}")
+    os.environ.pop("TRITON_INTERPRET", None)
+    from megatron_composer.kernels.xor_apply import SparseXor, int_view, xor_apply_, xor_apply_reference_
+
+    g = torch.Generator().manual_seed(0)
+    rows = 8192 if p.reduced else 65536
+    for dtype, changed in ((torch.bfloat16, 0.03), (torch.int32, 0.0015)):  # the non-expert and INT4 word rates
+        old = torch.randint(-2**15, 2**15 - 1, (rows, 2048), generator=g, dtype=torch.int32).to(dtype) \
+            if dtype == torch.int32 else torch.randn(rows, 2048, generator=g).to(dtype)
+        new = old.clone()
+        mask = torch.rand(rows, 2048, generator=g) < changed
+        int_view(new)[mask] ^= 1  # flip the lowest bit of the changed elements
+        bits = int_view(old) ^ int_view(new)
+        for label, delta in (("dense", bits), ("sparse", SparseXor.from_dense(bits))):
+            warm = torch.zeros(64, dtype=dtype, device=p.device)  # compile the kernel before timing it
+            xor_apply_(warm, torch.zeros(64, dtype=dtype) if label == "dense" else SparseXor.from_dense(
+                int_view(torch.ones(64, dtype=dtype))))
+            base = old.to(p.device, copy=True)
+            sync(p.device)
+            t0 = time.perf_counter()
+            xor_apply_(base, delta)
+            sync(p.device)
+            seconds = time.perf_counter() - t0
+            ref = xor_apply_reference_(old.clone(), delta)
+            ok = torch.equal(int_view(base).cpu(), int_view(ref)) and torch.equal(int_view(ref), int_view(new))
+            nbytes = base.numel() * base.element_size()
+            p.check(f"xor_apply {label} {str(dtype).split('.')[-1]}", ok,
+                    f"{nbytes / 2**20:.0f} MiB base, {changed:.2%} changed, {nbytes / seconds / 1e9:.1f} GB/s "
+                    "(with the delta's host-to-device copy)")
+            p.figure(f"xor_apply_{label}_{str(dtype).split('.')[-1]}_GBps", nbytes / seconds / 1e9)
+
+
 PARTS = {"env": part_env, "model_parity": part_model_parity, "fp8_kernels": part_fp8_kernels,
          "engine_greedy": part_engine_greedy, "train_steps": part_train_steps, "train_speed": part_train_speed,
-         "train_speed_hf": part_train_speed_hf, "decode": part_decode, "vllm": part_vllm}
+         "train_speed_hf": part_train_speed_hf, "decode": part_decode, "vllm": part_vllm,
+         "xor_apply": part_xor_apply}
 
 
 def main() -> int:

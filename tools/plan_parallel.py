@@ -231,21 +231,23 @@ def print_update_cost(cfg, params, engine: RolloutEngine, plan: dict, args) -> N
                   link_gbps=args.link_gbps, params=params)
     host = rollout_update_plan(cfg, engine, base="host", **common)
     device = rollout_update_plan(cfg, engine, base="device", **common)
-    print(f"  weight updates, per node of {host['workers']} GPUs (one engine worker each; its boxes: the non-expert "
-          f"tensors whole, 1/{engine.ep} of the experts, in the served format): {host['worker_bytes'] / GiB:.1f} GiB "
-          f"per worker ({host['worker_other'] / GiB:.1f} non-expert + {host['worker_experts'] / GiB:.1f} experts)")
+    print(f"  weight updates per node of {host['workers']} GPUs, one engine worker each: non-expert tensors whole "
+          f"+ 1/{engine.ep} of the experts = {host['worker_bytes'] / GiB:.1f} GiB per worker "
+          f"({host['worker_other'] / GiB:.1f} + {host['worker_experts'] / GiB:.1f})")
     if engine.weights != "bf16":
-        bf16 = rollout_update_plan(cfg, replace(engine, weights="bf16"), base="host", **common)
-        print(f"    bf16 experts, base on the host: base {bf16['host']['base'] / GiB:.0f} GiB + staging "
-              f"{bf16['host']['staging'] / GiB:.0f} GiB per node ({bf16['host']['base'] / host_mem:.0%} + "
+        bf16 = rollout_update_plan(cfg, replace(engine, weights="bf16"), base="host", staging="dense",
+                                   **{**common, "expert_delta_ratio": args.delta_ratio})
+        print(f"    bf16 experts published, host base, dense staging: base {bf16['host']['base'] / GiB:.0f} GiB + "
+              f"staging {bf16['host']['staging'] / GiB:.0f} GiB per node ({bf16['host']['base'] / host_mem:.0%} + "
               f"{bf16['host']['staging'] / host_mem:.0%} of {args.host_mem:g} GiB host memory)")
-    print(f"    base on the host ({engine.weights} served): base {host['host']['base'] / GiB:.0f} GiB + staging "
-          f"{host['host']['staging'] / GiB:.0f} GiB per node ({host['host_total'] / host_mem:.0%} of "
-          f"{args.host_mem:g} GiB host memory)")
+    print(f"    {engine.weights} served, host base (vLLM's CPU build), sparse staging: base "
+          f"{host['host']['base'] / GiB:.0f} GiB + staging {host['host']['staging'] / GiB:.1f} GiB per node "
+          f"({host['host_total'] / host_mem:.0%} of {args.host_mem:g} GiB host memory)")
     total = plan["total"] + device["device_base"]
-    print(f"    base on the GPU: {device['device_base'] / GiB:.1f} GiB per GPU more (total {total / GiB:.1f} of "
-          f"{plan['budget'] / GiB:.1f} GiB usable: {'fits' if total <= plan['budget'] else 'does NOT fit'}); host "
-          f"{device['host_total'] / GiB:.1f} GiB per node ({device['host_total'] / host_mem:.1%})")
+    print(f"    {engine.weights} served, base on the GPU, sparse staging: {device['device_base'] / GiB:.1f} GiB per "
+          f"GPU more (total {total / GiB:.1f} of {plan['budget'] / GiB:.1f} GiB usable: "
+          f"{'fits' if total <= plan['budget'] else 'does NOT fit'}); host {device['host_total'] / GiB:.1f} GiB per "
+          f"node ({device['host_total'] / host_mem:.1%} of {args.host_mem:g} GiB)")
     print(f"    fetched per version: {host['fetched_per_version'] / GiB:.2f} GiB per node at delta ratio "
           f"{args.delta_ratio:g} (experts {expert_ratio:g}); apply pause {host['pause_s']:.2f} s at "
           f"{args.link_gbps:g} Gb/s per node without prefetch")

@@ -54,13 +54,13 @@ from typing import Optional
 import torch
 
 from megatron_composer.checkpoint import int4
+from megatron_composer.kernels.xor_apply import xor_apply_
 from megatron_composer.model import ModelConfig
 
 from .engine import GenerationResult
 from .sampling import SamplingParams
 
 VLLM_VERSION = "0.32"
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class VLLMError(RuntimeError):
@@ -294,7 +294,8 @@ class VLLMEngine:
         room): every vLLM worker builds one of the same class, store and settings for the boxes it loads,
         prefetches new versions in its own thread, and applies them when the engine tells it to (all workers the
         same version, between two engine steps). `like` itself only reads which versions exist."""
-        make = functools.partial(type(like), like.store, max_refetch=like.max_refetch, range_reads=like.range_reads)
+        make = functools.partial(type(like), like.store, max_refetch=like.max_refetch, range_reads=like.range_reads,
+                                 sparse_deltas=True)  # a staged delta holds only the changed elements
         return WorkersSubscription(self, like, make)
 
 
@@ -386,7 +387,10 @@ class VLLMWorkerWeights:
             for part, (part_dtype, part_shape) in parts.items():
                 self.wants[part] = (part_dtype, [((lo, hi),) + tuple((0, n) for n in part_shape[1:])
                                                  for lo, hi in _ranges(local[layer])])
-        # the XOR base: these boxes in the served format (INT4 experts as packed words and scales)
+        # the XOR base: these boxes in the served format (INT4 experts as packed words and scales), on the GPU
+        # where there is one (the host keeps only the staged version), else on the host: vLLM's CPU build
+        # prepacks what it loads, so its own tensors cannot be the base
+        self.base_device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self.base: dict[str, dict[tuple, torch.Tensor]] = {}
         self.subscriber = None
         self.staged = None   # a prepared BoxUpdate not yet applied
@@ -441,11 +445,10 @@ class VLLMWorkerWeights:
             held = self.base.setdefault(name, {})
             for box in self.wants[name][1]:
                 src = reader.read(name, tuple(slice(lo, hi) for lo, hi in box))
-                if delta:  # XOR of the raw bits, the weight-sync pipeline's lossless delta
-                    ints = _INT_OF_SIZE[held[box].element_size()]
-                    held[box] = (held[box].view(ints) ^ src.view(ints)).view(held[box].dtype)
+                if delta:  # XOR of the raw bits (dense, or the changed elements), in place where the base is
+                    xor_apply_(held[box], src)
                 else:
-                    held[box] = src.clone()
+                    held[box] = src.to(self.base_device, memory_format=torch.contiguous_format, copy=True)
         changed = {_ours(n) for n in changed}
         quantize = "int4-experts" if self.quantize_experts == "int4" else None
         entries = [e for e in hub_entries(self.served, self.shapes, quantize) if e.ours in changed or e.ours is None]
@@ -485,7 +488,7 @@ class VLLMWorkerWeights:
         return t[entry.expert - box[0][0]]
 
     def held_bytes(self) -> int:
-        """Host bytes of this worker's XOR base (what it holds between versions for updates)."""
+        """Bytes of this worker's XOR base (on `base_device`), what it holds between versions for updates."""
         return sum(t.numel() * t.element_size() for boxes in self.base.values() for t in boxes.values())
 
 

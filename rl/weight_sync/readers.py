@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_composer.kernels.xor_apply import SparseXor
+
 from .boxes import Box, assemble, box_key
 from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, int_view_dtype
 
@@ -50,8 +52,19 @@ class BoxUpdate:
         if outer is None:
             raise WeightSyncError(f"weight version {self.version}: box {key} of '{name}' lies in none this rank "
                                   f"prepared ({sorted(held)}); the subscriber's boxes must be the engine's pieces")
-        bits = held[outer][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, key))]
+        bits = held[outer]
+        if isinstance(bits, SparseXor):  # a sparse delta: whole, or densified for a part of its box
+            if outer == key:
+                return bits
+            bits = bits.dense()
+        bits = bits[tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, key))]
         return bits if self.delta else from_bits(bits, self.meta[name][0], list(bits.shape))
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes this update holds (dense bits, or a sparse delta's positions and values)."""
+        return sum(b.nbytes if isinstance(b, SparseXor) else b.numel() * b.element_size()
+                   for boxes in self.bits.values() for b in boxes.values())
 
     def applies_to(self, held_id: str | None, held_version: int | None) -> bool:
         """Whether it can be applied on the version held: newer, and a delta only on its own base."""

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from megatron_composer.kernels.xor_apply import SparseXor
+
 from . import manifest as mf
 from .boxes import Box, assemble, box_key, full_box, model_boxes, needed_chunks
 from .codec import WeightSyncError, decode_chunk, dtype_from_name, from_bits, has_frame_checksum, int_view_dtype
@@ -62,14 +64,22 @@ class WeightSubscriber:
         max_refetch: re-reads of a chunk or object that fails its checksum before the version is refused.
         threads: decode threads (downloads use the store's own pool).
         range_reads: fetch the needed chunks of an object by ranged reads (False: whole objects).
+        sparse_deltas: (boxes only) a delta update keeps each box as a SparseXor (the changed elements' positions
+            and XOR bits, kernels/xor_apply.py) once it is decoded, where that is smaller than its dense bits: what
+            an engine that holds its own base stages on the host is then a few percent of the version's raw bytes
+            at the RL learning rate. A box read whole is returned as is.
     """
 
     def __init__(self, store: ObjectStore, wants: dict[str, tuple[torch.dtype, list]] | None = None,
-                 max_refetch: int = 3, threads: int | None = None, range_reads: bool = True):
+                 max_refetch: int = 3, threads: int | None = None, range_reads: bool = True,
+                 sparse_deltas: bool = False):
         if max_refetch < 0:
             raise ValueError(f"max_refetch must be >= 0, got {max_refetch}")
         if wants is not None and not wants:
             raise WeightSyncError("a subscriber of boxes needs the boxes of at least one tensor (model_boxes(model))")
+        if sparse_deltas and wants is None:
+            raise WeightSyncError("sparse_deltas is for a subscriber of boxes (an engine holding its own base)")
+        self.sparse_deltas = sparse_deltas
         self.store, self.max_refetch, self.range_reads = store, max_refetch, range_reads
         self.threads = threads or min(8, os.cpu_count() or 1)
         self.wants = None if wants is None else {
@@ -270,15 +280,17 @@ class WeightSubscriber:
                     needed.setdefault((i, c[0]), set()).add((c[1], c[2]))
         downloaded0 = self.bytes_downloaded
         sources, ranged, whole = self._download(parts, needed)
-        bits = self._assemble(wants, meta, entries, sources)
+        bits = self._assemble(wants, meta, entries, sources, sparse=delta and self.sparse_deltas)
         if not delta:
             self.snapshots_fetched += 1
         return BoxUpdate(self, target, head["id"], held[0] if delta else None, delta, meta, bits,
                          self.bytes_downloaded - downloaded0, sum(m["parts"][name]["bytes"] for m, name in parts),
                          ranged, whole)
 
-    def _assemble(self, wants: dict, meta: dict, entries: list[dict], sources: dict) -> dict[str, dict]:
-        """Bits of every wanted box, tensor by tensor on `threads` threads; each needed chunk decoded once."""
+    def _assemble(self, wants: dict, meta: dict, entries: list[dict], sources: dict,
+                  sparse: bool = False) -> dict[str, dict]:
+        """Bits of every wanted box, tensor by tensor on `threads` threads; each needed chunk decoded once; with
+        `sparse` each box is kept as a SparseXor as soon as it is assembled."""
         def tensor(name: str) -> dict[Box, torch.Tensor]:
             int_dtype = int_view_dtype(meta[name][0])
             decoded: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -290,8 +302,11 @@ class WeightSubscriber:
                 return decoded[key]
 
             ents = [ent[name] for ent in entries]
-            return {box: assemble(torch.zeros([hi - lo for lo, hi in box], dtype=int_dtype), box, ents, decode)
-                    for box in wants[name][1]}
+            out = {}
+            for box in wants[name][1]:
+                bits = assemble(torch.zeros([hi - lo for lo, hi in box], dtype=int_dtype), box, ents, decode)
+                out[box] = SparseXor.compact(bits) if sparse else bits
+            return out
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="wsync-decode") as pool:
             futures = {name: pool.submit(tensor, name) for name in wants}

@@ -149,21 +149,26 @@ def test_rollout_update_plan_for_kimi_on_one_node():
                   and not n.startswith("mtp."))
     other = sum(math.prod(s) for n, s in params if not n.startswith("mtp.")) - experts
     GiB, TiB = 2**30, 2**40
-    bf16 = rollout_update_plan(cfg, RolloutEngine(gpus=8, weights="bf16"), base="host", params=params)
+    bf16 = rollout_update_plan(cfg, RolloutEngine(gpus=8, weights="bf16"), base="host", staging="dense",
+                               params=params)
     assert bf16["worker_bytes"] == 2 * other + 2 * experts / 8
     assert abs(bf16["host"]["base"] / TiB - 2.02) < 0.02  # the figure the vLLM backend's bf16 base reached
+    assert bf16["host"]["staging"] == bf16["host"]["base"]  # a version decoded whole
     int4 = dict(gpus_per_node=8, delta_ratio=0.03, expert_delta_ratio=0.0015, link_gbps=400, params=params)
     host = rollout_update_plan(cfg, RolloutEngine(gpus=8, weights="int4"), base="host", **int4)
     device = rollout_update_plan(cfg, RolloutEngine(gpus=8, weights="int4"), base="device", **int4)
     assert host["worker_experts"] == experts * (0.5 + 2 / 32) / 8
-    assert host["host"]["base"] == host["host"]["staging"] == 8 * host["worker_bytes"]
-    fetched = 8 * (0.03 * 2 * other + 0.0015 * host["worker_experts"])
-    assert device["fetched_per_version"] == host["fetched_per_version"] == fetched
-    assert device["host_total"] == fetched < 0.25 * 2048 * GiB and device["device_base"] == host["worker_bytes"]
-    assert device["pause_s"] == fetched * 8 / 400e9
+    assert host["host"]["base"] == 8 * host["worker_bytes"] and device["host"]["base"] == 0
+    fetched = 0.03 * 2 * other + 0.0015 * host["worker_experts"]
+    assert device["fetched_per_version"] == host["fetched_per_version"] == 8 * fetched
+    # sparse staging: the compressed version while decoding, then 4 position bytes per changed element
+    staged = fetched + 0.03 * 2 * other * 3 + 0.0015 * host["worker_experts"] * 2
+    assert device["host_total"] == host["host"]["staging"] == 8 * staged
+    assert device["host_total"] < 0.25 * 2048 * GiB and device["device_base"] == host["worker_bytes"]
+    assert device["pause_s"] == 8 * fetched * 8 / 400e9
     r = _plan("--rollout", "--preset", "kimi-k2.5", "--gpus", "8", "--gpu-mem", "288", "--tp", "1", "--weights", "int4",
               "--seq", "262144", "--concurrency", "32")
     assert r.returncode == 0, r.stderr
-    for needle in ("bf16 experts, base on the host: base 2065 GiB", "base on the GPU:", "fetched per version",
-                   "apply pause"):
+    for needle in ("host base, dense staging: base 2065 GiB", "base on the GPU, sparse staging:",
+                   "fetched per version", "apply pause"):
         assert needle in r.stdout, r.stdout

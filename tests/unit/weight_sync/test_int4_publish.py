@@ -81,3 +81,38 @@ def test_a_piece_cut_inside_an_int4_group_is_refused(tmp_path):
         WeightPublisher._add_int4({}, {}, "layers.0.feed_forward.experts.w2", w, pieces, [4, 8, 96])
     with pytest.raises(WeightSyncError, match="experts='int8'"):
         WeightPublisher(ObjectStore(str(tmp_path / "weights")), experts="int8")
+
+
+def test_a_staged_delta_keeps_only_the_changed_elements(tmp_path):
+    """sparse_deltas: a delta update of an engine's boxes holds the positions and XOR bits of the elements that
+    changed (where that is smaller than the box), and XORed onto the held version gives the new one exactly."""
+    from megatron_composer.kernels.xor_apply import SparseXor, xor_apply_
+
+    g = torch.Generator().manual_seed(0)
+    v0 = {"a": torch.randn(64, 96, generator=g).to(torch.bfloat16), "b": torch.randn(16, 32, generator=g)}
+    v1 = {k: t.clone() for k, t in v0.items()}
+    few = torch.rand(64, 96, generator=g) < 0.02
+    v1["a"][few] += 1
+    v1["b"] += 1  # every element: kept dense
+    store = ObjectStore(str(tmp_path / "weights"))
+    pub = WeightPublisher(store, snapshot_interval=10)
+    wants = {"a": (torch.bfloat16, [((0, 32), (0, 96)), ((32, 64), (0, 96))]),
+             "b": (torch.float32, [((0, 16), (0, 32))])}
+    sub = WeightSubscriber(store, wants, sparse_deltas=True)
+    pub.publish(v0, 0)
+    first = sub.prepare(0)
+    held = {(n, box): first.read(n, tuple(slice(*r) for r in box)).clone() for n, (_, boxes) in wants.items()
+            for box in boxes}
+    first.commit()
+    pub.publish(v1, 1)
+    update = sub.prepare(1)
+    assert update.delta
+    for (name, box), base in held.items():
+        delta = update.read(name, tuple(slice(*r) for r in box))
+        assert isinstance(delta, SparseXor) == (name == "a")
+        xor_apply_(base, delta)
+        assert torch.equal(base, v1[name][tuple(slice(*r) for r in box)])
+    changed = int(few.sum())
+    assert update.staged_bytes == changed * (4 + 2) + 16 * 32 * 4
+    with pytest.raises(WeightSyncError, match="sparse_deltas"):
+        WeightSubscriber(store, sparse_deltas=True)
