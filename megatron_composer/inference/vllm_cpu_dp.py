@@ -16,6 +16,8 @@ Importing the module installs both; vLLM imports it in every worker process as t
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.distributed as dist
 
@@ -102,4 +104,5 @@ class CpuDataParallelExtension:
     """vLLM's worker extension class: importing this module in a worker installs the collectives."""
 
 
-install()
+if importlib.util.find_spec("vllm") is not None:  # the project imports without vLLM; vLLM's workers install
+    install()

@@ -137,6 +137,9 @@ class VLLMEngine:
                  ep: int = 1, routed_experts: Optional[bool] = None, quantize_experts: Optional[str] = None,
                  dcp: int = 1, dp: Optional[DataParallel] = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        # vLLM's groups meet at their own tcp:// addresses; under torchrun this variable makes torch connect to
+        # torchrun's agent store instead, where no rank serves them (every rank would wait as a client)
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         if (why := cpu_serving_problem(cfg)) is not None:  # before vLLM sets up anything it would leave behind
             raise VLLMError(why)
         if dp is not None:

@@ -39,6 +39,13 @@ class RolloutConfig:
     ep: int = field(default=1, metadata={
         "help": "expert-parallel size of each rollout engine (the routed experts); rollout ranks "
                 "form consecutive engines of tp x ep processes, whose first rank runs the worker"})
+    vllm_layout: str = field(default="tp", metadata={
+        "help": "vllm: tp (one engine process; vLLM tensor parallelism over its tp x ep GPUs, experts spread with "
+                "EP) or dp_attention (vLLM's DP + EP: ep engine processes on one node, one per GPU, each with its "
+                "own requests and cache, the experts spread over all of them; tp = dcp = 1; what plan_parallel "
+                "--rollout recommends for Kimi K2.5)"})
+    dp_port: int = field(default=29650, metadata={
+        "help": "vllm_layout=dp_attention: the port an engine's ranks meet at on their node (+ the engine's index)"})
     dcp: int = field(default=1, metadata={
         "help": "vllm: split each sequence's KV cache over this many of the engine's GPUs (vLLM's "
                 "decode context parallelism; MLA's latent cache is otherwise on every one)"})
@@ -78,8 +85,10 @@ class RolloutConfig:
     @property
     def engine_ranks(self) -> int:
         """Processes per rollout engine launched by us (a vLLM engine is one process that starts its own tp x ep
-        workers)."""
-        return 1 if self.backend == "vllm" else self.tp * self.ep
+        workers, or with vllm_layout=dp_attention one process per GPU)."""
+        if self.backend == "vllm":
+            return self.ep if self.vllm_layout == "dp_attention" else 1
+        return self.tp * self.ep
 
     def validate(self) -> "RolloutConfig":
         if self.group_size < 1:
@@ -94,6 +103,13 @@ class RolloutConfig:
         if self.backend != "vllm" and (self.dcp != 1 or self.quantize_experts != "none"):
             raise ConfigError("rollout.dcp and rollout.quantize_experts are vLLM's (rollout.backend=vllm); the "
                               "project's engine keeps each sequence's cache on its rank and serves the trained weights")
+        if self.vllm_layout not in ("tp", "dp_attention"):
+            raise ConfigError(f"rollout.vllm_layout={self.vllm_layout!r}: use tp or dp_attention")
+        if self.vllm_layout == "dp_attention" and (self.backend != "vllm" or self.tp != 1 or self.dcp != 1
+                                                   or self.ep < 2):
+            raise ConfigError("rollout.vllm_layout=dp_attention is vLLM's data-parallel attention: "
+                              "rollout.backend=vllm, tp=1, dcp=1 and ep >= 2 engine processes (got "
+                              f"backend={self.backend}, tp={self.tp}, dcp={self.dcp}, ep={self.ep})")
         if self.dcp < 1 or (self.tp * self.ep) % self.dcp:
             raise ConfigError(f"rollout.dcp={self.dcp} must divide the engine's tp x ep = {self.tp * self.ep} GPUs")
         from rl.envs.agent import PROFILES

@@ -31,17 +31,23 @@ from megatron_composer.inference.lockstep import WeightsRefused
 from rl.rollout.config import RolloutConfig
 
 
-def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0) -> Engine:
+def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0, dp_rank: Optional[tuple] = None
+                   ) -> Engine:
     """The engine of a rollout worker; every rank of a tensor-parallel group builds it identically (the
     scheduler's batches and cache blocks must match). rollout.backend=vllm: a vLLM engine for `model`'s config
     and dtype (`model` then only names the weights the subscriber fetches: rl.model.rollout_model builds it on
-    the meta device)."""
+    the meta device); dp_rank (vllm_layout=dp_attention): (this process's rank in its engine, the engine's
+    index on the node)."""
     if cfg.backend == "vllm":
-        from megatron_composer.inference.vllm_engine import VLLMEngine
+        from megatron_composer.inference.vllm_engine import DataParallel, VLLMEngine
 
+        dp = None
+        if cfg.vllm_layout == "dp_attention":
+            rank, engine = dp_rank if dp_rank is not None else (0, 0)
+            dp = DataParallel(cfg.ep, rank, master_port=cfg.dp_port + engine)
         return VLLMEngine(model.config, dtype=next(model.parameters()).dtype, max_batch_size=cfg.max_batch_size,
                           max_seq_len=cfg.max_seq_len, cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed,
-                          tp=cfg.tp, ep=cfg.ep, dcp=cfg.dcp,
+                          tp=1 if dp else cfg.tp, ep=1 if dp else cfg.ep, dcp=cfg.dcp, dp=dp,
                           quantize_experts=None if cfg.quantize_experts == "none" else cfg.quantize_experts)
     return Engine(model, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
                   cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed)
@@ -55,11 +61,11 @@ class EngineLeader:
     passes its own)."""
 
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, subscriber, seed: int = 0,
-                 poll_seconds: float = 1.0, engine_group=None):
+                 poll_seconds: float = 1.0, engine_group=None, dp_rank: Optional[tuple] = None):
         self.name = name
         self.subscriber = subscriber  # a subscriber of this rank's boxes (None: fixed weights)
         self.poll_seconds = poll_seconds  # weight_sync.poll_seconds
-        self.engine = rollout_engine(model, cfg, seed)
+        self.engine = rollout_engine(model, cfg, seed, dp_rank)
         if subscriber is not None and hasattr(self.engine, "subscription"):
             # vLLM: its workers subscribe themselves (the given subscriber's store and settings), per worker box
             self.subscriber = self.engine.subscription(subscriber)

@@ -69,14 +69,15 @@ def worker_mode(cfg: RLConfig, rank: int, world: int) -> WorkerMode:
         embedded = cfg.role == "auto" and cfg.trainer_ranks == world and rank == 0
         return WorkerMode.THREADS if embedded else WorkerMode.NONE
     size = cfg.rollout.engine_ranks
-    if size == 1:
+    if size == 1 or cfg.rollout.backend == "vllm":  # a vLLM data-parallel rank is a worker of its own
         return WorkerMode.PROCESS
     first = cfg.trainer_ranks if cfg.role == "auto" else 0
     return WorkerMode.LEADER if (rank - first) % size == 0 else WorkerMode.FOLLOWER
 
 
 def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_since: float | None = None,
-                model: torch.nn.Module | None = None, engine_group=None) -> RolloutWorker:
+                model: torch.nn.Module | None = None, engine_group=None, dp_rank: tuple | None = None
+                ) -> RolloutWorker:
     """A rollout worker on `model` (default: `rollout_model`'s whole model; a tp / ep shard from it), subscribed
     to the boxes of the weights that shard holds; with eval.interval it also runs the held-out evaluation items
     of eval.tasks."""
@@ -91,7 +92,7 @@ def make_worker(cfg: RLConfig, name: str, tokenizer, tasks, seed: int, stops_sin
                          cfg.weight_sync.subscriber(weight_store(cfg), model), seed=seed,
                          poll_seconds=cfg.weight_sync.poll_seconds, stops_since=stops_since, objective=cfg.rl,
                          engine_group=engine_group, eval_tasks=eval_tasks,
-                         chat_format=load_chat_format(cfg.data.chat_format, tokenizer))
+                         chat_format=load_chat_format(cfg.data.chat_format, tokenizer), dp_rank=dp_rank)
 
 
 def start_worker_threads(cfg: RLConfig, tokenizer, tasks, n: int) -> list[tuple[RolloutWorker, threading.Thread]]:
@@ -123,7 +124,13 @@ def run_worker_process(cfg: RLConfig, rank: int, world: int = 1) -> None:
     name = f"rank{rank}" if name is None else (f"{name}x{rank}" if world > 1 else name)
     seed = cfg.train.seed + 1000 + rank
     if mode is WorkerMode.PROCESS:
-        make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started).run()
+        dp_rank = None
+        if cfg.rollout.vllm_layout == "dp_attention":  # (rank in its engine, the engine's index on the node)
+            # an engine's ranks are consecutive processes of one node: next to the trainer (one node) or a
+            # separate launch's processes on each node
+            local = rank - cfg.trainer_ranks if cfg.role == "auto" else int(os.environ.get("LOCAL_RANK", rank))
+            dp_rank = (local % cfg.rollout.ep, local // cfg.rollout.ep)
+        make_worker(cfg, name, tokenizer, tasks, seed, stops_since=started, dp_rank=dp_rank).run()
         return
     groups, engine_group, engine_rank = init_rollout_group(cfg, rank, world)
     try:

@@ -36,8 +36,9 @@ class RolloutWorker(EpisodeRunner):
     def __init__(self, name: str, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, tasks: list[RLTask],
                  queue: WorkQueue, subscriber, seed: int = 0, sandbox_backend=None, poll_seconds: float = 1.0,
                  stops_since: Optional[float] = None, objective=None, engine_group=None,
-                 eval_tasks: Optional[list[RLTask]] = None, chat_format: Optional[ChatFormat] = None):
-        leader = EngineLeader(name, cfg, model, subscriber, seed, poll_seconds, engine_group)
+                 eval_tasks: Optional[list[RLTask]] = None, chat_format: Optional[ChatFormat] = None,
+                 dp_rank: Optional[tuple] = None):
+        leader = EngineLeader(name, cfg, model, subscriber, seed, poll_seconds, engine_group, dp_rank)
         super().__init__(name, cfg, tokenizer, tasks, leader, seed=seed, objective=objective,
                          sandbox_backend=sandbox_backend, eval_tasks=eval_tasks, chat_format=chat_format)
         self.queue = queue

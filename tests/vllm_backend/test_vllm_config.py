@@ -57,6 +57,25 @@ def test_a_vllm_engine_is_one_launched_process():
         _cfg(**{"rollout.ep": 8}).check_runnable(world=2)  # the project's engine: 8 processes per engine
 
 
+def test_data_parallel_attention_is_one_process_per_gpu_each_a_worker():
+    """vllm_layout=dp_attention: rollout.ep engine processes per engine, each its own worker (never a Lockstep
+    follower); refused in one line with tp, dcp, fewer than 2 ranks or the project's engine."""
+    from rl.rollout.launch import WorkerMode, worker_mode
+
+    dp = {"rollout.backend": "vllm", "rollout.vllm_layout": "dp_attention", "rollout.ep": 2}
+    cfg = _cfg(**dp).validate()
+    assert cfg.rollout.engine_ranks == 2
+    cfg.check_runnable(world=3)  # one trainer rank + one engine of 2 ranks
+    assert [worker_mode(cfg, r, 3) for r in range(3)] == [WorkerMode.NONE, WorkerMode.PROCESS, WorkerMode.PROCESS]
+    with pytest.raises(ConfigError, match="2 processes per engine does not divide"):
+        _cfg(**dp).validate().check_runnable(world=2)
+    for bad in ({"rollout.tp": 2}, {"rollout.dcp": 2}, {"rollout.ep": 1}, {"rollout.backend": "engine"}):
+        with pytest.raises(ConfigError, match="vllm_layout=dp_attention is vLLM's data-parallel attention"):
+            _cfg(**{**dp, **bad}).validate()
+    with pytest.raises(ConfigError, match="rollout.vllm_layout='dp'"):
+        _cfg(**{**dp, "rollout.vllm_layout": "dp"}).validate()
+
+
 def test_mla_on_a_cpu_without_amx_is_refused_before_any_work(tmp_path, monkeypatch):
     """vLLM's CPU build serves MLA only with AMX tiles; without them it fails deep in its first decode step (and
     leaves its process-global state behind). The run stops first, in one line that says what works instead."""
