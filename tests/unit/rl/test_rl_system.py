@@ -320,8 +320,8 @@ def test_shipped_rl_configs_load(path):
 
     cfg = load_config(RLConfig, path)
     assert cfg.rollout.max_staleness >= 0 and cfg.rl.router_replay == "r3"
-    if max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1:
-        with pytest.raises(ConfigError, match="single trainer rank"):
+    if max(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep) > 1:  # a one-process launch is refused by name
+        with pytest.raises(ConfigError, match="single trainer rank|needs rollout processes"):
             cfg.check_runnable(world=1)
 
 
