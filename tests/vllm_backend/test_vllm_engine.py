@@ -193,8 +193,10 @@ def test_a_worker_holds_only_its_experts(tmp_path):
     assert update.bytes_read < 0.5 * update.version_bytes  # the chunks of only other workers' experts: not fetched
 
 
-def test_int4_experts_reach_vllm_in_the_released_format(tmp_path):
-    """rollout.quantize_experts=int4 (Kimi K2.5 served as released): the trainer publishes the routed experts as
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_int4_experts_reach_vllm_in_the_released_format(tmp_path, preset):
+    """rollout.quantize_experts=int4 (Kimi K2.5 served as released), on the tiny Qwen3-MoE and the tiny
+    DeepSeek-shaped model (MLA, dense first layer, shared expert, MTP): the trainer publishes the routed experts as
     their packed INT4 words and scales (WeightPublisher experts="int4"); a worker subscribes to those, keeps them
     as its base (no worker quantises) and hands vLLM's reload, for each of 5 versions after AdamW steps (XOR
     deltas of the served bytes), tensor for tensor what our INT4 export of that version writes (compressed-tensors
@@ -213,7 +215,7 @@ def test_int4_experts_reach_vllm_in_the_released_format(tmp_path):
     from rl.weight_sync.subscriber import WeightSubscriber
 
     torch.manual_seed(0)
-    cfg = get_preset("tiny-qwen3-moe").replace(num_layers=2)
+    cfg = get_preset(preset).replace(num_layers=3 if preset == "tiny-deepseek-v3" else 2)  # DeepSeek: dense first
     model = Transformer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     handed = {}
@@ -243,11 +245,14 @@ def test_int4_experts_reach_vllm_in_the_released_format(tmp_path):
         worker.commit(version)
         save_hf_checkpoint(model, tmp_path / f"export{version}", dtype=torch.bfloat16, quantize="int4-experts",
                            progress=False)
-        exported = load_file(str(tmp_path / f"export{version}" / "model.safetensors"))
+        exported = {k: t for k, t in load_file(str(tmp_path / f"export{version}" / "model.safetensors")).items()
+                    if not k.startswith(tuple(f"model.layers.{cfg.num_layers + i}." for i in range(8)))}  # no MTP
         assert set(handed) == set(exported)
         assert any(k.endswith(".weight_packed") for k in handed)
         for k, t in exported.items():
-            assert torch.equal(handed[k].to(t.dtype), t), (version, k)
+            # the engine runs in the published dtype: DeepSeek's router, fp32 in the export, arrives in bf16
+            want = t.to(torch.bfloat16).to(t.dtype) if t.dtype == torch.float32 else t
+            assert torch.equal(handed[k].to(t.dtype), want), (version, k)
     assert deltas == 5
     # host bytes: the base (vLLM's CPU build cannot hold it) as planned, and the staged delta only its changes
     plan = rollout_update_plan(cfg, RolloutEngine(gpus=1, weights="int4"), gpus_per_node=1, base="host")
