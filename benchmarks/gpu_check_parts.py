@@ -273,15 +273,24 @@ def part_model_parity(p: Part) -> None:
 
 # ---------------------------------------------------------------- correctness: FP8 kernels
 
-def part_fp8_kernels(p: Part) -> None:
+def triton_on_cuda(p: Part, needs: str, cpu_test: str) -> bool:
+    """Whether a Triton part can run (CUDA and triton; the interpreter off); otherwise the part is skipped, naming
+    the CPU test that checks the same kernels with TRITON_INTERPRET=1."""
     if not p.cuda:
-        return p.skip_part("needs a CUDA GPU with FP8 tensor cores; on the CPU "
-                           "tests/unit/fp8/test_fp8_kernels.py checks the same kernels with TRITON_INTERPRET=1")
+        p.skip_part(f"needs {needs}; on the CPU {cpu_test} checks the same kernels with TRITON_INTERPRET=1")
+        return False
     try:
         import triton  # noqa: F401
     except ImportError as e:
-        return p.skip_part(f"triton is not importable: {e}")
+        p.skip_part(f"triton is not importable: {e}")
+        return False
     os.environ.pop("TRITON_INTERPRET", None)
+    return True
+
+
+def part_fp8_kernels(p: Part) -> None:
+    if not triton_on_cuda(p, "a CUDA GPU with FP8 tensor cores", "tests/unit/fp8/test_fp8_kernels.py"):
+        return
     import fp8_gpu
 
     fp8_gpu.LISTENERS.append(lambda name, ok, detail: p.check(f"fp8 {name}", ok, detail))  # recorded as they come
@@ -713,14 +722,8 @@ def part_xor_apply(p: Part) -> None:
     """The device-side apply of weight updates (kernels/xor_apply.py): a version's XOR delta, dense and sparse,
     applied in place to a tensor on the GPU equals the reference bit for bit and gives the new version; the
     apply's bandwidth (bytes of the base per second)."""
-    if not p.cuda:
-        return p.skip_part("needs a CUDA GPU; on the CPU tests/unit/kernels/test_kernels_xor_apply.py checks the same "
-                           "kernels with TRITON_INTERPRET=1")
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return p.skip_part(f"triton is not importable: {e}")
-    os.environ.pop("TRITON_INTERPRET", None)
+    if not triton_on_cuda(p, "a CUDA GPU", "tests/unit/kernels/test_kernels_xor_apply.py"):
+        return
     from megatron_composer.kernels.xor_apply import SparseXor, int_view, xor_apply_, xor_apply_reference_
 
     g = torch.Generator().manual_seed(0)

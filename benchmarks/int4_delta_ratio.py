@@ -1,6 +1,6 @@
 """Delta ratio of routed experts published as the engine serves them (INT4) against bf16, after AdamW steps.
 
-One DeepSeek-V3-style MoE (the tiny-deepseek-v3 shape at --size, fp32 masters) trains --steps real optimizer
+One DeepSeek-V3-style MoE (benchmarks/weight_sync.py's shapes at --size, fp32 masters) trains --steps real optimizer
 steps (AdamW at --lr on a random-token LM loss). After the initial weights and after every step two publishers
 write the same model to their own stores: the baseline publishes every tensor in bf16 (what a bf16 engine holds),
 the other with `experts="int4"` (rollout.quantize_experts=int4: the routed experts as their pack-quantized INT4
@@ -28,18 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-# hidden, layers, experts, expert width, vocab of the tiny-deepseek-v3 shape
-SIZES = {"small": (256, 4, 16, 128, 8000), "medium": (512, 4, 32, 256, 16000)}
-
-
-def model_config(size: str):
-    from megatron_composer.model import get_preset
-
-    hidden, layers, experts, moe_width, vocab = SIZES[size]
-    return get_preset("tiny-deepseek-v3").replace(
-        hidden_size=hidden, num_layers=layers, num_experts=experts, moe_intermediate_size=moe_width,
-        intermediate_size=3 * hidden, vocab_size=vocab, num_mtp_layers=0)
+from weight_sync import SIZES, model_config  # noqa: E402  (the same model shapes as that benchmark)
 
 
 def main(argv=None) -> None:
