@@ -13,17 +13,19 @@ delta copied to the device in one transfer; the host keeps nothing of the base),
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the integer dtype holding a tensor's raw bits, by element width (also the weight-sync codec's)
+INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s raw bits as the signed integer dtype of the same width (a view, no copy)."""
-    return t if not t.is_floating_point() and t.dtype != torch.bool and t.is_signed() else \
-        t.view(_INT_OF_SIZE[t.element_size()])
+    """`t`'s raw bits as the integer dtype of the same width (INT_OF_WIDTH; a view, no copy)."""
+    bits = INT_OF_WIDTH[t.element_size()]
+    return t if t.dtype == bits else t.view(bits)
 
 
 @dataclass
@@ -59,10 +61,7 @@ class SparseXor:
         return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def dense(self) -> torch.Tensor:
         out = torch.zeros(self.numel(), dtype=self.values.dtype)
@@ -154,4 +153,4 @@ def _kernels() -> dict:
     return _KERNELS
 
 
-__all__ = ["SparseXor", "int_view", "xor_apply_", "xor_apply_reference_", "xor_apply_triton_"]
+__all__ = ["INT_OF_WIDTH", "SparseXor", "int_view", "xor_apply_", "xor_apply_reference_", "xor_apply_triton_"]

@@ -43,7 +43,10 @@ def rollout_engine(model: torch.nn.Module, cfg: RolloutConfig, seed: int = 0, dp
 
         dp = None
         if cfg.vllm_layout == "dp_attention":
-            rank, engine = dp_rank if dp_rank is not None else (0, 0)
+            if dp_rank is None:  # a lone rank would wait for its peers forever
+                raise ValueError("rollout.vllm_layout=dp_attention: this engine process was given no data-parallel "
+                                 "rank (its rollout processes are launched with torchrun, one per GPU)")
+            rank, engine = dp_rank
             dp = DataParallel(cfg.ep, rank, master_port=cfg.dp_port + engine)
         return VLLMEngine(model.config, dtype=next(model.parameters()).dtype, max_batch_size=cfg.max_batch_size,
                           max_seq_len=cfg.max_seq_len, cache_memory_bytes=cfg.cache_memory_mb << 20, seed=seed,

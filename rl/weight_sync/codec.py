@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_composer.kernels.xor_apply import INT_OF_WIDTH as _INT_VIEW
 from megatron_composer.optional import require
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class WeightSyncError(RuntimeError):

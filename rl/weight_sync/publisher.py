@@ -182,8 +182,9 @@ class WeightPublisher:
                                       "(rollout.quantize_experts=none) or cut it on group boundaries")
         quantised = [functools.lru_cache(1)(functools.partial(int4.served_parts, local[pc.local])) for pc in pieces]
         for suffix in int4.SERVED_PARTS:
-            per = shape[-1] // int4.served_shape(shape, suffix)[-1]
-            meta[name + suffix] = (dtype_name(int4.PART_DTYPES[suffix]), int4.served_shape(shape, suffix))
+            part_shape = int4.served_shape(shape, suffix)
+            per = shape[-1] // part_shape[-1]
+            meta[name + suffix] = (dtype_name(int4.PART_DTYPES[suffix]), part_shape)
             sources[name + suffix] = [
                 (box_key((*pc.full[:-1], slice(pc.full[-1].start // per, pc.full[-1].stop // per))),
                  lambda q=q, suffix=suffix: q()[suffix]) for pc, q in zip(pieces, quantised)]
