@@ -8,9 +8,10 @@ the command, or the script itself) become steps; `--platform` is read past. Two 
 - **A built image**, when a step reaches further (it installs packages, downloads, or writes outside /app): a Debian
   root filesystem made from packages, plus what the FROM image's family implies (build-essential for gcc, nodejs for
   node ...), then the steps, with the network (rl/sandbox/image.py). Cached under a digest of everything it reads.
-Both are stated in the task's notes. Instructions that only describe a container (LABEL, EXPOSE, CMD, USER ...) are
-noted; anything else (VOLUME, multi-stage builds, COPY --from, ADD of a URL, a non-Debian base that must be built)
-is named in an error that points to a container backend.
+Both are stated in the task's notes. ENTRYPOINT starts every episode, as it starts a container (a service it leaves
+running serves the agent and the verifier). Instructions that only describe a container (LABEL, EXPOSE, CMD, USER
+...) are noted; anything else (VOLUME, multi-stage builds, COPY --from, ADD of a URL, a non-Debian base that must be
+built) is named in an error that points to a container backend.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rl.sandbox.base import BASE_ENV
 from rl.sandbox.image import ImageRecipe
 
 TREE_ROOT = "/app"
-NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "ONBUILD"}
+NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "ONBUILD"}
 # A RUN that reaches past the task tree: it installs, downloads, changes users or names a path outside /app and /tmp.
 _REACHES_OUT = re.compile(
     r"(?:^|[\s;&|(`]|\bsudo\s)(?:apt-get|apt|aptitude|dpkg|apk|yum|dnf|microdnf|zypper|pacman|pip3?|pipx|uv|uvx|"
@@ -70,6 +71,7 @@ class DockerfilePlan:
     notes: list[str] = field(default_factory=list)
     build_reason: str | None = None  # the first step that reaches past /app: the task needs a built image
     text: str = ""  # the Dockerfile as written (part of the image's digest)
+    entrypoint: tuple[str, ...] = ()  # ENTRYPOINT: what each episode starts with, as a container does
 
     def task_parts(self, path: Path, timeout_s: float, verifier: tuple[str, list[str]] | None = None
                    ) -> tuple[list, ImageRecipe]:
@@ -274,6 +276,12 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             if _REACHES_OUT.search(command):
                 reaches_out(f"{where}: RUN reaches past {TREE_ROOT} (it installs, downloads or names a system path)")
             plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))
+        elif keyword == "ENTRYPOINT":
+            args = _args(rest) if rest.startswith("[") else None
+            plan.entrypoint = tuple(args) if args is not None else ("/bin/sh", "-c", rest)
+        elif keyword == "CMD":
+            plan.notes.append(f"{where}: CMD is replaced, as Harbor and Terminal-Bench replace it: the sandbox's "
+                              "episode runs the agent's commands")
         elif keyword == "USER":
             plan.notes.append(f"{where}: USER is not honoured: the agent runs as the sandbox's own user")
         elif keyword in NO_EFFECT:

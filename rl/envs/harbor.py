@@ -30,7 +30,7 @@ from pathlib import Path
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.steps import STRATEGIES
 from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep
-from rl.envs.task_folder import check_inside, compose_notes, positive_number, verifier_requirements
+from rl.envs.task_folder import check_inside, positive_number, read_compose, verifier_requirements
 from rl.envs.terminal_bench import load_terminal_bench_task
 
 try:
@@ -188,7 +188,7 @@ def load_harbor_task(task_dir: str | Path) -> Task:
     env = _env(env_t, f"{toml_path}: [environment]")
     environment_dir = task_dir / "environment"
     dockerfile = environment_dir / "Dockerfile"
-    setup, image, workdir, notes = [], None, "/app", []
+    setup, image, workdir, notes, entrypoint = [], None, "/app", [], ()
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, environment_dir)
         scripts = [test_sh] + sorted((task_dir / "steps").glob("*/tests/test.sh"))
@@ -196,13 +196,14 @@ def load_harbor_task(task_dir: str | Path) -> Task:
                   for r in verifier_requirements(script.read_text(errors="replace"))]
         setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s,
                                        ("tests/test.sh", list(dict.fromkeys(wanted))))
-        workdir, notes = plan.workdir, plan.notes
+        workdir, notes, entrypoint = plan.workdir, plan.notes, plan.entrypoint
         env = {**plan.env, **env}
     for note in unknown_keys(data, toml_path) + writable_search_paths(
             {"task environment": env, "verifier environment": _env(verifier_t, where)}, task_dir):
         warnings.warn(note, TaskFormatWarning, stacklevel=2)
         notes.append(note)
-    notes += compose_notes(environment_dir)
+    compose_notes, services = read_compose(environment_dir)
+    notes += compose_notes
     gpus = env_t.get("gpus", 0)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
         raise TaskError(f"{toml_path}: [environment].gpus must be a whole number, got {gpus!r}")
@@ -226,6 +227,8 @@ def load_harbor_task(task_dir: str | Path) -> Task:
         env=env,
         setup=setup,
         image=image,
+        entrypoint=entrypoint,
+        services=services,
         solution=solution,
         limits=limits,
         source=task_dir,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits
+from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, Service
 from rl.sandbox.image import ImageBuilder, ImageRecipe
 from rl.sandbox.leftovers import held_dir
 
@@ -143,13 +143,35 @@ class RunStep:
     def apply(self, sandbox: Sandbox, timeout: float) -> None:
         res = sandbox.exec(f"mkdir -p {shlex.quote(self.cwd)} && cd {shlex.quote(self.cwd)} && {self.command}",
                            cwd="/", env=self.env, timeout=timeout)
+        earlier = getattr(sandbox, "outputs", None)  # an image build's steps so far
+        if earlier is not None:
+            earlier.append((self.origin, res.output))
         if not res.ok:
-            why = None if getattr(sandbox, "builds_image", False) else (  # an image's build has what it needs
-                missing_tool(self.command, "this setup command", _INSTALLS)
-                or missing_tool(res.output, "this setup command"))
+            if earlier is not None:  # an image's build has what it needs but the wider internet
+                why = build_lacks(self.command, res.output) or next(  # a download an earlier step lost silently
+                    (f"{lacks} (at {origin})" for origin, output in earlier[-2::-1]
+                     if (lacks := build_lacks("", output))), None)
+            else:
+                why = (missing_tool(self.command, "this setup command", _INSTALLS)
+                       or missing_tool(res.output, "this setup command"))
             last = next((line for line in reversed(res.output.splitlines()) if line.strip()), "no output")
             raise TaskError(f"{self.origin}: " + (why or f"setup command failed ({res.describe()}): {last[:200]}")
                             + f" (the whole log: {setup_log(self, res)})")
+
+
+def build_lacks(command: str, output: str) -> str | None:
+    """What a failed image build step needed that the build cannot have, in words with the way out, or None."""
+    if ppa := re.search(r"add-apt-repository\s+(?:-\S+\s+)*(ppa:\S+)", command):
+        return (f"it adds the Ubuntu archive {ppa.group(1)} (Launchpad), which the build cannot reach and a Debian "
+                "stand-in cannot use: build the task on a container backend from its own image")
+    if host := _UNREACHED_HOST.search(output):
+        return (f"it downloads from {host.group(1) or host.group(2)}, which the build cannot reach (it reaches the "
+                "package registries only): build the task on a container backend with internet, or put the download "
+                "into the task")
+    if package := _NO_PACKAGE.search(output):
+        return (f"Debian's archive, which stands in for the FROM image's, has no package {package.group(1)}: build "
+                "the task on a container backend from its own image")
+    return None
 
 
 def setup_log(step: "RunStep", res: ExecResult) -> Path:
@@ -178,7 +200,10 @@ class Verifier(Protocol):
 
 # What a log says when the local backend (the read-only host system) lacks what a task needs, and the fix.
 _MISSING_TOOLS = (  # the first that shows is named: a failed download comes before the tool it would have fetched
-    (re.compile(r"Could not resolve host|Temporary failure in name resolution"),
+    # uv's installer (`curl ... astral.sh/uv/install.sh | sh`) is not counted: a built image carries uv offline, and
+    # where uv is missing its own line below names it
+    (re.compile(r"Could not resolve host(?!: astral\.sh\b)|Temporary failure in name resolution|"
+                r"Network is unreachable"),
      "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
@@ -191,6 +216,12 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
      "a nested sandbox for `judge` (unprivileged user namespaces), which this host lacks: enable them "
      "(sysctl kernel.unprivileged_userns_clone=1)"),
 )
+
+# The host a failed download named (curl, wget, apt, pip, git).
+_UNREACHED_HOST = re.compile(r"Could not resolve host:? ['\"‘]?([\w.-]+)|(?:Temporary failure resolving|unable to "
+                             r"resolve host address|Failed to resolve) ['\"‘]?([\w.-]+)")
+
+_NO_PACKAGE = re.compile(r"^E: (?:Unable to locate package |Package ')([\w.+-]+)", re.MULTILINE)
 
 # A command that installs packages (a Dockerfile RUN line), which cannot work on the local backend.
 _INSTALLS = (
@@ -431,6 +462,8 @@ class Task:
     # Its Dockerfile as an image the local backend can build: built where `image.required` says the host's system
     # cannot stand in (`setup` is then empty), or where the backend builds every image (`setup` is then skipped).
     image: ImageRecipe | None = None
+    entrypoint: tuple[str, ...] = ()  # its Dockerfile's ENTRYPOINT: every sandbox's episode starts with it
+    services: list[Service] = field(default_factory=list)  # containers beside its own (a compose file's others)
     notes: list[str] = field(default_factory=list)  # what a backend could not honour, said once
     metadata: dict = field(default_factory=dict)  # free-form (Harbor's [metadata]): e.g. a generated task's tier
     # A multi-step task (Harbor's [[steps]]): its steps run in order in one sandbox (rl/envs/steps.py); the task's
@@ -457,6 +490,10 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     build = getattr(backend, "build", None)
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
+    if task.services:
+        raise TaskError(f"{task.name}: a multi-container task ({', '.join(s.name for s in task.services)} beside its "
+                        f"own) runs on a container backend, not the {backend.name} backend: --backend podman "
+                        "--local-base")
     limits = limits or task.limits.sandbox_limits(backend.limits)
     image, setup = None, task.setup
     if task.image is not None and (task.image.required or getattr(backend, "build_images", False)):
@@ -486,6 +523,7 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
         snapshot.workdir = task.workdir
         snapshot.env = dict(task.env)
         snapshot.limits = limits
+        snapshot.entrypoint = tuple(task.entrypoint)  # not run by setup, as a Dockerfile's RUN steps do not
         return snapshot
     finally:
         sandbox.close()

@@ -1,5 +1,5 @@
-"""Checks every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, what a
-compose file beside its Dockerfile asks for, and positive numbers in its config."""
+"""Checks every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, the compose
+file beside its Dockerfile (the containers beside the task's own), and positive numbers in its config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import yaml
 
+from rl.envs.dockerfile import UnsupportedDockerfile, parse_dockerfile
 from rl.envs.task import TaskError
+from rl.sandbox.base import HealthCheck, Service
 
 
 def positive_number(value, name: str) -> float:
@@ -23,12 +25,107 @@ def positive_number(value, name: str) -> float:
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 
-def compose_notes(environment_dir: Path) -> list[str]:
-    """A compose file beside the Dockerfile: one service (the task's own container, as Terminal-Bench writes it)
-    is a note, since its settings beyond the build are not applied; several services (a multi-container task) are
-    refused in one line."""
+# The compose keys a service beside the task's container may use here; the task's own service (Harbor's `main`,
+# Terminal-Bench's `client`) is built from the task's Dockerfile, and its other settings are Harbor's to make.
+SERVICE_KEYS = {"build", "image", "environment", "command", "entrypoint", "healthcheck", "expose", "ports",
+                "depends_on", "container_name", "restart", "init", "labels", "hostname"}
+MAIN_SERVICES = ("main", "client")
+_COMPOSE_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _interpolate(text: str) -> str:
+    """${VAR}, ${VAR:-default} and $VAR from this host's environment, as compose reads its file."""
+    return _COMPOSE_VAR.sub(lambda m: os.environ.get(m.group(1) or m.group(3)) or (m.group(2) or ""), text)
+
+
+def _duration(value, where: str) -> float:
+    """A compose duration (`2s`, `1m30s`, `500ms`, or seconds) in seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?"
+                         r"(?:(\d+(?:\.\d+)?)ms)?", str(value).strip())
+    if not parts or not any(parts.groups()):
+        raise TaskError(f"{where}: {value!r} is not a duration (e.g. 2s, 1m30s)")
+    h, m, sec, ms = (float(g or 0) for g in parts.groups())
+    return h * 3600 + m * 60 + sec + ms / 1000
+
+
+def _argv(value, where: str) -> list[str]:
+    if isinstance(value, str):
+        return shlex.split(value)
+    if isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+        return [str(v) for v in value]
+    raise TaskError(f"{where} must be a string or a list of strings")
+
+
+def _healthcheck(data, where: str) -> HealthCheck | None:
+    if not isinstance(data, dict) or data.get("disable"):
+        return None
+    test = data.get("test")
+    if isinstance(test, str):
+        argv = ["sh", "-c", test]
+    elif isinstance(test, list) and test and test[0] in ("CMD", "CMD-SHELL"):
+        argv = _argv(test[1:], f"{where}.test") if test[0] == "CMD" else ["sh", "-c", " ".join(map(str, test[1:]))]
+    elif test in (["NONE"], None):
+        return None
+    else:
+        raise TaskError(f"{where}.test must be a string or a list starting with CMD or CMD-SHELL")
+    return HealthCheck(argv, interval_s=_duration(data.get("interval", "30s"), f"{where}.interval"),
+                       timeout_s=_duration(data.get("timeout", "30s"), f"{where}.timeout"),
+                       retries=int(data.get("retries", 3)),
+                       start_period_s=_duration(data.get("start_period", "0s"), f"{where}.start_period"))
+
+
+def _service(name: str, spec: dict, folder: Path, path: Path) -> Service:
+    where = f"{path}: services.{name}"
+    if not isinstance(spec, dict):
+        raise TaskError(f"{where} must be a mapping")
+    unknown = sorted(set(spec) - SERVICE_KEYS)
+    if unknown:
+        raise TaskError(f"{where}.{unknown[0]} is not supported here (a service may use "
+                        f"{', '.join(sorted(SERVICE_KEYS))})")
+    service = Service(name=name)
+    build = spec.get("build")
+    if build is not None:
+        build = {"context": build} if isinstance(build, str) else build
+        if not isinstance(build, dict) or set(build) - {"context", "dockerfile"}:
+            raise TaskError(f"{where}.build must be a context path or a mapping of context and dockerfile")
+        context = (folder / _interpolate(str(build.get("context", ".")))).resolve()
+        if not str(context).startswith(str(folder.resolve())) or not context.is_dir():
+            raise TaskError(f"{where}.build.context {build.get('context')!r} is not a folder of the task")
+        dockerfile = context / str(build.get("dockerfile", "Dockerfile"))
+        if not dockerfile.is_file():
+            raise TaskError(f"{where}: its build has no {dockerfile.name} in {context}")
+        service.build_context, service.dockerfile = context, dockerfile
+        try:  # the same build on the local Debian base (podman --local-base)
+            _, service.recipe = parse_dockerfile(dockerfile, context).task_parts(dockerfile, 1800.0)
+        except UnsupportedDockerfile as e:
+            service.recipe_problem = str(e)
+    elif isinstance(spec.get("image"), str):
+        service.image = _interpolate(spec["image"])
+    else:
+        raise TaskError(f"{where} needs a build or an image")
+    env = spec.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, os.environ.get(item, "")) for item in map(str, env))
+    if not isinstance(env, dict):
+        raise TaskError(f"{where}.environment must be a list of KEY=VALUE or a mapping")
+    service.env = {str(k): _interpolate("" if v is None else str(v)) for k, v in env.items()}
+    if "command" in spec:
+        service.command = _argv(spec["command"], f"{where}.command")
+    if "entrypoint" in spec:
+        service.entrypoint = _argv(spec["entrypoint"], f"{where}.entrypoint")
+    service.healthcheck = _healthcheck(spec.get("healthcheck"), f"{where}.healthcheck")
+    return service
+
+
+def read_compose(folder: Path) -> tuple[list[str], list[Service]]:
+    """A compose file beside the task's Dockerfile: (notes, the services beside the task's own container). The task's
+    own service (`main`, Terminal-Bench's `client`, or a single one) is built from its Dockerfile; its settings beyond
+    the build (ports, volumes, environment) are Harbor's to make and are not applied, which a note says. Every other
+    service is read into a Service for a container backend's pod."""
     for name in COMPOSE_FILES:
-        path = environment_dir / name
+        path = folder / name
         if not path.is_file():
             continue
         try:
@@ -37,12 +134,17 @@ def compose_notes(environment_dir: Path) -> list[str]:
             raise TaskError(f"{path} is not a compose file: {str(e).splitlines()[0][:120]}") from None
         if not isinstance(services, dict):
             raise TaskError(f"{path}: services must be a mapping of service names")
-        if len(services) > 1:
-            raise TaskError(f"{path}: a multi-container task ({', '.join(sorted(services))}) is not supported: "
-                            "every backend here runs one container per sample")
-        return [f"{path}: the compose file's settings beyond the build (ports, volumes, environment) are not "
-                "applied; the task runs as one sandbox"]
-    return []
+        main = next((n for n in MAIN_SERVICES if n in services), None) or (
+            next(iter(services)) if len(services) == 1 else None)
+        if main is None and services:
+            raise TaskError(f"{path}: none of the services ({', '.join(sorted(services))}) is the task's own "
+                            f"container (named {' or '.join(MAIN_SERVICES)})")
+        others = [_service(n, spec, folder, path) for n, spec in services.items() if n != main]
+        notes = [f"{path}: the compose file's settings of the task's own container beyond the build (ports, volumes, "
+                 "environment) are not applied; the task runs as one sandbox"
+                 + (f" beside {', '.join(s.name for s in others)}" if others else "")]
+        return notes, others
+    return [], []
 
 
 def check_inside(task_dir: Path) -> None:

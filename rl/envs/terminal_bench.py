@@ -24,7 +24,7 @@ import yaml
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.swebench import PASSING, parse_test_log
 from rl.envs.task import EmptyTree, Task, TaskError, TaskLimits, VerifyResult, missing_tool, verifier_anomaly
-from rl.envs.task_folder import check_inside, compose_notes, positive_number, verifier_requirements
+from rl.envs.task_folder import check_inside, positive_number, read_compose, verifier_requirements
 from rl.sandbox.base import ExecResult, Sandbox
 
 DEFAULT_RUN_TESTS = "#!/bin/bash\npython3 -m pytest \"$TEST_DIR/test_outputs.py\" -rA\n"
@@ -58,12 +58,16 @@ class PytestLogVerifier:
         if services:
             details["background_processes"] = services
         status = parse_test_log(res.output)
+        missing = missing_tool(res.output, "the tests")
         why = (f"the tests timed out after {task.limits.verifier_timeout_s:g} s" if res.timed_out
                else verifier_anomaly(res)
-               or (None if status else "the tests printed no pytest -rA summary line (PASSED/FAILED name)"))
+               or (None if status or (res.exit_code != 0 and not missing) else
+                   "the tests printed no pytest -rA summary line (PASSED/FAILED name)"))
         if why:
-            missing = missing_tool(res.output, "the tests")
             details["error"] = f"{why}; {missing}" if missing else why
+            return VerifyResult(0.0, res.output, details, res)
+        if not status:  # they failed before naming a test (the code under test does not build): Terminal-Bench's
+            details["failing"] = ["(no test ran)"]  # parse failure, which it counts unresolved
             return VerifyResult(0.0, res.output, details, res)
         details["failing"] = sorted(name for name, s in status.items() if s not in PASSING)
         return VerifyResult(float(not details["failing"]), res.output, details, res)
@@ -122,7 +126,11 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
         raise TaskError(f"{where} must be a mapping of task fields")
     parser = data.get("parser_name", "pytest")
     if parser != "pytest":
-        raise TaskError(f"{where}: parser_name {parser!r} is not supported; Terminal-Bench tasks here use pytest")
+        hint = ("; Terminal-Bench's SWE-bench adapter runs in its instance's swebench/sweb.eval image (the repository "
+                "and its environment): run SWE-bench instances from their JSONL (tools/check_task.py INSTANCES.jsonl "
+                "--instance ID)") if parser == "swebench" else ""
+        raise TaskError(f"{where}: parser_name {parser!r} is not supported; Terminal-Bench tasks here use pytest"
+                        + hint)
     notes = [f"{where}: unknown key {k} is ignored" for k in sorted(set(data) - KNOWN_KEYS)]
     limits = TaskLimits(
         agent_timeout_s=positive_number(data.get("max_agent_timeout_sec", 360.0), f"{where}: max_agent_timeout_sec"),
@@ -130,14 +138,15 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
     dockerfile = task_dir / "Dockerfile"
     run_tests = task_dir / "run-tests.sh"
     run_tests_text = run_tests.read_text(errors="replace") if run_tests.is_file() else DEFAULT_RUN_TESTS
-    setup, image, workdir, env = [], None, "/app", {}
+    setup, image, workdir, env, entrypoint = [], None, "/app", {}, ()
     if dockerfile.is_file():
         plan = parse_dockerfile(dockerfile, task_dir)
         wanted = ("run-tests.sh", verifier_requirements(run_tests_text))
         setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s, wanted)
-        workdir, env = plan.workdir, dict(plan.env)
+        workdir, env, entrypoint = plan.workdir, dict(plan.env), plan.entrypoint
         notes += plan.notes
-    notes += compose_notes(task_dir)
+    compose_notes, services = read_compose(task_dir)
+    notes += compose_notes
     tests_dir = task_dir / "tests"
     return Task(
         name=task_dir.name,
@@ -149,6 +158,8 @@ def load_terminal_bench_task(task_dir: str | Path) -> Task:
         env=env,
         setup=setup,
         image=image,
+        entrypoint=entrypoint,
+        services=services,
         solution=_solution(task_dir),
         limits=limits,
         source=task_dir,

@@ -63,6 +63,35 @@ class SandboxLimits:
 
 
 @dataclass
+class HealthCheck:
+    """A compose healthcheck: `test` run in its container until it succeeds (after `start_period_s`, every
+    `interval_s`, at most `retries` failures)."""
+
+    test: list[str]  # argv, or ["sh", "-c", text] for CMD-SHELL
+    interval_s: float = 30.0
+    timeout_s: float = 30.0
+    retries: int = 3
+    start_period_s: float = 0.0
+
+
+@dataclass
+class Service:
+    """A container beside the task's own (a compose file's other service): built from its own Dockerfile or a
+    registry image, started with its own command, reachable from the task's container as `name` on loopback."""
+
+    name: str
+    build_context: Path | None = None  # its build: the context folder and the Dockerfile in it
+    dockerfile: Path | None = None
+    image: str | None = None  # or a registry image
+    recipe: object | None = None  # its Dockerfile as the local base's recipe (rl/sandbox/image.py ImageRecipe)
+    recipe_problem: str | None = None  # why there is none (a base that is not Debian): it needs a registry
+    env: dict[str, str] = field(default_factory=dict)
+    command: list[str] | None = None  # replaces the image's CMD
+    entrypoint: list[str] | None = None  # replaces the image's ENTRYPOINT
+    healthcheck: HealthCheck | None = None
+
+
+@dataclass
 class ExecResult:
     """Outcome of one command. `events` says in words what the sandbox had to do (kill, cap, ...)."""
 

@@ -13,12 +13,14 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import secrets
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from rl.sandbox.base import (
     Sandbox,
     SandboxError,
     SandboxLimits,
+    Service,
     note_limits,
     run_process,
 )
@@ -75,39 +78,51 @@ class ContainerSnapshot:
     env: dict[str, str] = field(default_factory=dict)
     owned: bool = True  # a committed image this project made (removed on discard), not a task's base image
     limits: SandboxLimits | None = None
+    entrypoint: tuple[str, ...] = ()  # the task image's ENTRYPOINT: each fork's container starts with it
+    services: list[tuple[Service, str]] = field(default_factory=list)  # the containers beside it, and their images
 
     def discard(self) -> None:
         if self.owned:
             subprocess.run([self.engine, "rmi", "-f", self.image], capture_output=True)
+        for _, image in self.services:
+            subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
 
 
 class ContainerSandbox(Sandbox):
     """A docker or podman container kept running for the episode; commands run via `exec`."""
 
     def __init__(self, engine: str, image: str, *, workdir: str = "/app", env: dict[str, str] | None = None,
-                 limits: SandboxLimits | None = None, runtime: str | None = None):
+                 limits: SandboxLimits | None = None, runtime: str | None = None, entrypoint: tuple[str, ...] = (),
+                 pod: "Pod | None" = None):
         self.engine = engine
         self.limits = limits or SandboxLimits()
         self.workdir = workdir
         self.tree_root = "/app"
         self.env = dict(env or {})
         lim = self.limits
-        mb = 1024 * 1024
         self.name = f"mc-sandbox-{secrets.token_hex(6)}"
+        self.pod = pod
+        # Started as Harbor starts a task's container: its image's ENTRYPOINT with `sh -c "sleep infinity"`.
+        start = (["--entrypoint", json.dumps(list(entrypoint)), image, "sh", "-c", "sleep infinity"] if entrypoint
+                 else ["--entrypoint", "sleep", image, "infinity"])
         argv = [engine, *(["--runtime", runtime] if runtime else []), "run", "-d", "--name", self.name,
-                "--network", "none", "--memory", f"{lim.memory_mb}m", "--pids-limit", str(lim.max_processes),
-                "--security-opt", "no-new-privileges", "--ulimit", f"fsize={lim.max_file_mb * mb}",
-                "--ulimit", f"nofile={lim.max_open_files}", "--ulimit", f"nproc={lim.max_processes}",
-                "--ulimit", f"cpu={lim.cpu_time_s}", "--ulimit", "core=0", "--workdir", workdir,
-                "--entrypoint", "sleep", image, "infinity"]
-        self.container = _cli(argv, f"{engine} run")
+                *(pod.join_argv("main") if pod else ["--network", "none"]), *container_limits(lim),
+                "--workdir", workdir, *start]
         self._closed = False
+        self._image_pids: set[str] | None = None  # what its entrypoint started: services the verifier may query
+        try:
+            self.container = _cli(argv, f"{engine} run")
+        except BaseException:
+            if pod is not None:
+                pod.close()
+            raise
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         timeout = self.limits.command_timeout_s if timeout is None else timeout
+        self._note_image_processes()
         argv = [self.engine, "exec", "-i", "-w", cwd or self.workdir]
         for k, v in {**BASE_ENV, **self.env, **(env or {})}.items():
             argv += ["-e", f"{k}={v}"]
@@ -133,12 +148,21 @@ class ContainerSandbox(Sandbox):
         else:
             _cli([self.engine, "cp", str(host_path), f"{self.container}:{dest}"], f"copying {host_path}")
 
+    def _note_image_processes(self) -> None:
+        """Before the first command: the processes the container started with (its init, what its entrypoint left
+        running), which the verifier phase keeps."""
+        if self._image_pids is None:
+            listed = _cli([self.engine, "exec", self.container, "sh", "-c", "echo /proc/[0-9]*"], "listing processes")
+            self._image_pids = {p.rsplit("/", 1)[-1] for p in listed.split()}
+
     def enter_verifier(self, services: bool = True) -> None:
-        """Inside the running container, as its root: kill every process but its init (the agent's background
-        processes survive between commands here, but a verifier shares the container's pid namespace with them,
-        so services do not outlive the agent phase on this backend), then replace /tmp and /logs with empty
-        ones."""
-        reset = ("kill -KILL -1 2>/dev/null; rm -rf /tmp /logs && mkdir -m 1777 /tmp && "
+        """Inside the running container, as its root: kill every process the agent phase started (a verifier shares
+        the container's pid namespace with them, so they do not outlive the agent phase on this backend; what the
+        image's entrypoint started keeps serving, as in Harbor), then replace /tmp and /logs with empty ones."""
+        self._note_image_processes()
+        keep = " ".join(sorted(self._image_pids | {"1"})) if services else "1"
+        reset = (f"for p in /proc/[0-9]*; do p=${{p#/proc/}}; case ' {keep} '$$' ' in *\" $p \"*) ;; "
+                 "*) kill -KILL $p 2>/dev/null;; esac; done; rm -rf /tmp /logs && mkdir -m 1777 /tmp && "
                  "mkdir -p /logs/verifier /logs/agent")
         _cli([self.engine, "exec", "-u", "0", self.container, "sh", "-c", reset], "starting the verifier phase")
         self.env = {**self.env, **VERIFIER_ENV}
@@ -156,7 +180,89 @@ class ContainerSandbox(Sandbox):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            subprocess.run([self.engine, "rm", "-f", self.container], capture_output=True)
+            subprocess.run([self.engine, "rm", "-f", "-t", "0", self.container], capture_output=True)
+            if self.pod is not None:
+                self.pod.close()
+
+
+def container_limits(lim: SandboxLimits) -> list[str]:
+    """An engine's `run` options for a sandbox's limits."""
+    mb = 1024 * 1024
+    return ["--memory", f"{lim.memory_mb}m", "--pids-limit", str(lim.max_processes), "--security-opt",
+            "no-new-privileges", "--ulimit", f"fsize={lim.max_file_mb * mb}", "--ulimit",
+            f"nofile={lim.max_open_files}", "--ulimit", f"nproc={lim.max_processes}", "--ulimit",
+            f"cpu={lim.cpu_time_s}", "--ulimit", "core=0"]
+
+
+class Pod:
+    """The containers of a multi-container task (a compose file's services) sharing one network namespace, which
+    has only loopback (no network, as a sandbox): the first service's, which the others and the task's container
+    join. Each has its own /etc/hosts (writable, as a container's) where every service's name is loopback. Each
+    service starts with its own command and is waited for until its healthcheck passes. (An engine's own pods are
+    not used: their infra container takes the engine's default rlimits, which some kernels refuse.)"""
+
+    def __init__(self, engine: str, services: list[tuple[Service, str]], limits: SandboxLimits,
+                 runtime: str | None = None):
+        self.engine = engine
+        self.runtime = ["--runtime", runtime] if runtime else []
+        self.name = f"mc-pod-{secrets.token_hex(6)}"
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self.hosts = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n" + "".join(
+            f"127.0.0.1\t{service.name}\n" for service, _ in services)
+        self.containers: list[str] = []
+        try:
+            for service, image in services:
+                argv = [engine, *self.runtime, "run", "-d", "--name", f"{self.name}-{service.name}",
+                        *self.join_argv(service.name), *container_limits(limits)]
+                for k, v in service.env.items():
+                    argv += ["-e", f"{k}={v}"]
+                if service.entrypoint is not None:
+                    argv += ["--entrypoint", json.dumps(service.entrypoint)]
+                self.containers.append(_cli(argv + [image, *(service.command or [])],
+                                            f"starting the service {service.name}"))
+                if service.healthcheck is not None:
+                    self._wait_healthy(service, self.containers[-1])
+        except BaseException:
+            self.close()
+            raise
+
+    def join_argv(self, who: str) -> list[str]:
+        """`run` options for a container of the pod: the shared network namespace and its own /etc/hosts."""
+        hosts = self.folder / f"hosts-{who}"
+        hosts.write_text(self.hosts)
+        network = ["--network", f"container:{self.containers[0]}"] if self.containers else ["--network", "none"]
+        return [*network, "--no-hosts", "-v", f"{hosts}:/etc/hosts"]
+
+    def _wait_healthy(self, service: Service, container: str) -> None:
+        """Run its healthcheck until it passes: failures in its start period do not count, then `retries` in a row
+        are a one-line error with the service's last output."""
+        hc = service.healthcheck
+        started, failures = time.monotonic(), 0
+        while True:
+            try:
+                res = subprocess.run([self.engine, "exec", container, *hc.test], capture_output=True, text=True,
+                                     timeout=hc.timeout_s)
+                if res.returncode == 0:
+                    return
+                last = ((res.stderr or res.stdout).strip().splitlines() or [f"exit {res.returncode}"])[-1]
+            except subprocess.TimeoutExpired:
+                last = f"timed out after {hc.timeout_s:g} s"
+            if time.monotonic() - started < hc.start_period_s:
+                time.sleep(min(hc.interval_s, 0.5))
+                continue
+            failures += 1
+            if failures >= hc.retries:
+                log = subprocess.run([self.engine, "logs", "--tail", "3", container], capture_output=True, text=True)
+                tail = " / ".join((log.stdout + log.stderr).strip().splitlines()[-3:])
+                raise SandboxError(f"the service {service.name} did not become healthy ({last[:200]}); its last "
+                                   f"output: {tail[:300] or 'none'}")
+            time.sleep(hc.interval_s)
+
+    def close(self) -> None:
+        for container in reversed(self.containers):
+            subprocess.run([self.engine, "rm", "-f", "-t", "0", container], capture_output=True)
+        self.containers = []
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
@@ -184,14 +290,14 @@ class ContainerBackend:
     def _engine(self) -> list[str]:
         return [self.engine, *(["--runtime", self.runtime] if self.runtime else [])]
 
-    def _build_argv(self, task, image: str) -> tuple[list[str], str | None]:
-        """The engine's build command for the task's Dockerfile, and a Containerfile it reads (local_base)."""
-        context = str(task.environment_dir)
-        if not self.local_base or task.image is None:
-            return [*self._engine(), "build", "-q", "-t", image, "-f", str(task.environment_dir / "Dockerfile"),
-                    context], None
+    def _build_argv(self, dockerfile: Path, recipe, image: str) -> tuple[list[str], str | None]:
+        """The engine's build command for a Dockerfile (its folder the context), and a Containerfile it reads
+        instead (local_base: `recipe`, the Dockerfile on the local Debian base)."""
+        context = str(dockerfile.parent)
+        if not self.local_base or recipe is None:
+            return [*self._engine(), "build", "-q", "-t", image, "-f", str(dockerfile), context], None
         builder = ImageBuilder()
-        text = containerfile(task.image, builder.export_base(self.engine))
+        text = containerfile(recipe, builder.export_base(self.engine))
         network = host_network_view(name_service=False)
         argv = [*self._engine(), "build", "-q", "-t", image]
         for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
@@ -206,13 +312,38 @@ class ContainerBackend:
             argv += ["--build-arg", f"{k}={v}"]
         return argv + ["-f", "-", context], text
 
+    def _build(self, dockerfile: Path, recipe, timeout_s: float) -> str:
+        image = f"mc-task-{secrets.token_hex(6)}"
+        argv, text = self._build_argv(dockerfile, recipe, image)
+        _cli(argv, f"building {dockerfile}", timeout=timeout_s, stdin=text.encode() if text is not None else None)
+        return image
+
+    def _service_images(self, task) -> list[tuple[Service, str]]:
+        """Each service's image: built from its Dockerfile (on the local base with local_base), or its registry's."""
+        built = []
+        try:
+            for service in task.services:
+                if service.dockerfile is None:
+                    if self.local_base:
+                        raise SandboxError(f"the service {service.name} is the registry image {service.image}, which "
+                                           "a local base cannot stand in for: run without --local-base")
+                    built.append((service, service.image))
+                    continue
+                if self.local_base and service.recipe is None:
+                    raise SandboxError(f"the service {service.name} cannot be built on the local base "
+                                       f"({service.recipe_problem}): run without --local-base")
+                built.append((service, self._build(service.dockerfile, service.recipe, task.limits.setup_timeout_s)))
+        except BaseException:
+            for service, image in built:
+                if service.dockerfile is not None:
+                    subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
+            raise
+        return built
+
     def build(self, task) -> ContainerSnapshot:
         limits = task.limits.sandbox_limits(self.limits)
         if task.environment_dir is not None:
-            image = f"mc-task-{secrets.token_hex(6)}"
-            argv, text = self._build_argv(task, image)
-            _cli(argv, f"building {task.environment_dir}/Dockerfile", timeout=task.limits.setup_timeout_s,
-                 stdin=text.encode() if text is not None else None)
+            image = self._build(task.environment_dir / "Dockerfile", task.image, task.limits.setup_timeout_s)
             base = ContainerSnapshot(self.engine, image, task.workdir, dict(task.env))
             steps = []  # the Dockerfile's own COPY/RUN lines ran in the build
         else:
@@ -231,10 +362,16 @@ class ContainerBackend:
             sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
             snap = sandbox.snapshot()
             snap.workdir, snap.env, snap.limits = task.workdir, dict(task.env), limits
-            return snap
+            snap.entrypoint = tuple(task.entrypoint)
         finally:
             sandbox.close()
             base.discard()
+        try:
+            snap.services = self._service_images(task)
+        except BaseException:
+            snap.discard()
+            raise
+        return snap
 
     def create(self, tree, workdir: str = "/app", env=None, limits=None) -> ContainerSandbox:
         image = ImageBuilder().export_base(self.engine) if self.local_base else self.default_image
@@ -247,8 +384,10 @@ class ContainerBackend:
         return sandbox
 
     def fork(self, snapshot: ContainerSnapshot, limits: SandboxLimits | None = None) -> ContainerSandbox:
+        limits = limits or snapshot.limits or self.limits
+        pod = Pod(self.engine, snapshot.services, limits, self.runtime) if snapshot.services else None
         return ContainerSandbox(self.engine, snapshot.image, workdir=snapshot.workdir, env=snapshot.env,
-                                limits=limits or snapshot.limits or self.limits, runtime=self.runtime)
+                                limits=limits, runtime=self.runtime, entrypoint=snapshot.entrypoint, pod=pod)
 
 
 class ApptainerSandbox(LocalSandbox):

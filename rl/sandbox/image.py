@@ -61,6 +61,7 @@ APT_CLEAN = (f'DPkg::Post-Invoke {{ "{_APT_DROP}"; }};\nAPT::Update::Post-Invoke
 BUILD_ENV = {**BASE_ENV, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")
+IMAGE_LAYOUT = 2  # what every image holds besides its recipe (2: an /etc/hosts for sandboxes to mount over)
 HOST_NET_FILES = ("/etc/resolv.conf", "/etc/hosts")
 MAX_BUILD_OUTPUT = 4 * 1024 * 1024
 BUILD_HOST_DIR = "/run/mc-build"  # where the build sees the host's CA bundle (a tmpfs, gone from the image)
@@ -124,9 +125,16 @@ class Image:
 
 
 def _shift_owners(root: Path, by: int) -> None:
-    """Add `by` to every file's owner and group (never following links), keeping set-id bits, which chown clears."""
+    """Add `by` to every file's owner and group once (never following links; a file with several hard links is
+    one file), keeping set-id bits, which chown clears."""
+    done: set[tuple[int, int]] = set()
+
     def shift(path: str) -> None:
         st = os.lstat(path)
+        if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+            if (st.st_dev, st.st_ino) in done:
+                return
+            done.add((st.st_dev, st.st_ino))
         os.lchown(path, st.st_uid + by, st.st_gid + by)
         if not os.path.islink(path) and st.st_mode & 0o7000:
             os.chmod(path, st.st_mode & 0o7777)
@@ -193,6 +201,7 @@ class BuildRoot:
         self.default_timeout_s = default_timeout_s
         self._bwrap = bwrap_path()
         self._network = host_network_view()
+        self.outputs: list[tuple[str, str]] = []  # (step, output) of the steps so far: a later failure may be theirs
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str = "/",
              env: dict[str, str] | None = None) -> ExecResult:
@@ -343,7 +352,8 @@ class ImageBuilder:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.suite = suite or host_suite()
         self.progress = progress
-        digest = hashlib.sha256(json.dumps([self.suite, BASE_PACKAGES, "shift", BUILD_UID_BASE, APT_CLEAN]).encode())
+        recipe = [self.suite, BASE_PACKAGES, "shift-once", BUILD_UID_BASE, APT_CLEAN]
+        digest = hashlib.sha256(json.dumps(recipe).encode())
         self.base_key = digest.hexdigest()[:16]
 
     def problem(self) -> str | None:
@@ -398,28 +408,47 @@ class ImageBuilder:
                 force_rmtree(work)
         return folder / "rootfs"
 
-    def export_base(self, engine: str) -> str:
-        """The base as an image of a container engine (podman, docker), imported once: its owners as the build
-        made them (uid 0 is root there). Returns its reference."""
-        ref = f"localhost/megatron-composer/debian-{self.suite}:{self.base_key}"
-        if subprocess.run([engine, "image", "exists", ref], capture_output=True).returncode == 0:
-            return ref
+    def base_archive(self) -> Path:
+        """The base as a tar archive with its owners as the build made them (uid 0 is root there), readable by every
+        user: what container engines import, a rootless one included (it cannot read the base's private files).
+        Written once, by root (the base is root's)."""
+        archive = self.cache_dir / f"base-{self.base_key}" / "rootfs.tar"
+        if archive.is_file():
+            return archive
         root = self.base()
-        self.progress(f"importing the Debian {self.suite} base into {engine} as {ref} ...")
+        if os.geteuid() != 0:
+            raise SandboxError(f"the local base has no archive for container engines yet ({archive}); root writes it "
+                               "once: run `make test-podman` or `tools/check_task.py TASK --backend podman "
+                               "--local-base` as root")
 
         def unshift(info: tarfile.TarInfo) -> tarfile.TarInfo:
             info.uid, info.gid = info.uid - BUILD_UID_BASE, info.gid - BUILD_UID_BASE
             info.uname = info.gname = ""
             return info
 
-        importer = subprocess.Popen([engine, "import", "--change", f"ENV PATH={BASE_ENV['PATH']}", "-", ref],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        with tarfile.open(fileobj=importer.stdin, mode="w|") as tar:
-            for entry in sorted(os.listdir(root)):
-                tar.add(root / entry, arcname=entry, filter=unshift)
-        importer.stdin.close()
-        if importer.wait() != 0:
-            raise SandboxError(f"{engine} import of the base failed: {importer.stderr.read().decode()[-300:]}")
+        partial = archive.with_name(f".rootfs.tar.{os.getpid()}")
+        try:
+            with tarfile.open(partial, "w") as tar:
+                for entry in sorted(os.listdir(root)):
+                    tar.add(root / entry, arcname=entry, filter=unshift)
+            os.chmod(partial, 0o644)
+            os.replace(partial, archive)
+        finally:
+            partial.unlink(missing_ok=True)
+        return archive
+
+    def export_base(self, engine: str) -> str:
+        """The base as an image of a container engine (podman, docker; rootless too), imported once from
+        `base_archive`. Returns its reference."""
+        ref = f"localhost/megatron-composer/debian-{self.suite}:{self.base_key}"
+        if subprocess.run([engine, "image", "exists", ref], capture_output=True).returncode == 0:
+            return ref
+        archive = self.base_archive()
+        self.progress(f"importing the Debian {self.suite} base into {engine} as {ref} ...")
+        res = subprocess.run([engine, "import", "--change", f"ENV PATH={BASE_ENV['PATH']}", str(archive), ref],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SandboxError(f"{engine} import of the base failed: {res.stderr.strip()[-300:]}")
         return ref
 
     def log_path(self, name: str) -> Path:
@@ -436,7 +465,7 @@ class ImageBuilder:
                 raise
 
     def key(self, recipe_key: str) -> str:
-        return hashlib.sha256(f"{self.base_key}:{TOOLS_DIGEST}:{recipe_key}".encode()).hexdigest()[:24]
+        return hashlib.sha256(f"{self.base_key}:{TOOLS_DIGEST}:{IMAGE_LAYOUT}:{recipe_key}".encode()).hexdigest()[:24]
 
     def lookup(self, recipe_key: str) -> Image | None:
         folder = self.cache_dir / self.key(recipe_key)
@@ -493,6 +522,10 @@ class ImageBuilder:
                 for name in ("uv", "uvx"):  # after the steps: a uv the Dockerfile installed would need the network
                     root.copy_in(UV_STAND_IN, f"/usr/local/bin/{name}")
                     os.chmod(work / "rootfs" / "usr" / "local" / "bin" / name, 0o755)
+                hosts = work / "rootfs" / "etc" / "hosts"
+                if not os.path.lexists(hosts):  # where each sandbox mounts its own, as docker mounts a container's
+                    hosts.write_text("")
+                    os.lchown(hosts, BUILD_UID_BASE, BUILD_UID_BASE)
                 share_unchanged(work / "rootfs", base)
                 build_s = time.monotonic() - t0
                 self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key,

@@ -77,6 +77,11 @@ SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # /workspace ...) become writable copies per sandbox, as a container's; these are never copied.
 IMAGE_SKIPPED = ("proc", "dev", "sys", "tmp", "run", "boot", "lost+found")
 # Readable by root only; masked in case the sandbox user can read them anyway.
+# A container's /etc/hosts, the sandbox's own file (docker writes the same): what an entrypoint adds stays its own.
+HOSTS_FILE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
+# How long an episode waits for the image's ENTRYPOINT to hand over to its command (`exec "$@"`); one that is still
+# running then is the container's main process (a server) and keeps running, as in a container.
+ENTRYPOINT_WAIT_S = 5.0
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
 # Root mode (no user namespace): everything else is unshared; setpriv needs these capabilities to drop to
@@ -201,6 +206,7 @@ class LocalSnapshot:
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits | None = None  # the task's limits, applied to every fork
     image: Path | None = None  # the built image (rl/sandbox/image.py) its forks run on; None: the host's system
+    entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT: every episode of a fork starts with it
     held: int | None = field(default=None, repr=False)  # its key in rl/sandbox/leftovers.py (a stop signal frees it)
 
     def discard(self) -> None:
@@ -310,8 +316,10 @@ class LocalSandbox(Sandbox):
     def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
                  limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
                  unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None,
-                 cgroups: bool | None = None, tmpfs: bool | None = None, image: str | Path | None = None):
+                 cgroups: bool | None = None, tmpfs: bool | None = None, image: str | Path | None = None,
+                 entrypoint: tuple[str, ...] = ()):
         self.limits = limits or SandboxLimits()
+        self.entrypoint = tuple(entrypoint)
         self.limits.validate()
         self.image = Path(image) if image is not None else None
         if self.image is not None and unisolated:
@@ -358,6 +366,7 @@ class LocalSandbox(Sandbox):
                     self._tmpfs = False  # the monitor measures disk use instead
             os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
             self._dirs = self._make_dirs(self.root)
+            (self.root / "hosts").write_text(HOSTS_FILE)
             for name in image_dirs:
                 self._copy_from_image(name)
             if tree is not None:
@@ -532,9 +541,16 @@ class LocalSandbox(Sandbox):
                 argv += ["--symlink", os.readlink(host), f"/{name}"]
             elif os.path.isdir(host):
                 argv += ["--ro-bind", host, f"/{name}"]
+        if self.image is not None:  # the image's own files at its root (a COPY to /entrypoint.sh), read-only
+            for entry in sorted(os.scandir(self.image), key=lambda e: e.name):
+                if entry.is_file(follow_symlinks=False):
+                    argv += ["--ro-bind", entry.path, f"/{entry.name}"]
         for path in MASKED_FILES:
             if os.path.exists(system + path):
                 argv += ["--ro-bind", "/dev/null", path]
+        bind = "--ro-bind" if self._verifier_root is not None else "--bind"
+        if os.path.exists(system + "/etc/hosts"):  # the sandbox's own, as a container's (an entrypoint adds names)
+            argv += [bind, str(self.root / "hosts"), "/etc/hosts"]
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
         argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
@@ -543,7 +559,6 @@ class LocalSandbox(Sandbox):
             argv += ["--bind", str(self._dirs[d]), f"/{d}"]
         for host, dest in self._image_mounts:
             argv += ["--bind", str(host), dest]
-        bind = "--ro-bind" if self._verifier_root is not None else "--bind"
         for host, dest in self._mounts:
             argv += [bind, str(host), dest]
         # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
@@ -627,6 +642,40 @@ class LocalSandbox(Sandbox):
             proc.stdout.close()
             proc.stderr.close()
         self._episode = _Episode(proc, keeper, keep_w, tuple(self._mounts), pid_ns)
+        self._open_low_ports(keeper)
+
+    def _open_low_ports(self, keeper: int) -> None:
+        """Let the episode's processes listen on ports below 1024 in its own network namespace (a server the
+        task's image starts on port 80), as docker sets up every container (net.ipv4.ip_unprivileged_port_start).
+        Host root sets it (root holds every capability over the namespaces it made); an unprivileged host cannot
+        (a shell it starts inside its user namespace as uid 1000 has no capability left), so low ports stay
+        closed there, as docs/SANDBOX.md says."""
+        if os.geteuid() != 0:
+            return
+        res = subprocess.run(["nsenter", "-t", str(keeper), "--net", "sh", "-c",
+                              "echo 0 > /proc/sys/net/ipv4/ip_unprivileged_port_start"],
+                             capture_output=True, text=True, env={"PATH": BASE_ENV["PATH"]}, timeout=30)
+        if res.returncode != 0:
+            self.end_episode()
+            raise SandboxError(f"cannot open the episode's ports below 1024: {res.stderr.strip()[:200]}")
+
+    def _run_entrypoint(self, env: dict[str, str]) -> None:
+        """Start the episode as a container starts: the image's ENTRYPOINT with a command that says it was reached
+        (Harbor and Terminal-Bench give the main container `sh -c 'sleep infinity'`). What it starts in the
+        background serves the episode; an entrypoint that fails first is a one-line error with its log."""
+        marker = f"/run/.mc-entrypoint-{secrets.token_hex(4)}"
+        argv = shlex.join([*self.entrypoint, "sh", "-c", f"touch {marker}"])
+        script = (f"{argv} </dev/null >>/var/log/entrypoint.log 2>&1 & pid=$!; end=$((SECONDS + "
+                  f"{int(ENTRYPOINT_WAIT_S)})); while [ ! -e {marker} ] && [ $SECONDS -lt $end ]; do "
+                  f"kill -0 $pid 2>/dev/null || {{ wait $pid; s=$?; [ -e {marker} ] && break; [ $s = 0 ] && break; "
+                  f"echo \"exited with status $s $(tail -n 1 /var/log/entrypoint.log)\"; exit 3; }}; sleep 0.02; done; "
+                  f"rm -f {marker}")
+        res = self._exec_isolated(script, self.workdir, env, ENTRYPOINT_WAIT_S + 60, None)
+        if res.exit_code != 0:
+            self.end_episode()
+            last = res.output.strip().splitlines()[-1:] or [res.describe()]
+            raise SandboxError(f"the image's ENTRYPOINT {list(self.entrypoint)} failed before its command ran: "
+                               f"{last[0].strip()[:200]} (its log: /var/log/entrypoint.log in the sandbox)")
 
     def end_episode(self) -> int | None:
         """Kill what the episode's commands left running (by killing its keeper, the init of its pid namespace)
@@ -775,6 +824,8 @@ class LocalSandbox(Sandbox):
                 events.append("the sandbox's init was killed (memory?); its background processes ended")
             if self._episode is None:
                 self._start_episode()
+                if self.entrypoint:
+                    self._run_entrypoint(env)
             before = self._episode.processes()
         seccomp_fd = filter_fd() if self.needs_bwrap else None
         argv, launcher_uid = self._launcher_argv(self._rlimit_argv()
@@ -808,6 +859,9 @@ class LocalSandbox(Sandbox):
         if not services:
             self.end_episode()
         self._drop_verifier_root()
+        if services and self.entrypoint and self.needs_bwrap and self._episode is None:
+            self._start_episode()  # the container was up before the verifier came, with what its entrypoint started
+            self._run_entrypoint({**BASE_ENV, **self.env})
         root = make_dir("verifier", self.root.parent)
         self._verifier_root = root
         try:
@@ -877,7 +931,7 @@ class LocalSandbox(Sandbox):
     def snapshot(self) -> LocalSnapshot:
         snap_root = make_dir("snapshot", self.root.parent)
         snap = LocalSnapshot(path=snap_root / "app", workdir=self.workdir if not self.unisolated else "/app",
-                             env=dict(self.env), image=self.image)
+                             env=dict(self.env), image=self.image, entrypoint=self.entrypoint)
         try:
             snap.held = hold(snap.discard)
             copy_tree(self._dirs["app"], snap.path)
@@ -946,15 +1000,16 @@ class LocalBackend:
                           UnisolatedWarning, stacklevel=2)
 
     def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
-               limits: SandboxLimits | None = None, image: str | Path | None = None) -> LocalSandbox:
+               limits: SandboxLimits | None = None, image: str | Path | None = None,
+               entrypoint: tuple[str, ...] = ()) -> LocalSandbox:
         with warnings.catch_warnings():
             if self.unisolated:  # warned once, here, instead of per sandbox
                 warnings.simplefilter("ignore", UnisolatedWarning)
             return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
                                 root_parent=self.root_parent, unisolated=self.unisolated,
                                 extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode,
-                                cgroups=self.cgroups, tmpfs=self.tmpfs, image=image)
+                                cgroups=self.cgroups, tmpfs=self.tmpfs, image=image, entrypoint=entrypoint)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
-                           limits=limits or snapshot.limits, image=snapshot.image)
+                           limits=limits or snapshot.limits, image=snapshot.image, entrypoint=snapshot.entrypoint)

@@ -159,6 +159,46 @@ def test_the_usual_uv_boilerplates_run_offline_on_the_image(tmp_path, test_sh):
     backend = LocalBackend()
     untouched = check_task(task, backend, oracle=False, log=lambda _: None)
     assert untouched.reward == 0.0 and "FAILED" in untouched.output, untouched.output[-2000:]
+    assert "error" not in untouched.details, untouched.details  # uv's installer could not download: not counted
     solved = check_task(task, backend, oracle=True, log=lambda _: None)
     assert solved.reward == 1.0, solved.output[-2000:]
     assert "pytest-8.4.1" in solved.output  # the version the task asked for, installed in the build
+
+
+def service_task(root: Path) -> Path:
+    """Modelled on Harbor's dns-blacklisting recipe: the image's ENTRYPOINT names a host in /etc/hosts and starts a
+    server on port 80 before it hands over to its command; the agent and the verifier both query it."""
+    task = root / "entrypoint-service"
+    files = {"instruction.md": "Write what http://svc.test/ answers to /app/answer.txt.\n", "task.toml": TOML,
+             "environment/Dockerfile": "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y python3 && "
+                                       "rm -rf /var/lib/apt/lists/*\nCOPY entrypoint.sh /entrypoint.sh\n"
+                                       "COPY site /srv/site\nENTRYPOINT [\"/entrypoint.sh\"]\nWORKDIR /app\n",
+             "environment/entrypoint.sh": "#!/bin/bash\nset -e\necho '127.0.0.1 svc.test' >> /etc/hosts\n"
+                                          "python3 -m http.server 80 --bind 127.0.0.1 --directory /srv/site "
+                                          ">/dev/null 2>&1 &\nfor _ in $(seq 100); do python3 -c \"import socket; "
+                                          "socket.create_connection(('127.0.0.1', 80))\" 2>/dev/null && break; "
+                                          "sleep 0.05; done\nexec \"$@\"\n",
+             "environment/site/index.html": "the answer is 42\n",
+             "solution/solve.sh": "#!/bin/bash\npython3 -c \"import urllib.request; open('/app/answer.txt', 'wb')."
+                                  "write(urllib.request.urlopen('http://svc.test/').read())\"\n",
+             "tests/test.sh": "#!/bin/bash\nlive=$(python3 -c \"import urllib.request; print(urllib.request."
+                              "urlopen('http://svc.test/').read().decode(), end='')\")\n"
+                              "if [ -n \"$live\" ] && [ \"$(cat /app/answer.txt 2>/dev/null)\" = \"$live\" ]; then "
+                              "echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"}
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    (task / "environment" / "entrypoint.sh").chmod(0o755)
+    return task
+
+
+def test_an_image_entrypoint_serves_the_agent_and_the_verifier(tmp_path):
+    """ENTRYPOINT runs first in each sandbox's episode (a file at the image's root, its own /etc/hosts, port 80), as
+    it runs when a container starts: 0 untouched, 1 after the solution, and a verifier that queries the service."""
+    task = load_harbor_task(service_task(tmp_path))
+    assert task.entrypoint == ("/entrypoint.sh",)
+    backend = LocalBackend()
+    untouched = check_task(task, backend, oracle=False, log=lambda _: None)
+    assert untouched.reward == 0.0 and "error" not in untouched.details, untouched.details
+    solved = check_task(task, backend, oracle=True, log=lambda _: None)
+    assert solved.reward == 1.0, (solved.details, solved.output[-2000:])

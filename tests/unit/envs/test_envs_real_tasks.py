@@ -12,8 +12,8 @@ import pytest
 
 from rl.envs.check_task import check_task
 from rl.envs.harbor import TaskFormatWarning, load_harbor_task
-from rl.envs.task import RewardError, TaskError, parse_reward, prepare_task
-from rl.sandbox.base import BASE_ENV
+from rl.envs.task import RewardError, RunStep, TaskError, parse_reward, prepare_task
+from rl.sandbox.base import BASE_ENV, ExecResult
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
 REPO = Path(__file__).resolve().parents[3]
@@ -290,6 +290,75 @@ def test_buildkit_heredocs_and_from_platform_are_read_as_docker_reads_them(tmp_p
         load_harbor_task(task_dir)
 
 
+def test_entrypoint_and_cmd_are_read_as_a_container_engine_reads_them(tmp_path):
+    """ENTRYPOINT (exec or shell form) is what each episode starts with; CMD is replaced (Harbor and Terminal-Bench
+    give the main container their own command), which the notes say."""
+    task_dir = hello_world(tmp_path)
+    dockerfile = task_dir / "environment" / "Dockerfile"
+    dockerfile.write_text('FROM python:3.12-slim\nWORKDIR /app\nENTRYPOINT ["/app/start.sh", "--quiet"]\n'
+                          'CMD ["python3", "server.py"]\n')
+    task = load_harbor_task(task_dir)
+    assert task.entrypoint == ("/app/start.sh", "--quiet")
+    assert any("CMD is replaced" in note for note in task.notes), task.notes
+    dockerfile.write_text("FROM python:3.12-slim\nWORKDIR /app\nENTRYPOINT service-start --now\n")
+    assert load_harbor_task(task_dir).entrypoint == ("/bin/sh", "-c", "service-start --now")
+    snapshot = prepare_task(load_harbor_task(task_dir), LocalBackend()) if bwrap_problem() is None else None
+    if snapshot is not None:  # setup does not run it (a Dockerfile's build does not); the forks do
+        try:
+            assert snapshot.entrypoint == ("/bin/sh", "-c", "service-start --now")
+        finally:
+            snapshot.discard()
+
+
+class _FailingBuild:
+    builds_image = True
+
+    def __init__(self, output: str):
+        self.output = output
+        self.outputs = []  # the build's earlier steps (BuildRoot.outputs)
+
+    def exec(self, command, **kwargs):
+        return ExecResult(exit_code=100, output=self.output, output_bytes=len(self.output), duration_s=0.1)
+
+
+@pytest.mark.parametrize("output,says", [
+    ("curl: (6) Could not resolve host: golang.org\n", "it downloads from golang.org, which the build cannot reach"),
+    ("W: Failed to fetch http://ppa.launchpad.net/x  Temporary failure resolving 'ppa.launchpad.net'\n"
+     "E: Unable to locate package python3.11\n", "it downloads from ppa.launchpad.net"),
+    ("Reading package lists...\nE: Unable to locate package openjdk-21-jdk\n",
+     "Debian's archive, which stands in for the FROM image's, has no package openjdk-21-jdk"),
+    ("make: *** [all] Error 2\n", "setup command failed (exit code 100): make: *** [all] Error 2"),
+    ("AttributeError: 'NoneType' object has no attribute 'people'\n",
+     "it adds the Ubuntu archive ppa:deadsnakes/ppa (Launchpad), which the build cannot reach")])
+def test_a_failed_image_build_says_what_it_lacked(output, says):
+    command = "add-apt-repository -y ppa:deadsnakes/ppa" if "people" in output else "make"
+    step = RunStep(command=command, cwd="/", env={}, origin="Dockerfile:7")
+    with pytest.raises(TaskError) as e:
+        step.apply(_FailingBuild(output), timeout=10)
+    (line,) = str(e.value).splitlines()
+    assert line.startswith("Dockerfile:7: ") and says in line and "(the whole log: " in line, line
+
+
+def test_a_build_step_that_fails_for_a_download_an_earlier_step_lost_names_it():
+    """`curl ... | sh` loses its download quietly (the pipe's status is sh's); the step that needs it fails later."""
+    build = _FailingBuild("bash: line 1: rustc: command not found\n")
+    build.outputs.append(("Dockerfile:15", "curl: (6) Could not resolve host: sh.rustup.rs\n"))
+    with pytest.raises(TaskError, match=r"Dockerfile:21: it downloads from sh\.rustup\.rs, which the build cannot "
+                                        r"reach .* \(at Dockerfile:15\)"):
+        RunStep(command="rustc --version", cwd="/", env={}, origin="Dockerfile:21").apply(build, timeout=10)
+
+
+@needs_bwrap
+def test_terminal_bench_1_tests_that_fail_before_naming_a_test_score_0(tmp_path):
+    """A run-tests.sh that stops before pytest names any test (the untouched code does not compile) is a failed
+    run, as Terminal-Bench counts a log it cannot parse: reward 0 without an error."""
+    task_dir = tb1_task(tmp_path)
+    (task_dir / "run-tests.sh").write_text("#!/bin/bash\necho 'CMake build failed'\nexit 1\n")
+    result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=False, log=lambda s: None)
+    assert result.reward == 0.0 and "error" not in result.details, result.details
+    assert result.details["failing"] == ["(no test ran)"]
+
+
 @needs_bwrap
 def test_missing_pytest_is_named_with_its_fix(tmp_path):
     probe = subprocess.run(["python3", "-c", "import pytest"], capture_output=True, env={"PATH": BASE_ENV["PATH"]})
@@ -335,15 +404,58 @@ def test_check_task_says_each_note_once_and_a_missing_solution_before_setup(tmp_
     assert res.returncode == 2 and "has no reference solution" in res.stderr and "setup" not in res.stderr, res.stderr
 
 
-def test_a_compose_file_is_read_not_ignored(tmp_path):
-    """Terminal-Bench's one-service compose file is a note; a multi-container task is refused in one line."""
+def test_a_compose_file_is_read_not_ignored(tmp_path, monkeypatch):
+    """Terminal-Bench's one-service compose file is a note. A multi-container task's other services are read as
+    compose reads them (build, environment from this host's variables, command, healthcheck durations), the local
+    backend refuses the task in one line before any work, and what a service cannot have here is named."""
     task_dir = hello_world(tmp_path)
     compose = task_dir / "environment" / "docker-compose.yaml"
     compose.write_text("services:\n  client:\n    build: .\n    environment:\n      - TEST_DIR=/tests\n")
-    notes = load_harbor_task(task_dir).notes
-    assert any(f"{compose}: the compose file's settings beyond the build" in n for n in notes), notes
-    compose.write_text("services:\n  client:\n    build: .\n  db:\n    image: postgres:16\n")
-    with pytest.raises(TaskError, match=r"a multi-container task \(client, db\) is not supported"):
+    task = load_harbor_task(task_dir)
+    assert any(f"{compose}: the compose file's settings of the task's own container" in n for n in task.notes)
+    assert task.services == []
+    (task_dir / "environment" / "api").mkdir()
+    (task_dir / "environment" / "api" / "Dockerfile").write_text("FROM python:3.12-slim\nCMD [\"python3\"]\n")
+    compose.write_text(textwrap.dedent("""\
+        services:
+          main:
+            depends_on:
+              api:
+                condition: service_healthy
+          api:
+            build:
+              context: ./api
+            command: python3 -m http.server 5000
+            environment:
+              - KEY=${MC_TEST_KEY}
+              - MODEL=${MC_TEST_MODEL:-small}
+            expose: ["5000"]
+            healthcheck:
+              test: ["CMD-SHELL", "python3 -c 'import socket; socket.create_connection((\\"localhost\\", 5000))'"]
+              interval: 1m30s
+              timeout: 500ms
+              retries: 4
+              start_period: 2s
+        """))
+    monkeypatch.setenv("MC_TEST_KEY", "k-123")
+    task = load_harbor_task(task_dir)
+    (api,) = task.services
+    assert (api.name, api.dockerfile, api.command) == ("api", task_dir / "environment" / "api" / "Dockerfile",
+                                                       ["python3", "-m", "http.server", "5000"])
+    assert api.env == {"KEY": "k-123", "MODEL": "small"} and api.recipe is not None
+    hc = api.healthcheck
+    assert hc.test[:2] == ["sh", "-c"] and (hc.interval_s, hc.timeout_s, hc.retries, hc.start_period_s) == (
+        90.0, 0.5, 4, 2.0)
+    if bwrap_problem() is None:
+        with pytest.raises(TaskError) as e:
+            prepare_task(task, LocalBackend())
+        (line,) = str(e.value).splitlines()
+        assert "a multi-container task (api beside its own) runs on a container backend" in line, line
+    compose.write_text("services:\n  main:\n    build: .\n  db:\n    image: postgres:16\n    privileged: true\n")
+    with pytest.raises(TaskError, match=r"services\.db\.privileged is not supported here"):
+        load_harbor_task(task_dir)
+    compose.write_text("services:\n  web:\n    build: .\n  db:\n    image: postgres:16\n")
+    with pytest.raises(TaskError, match=r"none of the services \(db, web\) is the task's own container"):
         load_harbor_task(task_dir)
 
 
@@ -401,7 +513,7 @@ def test_a_terminal_bench_1_task_runs_as_written(tmp_path, solution):
     task_dir = tb1_task(tmp_path, solution)
     task = load_harbor_task(task_dir)
     assert task.instruction.startswith("Create the file /app/hello.txt") and task.limits.verifier_timeout_s == 60
-    assert any("compose file's settings beyond the build" in n for n in task.notes)
+    assert any("compose file's settings of the task's own container beyond the build" in n for n in task.notes)
     backend = LocalBackend()
     untouched = check_task(task, backend, oracle=False, log=lambda s: None)
     solved = check_task(task, backend, oracle=True, log=lambda s: None)

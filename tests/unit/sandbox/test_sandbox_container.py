@@ -3,17 +3,19 @@ the same rewards as the local backend for the same tasks, built on the same loca
 build it (no registry needed; `make test-podman`). Skipped, with the reason, where an engine is missing or cannot
 run containers."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
-from rl.sandbox import SandboxLimits
+from rl.envs.task import prepare_task
+from rl.sandbox import SandboxError, SandboxLimits
 from rl.sandbox.container import ENGINES, engine_problem, make_container_backend
 from rl.sandbox.image import build_problem
 from rl.sandbox.local import LocalBackend
-from tests.unit.envs.test_envs_images import TB2_UVX, built_task
+from tests.unit.envs.test_envs_images import TB2_UVX, built_task, service_task
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -28,11 +30,13 @@ def _backend(engine):
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_the_same_tasks_give_the_same_rewards_as_the_local_backend(engine, tmp_path):
     """A bundled task (the host's system stands in locally), a task that must be built (apt, pip, files outside
-    /app) and a verifier that fetches uv: untouched and solved, the engine's reward is the local backend's."""
+    /app), one whose image's ENTRYPOINT starts a service on port 80 under a name of its /etc/hosts, and a verifier
+    that fetches uv: untouched and solved, the engine's reward is the local backend's."""
     backend = _backend(engine)
     if not backend.local_base:
         pytest.skip(f"no local base to build on: {build_problem()}")
-    tasks = [REPO / "examples" / "tasks" / "python-csv-report", built_task(tmp_path / "built")]
+    tasks = [REPO / "examples" / "tasks" / "python-csv-report", built_task(tmp_path / "built"),
+             service_task(tmp_path / "service")]
     uvx = built_task(tmp_path / "uvx", dockerfile="FROM ubuntu:24.04\nWORKDIR /opt/project\nCOPY data data\n")
     (uvx / "tests" / "test.sh").write_text(TB2_UVX)
     (uvx / "solution" / "solve.sh").write_text(
@@ -68,3 +72,82 @@ def test_container_has_no_network_and_kills_on_timeout(engine):
         res = sbx.exec("trap '' TERM; while :; do :; done", timeout=2)
         assert res.timed_out
         assert sbx.exec("echo alive").output == "alive\n"
+
+
+COMPOSE = """\
+services:
+  main:
+    depends_on:
+      api:
+        condition: service_healthy
+  api:
+    build:
+      context: ./api
+    environment:
+      - GREETING=${MC_TEST_GREETING:-hello from api}
+    expose: ["5000"]
+    healthcheck:
+      test: ["CMD", "python3", "-c", "import socket; socket.create_connection(('localhost', 5000), timeout=2)"]
+      interval: 1s
+      timeout: 5s
+      retries: 30
+"""
+API_SERVER = """\
+import http.server, os
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(os.environ["GREETING"].encode())
+http.server.HTTPServer(("127.0.0.1", 5000), Answer).serve_forever()
+"""
+
+
+def multi_container_task(root: Path, server: str = API_SERVER) -> Path:
+    """Harbor's multi-container recipe in small: an api service built from its own Dockerfile beside the task's
+    container, reached by its name; the agent and the verifier query it."""
+    task = root / "multi-container"
+    files = {"instruction.md": "Write what http://api:5000/ answers to /app/answer.txt.\n",
+             "task.toml": 'version = "1.0"\n[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 60.0\n',
+             "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+             "environment/docker-compose.yaml": COMPOSE,
+             "environment/api/Dockerfile": "FROM python:3.12-slim\nWORKDIR /srv\nCOPY server.py .\n"
+                                           'CMD ["python3", "server.py"]\n',
+             "environment/api/server.py": server,
+             "solution/solve.sh": "#!/bin/bash\npython3 -c \"import urllib.request; open('/app/answer.txt', 'wb')."
+                                  "write(urllib.request.urlopen('http://api:5000/').read())\"\n",
+             "tests/test.sh": "#!/bin/bash\nlive=$(python3 -c \"import urllib.request; print(urllib.request."
+                              "urlopen('http://api:5000/').read().decode(), end='')\")\n"
+                              "if [ \"$live\" = 'hello from api' ] && [ \"$(cat /app/answer.txt 2>/dev/null)\" = "
+                              "\"$live\" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > "
+                              "/logs/verifier/reward.txt; fi\n"}
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    return task
+
+
+def test_a_multi_container_task_runs_beside_its_services_on_podman(tmp_path):
+    """The compose file's other service is built (on the local base) and started beside the task's container,
+    sharing only loopback, its name in /etc/hosts, waited for until healthy: 0 untouched, 1 solved. A service that
+    never becomes healthy is one line with its last output, and leaves no container behind."""
+    backend = _backend("podman")
+    if not backend.local_base:
+        pytest.skip(f"no local base to build on: {build_problem()}")
+    task = load_harbor_task(multi_container_task(tmp_path / "ok"))
+    assert check_task(task, backend, oracle=False, log=lambda s: None).reward == 0.0
+    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    assert solved.reward == 1.0, solved.output[-2000:]
+    broken = multi_container_task(tmp_path / "broken", server="raise SystemExit('no config file: /srv/app.toml')\n")
+    (broken / "environment" / "docker-compose.yaml").write_text(
+        COMPOSE.replace("retries: 30", "retries: 2").replace("interval: 1s", "interval: 0.2s"))
+    task = load_harbor_task(broken)
+    snapshot = prepare_task(task, backend)
+    before = subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout.split()
+    try:
+        with pytest.raises(SandboxError) as e:
+            backend.fork(snapshot)
+    finally:
+        snapshot.discard()
+    (line,) = str(e.value).splitlines()
+    assert "the service api did not become healthy" in line and "no config file: /srv/app.toml" in line, line
+    after = subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout.split()
+    assert set(after) <= set(before)

@@ -118,8 +118,9 @@ def test_failed_setup_names_its_origin(tmp_path):
         builds = build_problem() is None and ImageBuilder().base().is_dir()
     except SandboxError:  # no way to the Debian mirror
         builds = False
-    failed = (r"Dockerfile:3: setup command failed \(exit code 100\): E: Unable to locate package foo \(the whole log"
-              if builds else r"\(it must be built: .*Dockerfile:3: RUN reaches past /app")
+    failed = (r"Dockerfile:3: Debian's archive, which stands in for the FROM image's, has no package foo: build the "
+              r"task on a container backend from its own image \(the whole log" if builds
+              else r"\(it must be built: .*Dockerfile:3: RUN reaches past /app")
     with SandboxPool(LocalBackend(), prepare_task, concurrency=1) as pool:
         with pytest.raises(TaskError, match=failed):
             pool.prepare(task)
@@ -159,3 +160,53 @@ def test_unisolated_mode_still_applies_limits(tmp_path):
             assert alive == []  # the command's session was killed when its shell exited
             assert sbx.exec("sleep 3", timeout=0.5).timed_out
             assert Path(sbx.workdir).is_dir() and str(sbx.root) in sbx.workdir
+
+
+SERVICE_ENTRYPOINT = """#!/bin/bash
+echo "127.0.0.1 svc.test" >> /etc/hosts
+python3 -m http.server 80 --bind 127.0.0.1 --directory /app/site >/dev/null 2>&1 &
+for _ in $(seq 100); do python3 -c "import socket; socket.create_connection(('127.0.0.1', 80))" 2>/dev/null && break
+  sleep 0.05; done
+exec "$@"
+"""
+FETCH = ("python3 -c \"import urllib.request; print(urllib.request.urlopen('http://svc.test/').read().decode(), "
+         "end='')\"")
+
+
+def test_an_entrypoint_starts_each_episode_as_a_container_starts(tmp_path):
+    """The image's ENTRYPOINT runs first in every episode, with its own /etc/hosts and ports below 1024 (as docker
+    gives a container): the service it leaves running answers the agent and the verifier, which sees /etc/hosts
+    read-only; a sandbox's /etc/hosts is its own."""
+    tree = tmp_path / "tree"
+    (tree / "site").mkdir(parents=True)
+    (tree / "site" / "index.html").write_text("served\n")
+    (tree / "entrypoint.sh").write_text(SERVICE_ENTRYPOINT)
+    (tree / "entrypoint.sh").chmod(0o755)
+    with LocalSandbox(tree, entrypoint=("/app/entrypoint.sh",)) as sbx, LocalSandbox(tree) as other:
+        res = sbx.exec(FETCH)
+        if res.output.startswith("Traceback") and "Permission denied" in res.output:
+            pytest.skip("ports below 1024 need a root host (docs/SANDBOX.md)")
+        assert res.output == "served\n", res.output
+        assert "svc.test" not in other.exec("cat /etc/hosts").output  # each sandbox's /etc/hosts is its own
+        sbx.enter_verifier()
+        res = sbx.exec(f"{FETCH}; echo 127.0.0.2 forged >> /etc/hosts")
+        assert res.output.startswith("served\n") and "Read-only file system" in res.output, res.output
+        sbx.leave_verifier()
+        assert sbx.end_episode() >= 1  # the service was running until the episode ended
+        assert sbx.exec(FETCH).output == "served\n"  # the next episode starts with the entrypoint again
+
+
+def test_an_entrypoint_that_fails_is_one_line_before_any_command_runs(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "entrypoint.sh").write_text("#!/bin/bash\necho 'cannot find config.yaml' >&2\nexit 4\n")
+    (tree / "entrypoint.sh").chmod(0o755)
+    with LocalSandbox(tree, entrypoint=("/app/entrypoint.sh",)) as sbx:
+        with pytest.raises(SandboxError) as e:
+            sbx.exec("touch /app/ran")
+        (line,) = str(e.value).splitlines()
+        assert "ENTRYPOINT ['/app/entrypoint.sh']" in line and "status 4 cannot find config.yaml" in line, line
+        assert not (sbx.app_dir / "ran").exists()
+    (tree / "entrypoint.sh").write_text("#!/bin/bash\ntouch /tmp/started\n")  # runs and ends without exec "$@"
+    with LocalSandbox(tree, entrypoint=("/app/entrypoint.sh",)) as sbx:
+        assert sbx.exec("ls /tmp/started").ok
