@@ -56,7 +56,15 @@ demo-vllm: install $(VLLM_VENV)/.installed
 test-podman: install
 	{ command -v podman && command -v runc; } >/dev/null \
 		|| { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc; }
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit/sandbox/test_sandbox_container.py -k podman
+	# rootless too, as a user with subuid ranges that runs the checker with the system's python3 (and its yaml)
+	if [ "$$(id -u)" = 0 ]; then \
+		id mc-rootless >/dev/null 2>&1 || useradd -m -s /bin/bash mc-rootless; \
+		grep -q '^mc-rootless:' /etc/subuid || usermod --add-subuids 400000-465535 --add-subgids 400000-465535 \
+			mc-rootless; \
+		/usr/bin/python3 -c 'import yaml' 2>/dev/null || apt-get install -y -qq python3-yaml; \
+	fi
+	MC_ROOTLESS_USER=$$(id -u mc-rootless >/dev/null 2>&1 && echo mc-rootless) \
+		$(PY) -m pytest -q -p no:cacheprovider tests/unit/sandbox/test_sandbox_container.py -k podman
 
 demo: install
 	$(PY) tools/demo.py

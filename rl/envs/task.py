@@ -208,6 +208,8 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
     (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
+    (re.compile(r"pytest: error: unrecognized arguments: --"),
+     "pytest plugins (pytest: error: unrecognized arguments) that its FROM image has and the stand-in lacks"),
     (re.compile(r"^E: .*(?:/var/lib/apt|/var/lib/dpkg|are you root)|^(?:yum|dnf|apk|microdnf): .*(?:denied|"
                 r"Read-only|root)|error: externally-managed-environment", re.MULTILINE),
      "to install packages, which the local backend cannot (its system is the read-only host): install them on "

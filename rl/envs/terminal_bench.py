@@ -58,7 +58,7 @@ class PytestLogVerifier:
         if services:
             details["background_processes"] = services
         status = parse_test_log(res.output)
-        missing = missing_tool(res.output, "the tests")
+        missing = missing_tool(res.output, "the test script")
         why = (f"the tests timed out after {task.limits.verifier_timeout_s:g} s" if res.timed_out
                else verifier_anomaly(res)
                or (None if status or (res.exit_code != 0 and not missing) else
@@ -70,6 +70,8 @@ class PytestLogVerifier:
             details["failing"] = ["(no test ran)"]  # parse failure, which it counts unresolved
             return VerifyResult(0.0, res.output, details, res)
         details["failing"] = sorted(name for name, s in status.items() if s not in PASSING)
+        if details["failing"] and missing:  # a failure because the tests could not run says nothing of the work
+            details["error"] = missing
         return VerifyResult(float(not details["failing"]), res.output, details, res)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import secrets
 import shlex
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,6 +187,14 @@ class ContainerSandbox(Sandbox):
                 self.pod.close()
 
 
+def build_network() -> list[str]:
+    """A build's network: the engine's own, except for a rootless engine on a host whose /dev/net/tun it cannot open
+    (its slirp4netns needs it), where the build shares the host's network as the local backend's builds do."""
+    if os.geteuid() != 0 and not os.access("/dev/net/tun", os.R_OK | os.W_OK):
+        return ["--network", "host"]
+    return []
+
+
 def container_limits(lim: SandboxLimits) -> list[str]:
     """An engine's `run` options for a sandbox's limits."""
     mb = 1024 * 1024
@@ -283,9 +293,12 @@ class ContainerBackend:
         problem = engine_problem(self.engine)
         if problem:
             raise SandboxError(problem)
-        if self.runtime is None and self.engine == "podman" and shutil.which("runc") and \
-                not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        cgroup_v1 = not Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        if self.runtime is None and self.engine == "podman" and shutil.which("runc") and cgroup_v1:
             self.runtime = "runc"  # podman's crun refuses hosts whose cgroups are v1 (or hybrid)
+        if self.engine == "podman" and os.geteuid() != 0 and cgroup_v1:
+            warnings.warn("rootless podman on cgroups v1 cannot limit a sandbox's memory or processes (it ignores "
+                          "--memory and --pids-limit): only the rlimits hold; use cgroups v2 or root", stacklevel=2)
 
     def _engine(self) -> list[str]:
         return [self.engine, *(["--runtime", self.runtime] if self.runtime else [])]
@@ -295,11 +308,11 @@ class ContainerBackend:
         instead (local_base: `recipe`, the Dockerfile on the local Debian base)."""
         context = str(dockerfile.parent)
         if not self.local_base or recipe is None:
-            return [*self._engine(), "build", "-q", "-t", image, "-f", str(dockerfile), context], None
+            return [*self._engine(), "build", "-q", "-t", image, *build_network(), "-f", str(dockerfile), context], None
         builder = ImageBuilder()
         text = containerfile(recipe, builder.export_base(self.engine))
         network = host_network_view(name_service=False)
-        argv = [*self._engine(), "build", "-q", "-t", image]
+        argv = [*self._engine(), "build", "-q", "-t", image, *build_network()]
         for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
             # The engine's defaults (about a million) may pass what this host lets a process set: the build's own
             # limits are this process's, at most BUILD_RLIMIT.

@@ -79,6 +79,9 @@ IMAGE_SKIPPED = ("proc", "dev", "sys", "tmp", "run", "boot", "lost+found")
 # Readable by root only; masked in case the sandbox user can read them anyway.
 # A container's /etc/hosts, the sandbox's own file (docker writes the same): what an entrypoint adds stays its own.
 HOSTS_FILE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
+# $HOME/.local/bin/env as uv's installer writes it: verifiers run `curl ... astral.sh/uv/install.sh | sh` (offline,
+# it fails) and `source $HOME/.local/bin/env`, which under `set -e` must not stop them; the image has uv already.
+UV_INSTALLER_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
 # How long an episode waits for the image's ENTRYPOINT to hand over to its command (`exec "$@"`); one that is still
 # running then is the container's main process (a server) and keeps running, as in a container.
 ENTRYPOINT_WAIT_S = 5.0
@@ -870,6 +873,10 @@ class LocalSandbox(Sandbox):
             os.chmod(root, 0o711)
             dirs = self._make_dirs(root)
             self._chown(root)
+            if self.image is not None:  # what uv's installer leaves, which verifiers source; the image's uv is ours
+                installed = dirs["tmp"] / ".local" / "bin"
+                installed.mkdir(parents=True)
+                (installed / "env").write_text(UV_INSTALLER_ENV)
         except OSError as e:
             raise SandboxError(f"cannot make the verifier's directories under {root}: {e}") from None
         self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])

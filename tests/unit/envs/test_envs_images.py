@@ -140,10 +140,24 @@ if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/ve
 """
 
 
-@pytest.mark.parametrize("test_sh", [TB2_UVX, UV_PROJECT, UV_VENV], ids=["uvx", "uv-project", "uv-venv"])
+UV_SET_E = """\
+#!/bin/bash
+set -e
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/install.sh | sh
+source $HOME/.local/bin/env
+uvx -w pytest==8.4.1 pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifier/reward.txt \
+  || echo 0 > /logs/verifier/reward.txt
+"""
+
+
+@pytest.mark.parametrize("test_sh", [TB2_UVX, UV_PROJECT, UV_VENV, UV_SET_E],
+                         ids=["uvx", "uv-project", "uv-venv", "set-e-source-env"])
 def test_the_usual_uv_boilerplates_run_offline_on_the_image(tmp_path, test_sh):
     """Harbor and Terminal-Bench verifiers fetch uv and have it install pytest: the image carries what they name
-    (pip installed it in the build) and a uv that runs offline, so they score 0 untouched and 1 solved."""
+    (pip installed it in the build) and a uv that runs offline, and the verifier's home has the env file uv's
+    installer leaves (a `set -e` script sources it), so they score 0 untouched and 1 solved."""
     task_dir = tmp_path / "hello"
     files = {"instruction.md": "Write Hello, world! to /app/hello.txt\n", "task.toml": TOML,
              "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n",

@@ -357,6 +357,11 @@ def test_terminal_bench_1_tests_that_fail_before_naming_a_test_score_0(tmp_path)
     result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=False, log=lambda s: None)
     assert result.reward == 0.0 and "error" not in result.details, result.details
     assert result.details["failing"] == ["(no test ran)"]
+    (task_dir / "run-tests.sh").write_text(  # a judge beyond the sandbox (LiveCodeBench Pro's) cannot be reached
+        "#!/bin/bash\necho 'E   OSError: [Errno 101] Network is unreachable'\n"
+        "echo 'FAILED test_outputs.py::test_judge'\nexit 1\n")
+    result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
+    assert result.reward == 0.0 and "the test script needs the network" in result.details["error"], result.details
 
 
 @needs_bwrap

@@ -3,7 +3,11 @@ the same rewards as the local backend for the same tasks, built on the same loca
 build it (no registry needed; `make test-podman`). Skipped, with the reason, where an engine is missing or cannot
 run containers."""
 
+import os
+import pwd
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from rl.envs.harbor import load_harbor_task
 from rl.envs.task import prepare_task
 from rl.sandbox import SandboxError, SandboxLimits
 from rl.sandbox.container import ENGINES, engine_problem, make_container_backend
-from rl.sandbox.image import build_problem
+from rl.sandbox.image import ImageBuilder, build_problem
 from rl.sandbox.local import LocalBackend
 from tests.unit.envs.test_envs_images import TB2_UVX, built_task, service_task
 
@@ -151,3 +155,50 @@ def test_a_multi_container_task_runs_beside_its_services_on_podman(tmp_path):
     assert "the service api did not become healthy" in line and "no config file: /srv/app.toml" in line, line
     after = subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before)
+
+
+ROOTLESS_USER = os.environ.get("MC_ROOTLESS_USER") or None  # `make test-podman` makes mc-rootless (on a root host)
+
+
+def _rootless_problem() -> str | None:
+    """Why podman cannot be tried rootless here: this test runs as root and becomes ROOTLESS_USER (with subuid
+    ranges) for the engine, running check_task with the system's python3."""
+    if ROOTLESS_USER is None:
+        return "MC_ROOTLESS_USER names no user to try podman rootless as (make test-podman sets it)"
+    if os.geteuid() != 0:
+        return "the rootless test starts as root to become its user"
+    try:
+        pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        return f"no user {ROOTLESS_USER} (make test-podman makes it, with subuid ranges)"
+    if engine_problem("podman") or build_problem():
+        return engine_problem("podman") or build_problem()
+    probe = _as_rootless(["/usr/bin/python3", "-c", "import rl.envs.check_task"])
+    return None if probe.returncode == 0 else (f"{ROOTLESS_USER}'s python3 cannot import the checker: "
+                                               f"{probe.stderr[-200:]}")
+
+
+def _as_rootless(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", ROOTLESS_USER, "--", "env", f"PYTHONPATH={REPO}", "HOME=" +
+                           pwd.getpwnam(ROOTLESS_USER).pw_dir, *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_rootless_podman_gives_the_same_rewards(tmp_path_factory):
+    """podman as an ordinary user (subuid ranges, no root): a task whose ENTRYPOINT serves on port 80 and a
+    multi-container task, untouched and solved, give the rewards the local backend and root podman give."""
+    if (why := _rootless_problem()) is not None:
+        pytest.skip(why)
+    ImageBuilder().base_archive()  # root writes the base's archive once; the user's podman imports it
+    shared = Path(tempfile.mkdtemp(prefix="mc-rootless-"))
+    try:
+        shared.chmod(0o755)
+        tasks = [service_task(shared / "a"), multi_container_task(shared / "b")]
+        for task_dir in tasks:
+            for oracle in (False, True):
+                res = _as_rootless(["/usr/bin/python3", "tools/check_task.py", str(task_dir), "--backend", "podman",
+                                    "--local-base"] + (["--oracle"] if oracle else []))
+                assert res.returncode == 0 and res.stdout.splitlines()[-1] == str(int(oracle)), (
+                    task_dir.name, oracle, res.stdout[-1500:], res.stderr[-1500:])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
