@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from rl.sandbox.base import BASE_ENV, ExecResult, SandboxError, run_process
+from rl.sandbox.base import BASE_ENV, ExecResult, SandboxError, dir_usage, run_process
 from rl.sandbox.leftovers import force_rmtree, sweep
 from rl.sandbox.local import bwrap_path, copy_tree, read_bwrap_info
 from rl.sandbox.owners import make_dir
@@ -472,7 +472,49 @@ class ImageBuilder:
         if not self._finished(folder):
             return None
         meta = json.loads((folder / "image.json").read_text())
+        try:  # its record's time is its last use, which `prune` reads
+            os.utime(folder / "image.json")
+        except OSError:
+            pass
         return Image(folder / "rootfs", folder.name, float(meta.get("build_s", 0.0)), cached=True)
+
+    def prune(self, unused_days: float | None = None, dry_run: bool = False) -> list[tuple[Path, int, str]]:
+        """Remove what this cache holds that no prepare will use: bases other than this host's current one, images
+        built on another base or by other image tools or layout (older code), unfinished builds of processes that no
+        longer run, and, with `unused_days`, images not used for that long and build logs as old. Returns (folder,
+        bytes, why) of each. An image in use by a running sandbox stays mounted there; its next fork would build it
+        again."""
+        sweep(str(self.cache_dir))  # unfinished builds of stopped processes
+        if not self.cache_dir.is_dir():
+            return []
+        now, removed = time.time(), []
+        for folder in sorted(p for p in self.cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            record = folder / "image.json"
+            if folder.name == "logs":
+                why_of = {f: "a build log older than the limit" for f in folder.iterdir()
+                          if unused_days is not None and now - f.stat().st_mtime > unused_days * 86400}
+                for f, why in why_of.items():
+                    removed.append((f, f.stat().st_size, why))
+                    if not dry_run:
+                        f.unlink()
+                continue
+            if not record.is_file():
+                continue  # a build in progress (mc-build-*): the sweep removes it once its owner stops
+            meta = json.loads(record.read_text())
+            if folder.name.startswith("base-"):
+                why = None if folder.name == f"base-{self.base_key}" else "a base this host no longer builds on"
+            elif (meta.get("base"), meta.get("tools"), meta.get("layout")) != (self.base_key, TOOLS_DIGEST,
+                                                                                  IMAGE_LAYOUT):
+                why = "built on another base or by older image tools"
+            elif unused_days is not None and now - record.stat().st_mtime > unused_days * 86400:
+                why = f"not used for {unused_days:g} days"
+            else:
+                why = None
+            if why:
+                removed.append((folder, dir_usage([str(folder)])[0], why))
+                if not dry_run:
+                    force_rmtree(folder)
+        return removed
 
     def build_recipe(self, recipe: ImageRecipe) -> Image:
         """Build (or find) a loader's recipe: its packages from the Debian mirror, then its steps."""
@@ -528,8 +570,8 @@ class ImageBuilder:
                     os.lchown(hosts, BUILD_UID_BASE, BUILD_UID_BASE)
                 share_unchanged(work / "rootfs", base)
                 build_s = time.monotonic() - t0
-                self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key,
-                                                          "build_s": round(build_s, 1)})
+                self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key, "tools": TOOLS_DIGEST,
+                                                          "layout": IMAGE_LAYOUT, "build_s": round(build_s, 1)})
             finally:
                 force_rmtree(work)
         return Image(self.cache_dir / key / "rootfs", key, build_s, cached=False)

@@ -76,7 +76,6 @@ SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # An image's top-level folders that are neither its system nor the sandbox's own (its /opt, /srv, /home, /root,
 # /workspace ...) become writable copies per sandbox, as a container's; these are never copied.
 IMAGE_SKIPPED = ("proc", "dev", "sys", "tmp", "run", "boot", "lost+found")
-# Readable by root only; masked in case the sandbox user can read them anyway.
 # A container's /etc/hosts, the sandbox's own file (docker writes the same): what an entrypoint adds stays its own.
 HOSTS_FILE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
 # $HOME/.local/bin/env as uv's installer writes it: verifiers run `curl ... astral.sh/uv/install.sh | sh` (offline,
@@ -85,6 +84,7 @@ UV_INSTALLER_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PAT
 # How long an episode waits for the image's ENTRYPOINT to hand over to its command (`exec "$@"`); one that is still
 # running then is the container's main process (a server) and keeps running, as in a container.
 ENTRYPOINT_WAIT_S = 5.0
+# Readable by root only; masked in case the sandbox user can read them anyway.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
 # Root mode (no user namespace): everything else is unshared; setpriv needs these capabilities to drop to
@@ -411,15 +411,18 @@ class LocalSandbox(Sandbox):
         """The sandbox's own copy of the image's folder /name: into its /app or /var (/var/tmp stays /tmp), or a
         writable mount of its own."""
         source = self.image / name
-        if name in WRITABLE_DIRS:
-            for entry in source.iterdir():
-                if not (name == "var" and entry.name == "tmp"):
-                    subprocess.run(["cp", "-a", "--reflink=auto", str(entry), str(self._dirs[name])], check=True)
-            return
-        target = self._dirs["mounts"] / f"image-{name}"
-        copy_tree(source, target)
-        self._image_mounts.append((target, f"/{name}"))
-        self._judge_mountpoint()
+        target = self._dirs[name] if name in WRITABLE_DIRS else self._dirs["mounts"] / f"image-{name}"
+        entries = [str(e) for e in source.iterdir() if not (name == "var" and e.name == "tmp")]
+        if name not in WRITABLE_DIRS:
+            target.mkdir()
+            os.chmod(target, stat.S_IMODE(source.stat().st_mode))
+        if entries:  # one copy of all it holds (apt and dpkg keep working for the verifiers' `apt-get install curl`)
+            res = subprocess.run(["cp", "-a", "--reflink=auto", *entries, str(target)], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SandboxError(f"cannot copy the image's /{name}: {res.stderr.strip()[:300]}")
+        if name not in WRITABLE_DIRS:
+            self._image_mounts.append((target, f"/{name}"))
+            self._judge_mountpoint()
 
     def _judge_mountpoint(self) -> None:
         """Where an image's folder (its /opt) holds the judge's tools' place: the mount point they need there (made
