@@ -6,8 +6,8 @@ how long the environment took to build and to prepare again, and for a task that
 A task folder is Harbor (1.0, 1.1 multi-step) or Terminal-Bench 1 (tools/check_task.py reads both). A task "runs"
 when its untouched check gives reward 0 and its oracle check reward 1, neither with an error. A task that cannot be
 loaded or built here (a GPU, a multi-container compose file on the local backend, a download from beyond the package
-registries, a base that is not Debian) is a row with its one-line reason. Exit status 1 when any task that loads and
-builds does not give 0 and 1.
+registries, a base that is not Debian) is a row with its one-line reason. Exit status 1 when a task gives other
+rewards than 0 and 1 with no reason (a verdict that would mislead training).
 """
 
 from __future__ import annotations
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(table)
     if args.json:
         Path(args.json).write_text("".join(json.dumps({**asdict(r), "runs": r.runs}) + "\n" for r in rows))
-    loaded = [r for r in rows if r.unsolved is not None]
-    return 1 if any(not r.runs for r in loaded) else 0
+    return 1 if any(not r.runs and not r.reason for r in rows) else 0  # a verdict wrong without a reason
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 from rl.envs.check_task import check_task
 from rl.envs.harbor import TaskFormatWarning, load_harbor_task
-from rl.envs.task import RewardError, RunStep, TaskError, parse_reward, prepare_task
+from rl.envs.task import RewardError, RunStep, TaskError, missing_tool, parse_reward, prepare_task
 from rl.sandbox.base import BASE_ENV, ExecResult
 from rl.sandbox.local import LocalBackend, bwrap_problem
 
@@ -656,3 +656,16 @@ def test_a_multi_step_task_names_what_it_lacks(tmp_path):
     (task_dir / "task.toml").write_text(MULTI_STEP_TOML.format(strategy="best"))
     with pytest.raises(TaskError, match=r"multi_step_reward_strategy 'best' is not one of \['mean', 'final'\]"):
         load_harbor_task(task_dir)
+
+
+@pytest.mark.parametrize("log,says", [
+    ("/tests/run-tests.sh: line 27: make: command not found\n", "needs make, a build tool its FROM image has"),
+    ("ERROR: usage: pytest\npytest: error: unrecognized arguments: --cov=. --json-report\n", "needs pytest plugins"),
+    ("requests.exceptions.ConnectionError: [Errno 101] Network is unreachable\n", "needs the network"),
+    ("curl: (6) Could not resolve host: astral.sh\n", None),  # uv's installer: the image has uv
+    ("bash: line 1: ./wordcount: No such file or directory\nbash: wordcount: command not found\n", None)])
+def test_what_a_zero_verdict_could_not_run_is_named(log, says):
+    """A zero that the verifier could not have given otherwise names what was missing; the agent's own missing
+    program (a build it was asked for) is a plain zero."""
+    found = missing_tool(log, "the test script")
+    assert (found is None) if says is None else (says in found), found
