@@ -10,8 +10,8 @@ the command, or the script itself) become steps; `--platform` is read past. Two 
   node ...), then the steps, with the network (rl/sandbox/image.py). Cached under a digest of everything it reads.
 Both are stated in the task's notes. ENTRYPOINT starts every episode, as it starts a container (a service it leaves
 running serves the agent and the verifier). Instructions that only describe a container (LABEL, EXPOSE, CMD, USER
-...) are noted; anything else (VOLUME, multi-stage builds, COPY --from, ADD of a URL, a non-Debian base that must be
-built) is named in an error that points to a container backend.
+...) are noted; anything else (multi-stage builds, COPY --from, a non-Debian base that must be built) is named in an
+error that points to a container backend. ADD of a URL downloads it in the build.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rl.sandbox.base import BASE_ENV
 from rl.sandbox.image import ImageRecipe
 
 TREE_ROOT = "/app"
-NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "ONBUILD"}
+NO_EFFECT = {"LABEL", "MAINTAINER", "EXPOSE", "STOPSIGNAL", "VOLUME", "HEALTHCHECK", "SHELL", "ONBUILD"}
 # A RUN that reaches past the task tree: it installs, downloads, changes users or names a path outside /app and /tmp.
 _REACHES_OUT = re.compile(
     r"(?:^|[\s;&|(`]|\bsudo\s)(?:apt-get|apt|aptitude|dpkg|apk|yum|dnf|microdnf|zypper|pacman|pip3?|pipx|uv|uvx|"
@@ -265,14 +265,20 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
         elif keyword in ("COPY", "ADD"):
             steps = _copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env})
             for step in steps:
-                if not _in_tree(step.dest):
+                if isinstance(step, RunStep):
+                    reaches_out(f"{where}: ADD downloads {step.origin.rsplit(' ', 1)[-1]}")
+                elif not _in_tree(step.dest):
                     reaches_out(f"{where}: {keyword} to {step.dest} is outside {TREE_ROOT}")
             plan.steps.extend(steps)
         elif keyword == "RUN":
             args = _args(rest) if rest.startswith("[") else None
             command = shlex.join(args) if args is not None else _heredoc_run(rest)
-            if command.startswith("--"):
-                raise UnsupportedDockerfile(f"{where}: RUN flags ({command.split()[0]}) need a container backend")
+            while command.startswith("--"):  # BuildKit's RUN flags: a cache mount or a network only speed a build
+                flag, _, command = command.partition(" ")
+                if not re.fullmatch(r"--mount=(?:type=cache\b.*)|--network=\S+", flag):
+                    raise UnsupportedDockerfile(f"{where}: RUN {flag.split(',')[0]} needs a container backend")
+                plan.notes.append(f"{where}: RUN {flag.split(',')[0]} is ignored (the build runs without it)")
+                command = command.lstrip()
             if _REACHES_OUT.search(command):
                 reaches_out(f"{where}: RUN reaches past {TREE_ROOT} (it installs, downloads or names a system path)")
             plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))
@@ -314,7 +320,16 @@ def _copy_steps(keyword: str, rest: str, where: str, context: Path, plan: Docker
     steps = []
     for src in sources:
         if re.match(r"^[a-z]+://", src):
-            raise UnsupportedDockerfile(f"{where}: {keyword} of a URL ({src}) needs network; not supported locally")
+            if keyword == "COPY" or not src.startswith(("http://", "https://")):
+                raise UnsupportedDockerfile(f"{where}: {keyword} of {src} needs a container backend")
+            # ADD of a URL: downloaded in the build (its network), to dest or into it by the URL's file name
+            name = PurePosixPath(src.split("?", 1)[0]).name or "index.html"
+            target = str(PurePosixPath(dest_abs) / name) if dest_is_dir else dest_abs
+            fetch = ("import sys, os, urllib.request; os.makedirs(os.path.dirname(sys.argv[2]) or '.', exist_ok=True); "
+                     "urllib.request.urlretrieve(sys.argv[1], sys.argv[2])")
+            steps.append(RunStep(command=shlex.join(["python3", "-c", fetch, src, target]), cwd="/", env={},
+                                 origin=f"{where}: ADD {src}"))
+            continue
         matches = sorted(glob.glob(str(context / src))) if any(c in src for c in "*?[") else [str(context / src)]
         if not matches or not os.path.exists(matches[0]):
             raise TaskError(f"{where}: {keyword} source {src!r} does not exist in the build context {context}")

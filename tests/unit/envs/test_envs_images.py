@@ -216,3 +216,22 @@ def test_an_image_entrypoint_serves_the_agent_and_the_verifier(tmp_path):
     assert untouched.reward == 0.0 and "error" not in untouched.details, untouched.details
     solved = check_task(task, backend, oracle=True, log=lambda _: None)
     assert solved.reward == 1.0, (solved.details, solved.output[-2000:])
+
+
+def test_add_of_a_url_downloads_it_in_the_build(tmp_path):
+    """ADD <url> fetches in the build (which has the network), by the URL's file name into a folder."""
+    task_dir = built_task(tmp_path, dockerfile="FROM python:3.11-slim-bookworm\nWORKDIR /app\n"
+                                               "ADD https://pypi.org/simple/six/ /app/index/\n")
+    task = load_harbor_task(task_dir)
+    assert "ADD downloads https://pypi.org/simple/six/" in task.image.required
+    try:
+        snapshot = prepare_task(task, LocalBackend())
+    except TaskError as e:  # a host that reaches the package index through a mirror only
+        if "which the build cannot reach" in str(e):
+            pytest.skip(f"pypi.org cannot be reached from here: {e}")
+        raise
+    try:
+        with LocalBackend().fork(snapshot) as sbx:
+            assert "six-" in sbx.exec("cat /app/index/six").output  # the index page names six's files
+    finally:
+        snapshot.discard()

@@ -669,3 +669,21 @@ def test_what_a_zero_verdict_could_not_run_is_named(log, says):
     program (a build it was asked for) is a plain zero."""
     found = missing_tool(log, "the test script")
     assert (found is None) if says is None else (says in found), found
+
+
+def test_buildkit_run_flags_and_volume_are_read_past_or_refused_in_one_line(tmp_path):
+    """A cache mount or a network flag on RUN only speeds a build and VOLUME only describes the container: noted,
+    the command still runs. A secret or bind mount and COPY of a URL need a container engine: one line each."""
+    task_dir = hello_world(tmp_path)
+    dockerfile = task_dir / "environment" / "Dockerfile"
+    dockerfile.write_text("FROM python:3.12-slim\nWORKDIR /app\nRUN --mount=type=cache,target=/root/.cache/pip "
+                          "--network=default echo built > built.txt\nVOLUME /data\n")
+    task = load_harbor_task(task_dir)
+    assert [step.command for step in task.setup] == ["echo built > built.txt"]
+    assert sum("RUN --" in n and "is ignored" in n for n in task.notes) == 2, task.notes
+    assert any("VOLUME has no effect" in n for n in task.notes), task.notes
+    for line, says in (("RUN --mount=type=secret,id=token cat /run/secrets/token", "RUN --mount=type=secret"),
+                       ("COPY https://example.com/a.txt /app/", "COPY of https://example.com/a.txt")):
+        dockerfile.write_text(f"FROM python:3.12-slim\nWORKDIR /app\n{line}\n")
+        with pytest.raises(TaskError, match=f"Dockerfile:3: {says}.* needs a container backend"):
+            load_harbor_task(task_dir)
