@@ -211,6 +211,7 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
     (re.compile(r"\b(make|cmake|gcc|g\+\+|cc|c\+\+|clang|git|javac?|mvn|gradle|node|npm|npx|yarn|go|cargo|rustc|"
                 r"ruby|php|perl|dotnet|swift|ghc|Rscript): (?:command )?not found"),
      "{0}, a build tool its FROM image has and the stand-in lacks"),
+    (re.compile(r"no '(java)' command could be found"), "{0}, a build tool its FROM image has and the stand-in lacks"),
     (re.compile(r"pytest: error: unrecognized arguments: --"),
      "pytest plugins (pytest: error: unrecognized arguments) that its FROM image has and the stand-in lacks"),
     (re.compile(r"^E: .*(?:/var/lib/apt|/var/lib/dpkg|are you root)|^(?:yum|dnf|apk|microdnf): .*(?:denied|"

@@ -660,6 +660,7 @@ def test_a_multi_step_task_names_what_it_lacks(tmp_path):
 
 @pytest.mark.parametrize("log,says", [
     ("/tests/run-tests.sh: line 27: make: command not found\n", "needs make, a build tool its FROM image has"),
+    ("ERROR: JAVA_HOME is not set and no 'java' command could be found in your PATH.\n", "needs java, a build tool"),
     ("ERROR: usage: pytest\npytest: error: unrecognized arguments: --cov=. --json-report\n", "needs pytest plugins"),
     ("requests.exceptions.ConnectionError: [Errno 101] Network is unreachable\n", "needs the network"),
     ("curl: (6) Could not resolve host: astral.sh\n", None),  # uv's installer: the image has uv
