@@ -38,7 +38,7 @@ from rl.sandbox.base import (
     run_process,
 )
 from rl.sandbox.image import ImageBuilder, containerfile, host_network_view
-from rl.sandbox.local import LocalSandbox, LocalSnapshot
+from rl.sandbox.local import ENTRYPOINT_WAIT_S, LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
 BUILD_RLIMIT = 16384  # open files and processes of a build's RUN steps
@@ -104,8 +104,10 @@ class ContainerSandbox(Sandbox):
         lim = self.limits
         self.name = f"mc-sandbox-{secrets.token_hex(6)}"
         self.pod = pod
-        # Started as Harbor starts a task's container: its image's ENTRYPOINT with `sh -c "sleep infinity"`.
-        start = (["--entrypoint", json.dumps(list(entrypoint)), image, "sh", "-c", "sleep infinity"] if entrypoint
+        # Started as Harbor starts a task's container: its image's ENTRYPOINT with `sh -c "sleep infinity"` (which
+        # first leaves a mark that the entrypoint handed over to it).
+        start = (["--entrypoint", json.dumps(list(entrypoint)), image, "sh", "-c",
+                  f"touch {STARTED_MARK}; exec sleep infinity"] if entrypoint
                  else ["--entrypoint", "sleep", image, "infinity"])
         argv = [engine, *(["--runtime", runtime] if runtime else []), "run", "-d", "--name", self.name,
                 *(pod.join_argv("main") if pod else ["--network", "none"]), *container_limits(lim),
@@ -118,6 +120,33 @@ class ContainerSandbox(Sandbox):
             if pod is not None:
                 pod.close()
             raise
+        if entrypoint:
+            try:
+                self._wait_started(entrypoint)
+            except BaseException:
+                self.close()
+                raise
+
+    def _wait_started(self, entrypoint: tuple[str, ...]) -> None:
+        """Wait until the entrypoint hands over to its command (what it starts is then running, and the verifier
+        phase keeps it), as the local backend waits: an entrypoint that exits first is a one-line error with its
+        last output; one still running after ENTRYPOINT_WAIT_S is the container's main process."""
+        deadline = time.monotonic() + ENTRYPOINT_WAIT_S
+        while time.monotonic() < deadline:
+            probe = subprocess.run([self.engine, "exec", self.container, "test", "-e", STARTED_MARK],
+                                   capture_output=True, text=True)
+            if probe.returncode == 0:
+                break
+            state = subprocess.run([self.engine, "inspect", "-f", "{{.State.Running}}", self.container],
+                                   capture_output=True, text=True)
+            if state.stdout.strip() != "true":
+                log = subprocess.run([self.engine, "logs", "--tail", "1", self.container], capture_output=True,
+                                     text=True)
+                last = (log.stdout + log.stderr).strip().splitlines()[-1:] or ["no output"]
+                raise SandboxError(f"the image's ENTRYPOINT {list(entrypoint)} exited before its command ran: "
+                                   f"{last[0][:200]}")
+            time.sleep(0.1)
+        self._note_image_processes()
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
@@ -185,6 +214,9 @@ class ContainerSandbox(Sandbox):
             subprocess.run([self.engine, "rm", "-f", "-t", "0", self.container], capture_output=True)
             if self.pod is not None:
                 self.pod.close()
+
+
+STARTED_MARK = "/tmp/.mc-entrypoint-started"  # left by a container's command once its ENTRYPOINT handed over
 
 
 def build_network() -> list[str]:
