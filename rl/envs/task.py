@@ -209,9 +209,8 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
     (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
     (re.compile(r"\b(make|cmake|gcc|g\+\+|cc|c\+\+|clang|git|javac?|mvn|gradle|node|npm|npx|yarn|go|cargo|rustc|"
-                r"ruby|php|perl|dotnet|swift|ghc|Rscript): (?:command )?not found"),
+                r"ruby|php|perl|dotnet|swift|ghc|Rscript): (?:command )?not found|no '(java)' command could be found"),
      "{0}, a build tool its FROM image has and the stand-in lacks"),
-    (re.compile(r"no '(java)' command could be found"), "{0}, a build tool its FROM image has and the stand-in lacks"),
     (re.compile(r"pytest: error: unrecognized arguments: --"),
      "pytest plugins (pytest: error: unrecognized arguments) that its FROM image has and the stand-in lacks"),
     (re.compile(r"^E: .*(?:/var/lib/apt|/var/lib/dpkg|are you root)|^(?:yum|dnf|apk|microdnf): .*(?:denied|"
@@ -243,8 +242,9 @@ def missing_tool(log: str, what: str = "the verifier", patterns=_MISSING_TOOLS) 
     """One line naming what `what` needed that the local backend lacks, and what fixes it; None if none shows."""
     for pattern, need in patterns:
         if found := pattern.search(log):
-            return (f"{what} needs {need.format(*found.groups())}, or run the task on a container backend (--backend "
-                    "docker, podman or apptainer) whose image provides it")
+            named = [g for g in found.groups() if g]  # what the matching alternative captured
+            return (f"{what} needs {need.format(*named)}, or run the task on a container backend (--backend docker, "
+                    "podman or apptainer) whose image provides it")
     return None
 
 

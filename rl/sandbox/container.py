@@ -38,7 +38,7 @@ from rl.sandbox.base import (
     run_process,
 )
 from rl.sandbox.image import ImageBuilder, containerfile, host_network_view
-from rl.sandbox.local import ENTRYPOINT_WAIT_S, LocalSandbox, LocalSnapshot
+from rl.sandbox.local import ENTRYPOINT_WAIT_S, HOSTS_FILE, LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
 BUILD_RLIMIT = 16384  # open files and processes of a build's RUN steps
@@ -86,8 +86,9 @@ class ContainerSnapshot:
     def discard(self) -> None:
         if self.owned:
             subprocess.run([self.engine, "rmi", "-f", self.image], capture_output=True)
-        for _, image in self.services:
-            subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
+        for service, image in self.services:
+            if service.dockerfile is not None:  # built here; a registry's image is not this project's to remove
+                subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
 
 
 class ContainerSandbox(Sandbox):
@@ -249,7 +250,7 @@ class Pod:
         self.runtime = ["--runtime", runtime] if runtime else []
         self.name = f"mc-pod-{secrets.token_hex(6)}"
         self.folder = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
-        self.hosts = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n" + "".join(
+        self.hosts = HOSTS_FILE + "".join(
             f"127.0.0.1\t{service.name}\n" for service, _ in services)
         self.containers: list[str] = []
         try:

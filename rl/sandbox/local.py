@@ -665,6 +665,13 @@ class LocalSandbox(Sandbox):
             self.end_episode()
             raise SandboxError(f"cannot open the episode's ports below 1024: {res.stderr.strip()[:200]}")
 
+    def _start_container(self) -> None:
+        """A new episode, started as a container starts: its namespaces, then the image's ENTRYPOINT (if any) with
+        the image's environment."""
+        self._start_episode()
+        if self.entrypoint:
+            self._run_entrypoint({**BASE_ENV, **self.env})
+
     def _run_entrypoint(self, env: dict[str, str]) -> None:
         """Start the episode as a container starts: the image's ENTRYPOINT with a command that says it was reached
         (Harbor and Terminal-Bench give the main container `sh -c 'sleep infinity'`). What it starts in the
@@ -829,9 +836,7 @@ class LocalSandbox(Sandbox):
                 self.end_episode()
                 events.append("the sandbox's init was killed (memory?); its background processes ended")
             if self._episode is None:
-                self._start_episode()
-                if self.entrypoint:
-                    self._run_entrypoint(env)
+                self._start_container()
             before = self._episode.processes()
         seccomp_fd = filter_fd() if self.needs_bwrap else None
         argv, launcher_uid = self._launcher_argv(self._rlimit_argv()
@@ -866,8 +871,7 @@ class LocalSandbox(Sandbox):
             self.end_episode()
         self._drop_verifier_root()
         if services and self.entrypoint and self.needs_bwrap and self._episode is None:
-            self._start_episode()  # the container was up before the verifier came, with what its entrypoint started
-            self._run_entrypoint({**BASE_ENV, **self.env})
+            self._start_container()  # the container was up before the verifier came, with what its entrypoint started
         root = make_dir("verifier", self.root.parent)
         self._verifier_root = root
         try:

@@ -202,3 +202,18 @@ def test_rootless_podman_gives_the_same_rewards(tmp_path_factory):
                     task_dir.name, oracle, res.stdout[-1500:], res.stderr[-1500:])
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_discarding_a_snapshot_removes_only_the_images_it_built(monkeypatch):
+    """A service that is a registry image (postgres:16) stays in the engine's store; the images built here go."""
+    from rl.sandbox import container
+    from rl.sandbox.base import Service
+
+    removed = []
+    monkeypatch.setattr(container.subprocess, "run", lambda argv, **kw: removed.append(argv[-1]))
+    built = Service("api", dockerfile=Path("/task/environment/api/Dockerfile"))
+    snapshot = container.ContainerSnapshot("podman", "mc-snapshot-1", "/app",
+                                           services=[(built, "mc-task-2"), (Service("db", image="postgres:16"),
+                                                                            "postgres:16")])
+    snapshot.discard()
+    assert removed == ["mc-snapshot-1", "mc-task-2"]
