@@ -9,7 +9,8 @@ setup(
     packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
     package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],  # C++ kernels are compiled on first use
                   "rl.envs": ["verifier_site/sitecustomize.py"],  # copied into SWE-bench verifiers' sandboxes
-                  "rl.sandbox": ["image_tools/uv.py"]},  # uv and uvx in built task images
+                  "rl.sandbox": ["image_tools/uv.py",  # uv and uvx in built task images
+                                 "launcher.c"]},  # the sandbox's per-command launcher, compiled on first use
     install_requires=[
         "torch>=2.6",
         "numpy",

@@ -57,7 +57,7 @@ class DirectoryTree:
     path: Path
 
     def materialize(self, dest: Path) -> None:
-        from rl.sandbox.local import copy_tree
+        from rl.sandbox.layers import copy_tree
 
         copy_tree(self.path, dest)
 
@@ -331,6 +331,8 @@ def verifier_anomaly(res: ExecResult) -> str | None:
         return "the sandbox's disk limit was hit"
     if res.memory_exceeded:
         return "the sandbox's memory limit was hit"
+    if res.void:
+        return res.void
     return None
 
 
@@ -508,7 +510,7 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
             raise TaskError(f"{task.name}: its Dockerfile must be built into an image, which the {backend.name} "
                             "backend cannot run")
         try:
-            image = ImageBuilder(backend.image_cache).build_recipe(task.image).root
+            image = ImageBuilder(backend.image_cache).build_recipe(task.image)
         except SandboxError as e:
             raise TaskError(f"{task.name}: {e}" + (f" (it must be built: {task.image.required})"
                                                    if task.image.required else "")) from None

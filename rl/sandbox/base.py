@@ -22,7 +22,7 @@ from typing import Callable
 # Environment of every sandboxed command before the task's own ENV entries.
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/tmp",
+    "HOME": "/root",  # the image user's home, the sandbox's own: it lives through the episode into the verifier
     "LANG": "C.UTF-8",
     "TERM": "dumb",
     "PYTHONDONTWRITEBYTECODE": "1",
@@ -47,7 +47,7 @@ class SandboxLimits:
 
     command_timeout_s: float = 120.0  # wall clock per command; the whole process tree is killed after it
     cpu_time_s: int = 600  # RLIMIT_CPU
-    memory_mb: int = 2048  # memory of all the sandbox's processes together; also RLIMIT_AS of each process
+    memory_mb: int = 2048  # memory of all the sandbox's processes together (the cgroup's, or the monitor's)
     max_processes: int = 256  # processes and threads of the sandbox together (pids.max and RLIMIT_NPROC)
     max_file_mb: int = 256  # RLIMIT_FSIZE (largest file a process may write)
     max_open_files: int = 1024  # RLIMIT_NOFILE
@@ -105,6 +105,9 @@ class ExecResult:
     memory_exceeded: bool = False  # the sandbox's processes together passed memory_mb and were killed
     background_processes: int = 0  # processes the command started that keep running (until the episode ends)
     events: list[str] = field(default_factory=list)
+    # a verifier's command that cannot be judged whatever it printed (a published port of the episode answered it
+    # where the verifier then listened itself); the verdict is void, with this reason
+    void: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,21 +135,23 @@ def describe_exit(code: int) -> str | None:
     return None
 
 
-# Messages by which programs say that an rlimit stopped them; the sandbox names the limit in its report.
-# Program messages count only when the command failed; the shell's own job reports count always.
+# Messages by which programs say that an rlimit stopped them, read only where the host gives no cgroup (whose counters
+# say it for the kernel); the sandbox names the limit in its report. Program messages count only when the command
+# failed; the shell's own job reports count always.
 _LIMIT_MARKERS = (
-    (("MemoryError", "Cannot allocate memory", "std::bad_alloc", "JavaScript heap out of memory"), False,
-     "memory limit reached (address space {memory_mb} MB)"),
     (("Resource temporarily unavailable",), False, "process limit reached ({max_processes} processes)"),
     (("fork: retry: Resource temporarily unavailable",), True, "process limit reached ({max_processes} processes)"),
     (("File size limit exceeded",), True, "file size limit reached ({max_file_mb} MB per file)"),
 )
 
 
-def note_limits(result: "ExecResult", limits: SandboxLimits) -> None:
-    """Add an event when the output shows that a program ran into one of the sandbox's rlimits."""
+def note_limits(result: "ExecResult", limits: SandboxLimits, processes: bool = True) -> None:
+    """Add an event when the output shows that a program ran into one of the sandbox's rlimits; `processes=False`
+    where the kernel's own count says whether the process limit was reached (a cgroup's pids.events)."""
     failed = result.exit_code != 0
     for markers, always, event in _LIMIT_MARKERS:
+        if not processes and event.startswith("process limit"):
+            continue
         if (always or failed) and any(m in result.output for m in markers):
             text = event.format(**vars(limits))
             if text not in result.events:

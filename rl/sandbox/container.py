@@ -443,17 +443,23 @@ class ApptainerSandbox(LocalSandbox):
     provides_judge = False  # an image has no bubblewrap to nest a sandbox with (docs/SANDBOX.md)
 
     def __init__(self, tree, *, image: str, **kwargs):
-        self.image = image
         self._apptainer = shutil.which("apptainer")
         super().__init__(tree, **kwargs)
+        self.image = image  # the runtime's image reference (the sandbox's own layers are copies on the host)
 
-    def _command_argv(self, command: str, cwd: str, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
-        """Each command its own `apptainer exec` (no episode: nothing outlives a command; no seccomp filter)."""
-        binds = [f"{self._dirs[d]}:/{d}" for d in ("app", "tmp", "logs")]
-        ro = ":ro" if self._verifier_root is not None else ""  # the verifier's own files are read-only to it
-        binds += [f"{host}:{dest}{ro}" for host, dest in self._mounts]
+    def _command_argv(self, command: str, cwd: str, env: dict[str, str]) -> list[str]:
+        """Each command its own `apptainer exec` (no episode: nothing outlives a command; no seccomp filter) with the
+        sandbox's own folders bound: the agent's, or in the verifier phase the verifier's copy of them and its own
+        /logs and /tests (read-only to it where the host made them for it)."""
+        root, binds = self._view()
+        mounts = [f"{root / name}:/{name}" for name in ("app", "tmp") if (root / name).is_dir()]
+        mounts.append(f"{root / 'root'}:/root")
+        if binds:
+            mounts += [f"{host}:{dest}" for dest, host in binds.items()]
+        else:
+            mounts.append(f"{root / 'logs'}:/logs")
         argv = [self._apptainer, "exec", "--containall", "--cleanenv", "--no-home", "--net", "--network", "none",
-                "--pwd", cwd, "--bind", ",".join(binds)]
+                "--pwd", cwd, "--bind", ",".join(mounts)]
         for k, v in env.items():
             argv += ["--env", f"{k}={v}"]
         return argv + [self.image, "bash", "--noprofile", "--norc", "-c", command]
@@ -475,8 +481,8 @@ class ApptainerBackend:
                                 limits=limits or self.limits)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> ApptainerSandbox:
-        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
-                           limits=limits or snapshot.limits)
+        return ApptainerSandbox(None, image=self.default_image, workdir=snapshot.workdir, env=snapshot.env,
+                                limits=limits or snapshot.limits or self.limits, layers=snapshot.layers, fresh=False)
 
 
 def make_container_backend(engine: str, limits: SandboxLimits | None = None, local_base: bool = False):

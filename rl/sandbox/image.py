@@ -22,7 +22,6 @@ import base64
 import configparser
 import contextlib
 import fcntl
-import filecmp
 import hashlib
 import json
 import os
@@ -39,12 +38,14 @@ from pathlib import Path
 from typing import Callable
 
 from rl.sandbox.base import BASE_ENV, ExecResult, SandboxError, dir_usage, run_process
+from rl.sandbox.layers import in_use, materialize, mount_overlay, unmount, use_overlay
 from rl.sandbox.leftovers import force_rmtree, sweep
-from rl.sandbox.local import bwrap_path, copy_tree, read_bwrap_info
+from rl.sandbox.local import HOME, ID_BASE, ID_RANGE, bwrap_path, read_bwrap_info
 from rl.sandbox.owners import make_dir
+from rl.sandbox.safe_tree import copy_into, open_beneath, open_dir
 
-BUILD_UID_BASE = 2_000_000  # below the sandboxes' uids (rl/sandbox/local.py UID_BASE)
-BUILD_UIDS = 65536
+BUILD_UID_BASE = ID_BASE  # root of the build's user namespace is root of every sandbox's: the image's files are root's
+BUILD_UIDS = ID_RANGE
 # What the sandbox runs inside every image (nested bubblewrap for `judge`; nsenter, setpriv, prlimit) and what
 # most tasks and their verifiers expect of a python:* image (pip, venv, pytest; `python` is python3).
 BASE_PACKAGES = ("bubblewrap", "util-linux", "procps", "ca-certificates", "curl", "python3", "python3-pip",
@@ -61,7 +62,7 @@ APT_CLEAN = (f'DPkg::Post-Invoke {{ "{_APT_DROP}"; }};\nAPT::Update::Post-Invoke
 BUILD_ENV = {**BASE_ENV, "HOME": "/root", "DEBIAN_FRONTEND": "noninteractive"}
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")
-IMAGE_LAYOUT = 2  # what every image holds besides its recipe (2: an /etc/hosts for sandboxes to mount over)
+IMAGE_LAYOUT = 3  # how an image is kept (3: a layer over the base; what it holds besides its recipe: /etc/hosts)
 HOST_NET_FILES = ("/etc/resolv.conf", "/etc/hosts")
 MAX_BUILD_OUTPUT = 4 * 1024 * 1024
 BUILD_HOST_DIR = "/run/mc-build"  # where the build sees the host's CA bundle (a tmpfs, gone from the image)
@@ -116,9 +117,9 @@ class ImageRecipe:
 
 @dataclass
 class Image:
-    """A built image: its root filesystem on the host and how it came to be."""
+    """A built image: its layers on the host (top first: its own, then the base's) and how it came to be."""
 
-    root: Path
+    layers: tuple[Path, ...]
     key: str
     build_s: float  # how long its build took (when it was built)
     cached: bool  # found in the cache by this lookup
@@ -267,51 +268,15 @@ class BuildRoot:
 
     def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
         """Put a host file or folder's contents at `dest` in the image (COPY/ADD), owned by the image's root, never
-        through a link that a RUN step left in the image."""
+        through a link that a RUN step left in the image (rl/sandbox/safe_tree.py)."""
         if not dest.startswith("/") or ".." in Path(dest).parts:
             raise SandboxError(f"COPY destination must be an absolute path without '..', got {dest!r}")
-        host_path = Path(host_path)
-        target = self.root / dest.strip("/")
-        parent = self._make_parents(target.parent)
-        target = parent / target.name if dest.strip("/") else self.root
-        if host_path.is_dir():
-            if target.is_symlink() or (target.exists() and not target.is_dir()):
-                target.unlink()
-            if target.exists() and not merge:
-                force_rmtree(target)
-            copy_tree(host_path, target)
-            _own(target, recursive=True)
-        else:
-            if target.is_symlink() or target.is_file():
-                target.unlink()
-            elif target.is_dir():
-                raise SandboxError(f"COPY: {dest} is a folder in the image; name the file inside it")
-            shutil.copy2(host_path, target)
-            _own(target)
-
-    def _make_parents(self, path: Path) -> Path:
-        """Make `path`'s folders inside the image one by one, refusing any that is a link (it could lead out)."""
-        current = self.root
-        for name in path.relative_to(self.root).parts:
-            current = current / name
-            if current.is_symlink():
-                real = os.path.realpath(current)
-                if not (real + "/").startswith(str(self.root.resolve()) + "/"):
-                    raise SandboxError(f"COPY: /{current.relative_to(self.root)} is a link out of the image")
-                current = Path(real)
-            elif not current.exists():
-                current.mkdir()
-                _own(current)
-        return current
-
-
-def _own(path: Path, recursive: bool = False) -> None:
-    """Give `path` to the image's root (the build range's first uid)."""
-    paths = [path]
-    if recursive:
-        paths += [Path(d) / n for d, dirs, files in os.walk(path) for n in dirs + files]
-    for p in paths:
-        os.lchown(p, BUILD_UID_BASE, BUILD_UID_BASE)
+        if Path(host_path).is_file() and dest.endswith("/"):
+            dest += Path(host_path).name
+        try:
+            copy_into(host_path, self.root, dest, owner=(BUILD_UID_BASE, BUILD_UID_BASE), merge=merge)
+        except SandboxError as e:
+            raise SandboxError(f"COPY to {dest}: {e}") from None
 
 
 def _remove_mountpoint(path: Path, root: Path) -> None:
@@ -467,6 +432,13 @@ class ImageBuilder:
     def key(self, recipe_key: str) -> str:
         return hashlib.sha256(f"{self.base_key}:{TOOLS_DIGEST}:{IMAGE_LAYOUT}:{recipe_key}".encode()).hexdigest()[:24]
 
+    def _image(self, folder: Path, meta: dict, cached: bool) -> Image:
+        """The image kept in `folder`: its layer over the base (overlayfs), or its whole root (copies)."""
+        own = folder / "layer"
+        layers = (own, self.cache_dir / f"base-{meta.get('base', self.base_key)}" / "rootfs") if own.is_dir() \
+            else (folder / "rootfs",)
+        return Image(layers, folder.name, float(meta.get("build_s", 0.0)), cached=cached)
+
     def lookup(self, recipe_key: str) -> Image | None:
         folder = self.cache_dir / self.key(recipe_key)
         if not self._finished(folder):
@@ -476,18 +448,35 @@ class ImageBuilder:
             os.utime(folder / "image.json")
         except OSError:
             pass
-        return Image(folder / "rootfs", folder.name, float(meta.get("build_s", 0.0)), cached=True)
+        return self._image(folder, meta, cached=True)
 
-    def prune(self, unused_days: float | None = None, dry_run: bool = False) -> list[tuple[Path, int, str]]:
+    @contextlib.contextmanager
+    def view(self, image: Image):
+        """``with builder.view(image) as root:`` the image's merged root, read-only (a stage that a later
+        Dockerfile stage copies from)."""
+        if len(image.layers) == 1:
+            yield image.layers[0]
+            return
+        with held_view(self.cache_dir) as target:
+            mount_overlay(list(image.layers), target)
+            try:
+                yield target
+            finally:
+                unmount(target)
+
+    def prune(self, unused_days: float | None = None, dry_run: bool = False,
+              max_bytes: int | None = None) -> list[tuple[Path, int, str]]:
         """Remove what this cache holds that no prepare will use: bases other than this host's current one, images
         built on another base or by other image tools or layout (older code), unfinished builds of processes that no
-        longer run, and, with `unused_days`, images not used for that long and build logs as old. Returns (folder,
-        bytes, why) of each. An image in use by a running sandbox stays mounted there; its next fork would build it
-        again."""
+        longer run, with `unused_days` images not used for that long and build logs as old, and with `max_bytes`
+        the least recently used images until the cache fits. An image a running sandbox stacks (its layer is mounted)
+        is never removed. Returns (folder, bytes, why) of each."""
         sweep(str(self.cache_dir))  # unfinished builds of stopped processes
         if not self.cache_dir.is_dir():
             return []
         now, removed = time.time(), []
+        kept: list[tuple[float, Path, int]] = []  # images that stay: (last use, folder, bytes)
+        total = 0
         for folder in sorted(p for p in self.cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             record = folder / "image.json"
             if folder.name == "logs":
@@ -501,6 +490,9 @@ class ImageBuilder:
             if not record.is_file():
                 continue  # a build in progress (mc-build-*): the sweep removes it once its owner stops
             meta = json.loads(record.read_text())
+            size = dir_usage([str(folder)])[0]
+            layer = folder / ("rootfs" if folder.name.startswith("base-") or not (folder / "layer").is_dir()
+                              else "layer")
             if folder.name.startswith("base-"):
                 why = None if folder.name == f"base-{self.base_key}" else "a base this host no longer builds on"
             elif (meta.get("base"), meta.get("tools"), meta.get("layout")) != (self.base_key, TOOLS_DIGEST,
@@ -510,8 +502,25 @@ class ImageBuilder:
                 why = f"not used for {unused_days:g} days"
             else:
                 why = None
+            if why and in_use(layer):
+                why = None  # a sandbox stacks it now
             if why:
-                removed.append((folder, dir_usage([str(folder)])[0], why))
+                removed.append((folder, size, why))
+                if not dry_run:
+                    force_rmtree(folder)
+            else:
+                total += size
+                if not folder.name.startswith("base-"):
+                    kept.append((record.stat().st_mtime, folder, size))
+        if max_bytes is not None:
+            for _, folder, size in sorted(kept):  # least recently used first
+                if total <= max_bytes:
+                    break
+                if in_use(folder / "layer") or in_use(folder / "rootfs"):
+                    continue
+                removed.append((folder, size, f"the least recently used while the cache is over "
+                                              f"{max_bytes / 2**30:g} GB"))
+                total -= size
                 if not dry_run:
                     force_rmtree(folder)
         return removed
@@ -543,12 +552,14 @@ class ImageBuilder:
 
         return self.build(recipe.key, steps, what=recipe.what)
 
-    def build(self, recipe_key: str, steps: Callable[[BuildRoot], None], what: str = "image") -> Image:
+    def build(self, recipe_key: str, steps: Callable[[BuildRoot], None], what: str = "image",
+              parent: Image | None = None) -> Image:
         """The image of `recipe_key` (a digest of everything its build reads), building it with `steps` (run
-        against a BuildRoot on a copy of the base) unless it is cached. A failed build leaves nothing behind."""
+        against a BuildRoot whose root is a new layer over the base, or over `parent`'s layers) unless it is cached.
+        A failed build leaves nothing behind."""
         if (found := self.lookup(recipe_key)) is not None:
             return found
-        base = self.base()
+        lowers = list(parent.layers) if parent is not None else [self.base()]
         key = self.key(recipe_key)
         with _locked(self.cache_dir / f".{key}.lock"):
             if (found := self.lookup(recipe_key)) is not None:
@@ -556,25 +567,102 @@ class ImageBuilder:
             self.progress(f"building {what} (cached afterwards as {key}) ...")
             t0 = time.monotonic()
             work = self._work_dir()
+            overlay = use_overlay()
+            merged = work / ("merged" if overlay else "rootfs")
             try:
-                copy_tree(base, work / "rootfs")
-                os.lchown(work / "rootfs", BUILD_UID_BASE, BUILD_UID_BASE)
-                root = BuildRoot(work / "rootfs")
-                steps(root)
-                for name in ("uv", "uvx"):  # after the steps: a uv the Dockerfile installed would need the network
-                    root.copy_in(UV_STAND_IN, f"/usr/local/bin/{name}")
-                    os.chmod(work / "rootfs" / "usr" / "local" / "bin" / name, 0o755)
-                hosts = work / "rootfs" / "etc" / "hosts"
-                if not os.path.lexists(hosts):  # where each sandbox mounts its own, as docker mounts a container's
-                    hosts.write_text("")
-                    os.lchown(hosts, BUILD_UID_BASE, BUILD_UID_BASE)
-                share_unchanged(work / "rootfs", base)
+                if overlay:  # the build writes a layer of its own: nothing of the base is copied
+                    for name in ("layer", "ovl-work", "merged"):
+                        (work / name).mkdir()
+                    base_root = os.stat(lowers[-1])
+                    os.chown(work / "layer", base_root.st_uid, base_root.st_gid)
+                    os.chmod(work / "layer", stat.S_IMODE(base_root.st_mode))
+                    mount_overlay(lowers, merged, work / "layer", work / "ovl-work")
+                else:
+                    materialize(lowers, merged)
+                try:
+                    root = BuildRoot(merged)
+                    steps(root)
+                    for name in ("uv", "uvx"):  # after the steps: a uv the Dockerfile installed would need the network
+                        root.copy_in(UV_STAND_IN, f"/usr/local/bin/{name}")
+                        _chmod_in(merged, f"/usr/local/bin/{name}", 0o755)
+                    # what uv's installer leaves, which verifiers source (`source $HOME/.local/bin/env`); uv is here
+                    with held_file(UV_INSTALLER_ENV) as env_file:
+                        root.copy_in(env_file, f"{HOME}/.local/bin/env")
+                    if not _exists_in(merged, "/etc/hosts"):  # where each sandbox mounts its own, as docker does
+                        with held_file("") as empty:
+                            root.copy_in(empty, "/etc/hosts")
+                finally:
+                    if overlay:
+                        unmount(merged)
+                if overlay:
+                    force_rmtree(work / "ovl-work")
+                    merged.rmdir()
                 build_s = time.monotonic() - t0
                 self._finish(work, self.cache_dir / key, {"what": what, "base": self.base_key, "tools": TOOLS_DIGEST,
-                                                          "layout": IMAGE_LAYOUT, "build_s": round(build_s, 1)})
+                                                          "layout": IMAGE_LAYOUT, "build_s": round(build_s, 1),
+                                                          "parent": parent.key if parent is not None else None})
             finally:
                 force_rmtree(work)
-        return Image(self.cache_dir / key / "rootfs", key, build_s, cached=False)
+        return self._image(self.cache_dir / key, {"base": self.base_key, "build_s": build_s}, cached=False)
+
+
+# $HOME/.local/bin/env as uv's installer writes it: verifiers run `curl ... astral.sh/uv/install.sh | sh` (offline, it
+# fails) and `source $HOME/.local/bin/env`, which under `set -e` must not stop them; the image has uv already.
+UV_INSTALLER_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
+
+
+@contextlib.contextmanager
+def held_file(text: str):
+    """A host file holding `text`, for the time of the block."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="mc-image-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o644)
+        yield Path(path)
+    finally:
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def held_view(parent: Path):
+    """An empty folder to mount a read-only view of an image on, removed (and its mount detached) after."""
+    target = make_dir("build", parent)
+    try:
+        yield target
+    finally:
+        force_rmtree(target)
+
+
+def _exists_in(root: Path, path: str) -> bool:
+    parts = path.strip("/").split("/")
+    try:
+        fd = open_dir(root, "/".join(parts[:-1]))
+    except OSError:
+        return False
+    try:
+        os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _chmod_in(root: Path, path: str, mode: int) -> None:
+    """chmod a file inside a build's root, never through a link."""
+    parts = path.strip("/").split("/")
+    fd = open_dir(root, "/".join(parts[:-1]))
+    try:
+        inner = open_beneath(fd, parts[-1], os.O_RDONLY)
+        try:
+            os.fchmod(inner, mode)
+        finally:
+            os.close(inner)
+    finally:
+        os.close(fd)
 
 
 def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
@@ -594,32 +682,6 @@ def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     lines.append(f"RUN echo {encoded} | base64 -d > /usr/local/bin/uv && cp /usr/local/bin/uv /usr/local/bin/uvx "
                  "&& chmod 755 /usr/local/bin/uv /usr/local/bin/uvx")
     return "\n".join(lines) + "\n"
-
-
-def share_unchanged(image: Path, base: Path) -> int:
-    """Make every file of a finished image that is the base's file unchanged (content, mode, owner, time) a hard
-    link to it, so that an image costs the disk of what its build changed. Safe because nothing writes either
-    after this: sandboxes see images read-only, and builds start from copies. Returns the files shared."""
-    shared = 0
-    for dirpath, _, filenames in os.walk(image):
-        rel = os.path.relpath(dirpath, image)
-        for name in filenames:
-            mine, theirs = os.path.join(dirpath, name), os.path.join(base, rel, name)
-            try:
-                a, b = os.lstat(mine), os.lstat(theirs)
-            except OSError:
-                continue
-            if not stat.S_ISREG(a.st_mode) or a.st_ino == b.st_ino:
-                continue
-            if (a.st_mode, a.st_uid, a.st_gid, a.st_size, a.st_mtime_ns) != (
-                    b.st_mode, b.st_uid, b.st_gid, b.st_size, b.st_mtime_ns) or not filecmp.cmp(mine, theirs,
-                                                                                                  shallow=False):
-                continue
-            link = f"{mine}.mc-link"
-            os.link(theirs, link)
-            os.replace(link, mine)
-            shared += 1
-    return shared
 
 
 def _last_line(log: Path) -> str:

@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 from rl.sandbox.base import SandboxError
 from rl.sandbox.limits import find_cgroup_parents, remove_cgroup, unmount
 from rl.sandbox.owners import kind_of, make_dir, owner_alive, owner_of
+from rl.sandbox.safe_tree import remove_tree
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -112,95 +113,6 @@ def release_on_signals() -> None:
 
 
 # Removing a tree a sandbox wrote ------------------------------------------------------------------------------------
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _open_dir(name: str, dir_fd: int | None = None) -> int:
-    """A descriptor of the directory `name` itself (never through a symlink), made readable and writable for
-    us first if the sandbox took those permissions away."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except PermissionError:
-        handle = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:  # chmod through the O_PATH handle changes this directory, not what any link points to
-            os.chmod(f"/proc/self/fd/{handle}", 0o700)
-        finally:
-            os.close(handle)
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-
-
-def remove_tree(path: Path) -> list[str]:
-    """Remove a tree a sandbox wrote, at any depth, without following any symlink in it and without changing
-    anything outside it: one directory descriptor at a time (no recursion, no path length limit), entries
-    unlinked relative to it, permissions restored only on directories it opened itself. Returns what could not be
-    removed (empty when all went)."""
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        return []
-    except OSError:  # a file or a link where the tree should be: remove that entry only
-        try:
-            os.unlink(path)
-            return []
-        except OSError as e:
-            return [f"{path}: {e.strerror}"]
-    failed: list[str] = []
-    names: list[str] = []  # the directories from `path` down to the one `fd` holds
-    skip: list[set[str]] = [set()]  # per level: directories that could not be removed
-    try:
-        while True:
-            try:
-                os.fchmod(fd, 0o700)  # entries of a directory made read-only by the sandbox can be removed
-            except OSError:
-                pass
-            child = None
-            with os.scandir(fd) as it:
-                for entry in it:
-                    if entry.is_dir(follow_symlinks=False):
-                        if entry.name not in skip[-1]:
-                            child = entry.name
-                            break
-                        continue
-                    try:
-                        os.unlink(entry.name, dir_fd=fd)
-                    except FileNotFoundError:
-                        pass
-                    except OSError as e:
-                        failed.append(f"{'/'.join([str(path), *names, entry.name])}: {e.strerror}")
-            if child is not None:
-                try:
-                    inner = _open_dir(child, fd)
-                except OSError as e:
-                    failed.append(f"{'/'.join([str(path), *names, child])}: {e.strerror}")
-                    skip[-1].add(child)
-                    continue
-                os.close(fd)
-                fd = inner
-                names.append(child)
-                skip.append(set())
-                continue
-            if not names:
-                break
-            name = names.pop()
-            skip.pop()
-            # nothing in the tree runs any more: '..' is where we came from
-            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError as e:
-                failed.append(f"{'/'.join([str(path), *names, name])}: {e.strerror}")
-                skip[-1].add(name)
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(path)
-    except OSError as e:
-        failed.append(f"{path}: {e.strerror}")
-    return failed
-
-
 def force_rmtree(path: Path) -> None:
     """Detach the sandbox's own tmpfs at `path` (if it is one) and remove what is there (remove_tree); what
     cannot be removed is said in a warning, never raised, so that the caller goes on to release the rest."""
@@ -252,7 +164,7 @@ def sweep(parent: str | Path | None = None, force: bool = False) -> str | None:
     cgroups = 0
     found = find_cgroup_parents()
     if found is not None:
-        for base in dict.fromkeys([found.memory, found.pids]):
+        for base in dict.fromkeys(d for d in (found.memory, found.pids, found.freezer) if d):
             try:
                 children = [d for d in base.iterdir() if d.is_dir() and _dead(d.name)]
             except OSError:

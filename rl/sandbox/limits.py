@@ -33,10 +33,6 @@ from pathlib import Path
 from rl.sandbox.owners import make_dir
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-# The in-sandbox launcher joins the cgroup (writing 0 to cgroup.procs moves the writer) before it execs the
-# rest of argv, so no process of the command ever runs outside it.
-_JOIN = ('for f; do [ "$f" = -- ] && break; echo 0 > "$f" || { echo "sandbox: cannot join cgroup $f" >&2; '
-         'exit 126; }; shift; done; shift; exec "$@"')
 
 
 def _read(path: Path) -> str:
@@ -57,11 +53,13 @@ def _write(path: Path, value: str) -> bool:
 
 @dataclass(frozen=True)
 class CgroupParents:
-    """Where sandbox cgroups are made: one directory per controller ("memory", "pids"); v2 has one for both."""
+    """Where sandbox cgroups are made: one directory per controller ("memory", "pids", "freezer"); v2 has one for
+    all (its freezer is cgroup.freeze). Without a v1 freezer hierarchy, episodes are stopped by signals instead."""
 
     version: int
     memory: Path
     pids: Path
+    freezer: Path | None = None
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -127,7 +125,16 @@ def find_cgroup_parents() -> CgroupParents | None:
             if controller in v1:
                 break
     if len(v1) == 2:
-        return CgroupParents(1, v1["memory"], v1["pids"])
+        freezer = None
+        for mountpoint, fstype, options in mounts:
+            if fstype == "cgroup" and "freezer" in options:
+                for cand in dict.fromkeys([Path(mountpoint + own.get("freezer", "/")), Path(mountpoint)]):
+                    if _probe(cand, {"freezer.state": "THAWED"}):
+                        freezer = cand
+                        break
+            if freezer is not None:
+                break
+        return CgroupParents(1, v1["memory"], v1["pids"], freezer)
     return None
 
 
@@ -148,7 +155,9 @@ class SandboxCgroup:
         self.parents = parents
         self.memory_dir = parents.memory / name
         self.pids_dir = parents.pids / name
-        self.dirs = list(dict.fromkeys([self.memory_dir, self.pids_dir]))
+        self.freezer_dir = parents.memory / name if parents.version == 2 else (
+            parents.freezer / name if parents.freezer is not None else None)
+        self.dirs = list(dict.fromkeys([d for d in (self.memory_dir, self.pids_dir, self.freezer_dir) if d]))
         limit = str(memory_mb << 20)
         try:
             for d in self.dirs:
@@ -168,10 +177,41 @@ class SandboxCgroup:
             self.close()
             raise
 
-    def join_argv(self) -> list[str]:
-        """argv prefix that moves the launcher into this cgroup, then execs the rest."""
-        procs = [str(d / "cgroup.procs") for d in self.dirs]
-        return ["/bin/sh", "-c", _JOIN, "mc-join", *procs, "--"]
+    def procs_files(self) -> list[str]:
+        """The cgroup.procs files a launcher writes itself into (mc-enter --cgroup) before it runs anything."""
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def process_limit_hits(self) -> int:
+        """How often a fork was refused at pids.max (the kernel's count, whatever the programs printed)."""
+        for line in _read(self.pids_dir / "pids.events").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max" and value.strip().isdigit():
+                return int(value)
+        return 0
+
+    def freeze(self, timeout_s: float = 10.0) -> bool:
+        """Stop every process of the sandbox where they stand (the cgroup freezer); False where there is none."""
+        return self._set_frozen(True, timeout_s)
+
+    def thaw(self) -> None:
+        self._set_frozen(False, 10.0)
+
+    def _set_frozen(self, frozen: bool, timeout_s: float) -> bool:
+        if self.freezer_dir is None:
+            return False
+        if self.parents.version == 2:
+            ok = _write(self.freezer_dir / "cgroup.freeze", "1" if frozen else "0")
+            done = lambda: f"frozen {int(frozen)}" in _read(self.freezer_dir / "cgroup.events")  # noqa: E731
+        else:
+            ok = _write(self.freezer_dir / "freezer.state", "FROZEN" if frozen else "THAWED")
+            done = lambda: _read(self.freezer_dir / "freezer.state").strip() == (  # noqa: E731
+                "FROZEN" if frozen else "THAWED")
+        deadline = time.monotonic() + timeout_s
+        while ok and not done():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return ok
 
     def oom_kills(self) -> int:
         name = "memory.events" if self.parents.version == 2 else "memory.oom_control"
@@ -188,6 +228,8 @@ class SandboxCgroup:
 
 def remove_cgroup(version: int, d: Path) -> None:
     """Kill every process in the cgroup `d` and remove it (retried for about a second while they die)."""
+    _write(d / "freezer.state", "THAWED")  # a frozen v1 task takes no signal
+    _write(d / "cgroup.freeze", "0")
     for _ in range(50):
         if not d.exists():
             return

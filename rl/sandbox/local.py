@@ -1,40 +1,50 @@
-"""LocalSandbox: a task's files in a private directory, commands run under bubblewrap.
+"""LocalSandbox: a container made of bubblewrap, overlayfs layers and one launcher per command.
 
-A sandbox's agent commands share one episode, as a container's do: user, pid, network, ipc, uts and mount
-namespaces of their own, held by a keeper shell (the init of the episode's pid namespace), so that what one
-command leaves running in the background serves the next and the verifier. The sandbox sees the host's system
-directories read-only (they stand in for a container image), its own copy of the task tree at /app, and
-private /tmp, /logs, /var and /run; nothing else of the host exists inside (no /root, /home, /work, no host
-processes, only a loopback network). The new root and /dev are read-only; /dev/shm is a small tmpfs.
-When the host user is root, commands run as a fresh unprivileged uid per sandbox, so file permissions protect
-host secrets and RLIMIT_NPROC (which root ignores) bounds the process count; where unprivileged user
-namespaces are disabled, bwrap runs as root without one and the command drops to that uid with setpriv.
-A command's timeout kills it and what it started that is still its descendant; the episode's end (the next
-verifier with services=False, or close) kills everything, counted. Verifier commands run in namespaces of their
-own, their shell the init, sharing only the episode's network.
+A sandbox's root is a stack of read-only layers (rl/sandbox/layers.py) under a writable layer of its own, on a tmpfs
+of `disk_mb`: the host's system folders (read-only binds) or a built image's system, the prepared task, then what the
+episode writes. A fork of a prepared task is a new empty upper layer: it costs a mount, not a copy.
 
-Whole-sandbox limits (rl/sandbox/limits.py): on a root host the writable directories live on a tmpfs of
-disk_mb/max_files of their own and every command runs in the sandbox's cgroup (memory_mb, max_processes);
-elsewhere a monitor polls memory and disk use while a command runs. The verifier phase (`enter_verifier`) gets
-its own fresh /tmp and /logs, made by the host on a new tmpfs, so nothing the agent left there reaches it.
+Identities, as docker's userns-remap gives them: every sandbox runs in user namespaces that map uids 0-65535 to the
+image range on the host (ID_BASE onwards, shared with image builds), so that the image's files are root's inside and
+nothing inside is the host's root. The agent is uid AGENT_UID with no capabilities: its work tree, HOME, /tmp and
+/var/tmp are its own, the image's other files are root's and read-only to it. A host that is not root maps only its
+own user (to AGENT_UID) and copies layers instead of stacking them.
+
+The episode: a sandbox's agent commands share one set of namespaces (user, pid, network, ipc, uts, mount), held by a
+keeper shell, the init of the episode's pid namespace, so that what one command leaves running in the background
+serves the next. Each command is started by `mc-enter` (rl/sandbox/launcher.c): one process joins the sandbox's
+cgroup, sets the rlimits, joins the episode's namespaces, takes the agent's uid, drops every capability, sets
+no_new_privs and the seccomp filter, and execs the shell.
+
+The verifier judges a frozen copy in a world of its own (`enter_verifier`): the episode is frozen, its writable layer
+committed to a layer of the verifier's (links into private paths made to lead nowhere), thawed; the verifier's
+overlay over it, its own user, network, ipc and uts namespaces, a pid and mount namespace per command (its shell the
+init, not dumpable: its interpreters are execute-only copies its processes cannot read), its own cgroup, /logs and
+/tests of the host's, and the ports the episode's services listen on published into its network (rl/sandbox/netns.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import hashlib
 import json
 import os
+import re
 import secrets
 import select
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from rl.sandbox.base import (
     BASE_ENV,
@@ -48,6 +58,8 @@ from rl.sandbox.base import (
     process_tree,
     run_process,
 )
+from rl.sandbox.launcher import launcher_path
+from rl.sandbox.layers import commit, materialize, mount_overlay, unmount, use_overlay
 from rl.sandbox.leftovers import force_rmtree, hold, let_go, sweep
 from rl.sandbox.limits import (
     SandboxCgroup,
@@ -59,41 +71,41 @@ from rl.sandbox.limits import (
     private_memory,
     tmpfs_problem,
 )
+from rl.sandbox.netns import PortForward, VerifierNamespaces, in_netns, listening_ports
 from rl.sandbox.owners import make_dir
+from rl.sandbox.safe_tree import chown_tree, copy_into, copy_out, open_beneath, open_dir
 from rl.sandbox.seccomp import filter_fd
 
-_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-SANDBOX_UID_INSIDE = 1000
-# Sandboxes of a root host run as uid UID_BASE + random offset: unused by real accounts, one per sandbox.
-UID_BASE = 3_000_000
-UID_RANGE = 1_000_000
-# Writable directories every sandbox has; the task tree lives under /app (Harbor's convention). /var (log, lib,
-# cache, spool; /var/tmp is /tmp) and /run are where services keep their logs, state and pid files, as in a
-# container; like /app they are the sandbox's for the whole episode, while /tmp and /logs are the verifier's own.
-WRITABLE_DIRS = ("app", "tmp", "logs", "var", "run")
-VAR_DIRS = ("log", "lib", "cache", "spool")
+ID_BASE = 2_000_000  # host uid of root inside every sandbox and image build (uids 0-65535 map to ID_BASE onwards)
+ID_RANGE = 65536
+AGENT_UID = 1000  # the agent's uid inside (unless the task names a user of its image)
+NETWORKS = ("none", "public")  # an episode's network: loopback only, or the host's egress proxy (rl/sandbox/egress.py)
+EGRESS_PORT = 3128  # where the egress proxy answers on an episode's loopback (HTTP_PROXY)
+HOME = "/root"  # the agent's (and the verifier's) HOME: the image user's, which lives through the episode
+# The system folders of the host that stand in for an image where a task needs none; bound read-only.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
-# An image's top-level folders that are neither its system nor the sandbox's own (its /opt, /srv, /home, /root,
-# /workspace ...) become writable copies per sandbox, as a container's; these are never copied.
-IMAGE_SKIPPED = ("proc", "dev", "sys", "tmp", "run", "boot", "lost+found")
+# Folders every sandbox's root has, made where its layers lack them: (path, mode, the agent's). /var/tmp is a folder of
+# its own, sticky like /tmp; /var itself is root's, so none of its entries can be swapped for a link by the agent.
+AGENT_DIRS = (("app", 0o755, True), ("tmp", 0o1777, False), ("var", 0o755, False), ("var/tmp", 0o1777, False),
+              ("var/log", 0o755, True), ("var/lib", 0o755, True), ("var/cache", 0o755, True),
+              ("var/spool", 0o755, True), ("run", 0o755, True), ("logs", 0o755, True), ("logs/agent", 0o755, True),
+              ("logs/verifier", 0o755, True), ("root", 0o700, True))
+RESERVED_DESTS = ("/", "/proc", "/dev", "/sys", "/logs", "/opt/verifier")
 # A container's /etc/hosts, the sandbox's own file (docker writes the same): what an entrypoint adds stays its own.
 HOSTS_FILE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\tsandbox\n"
-# $HOME/.local/bin/env as uv's installer writes it: verifiers run `curl ... astral.sh/uv/install.sh | sh` (offline,
-# it fails) and `source $HOME/.local/bin/env`, which under `set -e` must not stop them; the image has uv already.
-UV_INSTALLER_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
 # How long an episode waits for the image's ENTRYPOINT to hand over to its command (`exec "$@"`); one that is still
 # running then is the container's main process (a server) and keeps running, as in a container.
 ENTRYPOINT_WAIT_S = 5.0
-# Readable by root only; masked in case the sandbox user can read them anyway.
+# Readable by root only; masked where the host's /etc stands in.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
-SHM_BYTES = 64 * 1024 * 1024  # /dev/shm is a per-command tmpfs of this size (memory-backed)
-# Root mode (no user namespace): everything else is unshared; setpriv needs these capabilities to drop to
-# the sandbox uid, after which the command has none.
-ROOT_CAPS = ("--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP")
-ROOT_NAMESPACES = ("--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                   *ROOT_CAPS)
-RESERVED_DESTS = ("/", "/usr", "/etc", "/proc", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/app", "/tmp", "/logs",
-                  "/var", "/run", "/opt/verifier")
+SHM_BYTES = 64 * 1024 * 1024  # /dev/shm: a tmpfs of this size per episode (memory-backed)
+# The verifier's root holds these capabilities in its own user namespace (docker's default set, without NET_RAW and
+# MKNOD); never SYS_PTRACE or SYS_ADMIN.
+VERIFIER_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+                 "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_SETFCAP", "CAP_AUDIT_WRITE")
+# The interpreters a verifier's shell may be: bound as execute-only copies in its view, so that the shell (and any
+# interpreter its scripts start) is not dumpable: nothing it runs can open its /proc/<pid>/mem, environ or fd.
+VERIFIER_INTERPRETERS = ("/usr/bin/bash", "/bin/bash", "/usr/bin/dash", "/bin/dash", "/usr/bin/python3")
 # The verifier phase's own tools, read-only at /opt/verifier/bin. `judge COMMAND...` runs the code under test in a
 # sandbox nested in the verifier's: its own user, pid, ipc, network, uts and mount namespaces, so the verifier's
 # shell and processes do not exist for it (nothing to signal, stop, ptrace or prlimit), /logs is an empty tmpfs
@@ -108,7 +120,18 @@ _JUDGE_SCRIPT = """#!/bin/bash
 # bubblewrap by its absolute path: a task's PATH may name folders the agent wrote.
 bwrap={bwrap}
 if [ $# -eq 0 ]; then echo "judge: usage: judge COMMAND [ARG...]" >&2; exit 2; fi
-[ -x "$bwrap" ] && "$bwrap" --unshare-all --die-with-parent --ro-bind / / /bin/sh -c : 2>/dev/null || {{
+# The verifier's root nests the sandbox in the user namespace the host made for it (/opt/verifier/userns: the
+# verifier's uids, itself their root) and runs the code as the agent's user, with no capability: the work tree is the
+# agent's to write, nothing of root's is. Elsewhere (a host that is not root) it makes a user namespace of its own.
+if [ "$(id -u)" = 0 ] && [ -e {judge_dir}/userns ] && exec 3<{judge_dir}/userns; then
+  spaces=(--userns 3 --unshare-pid --unshare-ipc --unshare-net --unshare-uts --unshare-cgroup-try --cap-drop ALL
+          --cap-add CAP_SETUID --cap-add CAP_SETGID --cap-add CAP_SETPCAP)
+  as_agent=(setpriv --reuid={agent} --regid={agent} --clear-groups --inh-caps=-all --bounding-set=-all --)
+else
+  spaces=(--unshare-all)
+  as_agent=()
+fi
+[ -x "$bwrap" ] && "$bwrap" "${{spaces[@]}}" --die-with-parent --ro-bind / / /bin/sh -c : 2>/dev/null || {{
   echo "judge: cannot isolate the code under test: this host cannot nest a sandbox (unprivileged user namespaces)" >&2
   exit 125; }}
 # The verifier's files stay out of sight: /tests is an empty folder but for the files the task lets the code under
@@ -122,41 +145,66 @@ if [ -d /tests ]; then
   done
   tests+=(--remount-ro /tests)
 fi
-exec "$bwrap" --unshare-all --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev --proc /proc \\
-  --size {tmp_bytes} --tmpfs /tmp --tmpfs /logs --tmpfs {judge_dir} "${{tests[@]}}" --unsetenv MC_JUDGE_READS \\
-  --chdir "$PWD" -- "$@"
+exec "$bwrap" "${{spaces[@]}}" --die-with-parent --new-session --ro-bind / / --bind /app /app --dev /dev \
+  --proc /proc --size {tmp_bytes} --perms 1777 --tmpfs /tmp --size {tmp_bytes} --perms 1777 --tmpfs /var/tmp \
+  --tmpfs /logs --tmpfs {judge_dir} "${{tests[@]}}" \
+  --unsetenv MC_JUDGE_READS --chdir "$PWD" -- "${{as_agent[@]}}" "$@"
 """
 
-
-# The episode: a sandbox's agent commands share one set of namespaces, as a container's do, so what one starts in
-# the background (a server, a database) serves the next and the verifier. The namespaces are held by a keeper shell,
-# the init of the episode's pid namespace: it ignores every signal it can (an init takes from inside its namespace
-# only the signals it handles, never SIGKILL or SIGSTOP), reaps what is orphaned to it, and exits when its input
-# closes (the host closes it at the episode's end; the kernel does when the host process dies), whereupon the kernel
-# kills everything left in the episode.
+# The episode's init: ignores every signal it can (an init takes from inside its namespace only the signals it
+# handles, never SIGKILL or SIGSTOP), reaps what is orphaned to it, and exits when its input closes (the host closes it
+# at the episode's end; the kernel does when the host process dies), whereupon the kernel kills everything left.
 _KEEPER = ('trap "" HUP INT QUIT TERM USR1 USR2 PIPE ALRM TSTP TTIN TTOU; echo ready; exec >/dev/null; '
            'while read -r _; do :; done')
-# Entering a user namespace as its owner grants every capability in it; the command gets none.
-_DROP_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])
 
 
 @dataclass
 class _Episode:
-    launcher: subprocess.Popen  # bubblewrap, which started the keeper
+    launcher: subprocess.Popen  # mc-enter, whose child bubblewrap started the keeper
     keeper: int  # the keeper's host pid
+    start: int  # and its start time: together they name it for mc-enter (--expect)
     keep_w: int  # the keeper's input: closing it ends the episode
-    mounts: tuple  # the mounts its filesystem was built with
-    pid_ns: str  # its pid namespace, so that a keeper pid the kernel gave to another process is not entered
+    egress: socket.socket | None = None  # its listener for the egress proxy (network "public")
 
     def alive(self) -> bool:
         try:
-            return self.launcher.poll() is None and os.readlink(f"/proc/{self.keeper}/ns/pid") == self.pid_ns
-        except OSError:
+            return self.launcher.poll() is None and _start_time(self.keeper) == self.start
+        except (OSError, IndexError, ValueError):
             return False
 
     def processes(self) -> set[int]:
         """Host pids of what runs in the episode but its keeper (what the agent's commands left running)."""
         return set(process_tree(self.keeper)) - {self.keeper}
+
+
+@dataclass
+class _Verifier:
+    """The verifier phase's host resources: its folder (a tmpfs), namespaces, cgroup and published ports."""
+
+    root: Path
+    network: str = "none"
+    uid: int = 0  # its user inside its user namespace (root, as in Harbor)
+    namespaces: VerifierNamespaces | None = None
+    cgroup: SandboxCgroup | None = None
+    ports: PortForward | None = None
+    egress: socket.socket | None = None  # its listener for the egress proxy (network "public")
+    interpreters: list[tuple[str, str]] = field(default_factory=list)  # (execute-only copy, path in the view)
+
+    def close(self) -> None:
+        for part in (self.egress, self.ports, self.namespaces, self.cgroup):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+        for mount in ("root", "frozen", "tools/userns"):
+            with contextlib.suppress(OSError):
+                if os.path.ismount(self.root / mount) or mount == "tools/userns":
+                    unmount(self.root / mount)
+        force_rmtree(self.root)
 
 
 def read_bwrap_info(fd: int, timeout_s: float = 30.0) -> dict:
@@ -180,20 +228,18 @@ def read_bwrap_info(fd: int, timeout_s: float = 30.0) -> dict:
 
 
 def _kill_launcher(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         proc.kill()
-    except ProcessLookupError:
-        pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
 
 
-def judge_script(bwrap: str) -> str:
-    """The `judge` tool's text for a host whose bubblewrap is at `bwrap` (the same path inside the sandbox, whose
-    system folders are the host's)."""
-    return _JUDGE_SCRIPT.format(bwrap=shlex.quote(bwrap), tmp_bytes=JUDGE_TMP_MB << 20, judge_dir=JUDGE_DIR)
+def judge_script(bwrap: str, agent_uid: int = AGENT_UID) -> str:
+    """The `judge` tool's text for a sandbox whose bubblewrap is at `bwrap` inside and whose agent is `agent_uid`."""
+    return _JUDGE_SCRIPT.format(bwrap=shlex.quote(bwrap), tmp_bytes=JUDGE_TMP_MB << 20, judge_dir=JUDGE_DIR,
+                                agent=int(agent_uid))
 
 
 class UnisolatedWarning(UserWarning):
@@ -202,27 +248,22 @@ class UnisolatedWarning(UserWarning):
 
 @dataclass
 class LocalSnapshot:
-    """A frozen task tree on the host; forks copy it (copy-on-write where the filesystem supports reflinks)."""
+    """A frozen sandbox: the layer stack (top first) every fork starts from. Its own top layer lives in `own` (removed
+    by `discard`); the layers below it (an image's, a parent snapshot's) belong to others."""
 
-    path: Path
+    layers: tuple[Path, ...]
     workdir: str
+    own: Path | None = None
+    host_system: bool = True  # the host's system folders stand in for an image (the stack holds none)
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits | None = None  # the task's limits, applied to every fork
-    image: Path | None = None  # the built image (rl/sandbox/image.py) its forks run on; None: the host's system
     entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT: every episode of a fork starts with it
     held: int | None = field(default=None, repr=False)  # its key in rl/sandbox/leftovers.py (a stop signal frees it)
 
     def discard(self) -> None:
         let_go(self.held)
-        force_rmtree(self.path.parent)
-
-
-def copy_tree(src: Path, dest: Path) -> None:
-    """Copy src's contents into dest, sharing blocks with src where the filesystem allows (reflink)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dest)], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SandboxError(f"cannot copy task tree {src} -> {dest}: {res.stderr.strip()}")
+        if self.own is not None:
+            force_rmtree(self.own)
 
 
 def bwrap_path() -> str | None:
@@ -230,45 +271,37 @@ def bwrap_path() -> str | None:
 
 
 def probe_bwrap() -> tuple[str | None, str | None]:
-    """How bubblewrap can isolate commands here: (mode, None), or (None, why it cannot).
+    """("userns", None) when bubblewrap can make the sandbox's namespaces here, else (None, why it cannot); probed
+    once per process, on the host's system folders alone (not the host's whole tree, whose mounts come and go)."""
+    return _probe_bwrap(bwrap_path())
 
-    "userns": bwrap runs unprivileged (as the sandbox uid when the host user is root) in a new user namespace.
-    "root": the host user is root but unprivileged user namespaces are disabled; bwrap runs as root without a
-    user namespace and the command drops to the sandbox uid with setpriv before anything else runs.
-    """
-    exe = bwrap_path()
+
+@functools.lru_cache(maxsize=4)
+def _probe_bwrap(exe: str | None) -> tuple[str | None, str | None]:
     if exe is None:
         return None, ("bubblewrap (bwrap) is not installed; install it (apt-get install bubblewrap, "
                       "dnf install bubblewrap)")
-    probe = [exe, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "true"]
-    kwargs = dict(user=UID_BASE, group=UID_BASE, extra_groups=[]) if os.geteuid() == 0 else {}
+    system = []
+    for name in SYSTEM_DIRS:
+        if os.path.islink(f"/{name}"):
+            system += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
+        elif os.path.isdir(f"/{name}"):
+            system += ["--ro-bind", f"/{name}", f"/{name}"]
+    probe = [exe, "--unshare-all", "--die-with-parent", *system, "true"]
+    kwargs = dict(user=ID_BASE, group=ID_BASE, extra_groups=[]) if os.geteuid() == 0 else {}
     try:
         res = subprocess.run(probe, capture_output=True, text=True, timeout=30, **kwargs)
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"bwrap failed to start: {e}"
     if res.returncode == 0:
         return "userns", None
-    problem = (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable unprivileged user namespaces "
-               "(sysctl kernel.unprivileged_userns_clone=1) or use a container backend")
-    if os.geteuid() == 0 and shutil.which("setpriv"):
-        root_probe = [exe, *ROOT_NAMESPACES, "--die-with-parent", "--ro-bind", "/", "/",
-                      *setpriv_argv(UID_BASE), "true"]
-        try:
-            if subprocess.run(root_probe, capture_output=True, timeout=30).returncode == 0:
-                return "root", None
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return None, problem
+    return None, (f"bwrap cannot create namespaces here ({res.stderr.strip()}); enable user namespaces "
+                  "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces) or use a container backend")
 
 
 def bwrap_problem() -> str | None:
     """Why bubblewrap cannot isolate commands on this machine, or None when it can."""
     return probe_bwrap()[1]
-
-
-def setpriv_argv(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--"]
 
 
 def _choose(what: str, wanted: bool | None, problem) -> bool:
@@ -281,17 +314,12 @@ def _choose(what: str, wanted: bool | None, problem) -> bool:
     return why is None
 
 
-def drop_to_uid_argv(uid: int) -> list[str]:
-    """Run the rest as uid with no groups; a root launcher loses every capability with its uid."""
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-
-
 def _check_traversable(path: Path) -> None:
-    """The unprivileged sandbox uid must be able to reach its directories through every parent."""
+    """The sandbox's users must be able to reach its folders through every parent."""
     for parent in path.resolve().parents:
         if not os.stat(parent).st_mode & 0o001:
-            raise SandboxError(f"sandbox directories under {path.parent} are unreachable for the unprivileged "
-                               f"sandbox user ({parent} is not world-searchable); choose another root_parent")
+            raise SandboxError(f"sandbox directories under {path.parent} are unreachable for the sandbox's users "
+                               f"({parent} is not world-searchable); choose another root_parent")
 
 
 def _processes_of(uid: int) -> int:
@@ -306,8 +334,41 @@ def _processes_of(uid: int) -> int:
     return n
 
 
+def _exec_only_copy(source: str) -> str | None:
+    """An execute-only copy (mode 0111) of the binary `source` (a host path), owned by this host user, in the
+    launcher's cache, named by its content. A process that runs it cannot read it, so the kernel makes it not
+    dumpable: its memory, environment and descriptors are closed to processes of its own uid."""
+    try:
+        st = os.stat(source)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    key = (source, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    found = _EXEC_ONLY.get(key)
+    if found and os.path.exists(found):
+        return found
+    digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:24]
+    folder = Path(launcher_path()).parent / "exec-only"
+    folder.mkdir(exist_ok=True)
+    os.chmod(folder, 0o711)
+    target = folder / f"{digest}-{os.path.basename(source)}"
+    if not target.exists():
+        tmp = folder / f".{target.name}.{os.getpid()}"
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o111)
+        os.replace(tmp, target)
+    _EXEC_ONLY[key] = str(target)
+    return str(target)
+
+
+_EXEC_ONLY: dict[tuple, str] = {}
+
+
 class LocalSandbox(Sandbox):
-    """Isolated copy of a task tree. Commands run under bubblewrap; file tools run as commands too.
+    """A sandbox of layers: `layers` (top first; a snapshot's, or an image's) under a writable layer of its own, and
+    `tree` (a host folder) put at /app. `image` is a built image (rl/sandbox/image.py Image, or its layers): the
+    sandbox runs on its system instead of the host's.
 
     `unisolated=True` runs commands as plain subprocesses of this host user with rlimits only: no namespaces,
     the task tree at its host path rather than /app. Only for machines without bubblewrap and trusted code.
@@ -316,46 +377,59 @@ class LocalSandbox(Sandbox):
     always uses the monitor; True requires the kernel's mechanism.
     """
 
+    needs_bwrap = True
+    provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
+
     def __init__(self, tree: str | Path | None = None, *, workdir: str = "/app", env: dict[str, str] | None = None,
                  limits: SandboxLimits | None = None, root_parent: str | Path | None = None,
-                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), bwrap_mode: str | None = None,
-                 cgroups: bool | None = None, tmpfs: bool | None = None, image: str | Path | None = None,
-                 entrypoint: tuple[str, ...] = ()):
+                 unisolated: bool = False, extra_ro_binds: tuple[str, ...] = (), cgroups: bool | None = None,
+                 tmpfs: bool | None = None, image=None, entrypoint: tuple[str, ...] = (),
+                 layers: Sequence[Path] = (), host_system: bool | None = None, fresh: bool = True,
+                 user: str | int | None = None, network: str = "none", egress=None):
         self.limits = limits or SandboxLimits()
-        self.entrypoint = tuple(entrypoint)
         self.limits.validate()
-        self.image = Path(image) if image is not None else None
-        if self.image is not None and unisolated:
-            raise SandboxError("an unisolated sandbox runs on the host's system; it cannot run on a built image")
-        image_dirs = self._image_dirs()
-        top = workdir.split("/")[1] if workdir.startswith("/") else ""
-        if workdir != "/app" and not workdir.startswith("/app/") and top not in image_dirs:
-            raise SandboxError(f"LocalSandbox keeps the task tree at /app; workdir {workdir!r} must be under it"
-                               + (f" or under one of the image's folders {image_dirs}" if image_dirs else ""))
+        self.entrypoint = tuple(entrypoint)
         self.unisolated = unisolated
         self.env = dict(env or {})
         self.extra_ro_binds = tuple(extra_ro_binds)
-        self._mounts: list[tuple[Path, str]] = []
-        self._image_mounts: list[tuple[Path, str]] = []  # the image's own folders: the sandbox's, like /app
+        image_layers = tuple(getattr(image, "layers", image or ()))
+        if image_layers and unisolated:
+            raise SandboxError("an unisolated sandbox runs on the host's system; it cannot run on a built image")
+        self.layers = tuple(Path(p) for p in layers) + tuple(Path(p) for p in image_layers)
+        self.host_system = (not image_layers) if host_system is None else host_system
+        self.image = image_layers or None
+        if not (workdir == "/app" or workdir.startswith("/app/")) and self.host_system:
+            raise SandboxError(f"LocalSandbox keeps the task tree at /app; workdir {workdir!r} must be under it (a "
+                               "task whose work tree is elsewhere runs on its image)")
         self._closed = False
         self._bwrap = bwrap_path()
-        self._mode = bwrap_mode
         if not unisolated and self.needs_bwrap:
-            problem = None
-            if self._mode is None:
-                self._mode, problem = probe_bwrap()
+            mode, problem = probe_bwrap()
             if problem or self._bwrap is None:
                 raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem or 'bwrap missing'}. "
                                    "Pass unisolated=True only for trusted code (no isolation at all).")
+            self._launcher = launcher_path()
         elif unisolated:
-            msg = ("LocalSandbox(unisolated=True): COMMANDS RUN WITHOUT ANY ISOLATION as this host user; only "
-                   "rlimits and timeouts apply. Never use this for model-generated code.")
-            warnings.warn(msg, UnisolatedWarning, stacklevel=2)
+            warnings.warn("LocalSandbox(unisolated=True): COMMANDS RUN WITHOUT ANY ISOLATION as this host user; only "
+                          "rlimits and timeouts apply. Never use this for model-generated code.",
+                          UnisolatedWarning, stacklevel=2)
+        self.root_user = os.geteuid() == 0
+        if network not in NETWORKS:
+            raise SandboxError(f"LocalSandbox(network={network!r}): one of {list(NETWORKS)}")
+        if network == "public" and egress is None:
+            raise SandboxError("LocalSandbox(network='public') needs the run's egress proxy (egress=)")
+        self.network, self._egress = network, egress
+        self._user = user
+        self.agent_uid, self.agent_gid, self.home = AGENT_UID, AGENT_UID, HOME  # settled once the root is built
+        # host uid:gid of the agent, and of root inside (on a root host: the image range; else this host user)
+        self.agent_ids = (ID_BASE + AGENT_UID,) * 2 if self.root_user and not unisolated else (os.geteuid(),) * 2
+        self.root_ids = (ID_BASE,) * 2 if self.root_user and not unisolated else (os.geteuid(),) * 2
+        self.uids = {self.agent_ids[0], self.root_ids[0]}  # the host uids its processes run as
+        self._overlay = not unisolated and self.needs_bwrap and use_overlay()
         self._tmpfs = _choose("tmpfs", tmpfs, None if unisolated else tmpfs_problem)
         self.root = make_dir("sandbox", root_parent)
-        self.uid: int | None = None
         self._cgroup: SandboxCgroup | None = None
-        self._verifier_root: Path | None = None
+        self._verifier: _Verifier | None = None
         self._episode: _Episode | None = None
         self._held: int | None = None
         try:
@@ -367,23 +441,24 @@ class LocalSandbox(Sandbox):
                     if tmpfs:
                         raise SandboxError(f"LocalSandbox(tmpfs=True): {e}") from None
                     self._tmpfs = False  # the monitor measures disk use instead
-            os.chmod(self.root, 0o711)  # the sandbox uid must traverse it to reach its own directories
-            self._dirs = self._make_dirs(self.root)
-            (self.root / "hosts").write_text(HOSTS_FILE)
-            for name in image_dirs:
-                self._copy_from_image(name)
+            os.chmod(self.root, 0o711)  # the sandbox's users traverse it to reach their root
+            if self.root_user and not unisolated:
+                _check_traversable(self.root)
+            self._mount_root(self.root)
+            self._settle_user(user)
+            if fresh:
+                self._make_agent_dirs(workdir)
+            hosts = self.root / "hosts"
+            hosts.write_text(HOSTS_FILE)
+            os.chown(hosts, *self.agent_ids)
             if tree is not None:
                 try:
-                    copy_tree(Path(tree), self._dirs["app"])
+                    copy_into(tree, self.fs_root, "/app", owner=self.agent_ids, merge=True)
                 except SandboxError as e:
                     if self._tmpfs and fs_full(self.root):
                         raise SandboxError(f"the task tree {tree} does not fit the sandbox's disk limit "
                                            f"({self.limits.disk_mb} MB, {self.limits.max_files} files)") from None
                     raise e
-            if os.geteuid() == 0 and not unisolated:
-                _check_traversable(self.root)
-                self.uid = UID_BASE + 1 + secrets.randbelow(UID_RANGE)
-                self._chown(self.root)
             if _choose("cgroups", cgroups, None if unisolated else cgroup_problem):
                 try:
                     self._cgroup = SandboxCgroup(find_cgroup_parents(), self.root.name, self.limits.memory_mb,
@@ -396,98 +471,161 @@ class LocalSandbox(Sandbox):
             self._release()
             raise
         self.workdir = str(self.host_path(workdir)) if unisolated else workdir
-        self.tree_root = str((self.root / "app").resolve()) if unisolated else "/app"
+        self.tree_root = str(self.fs_root / "app") if unisolated else "/app"
 
-    def _image_dirs(self) -> list[str]:
-        """The image's top-level folders the sandbox gets a writable copy of (its /app and /var among them)."""
-        if self.image is None:
-            return []
-        if not self.image.is_dir():
-            raise SandboxError(f"the image {self.image} does not exist; build the task again")
-        return sorted(e.name for e in self.image.iterdir() if e.is_dir() and not e.is_symlink()
-                      and e.name not in SYSTEM_DIRS + IMAGE_SKIPPED)
+    # The filesystem ----------------------------------------------------------------------------------------------
+    @property
+    def fs_root(self) -> Path:
+        """The sandbox's root as the host sees it (the merged overlay, or the materialized copy)."""
+        return self.root / "root"
 
-    def _copy_from_image(self, name: str) -> None:
-        """The sandbox's own copy of the image's folder /name: into its /app or /var (/var/tmp stays /tmp), or a
-        writable mount of its own."""
-        source = self.image / name
-        target = self._dirs[name] if name in WRITABLE_DIRS else self._dirs["mounts"] / f"image-{name}"
-        entries = [str(e) for e in source.iterdir() if not (name == "var" and e.name == "tmp")]
-        if name not in WRITABLE_DIRS:
-            target.mkdir()
-            os.chmod(target, stat.S_IMODE(source.stat().st_mode))
-        if entries:  # one copy of all it holds (apt and dpkg keep working for the verifiers' `apt-get install curl`)
-            res = subprocess.run(["cp", "-a", "--reflink=auto", *entries, str(target)], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise SandboxError(f"cannot copy the image's /{name}: {res.stderr.strip()[:300]}")
-        if name not in WRITABLE_DIRS:
-            self._image_mounts.append((target, f"/{name}"))
-            self._judge_mountpoint()
+    @property
+    def _upper(self) -> Path:
+        """What the sandbox wrote: its overlay's upper layer, or (copies) its whole root."""
+        return self.root / "upper" if self._overlay else self.fs_root
 
-    def _judge_mountpoint(self) -> None:
-        """Where an image's folder (its /opt) holds the judge's tools' place: the mount point they need there (made
-        again, never through a link, if the agent removed or replaced it)."""
-        for host, dest in self._image_mounts:
-            if JUDGE_DIR.startswith(dest + "/"):
-                point = host / os.path.relpath(JUDGE_DIR, dest)
-                if point.is_symlink() or (point.exists() and not point.is_dir()):
-                    point.unlink()
-                real_parent = os.path.realpath(point.parent)
-                if not (real_parent + "/").startswith(str(host.resolve()) + "/"):
-                    raise SandboxError(f"the sandbox replaced {os.path.dirname(JUDGE_DIR)} with a link")
+    def _mount_root(self, folder: Path) -> None:
+        """The layer stack under a writable layer in `folder`: an overlay at folder/root (upper and work beside it),
+        or the stack copied into folder/root."""
+        root = folder / "root"
+        root.mkdir()
+        if self._overlay:
+            for name in ("upper", "work"):
+                (folder / name).mkdir()
+            os.chown(folder / "upper", *self.root_ids)
+            os.chmod(folder / "upper", 0o755)
+            lowers = list(self.layers)
+            if not lowers:  # overlayfs needs one lower layer: an empty one
+                (folder / "empty").mkdir()
+                os.chown(folder / "empty", *self.root_ids)
+                os.chmod(folder / "empty", 0o755)
+                lowers = [folder / "empty"]
+            try:
+                mount_overlay(lowers, root, folder / "upper", folder / "work")
+            except OSError as e:
+                raise SandboxError(f"cannot stack the sandbox's layers: {e}") from None
+        else:
+            if self.layers:
+                materialize(self.layers, root)
+            os.chown(root, *self.root_ids)
+            os.chmod(root, 0o755)
+
+    def _make_agent_dirs(self, workdir: str) -> None:
+        """A fresh sandbox's own folders (AGENT_DIRS), made where its layers lack them (never through a link), the
+        agent's given to it, with its work tree and HOME and all they hold; where the host's system stands in, the
+        places its folders are bound to (and its links among them, /bin -> usr/bin)."""
+        if self.host_system:
+            fd = os.open(self.fs_root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                for name in SYSTEM_DIRS + ("proc", "dev", "sys"):
+                    host = f"/{name}"
+                    with contextlib.suppress(FileExistsError):
+                        if os.path.islink(host):
+                            os.symlink(os.readlink(host), name, dir_fd=fd)
+                            os.chown(name, *self.root_ids, dir_fd=fd, follow_symlinks=False)
+                        elif os.path.isdir(host) or name in ("proc", "dev", "sys"):
+                            os.mkdir(name, 0o755, dir_fd=fd)
+                            os.chown(name, *self.root_ids, dir_fd=fd)
+            finally:
+                os.close(fd)
+        for rel, mode, agents in AGENT_DIRS:
+            parts = rel.split("/")
+            parent = open_dir(self.fs_root, "/".join(parts[:-1]))
+            try:
                 try:
-                    point.mkdir(parents=True, exist_ok=True)
+                    fd = open_beneath(parent, parts[-1], os.O_RDONLY | os.O_DIRECTORY)
                 except OSError as e:
-                    raise SandboxError(f"cannot make {JUDGE_DIR} for the verifier's tools: {e.strerror}") from None
+                    if e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(parts[-1], dir_fd=parent)
+                    os.mkdir(parts[-1], mode, dir_fd=parent)
+                    fd = open_beneath(parent, parts[-1], os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fchown(fd, *(self.agent_ids if agents else self.root_ids))
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            finally:
+                os.close(parent)
+        for path in dict.fromkeys(["/app", self.home, "/logs", workdir]):
+            os.close(open_dir(self.fs_root, path, make=True, owner=self.root_ids))  # made as root's, if missing
+            chown_tree(self.fs_root, path, *self.agent_ids)
 
-    @staticmethod
-    def _make_dirs(root: Path) -> dict[str, Path]:
-        dirs = {d: root / d for d in WRITABLE_DIRS + ("mounts",)}
-        for d in dirs.values():
-            d.mkdir()
-        (dirs["logs"] / "verifier").mkdir()
-        (dirs["logs"] / "agent").mkdir()
-        for name in VAR_DIRS:
-            (dirs["var"] / name).mkdir()
-        (dirs["var"] / "tmp").symlink_to("../tmp")  # resolved inside the sandbox: /var/tmp is /tmp
-        return dirs
+    def _settle_user(self, user: str | int | None) -> None:
+        """The agent's uid, gid and HOME: AGENT_UID and /root, or a user of the image's /etc/passwd (by name or uid).
+        Root is not given to the agent: the verifier runs on the image's system, which the agent must not change
+        (the sandbox's own user stands in for it)."""
+        if user is None or user in ("root", 0, "0"):
+            return
+        entries = {}
+        text = self.read_file("/etc/passwd", 1 << 20) if not self.host_system else None
+        for line in (text or b"").decode(errors="replace").splitlines():
+            fields = line.split(":")
+            if len(fields) >= 7 and fields[2].isdigit() and fields[3].isdigit():
+                entries[fields[0]] = (int(fields[2]), int(fields[3]), fields[5] or "/")
+        if isinstance(user, int) or str(user).isdigit():
+            uid = int(user)
+            found = next((e for e in entries.values() if e[0] == uid), (uid, uid, HOME))
+        elif user in entries:
+            found = entries[user]
+        else:
+            raise SandboxError(f"the task's user {user!r} is not in its image's /etc/passwd: name a user the image "
+                               "has (its Dockerfile's useradd) or a uid")
+        if not 0 < found[0] < ID_RANGE or not 0 <= found[1] < ID_RANGE:
+            raise SandboxError(f"the task's user {user!r} has uid {found[0]}: a sandbox's users are 1-{ID_RANGE - 1}")
+        self.agent_uid, self.agent_gid, self.home = found
+        if self.root_user and not self.unisolated:
+            self.agent_ids = (ID_BASE + self.agent_uid, ID_BASE + self.agent_gid)
 
     @property
     def whole_sandbox_limits(self) -> dict[str, str]:
         """How memory and disk are limited for this sandbox: 'cgroup'/'tmpfs' (kernel) or 'monitor'."""
         return {"memory": "cgroup" if self._cgroup else "monitor", "disk": "tmpfs" if self._tmpfs else "monitor"}
 
-    # Paths
+    @property
+    def app_dir(self) -> Path:
+        return self.fs_root / "app"
+
     def host_path(self, sandbox_path: str) -> Path:
-        """Host location of a path under /app, /tmp or /logs (what the sandbox can write)."""
-        parts = Path(sandbox_path).parts
-        if len(parts) >= 2 and parts[0] == "/" and parts[1] in WRITABLE_DIRS:
-            return self._dirs[parts[1]].joinpath(*parts[2:])
-        for host, dest in self._image_mounts + self._mounts:
-            if sandbox_path == dest or sandbox_path.startswith(dest + "/"):
-                return host / os.path.relpath(sandbox_path, dest)
-        raise SandboxError(f"{sandbox_path} is not inside the sandbox's writable directories /app, /tmp, /logs")
+        """Host location of a path in the sandbox's own root (for an unisolated sandbox, where commands see host
+        paths). Do not write through it: it may hold the agent's links; use copy_in."""
+        rel = os.path.normpath(sandbox_path).lstrip("/")
+        if rel.startswith(".."):
+            raise SandboxError(f"{sandbox_path} is not inside the sandbox")
+        return self.fs_root / rel
+
+    def _view(self) -> tuple[Path, dict[str, Path]]:
+        """The root commands see now and the host folders bound over parts of it."""
+        if self._verifier is not None:
+            v = self._verifier.root
+            return v / "root", {"/logs": v / "logs", "/tests": v / "tests"}
+        return self.fs_root, {}
 
     def read_file(self, path: str, max_bytes: int) -> bytes | None:
-        """Read on the host from the sandbox's own folder, one component at a time and never through a link
-        (O_NOFOLLOW), without blocking on a FIFO; see Sandbox.read_file."""
-        parts = Path(path).parts
-        if len(parts) < 3 or parts[0] != "/" or parts[1] not in WRITABLE_DIRS or ".." in parts:
-            return super().read_file(path, max_bytes)
-        fd = os.open(self._dirs[parts[1]], _DIR_OPEN)
+        """Read on the host from the sandbox's root, one component at a time and never through a link or onto
+        another mount, without blocking on a FIFO; see Sandbox.read_file."""
+        if not path.startswith("/") or ".." in Path(path).parts:
+            raise SandboxError(f"{path} is not an absolute path inside the sandbox")
+        root, binds = self._view()
+        for dest, host in binds.items():
+            if path.startswith(dest + "/"):
+                root, path = host, path[len(dest):]
+        parts = path.strip("/").split("/")
         try:
-            for name in parts[2:-1]:
-                inner = os.open(name, _DIR_OPEN | os.O_NOFOLLOW, dir_fd=fd)
-                os.close(fd)
-                fd = inner
-            inner = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            parent = open_dir(root, "/".join(parts[:-1]))
         except FileNotFoundError:
             return None
         except OSError as e:
-            what = "a symbolic link" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
-            raise SandboxError(f"{path} cannot be read: {what}") from None
+            raise SandboxError(f"{path} cannot be read: {_why(e)}") from None
+        try:
+            inner = open_beneath(parent, parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise SandboxError(f"{path} cannot be read: {_why(e)}") from None
         finally:
-            os.close(fd)
+            os.close(parent)
         try:
             if not stat.S_ISREG(os.fstat(inner).st_mode):
                 raise SandboxError(f"{path} is not a regular file")
@@ -499,112 +637,89 @@ class LocalSandbox(Sandbox):
         finally:
             os.close(inner)
 
-    @property
-    def app_dir(self) -> Path:
-        return self._dirs["app"]
+    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
+        """Put a host file or folder at `dest`: into the root commands see (the agent's, given to the agent; the
+        verifier's, given to its root), never through a link the sandbox holds."""
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        if not dest.startswith("/") or ".." in Path(dest).parts:
+            raise SandboxError(f"copy_in destination must be an absolute path without '..', got {dest!r}")
+        top = "/" + dest.strip("/").split("/")[0]
+        if dest.rstrip("/") in RESERVED_DESTS or top in ("/proc", "/dev", "/sys") or (
+                self.host_system and top.lstrip("/") in SYSTEM_DIRS):
+            raise SandboxError(f"cannot copy into system path {dest}")
+        root, binds = self._view()
+        owner = self.agent_ids if self._verifier is None else self.root_ids
+        for prefix, host in binds.items():
+            if dest == prefix or dest.startswith(prefix + "/"):
+                root, dest = host, dest[len(prefix):] or "/"
+        copy_into(host_path, root, dest, owner=owner, merge=merge)
 
-    def _writable_host_dirs(self) -> list[str]:
-        """The folders the sandbox writes: its own (which the episode keeps in the verifier phase) and the
-        verifier's."""
-        dirs = {str(self.root / d) for d in WRITABLE_DIRS} | {str(self._dirs[d]) for d in WRITABLE_DIRS}
-        return sorted(dirs) + [str(h) for h, _ in self._image_mounts + self._mounts]
-
-    def _chown(self, path: Path) -> None:
-        """Give `path` (recursively, never following symlinks) to the sandbox user."""
-        if self.uid is None:
-            return
-        try:
-            os.lchown(path, self.uid, self.uid)
-            for dirpath, dirnames, filenames in os.walk(path):
-                for name in dirnames + filenames:
-                    os.lchown(os.path.join(dirpath, name), self.uid, self.uid)
-        except OSError as e:
-            raise SandboxError(f"cannot hand {path} to the sandbox user: {e}") from None
-
-    # Commands
-    def _rlimit_argv(self) -> list[str]:
+    # Commands -----------------------------------------------------------------------------------------------------
+    def _rlimit_args(self) -> list[str]:
         lim = self.limits
         nproc = lim.max_processes
-        if self.uid is None and os.geteuid() != 0:
+        if not self.root_user:
             nproc += _processes_of(os.geteuid())  # RLIMIT_NPROC counts all of this user's processes
         mb = 1024 * 1024
-        # CPU: soft limit sends SIGXCPU (reported by name), the hard limit one second later kills.
-        return ["prlimit", f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}",
-                f"--nproc={nproc}", f"--fsize={lim.max_file_mb * mb}", f"--nofile={lim.max_open_files}", "--core=0",
-                "--"]
+        # CPU: soft limit sends SIGXCPU (reported by name), the hard limit one second later kills. Memory is the
+        # cgroup's (or the monitor's) for the whole sandbox, never a per-process address-space limit.
+        out = []
+        for spec in (f"cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"nproc={nproc}:{nproc}",
+                     f"fsize={lim.max_file_mb * mb}:{lim.max_file_mb * mb}",
+                     f"nofile={lim.max_open_files}:{lim.max_open_files}", "core=0:0"):
+            out += ["--rlimit", spec]
+        return out
 
-    needs_bwrap = True
-    provides_judge = True  # the verifier phase has /opt/verifier/bin/judge (a nested bubblewrap sandbox)
+    def _cgroup_args(self, cgroup: SandboxCgroup | None) -> list[str]:
+        return [a for f in (cgroup.procs_files() if cgroup else []) for a in ("--cgroup", f)]
 
-    def _filesystem_argv(self) -> list[str]:
-        """bubblewrap's options that build the sandbox's filesystem: the system read-only, its own writable
-        folders and mounts (read-only in the verifier phase: the code it tests cannot rewrite its files)."""
+    def _system_binds(self) -> list[str]:
+        """bubblewrap's options that put the host's system folders (read-only, secrets masked) into a root that has
+        no system of its own."""
+        if not self.host_system:
+            return []
         argv = []
-        system = str(self.image) if self.image is not None else ""
-        for name in SYSTEM_DIRS:
-            host = f"{system}/{name}"
-            if os.path.islink(host):
-                argv += ["--symlink", os.readlink(host), f"/{name}"]
-            elif os.path.isdir(host):
-                argv += ["--ro-bind", host, f"/{name}"]
-        if self.image is not None:  # the image's own files at its root (a COPY to /entrypoint.sh), read-only
-            for entry in sorted(os.scandir(self.image), key=lambda e: e.name):
-                if entry.is_file(follow_symlinks=False):
-                    argv += ["--ro-bind", entry.path, f"/{entry.name}"]
+        for name in SYSTEM_DIRS:  # the links among them (/bin -> usr/bin) are in the root already
+            host = f"/{name}"
+            if os.path.isdir(host) and not os.path.islink(host):
+                argv += ["--ro-bind", host, host]
         for path in MASKED_FILES:
-            if os.path.exists(system + path):
+            if os.path.exists(path):
                 argv += ["--ro-bind", "/dev/null", path]
-        bind = "--ro-bind" if self._verifier_root is not None else "--bind"
-        if os.path.exists(system + "/etc/hosts"):  # the sandbox's own, as a container's (an entrypoint adds names)
-            argv += [bind, str(self.root / "hosts"), "/etc/hosts"]
         for host in self.extra_ro_binds:
             argv += ["--ro-bind", host, host]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES),
-                 "--tmpfs", "/dev/shm"]
-        for d in WRITABLE_DIRS:
-            argv += ["--bind", str(self._dirs[d]), f"/{d}"]
-        for host, dest in self._image_mounts:
-            argv += ["--bind", str(host), dest]
-        for host, dest in self._mounts:
-            argv += [bind, str(host), dest]
-        # bwrap's new root and /dev are memory-backed tmpfs: read-only, so writing cannot fill host RAM.
-        return argv + ["--remount-ro", "/dev", "--remount-ro", "/"]
-
-    def _launcher_argv(self, argv: list[str]) -> tuple[list[str], int | None]:
-        """(argv, the user to start it as): bubblewrap runs as the sandbox uid on a root host (as root without
-        a user namespace, the command dropping to that uid first thing), in the sandbox's cgroup."""
-        launcher_uid = None if self._mode == "root" else self.uid
-        if self._cgroup is not None:  # join as root, then become the launcher's user
-            argv = self._cgroup.join_argv() + (drop_to_uid_argv(launcher_uid) if launcher_uid else []) + argv
-            launcher_uid = None
-        return argv, launcher_uid
+        return argv
 
     def _start_episode(self) -> None:
-        """Start the episode's keeper (see _KEEPER): bubblewrap with every namespace new and the sandbox's
-        filesystem, its shell as pid 1. Where bwrap makes a user namespace the host writes its uid map (the
-        sandbox user, uid 1000 inside, is the launcher outside), so that the host can later enter the episode's
-        namespaces as their owner (`nsenter`)."""
+        """Start the episode's keeper (see _KEEPER): bubblewrap with every namespace new and the sandbox's root, its
+        shell as pid 1, as the agent. The host maps the user namespace (uids 0-65535 to the image range on a root
+        host; else this host user to the agent) while bubblewrap waits."""
         block_r, block_w = os.pipe()
         info_r, info_w = os.pipe()
         keep_r, keep_w = os.pipe()
         seccomp_fd = filter_fd()
-        if self._mode == "root":
-            argv = [self._bwrap, *ROOT_NAMESPACES]
-            inner = setpriv_argv(self.uid)
-        else:  # bwrap makes the user namespace and waits until the host has mapped its user
-            argv = [self._bwrap, "--unshare-all", "--unshare-user", "--userns-block-fd", str(block_r)]
-            inner = []
-        argv += ["--info-fd", str(info_w), "--as-pid-1", "--clearenv", "--setenv", "PATH", BASE_ENV["PATH"],
-                 "--hostname", "sandbox", *self._filesystem_argv()]
+        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--userns-block-fd", str(block_r), "--info-fd",
+                str(info_w), "--as-pid-1", "--die-with-parent", "--clearenv", "--setenv", "PATH", BASE_ENV["PATH"],
+                "--hostname", "sandbox", "--bind", str(self.fs_root), "/", *self._system_binds(),
+                "--bind", str(self.root / "hosts"), "/etc/hosts", "--proc", "/proc", "--dev", "/dev",
+                "--perms", "1777", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
         if seccomp_fd is not None:
             argv += ["--seccomp", str(seccomp_fd)]
-        argv, launcher_uid = self._launcher_argv(argv + ["--chdir", "/", "--", *inner, "bash", "--noprofile",
-                                                         "--norc", "-c", _KEEPER])
+        if self.root_user:  # root inside becomes the agent, with no capability left
+            argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP", "--chdir", "/",
+                     "--", "setpriv", f"--reuid={self.agent_uid}", f"--regid={self.agent_gid}", "--clear-groups",
+                     "--inh-caps=-all", "--bounding-set=-all", "--"]
+        else:
+            argv += ["--chdir", "/", "--"]
+        argv += ["bash", "--noprofile", "--norc", "-c", _KEEPER]
+        launch = [self._launcher, *self._cgroup_args(self._cgroup)]
+        if self.root_user:
+            launch += ["--uid", str(ID_BASE), "--gid", str(ID_BASE)]
         passed = [fd for fd in (block_r, info_w, seccomp_fd) if fd is not None]
         try:
-            proc = subprocess.Popen(argv, stdin=keep_r, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env={"PATH": BASE_ENV["PATH"]}, start_new_session=True, user=launcher_uid,
-                                    group=launcher_uid, extra_groups=[] if launcher_uid is not None else None,
+            proc = subprocess.Popen([*launch, "--", *argv], stdin=keep_r, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env={"PATH": BASE_ENV["PATH"]}, start_new_session=True,
                                     pass_fds=passed)
         except OSError as e:
             for fd in (block_r, block_w, info_r, info_w, keep_r, keep_w):
@@ -620,23 +735,22 @@ class LocalSandbox(Sandbox):
             keeper = info.get("child-pid") if isinstance(info, dict) else None
             if not isinstance(keeper, int):
                 raise SandboxError("bubblewrap gave no child pid")
-            if self._mode != "root":
-                outer = self.uid if self.uid is not None else os.geteuid()
-                for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_UID_INSIDE} {outer} 1\n"),
-                                   ("gid_map", f"{SANDBOX_UID_INSIDE} {outer} 1\n")):
-                    with open(f"/proc/{keeper}/{name}", "w") as f:
-                        f.write(text)
+            mapping = f"0 {ID_BASE} {ID_RANGE}\n" if self.root_user else f"{self.agent_uid} {os.geteuid()} 1\n"
+            writes = [("uid_map", mapping), ("gid_map", mapping)]
+            if not self.root_user:
+                writes.insert(0, ("setgroups", "deny"))
+            for name, text in writes:
+                with open(f"/proc/{keeper}/{name}", "w") as f:
+                    f.write(text)
             os.write(block_w, b"1")
             # bwrap builds the filesystem after it names its child: the keeper says when it runs on it.
             ready, _, _ = select.select([proc.stdout], [], [], 30)
             if not ready or proc.stdout.read(6) != b"ready\n":
                 raise SandboxError("the episode's init did not start")
-            pid_ns = os.readlink(f"/proc/{keeper}/ns/pid")
-            try:  # the OOM killer takes the sandbox's other processes, not its init (where the host may say so)
+            start = _start_time(keeper)
+            with contextlib.suppress(OSError):  # the OOM killer takes the sandbox's other processes, not its init
                 with open(f"/proc/{keeper}/oom_score_adj", "w") as f:
                     f.write("-1000")
-            except OSError:
-                pass
         except (OSError, SandboxError) as e:
             os.close(keep_w)
             _kill_launcher(proc)
@@ -647,16 +761,14 @@ class LocalSandbox(Sandbox):
             os.close(info_r)
             proc.stdout.close()
             proc.stderr.close()
-        self._episode = _Episode(proc, keeper, keep_w, tuple(self._mounts), pid_ns)
+        self._episode = _Episode(proc, keeper, start, keep_w)
         self._open_low_ports(keeper)
 
     def _open_low_ports(self, keeper: int) -> None:
         """Let the episode's processes listen on ports below 1024 in its own network namespace (a server the
         task's image starts on port 80), as docker sets up every container (net.ipv4.ip_unprivileged_port_start).
-        Host root sets it (root holds every capability over the namespaces it made); an unprivileged host cannot
-        (a shell it starts inside its user namespace as uid 1000 has no capability left), so low ports stay
-        closed there, as docs/SANDBOX.md says."""
-        if os.geteuid() != 0:
+        Only a root host can set it for them; elsewhere low ports stay closed, as docs/SANDBOX.md says."""
+        if not self.root_user:
             return
         res = subprocess.run(["nsenter", "-t", str(keeper), "--net", "sh", "-c",
                               "echo 0 > /proc/sys/net/ipv4/ip_unprivileged_port_start"],
@@ -666,9 +778,11 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"cannot open the episode's ports below 1024: {res.stderr.strip()[:200]}")
 
     def _start_container(self) -> None:
-        """A new episode, started as a container starts: its namespaces, then the image's ENTRYPOINT (if any) with
-        the image's environment."""
+        """A new episode, started as a container starts: its namespaces (with the egress proxy on its loopback where
+        the task declares the network), then the image's ENTRYPOINT (if any) with the image's environment."""
         self._start_episode()
+        if self.network == "public":
+            self._episode.egress = self._serve_egress(f"/proc/{self._episode.keeper}/ns/net", "agent")
         if self.entrypoint:
             self._run_entrypoint({**BASE_ENV, **self.env})
 
@@ -677,18 +791,19 @@ class LocalSandbox(Sandbox):
         (Harbor and Terminal-Bench give the main container `sh -c 'sleep infinity'`). What it starts in the
         background serves the episode; an entrypoint that fails first is a one-line error with its log."""
         marker = f"/run/.mc-entrypoint-{secrets.token_hex(4)}"
+        log = f"/run/.mc-entrypoint-{secrets.token_hex(4)}.log"
         argv = shlex.join([*self.entrypoint, "sh", "-c", f"touch {marker}"])
-        script = (f"{argv} </dev/null >>/var/log/entrypoint.log 2>&1 & pid=$!; end=$((SECONDS + "
+        script = (f"{argv} </dev/null >>{log} 2>&1 & pid=$!; end=$((SECONDS + "
                   f"{int(ENTRYPOINT_WAIT_S)})); while [ ! -e {marker} ] && [ $SECONDS -lt $end ]; do "
                   f"kill -0 $pid 2>/dev/null || {{ wait $pid; s=$?; [ -e {marker} ] && break; [ $s = 0 ] && break; "
-                  f"echo \"exited with status $s $(tail -n 1 /var/log/entrypoint.log)\"; exit 3; }}; sleep 0.02; done; "
+                  f"echo \"exited with status $s $(tail -n 1 {log})\"; exit 3; }}; sleep 0.02; done; "
                   f"rm -f {marker}")
-        res = self._exec_isolated(script, self.workdir, env, ENTRYPOINT_WAIT_S + 60, None)
+        res = self._exec_episode(script, self.workdir, env, ENTRYPOINT_WAIT_S + 60, None)
         if res.exit_code != 0:
             self.end_episode()
             last = res.output.strip().splitlines()[-1:] or [res.describe()]
             raise SandboxError(f"the image's ENTRYPOINT {list(self.entrypoint)} failed before its command ran: "
-                               f"{last[0].strip()[:200]} (its log: /var/log/entrypoint.log in the sandbox)")
+                               f"{last[0].strip()[:200]} (its log: {log} in the sandbox)")
 
     def end_episode(self) -> int | None:
         """Kill what the episode's commands left running (by killing its keeper, the init of its pid namespace)
@@ -697,85 +812,32 @@ class LocalSandbox(Sandbox):
         if episode is None:
             return 0
         left = len(episode.processes())
-        try:
+        if self._cgroup is not None:
+            self._cgroup.thaw()  # a frozen process takes no signal
+        if episode.egress is not None:
+            episode.egress.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(episode.keeper, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         os.close(episode.keep_w)
         _kill_launcher(episode.launcher)
         return left
 
-    def _command_argv(self, command: str, cwd: str, env: dict[str, str], seccomp_fd: int | None) -> list[str]:
-        """bubblewrap argv that runs `command`. An agent command enters the episode's namespaces (what it leaves
-        running stays, as in a container); a verifier command gets its own user, pid, ipc, uts and mount
-        namespaces, its shell as pid 1 (so nothing it starts outlives it, and nothing inside can signal it), and
-        shares only the episode's network, where the episode's services answer on loopback."""
-        shell = ["bash", "--noprofile", "--norc", "-c", command]
-        keeper = str(self._episode.keeper) if self._episode else None
-        root = self._mode == "root"
-        common = ["--die-with-parent", "--new-session", "--clearenv"]
-        for k, v in env.items():
-            common += ["--setenv", k, v]
-        if seccomp_fd is not None:  # rl/sandbox/seccomp.py: no ptrace, pidfd_getfd, process_vm_* for anything run
-            common += ["--seccomp", str(seccomp_fd)]
-        common += ["--chdir", cwd, "--"]
-        drop = setpriv_argv(self.uid) if root else []
-        inside = ["--uid", str(SANDBOX_UID_INSIDE), "--gid", str(SANDBOX_UID_INSIDE)]
-        # Without a user namespace (root mode) the host enters as root; with one, as the namespaces' owner, which
-        # grants every capability inside them until _DROP_CAPS.
-        owner = [] if root else ["--user", "--preserve-credentials"]
-        after_enter = ["--"] + ([] if root else _DROP_CAPS)
-        if self._verifier_root is None:  # enter the episode's namespaces, a mount namespace of its own over them
-            enter = ["nsenter", "-t", keeper, *owner, "--pid", "--net", "--ipc", "--uts", "--mount", "-r", "-w",
-                     *after_enter]
-            own = list(ROOT_CAPS) if root else ["--unshare-user", *inside]
-            return enter + [self._bwrap, *own, "--dev-bind", "/", "/", *common, *drop, *shell]
-        # The verifier: namespaces of its own but the episode's network (a fresh one when there is no episode).
-        join = ["nsenter", "-t", keeper, *owner, "--net", *after_enter] if keeper else []
-        if root:
-            spaces = [a for a in ROOT_NAMESPACES if not (keeper and a == "--unshare-net")]
-        elif keeper:
-            spaces = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                      *inside]
-        else:
-            spaces = ["--unshare-all", *inside]
-        return join + [self._bwrap, *spaces, "--as-pid-1", "--hostname", "sandbox", *self._filesystem_argv(),
-                       *common, *drop, *shell]
-
-    def _disk_roots(self) -> list[Path]:
-        return [self.root] + ([self._verifier_root] if self._verifier_root else [])
-
-    def _disk_event(self) -> str | None:
-        """Why the sandbox's disk is over its limit after a command, or None (tmpfs: it is full)."""
-        lim = self.limits
-        if self._tmpfs:
-            for root in self._disk_roots():
-                full = fs_full(root)
-                if full:
-                    what = f"{lim.disk_mb} MB" if full == "space" else f"{lim.max_files} files"
-                    return f"disk limit exceeded: the sandbox's filesystem is full ({what}); writes fail"
-            return None
-        size, files = dir_usage(self._writable_host_dirs())
-        if size > lim.disk_mb << 20:
-            return f"disk limit exceeded: the sandbox holds more than {lim.disk_mb} MB"
-        if files > lim.max_files:
-            return f"disk limit exceeded: the sandbox holds more than {lim.max_files} files"
-        return None
-
-    def _monitor(self):
+    def _monitor(self, cgroup: SandboxCgroup | None):
         """watch(pid) for run_process: the polling fallback for the limits the kernel does not enforce here."""
-        if self._cgroup is not None and self._tmpfs:
+        if cgroup is not None and self._tmpfs:
             return None
         lim = self.limits
         dirs = self._writable_host_dirs()
-        devices = {os.stat(d).st_dev for d in dirs}
+        # files held open show the device of the overlay they were opened through, not their upper layer's
+        roots = [self.fs_root] + ([self._verifier.root / "root"] if self._verifier else [])
+        devices = {os.stat(d).st_dev for d in dirs + [str(r) for r in roots if r.exists()]}
         # Only growth past a limit stops a command, so cleanup can run in a sandbox that is already full.
         size0, files0 = (0, 0) if self._tmpfs else dir_usage(dirs)
 
         def watch(pid: int):
             pids = process_tree(pid) + (list(self._episode.processes()) if self._episode else [])
             shm, unlinked = held_files(pids, devices)
-            if self._cgroup is None:
+            if cgroup is None:
                 held = private_memory(pids) + shm
                 if held > lim.memory_mb << 20:
                     return "memory", (f"memory limit exceeded: the sandbox's processes held {held >> 20} MB together "
@@ -790,66 +852,95 @@ class LocalSandbox(Sandbox):
 
         return watch
 
+    def _writable_host_dirs(self) -> list[str]:
+        """What the commands of the phase write: the episode's layer, or the verifier's own."""
+        if self._verifier is None:
+            return [str(self._upper)]
+        v = self._verifier.root
+        return [str(v / ("upper" if self._overlay else "root")), str(v / "logs"), str(v / "tests")]
+
     def exec(self, command: str, *, timeout: float | None = None, cwd: str | None = None,
              env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
         timeout = self.limits.command_timeout_s if timeout is None else timeout
-        full_env = {**BASE_ENV, **self.env, **(env or {})}
-        if self._verifier_root is not None:
+        full_env = {**BASE_ENV, "HOME": self.home, **self._network_env(), **self.env, **(env or {})}
+        if self._verifier is not None:
             full_env.update(VERIFIER_ENV)
-        ooms = self._cgroup.oom_kills() if self._cgroup else 0
+        cgroup = self._verifier.cgroup if self._verifier is not None else self._cgroup
+        ooms = cgroup.oom_kills() if cgroup else 0
+        forks = cgroup.process_limit_hits() if cgroup else 0
         if self.unisolated:
-            full_env["HOME"] = str(self._dirs["tmp"])
-            argv = self._rlimit_argv() + ["bash", "--noprofile", "--norc", "-c", command]
+            full_env["HOME"] = str(self.fs_root / HOME.lstrip("/"))
+            argv = [*self._rlimit_prlimit(), "bash", "--noprofile", "--norc", "-c", command]
             res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              cwd=cwd or self.workdir, env=full_env, watch=self._monitor())
+                              cwd=cwd or self.workdir, env=full_env, watch=self._monitor(None))
+        elif not self.needs_bwrap:  # another runtime's launcher (apptainer): each command on its own
+            res = run_process(self._command_argv(command, cwd or self.workdir, full_env), timeout=timeout,
+                              max_output=self.limits.max_output_bytes, stdin=stdin, env={"PATH": BASE_ENV["PATH"]},
+                              watch=self._monitor(cgroup))
+        elif self._verifier is not None:
+            res = self._exec_verifier(command, cwd or self.workdir, full_env, timeout, stdin)
         else:
-            res = self._exec_isolated(command, cwd or self.workdir, full_env, timeout, stdin)
-        if self._cgroup is not None:
-            killed = self._cgroup.oom_kills() - ooms
+            res = self._exec_episode(command, cwd or self.workdir, full_env, timeout, stdin)
+        if cgroup is not None:
+            killed = cgroup.oom_kills() - ooms
             if killed > 0:
                 res.memory_exceeded = True
                 res.events.append(f"memory limit exceeded: the sandbox's processes passed {self.limits.memory_mb} MB "
                                   f"together; the kernel killed {killed} of them")
+            if cgroup.process_limit_hits() > forks:
+                res.events.append(f"process limit reached ({self.limits.max_processes} processes)")
         if not res.disk_exceeded:
             event = self._disk_event()
             if event:
                 res.disk_exceeded = True
                 res.events.append(event)
-        note_limits(res, self.limits)
-        if self._episode is not None and any(e.startswith("process limit reached") for e in res.events):
-            # a fork bomb's detached processes would hold the limit for every later command, the verifier's too
+        note_limits(res, self.limits, processes=cgroup is None)  # the process limit: the kernel counts it if it can
+        if self._verifier is None and self._episode is not None and any(
+                e.startswith("process limit reached") for e in res.events):
+            # a fork bomb's detached processes would hold the limit for every later agent command
             res.events.append(f"{self.end_episode()} background process(es) were ended to free the process limit")
         return res
 
-    def _exec_isolated(self, command: str, cwd: str, env: dict[str, str], timeout: float,
-                       stdin: bytes | None) -> ExecResult:
+    def _command_argv(self, command: str, cwd: str, env: dict[str, str]) -> list[str]:
+        """argv of one command for a subclass whose runtime is not bubblewrap (needs_bwrap = False)."""
+        raise NotImplementedError
+
+    def _rlimit_prlimit(self) -> list[str]:
+        """The rlimits as a prlimit prefix (the unisolated mode, which has no launcher)."""
+        args = self._rlimit_args()
+        out = ["prlimit"]
+        for spec in args[1::2]:
+            name, _, value = spec.partition("=")
+            out.append(f"--{name}={value}")
+        return out + ["--"]
+
+    def _exec_episode(self, command: str, cwd: str, env: dict[str, str], timeout: float,
+                      stdin: bytes | None) -> ExecResult:
         events = []
-        in_episode = self.needs_bwrap and self._verifier_root is None
-        if in_episode:
-            episode = self._episode
-            if episode is not None and episode.mounts != tuple(self._mounts):  # its filesystem is fixed at start
-                left = self.end_episode()
-                events.append(f"the sandbox restarted to add a mount; {left} background process(es) ended")
-            elif episode is not None and not episode.alive():
-                self.end_episode()
-                events.append("the sandbox's init was killed (memory?); its background processes ended")
-            if self._episode is None:
-                self._start_container()
-            before = self._episode.processes()
-        seccomp_fd = filter_fd() if self.needs_bwrap else None
-        argv, launcher_uid = self._launcher_argv(self._rlimit_argv()
-                                                 + self._command_argv(command, cwd, env, seccomp_fd))
+        episode = self._episode
+        if episode is not None and not episode.alive():
+            self.end_episode()
+            events.append("the sandbox's init was killed (memory?); its background processes ended")
+        if self._episode is None:
+            self._start_container()
+        before = self._episode.processes()
+        seccomp_fd = filter_fd()
+        argv = [self._launcher, *self._cgroup_args(self._cgroup), *self._rlimit_args(),
+                "--ns", str(self._episode.keeper), "--expect", f"{self._episode.keeper}:{self._episode.start}",
+                "--uid", str(self.agent_uid), "--gid", str(self.agent_gid), "--chdir", cwd]
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
+        argv += ["--", "bash", "--noprofile", "--norc", "-c", command]
         try:
-            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin,
-                              env={"PATH": BASE_ENV["PATH"]}, user=launcher_uid, group=launcher_uid,
-                              watch=self._monitor(), background=in_episode,
+            res = run_process(argv, timeout=timeout, max_output=self.limits.max_output_bytes, stdin=stdin, env=env,
+                              watch=self._monitor(self._cgroup), background=True,
                               pass_fds=() if seccomp_fd is None else (seccomp_fd,))
         finally:
             if seccomp_fd is not None:
                 os.close(seccomp_fd)
-        if in_episode and self._episode is not None:
+        if self._episode is not None:
             if res.memory_exceeded and self._cgroup is None:  # the monitor counts the episode's processes too
                 events.append(f"{self.end_episode()} background process(es) ended with it")
             else:
@@ -860,95 +951,283 @@ class LocalSandbox(Sandbox):
         res.events = events + res.events
         return res
 
-    def enter_verifier(self, services: bool = True) -> None:
-        """Fresh /tmp and /logs (with an empty /logs/verifier) on a new host-made tmpfs where the host allows;
-        mounts the agent phase added (e.g. /solution) are dropped. What the agent left running keeps running in
-        the episode's namespaces (services=False ends it first), which the verifier's commands share only the
-        network of: its servers answer on loopback, and they see neither the verifier's processes nor its files."""
+    def _exec_verifier(self, command: str, cwd: str, env: dict[str, str], timeout: float,
+                       stdin: bytes | None) -> ExecResult:
+        """A verifier command: its own pid and mount namespace (its shell the init, so nothing it starts outlives
+        it), in the verifier's user, network, ipc and uts namespaces, as the verifier's root."""
+        v = self._verifier
+        seccomp_fd = filter_fd()
+        launch = [self._launcher, *self._cgroup_args(v.cgroup), *self._rlimit_args()]
+        if v.namespaces is not None:
+            launch += [*v.namespaces.enter_argv(), "--uid", "0", "--gid", "0", "--keep-caps"]
+            spaces = ["--unshare-pid", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
+            for cap in VERIFIER_CAPS:
+                spaces += ["--cap-add", cap]
+        else:  # a host that is not root: the episode's user and network, a user namespace of its own inside
+            episode = self._episode
+            launch += ["--keep-caps"]
+            if episode is not None:
+                launch += ["--expect", f"{episode.keeper}:{episode.start}", "--ns-file",
+                           f"user=/proc/{episode.keeper}/ns/user", "--ns-file", f"net=/proc/{episode.keeper}/ns/net"]
+                spaces = ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                          "--uid", str(self.agent_uid), "--gid", str(self.agent_gid)]
+            else:
+                spaces = ["--unshare-all", "--uid", str(self.agent_uid), "--gid", str(self.agent_gid)]
+        argv = [self._bwrap, *spaces, "--as-pid-1", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+                "--bind", str(v.root / "root"), "/", *self._system_binds(),
+                "--ro-bind", str(v.root / "hosts"), "/etc/hosts", "--bind", str(v.root / "logs"), "/logs",
+                "--bind", str(v.root / "tests"), "/tests", "--ro-bind", str(v.root / "tools"), JUDGE_DIR,
+                "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(SHM_BYTES), "--tmpfs",
+                "/dev/shm"]
+        for copy, path in v.interpreters:
+            argv += ["--ro-bind", copy, path]
+        argv += ["--clearenv"]
+        for k, val in env.items():
+            argv += ["--setenv", k, val]
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
+        as_user = [] if v.uid == 0 or v.namespaces is None else [
+            "setpriv", f"--reuid={v.uid}", f"--regid={v.uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--"]
+        argv += ["--chdir", cwd, "--", *as_user, "bash", "--noprofile", "--norc", "-c", command]
+        try:
+            res = run_process([*launch, "--", *argv], timeout=timeout, max_output=self.limits.max_output_bytes,
+                              stdin=stdin, env={"PATH": BASE_ENV["PATH"]}, watch=self._monitor(v.cgroup),
+                              pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        conflicts = v.ports.conflicts() if v.ports is not None else []
+        if conflicts:
+            names = ", ".join(f"{proto} {port}" for proto, port in conflicts)
+            res.void = (f"the episode's service on {names} answered the verifier, which listens there itself: what "
+                        "it got may have been the episode's, not its own")
+            res.events.append(res.void)
+        return res
+
+    def _disk_event(self) -> str | None:
+        """Why the sandbox's disk is over its limit after a command, or None (tmpfs: it is full)."""
+        lim = self.limits
+        if self._tmpfs:
+            for root in [self._verifier.root if self._verifier else self.root]:  # the phase's own disk
+                full = fs_full(root)
+                if full:
+                    what = f"{lim.disk_mb} MB" if full == "space" else f"{lim.max_files} files"
+                    return f"disk limit exceeded: the sandbox's filesystem is full ({what}); writes fail"
+            return None
+        size, files = dir_usage(self._writable_host_dirs())
+        if size > lim.disk_mb << 20:
+            return f"disk limit exceeded: the sandbox holds more than {lim.disk_mb} MB"
+        if files > lim.max_files:
+            return f"disk limit exceeded: the sandbox holds more than {lim.max_files} files"
+        return None
+
+    # The verifier phase -------------------------------------------------------------------------------------------
+    def _freeze(self) -> list[int]:
+        """Stop every process of the episode where it stands: its cgroup's freezer, else SIGSTOP to each. Returns
+        the pids stopped by signal (to continue by `_thaw`)."""
+        if self._episode is None:
+            return []
+        if self._cgroup is not None and self._cgroup.freeze():
+            return []
+        pids = [self._episode.keeper, *self._episode.processes()]
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def _thaw(self, stopped: list[int]) -> None:
+        if self._cgroup is not None:
+            self._cgroup.thaw()
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+
+    def enter_verifier(self, services: bool = True, *, separate: bool = False, artifacts: Sequence[str] = (),
+                       network: str = "none", user: str | int | None = None) -> None:
+        """The verifier phase: the episode frozen, what it wrote committed to a layer of the verifier's own, the
+        episode thawed (its services go on for the verifier, unless services=False ends them first); the verifier
+        gets its overlay over that layer, its own namespaces and cgroup, fresh /logs (with an empty /logs/verifier)
+        and /tests of the host's, a read-only /etc/hosts, and the episode's listening ports published into its
+        network. Each call starts the phase afresh.
+
+        `separate` (Harbor's environment_mode = "separate"): the verifier's root is the prepared task alone (a fresh
+        sandbox of the image), with only `artifacts` (paths the agent wrote: regular files and the folders of them,
+        never links) copied over, and no process of the episode's published. `network`: "public" gives the verifier
+        the run's egress proxy. `user`: the verifier's user (root by default, as in Harbor)."""
         if self._closed:
             raise SandboxError("sandbox is closed")
+        if network not in NETWORKS or (network == "public" and self._egress is None):
+            raise SandboxError(f"the verifier's network {network!r}: one of {list(NETWORKS)}, and 'public' needs "
+                               "the run's egress proxy")
         if not services:
             self.end_episode()
-        self._drop_verifier_root()
-        if services and self.entrypoint and self.needs_bwrap and self._episode is None:
+        self._drop_verifier()
+        if services and not separate and self.entrypoint and self.needs_bwrap and not self.unisolated \
+                and self._episode is None:
             self._start_container()  # the container was up before the verifier came, with what its entrypoint started
-        root = make_dir("verifier", self.root.parent)
-        self._verifier_root = root
+        folder = make_dir("verifier", self.root.parent)
+        verifier = _Verifier(folder, network=network, uid=self._verifier_uid(user))
+        self._verifier = verifier
         try:
-            if self._tmpfs:
-                mount_tmpfs(root, self.limits.disk_mb, self.limits.max_files)
-            os.chmod(root, 0o711)
-            dirs = self._make_dirs(root)
-            self._chown(root)
-            if self.image is not None:  # what uv's installer leaves, which verifiers source; the image's uv is ours
-                installed = dirs["tmp"] / ".local" / "bin"
-                installed.mkdir(parents=True)
-                (installed / "env").write_text(UV_INSTALLER_ENV)
-        except OSError as e:
-            raise SandboxError(f"cannot make the verifier's directories under {root}: {e}") from None
-        self._dirs.update(tmp=dirs["tmp"], logs=dirs["logs"], mounts=dirs["mounts"])
-        self._mounts = []
-        if self.provides_judge:
-            self._judge_mountpoint()
-            tools = root / "tools"
-            (tools / "bin").mkdir(parents=True)
-            (tools / "bin" / "judge").write_text(judge_script(self._bwrap or "/usr/bin/bwrap"))
-            for path in (tools, tools / "bin", tools / "bin" / "judge"):
-                os.chmod(path, 0o755)  # root's (or the host user's), read-only to the verifier and what it runs
-            self._mounts.append((tools, JUDGE_DIR))
+            if self._tmpfs and self._overlay:
+                mount_tmpfs(folder, self.limits.disk_mb, self.limits.max_files)
+                # the frozen episode on a tmpfs of its own: what the agent wrote does not fill the verifier's disk
+                (folder / "frozen").mkdir()
+                mount_tmpfs(folder / "frozen", self.limits.disk_mb + 16, self.limits.max_files + 1024)
+            elif self._tmpfs:  # copies: the verifier writes into its copy of the episode, with room for both
+                mount_tmpfs(folder, 2 * self.limits.disk_mb + 16, 2 * self.limits.max_files + 1024)
+            os.chmod(folder, 0o711)
+            stopped = self._freeze()
+            try:
+                ports = listening_ports(self._episode.keeper) if self._episode and not separate else []
+                if separate:
+                    frozen = folder / "frozen"
+                    frozen.mkdir(exist_ok=True)
+                    for path in artifacts:
+                        copy_out(self.fs_root, path, frozen)
+                else:
+                    frozen = commit(self._upper, folder / "frozen", view=self.fs_root)
+                hosts = _verifier_hosts((self.root / "hosts").read_text(errors="replace"))
+            finally:
+                self._thaw(stopped)
+            root = folder / "root"
+            if self._overlay:
+                root.mkdir()
+                for name in ("upper", "work"):
+                    (folder / name).mkdir()
+                os.chown(folder / "upper", *self.root_ids)
+                os.chmod(folder / "upper", 0o755)
+                mount_overlay([frozen, *self.layers], root, folder / "upper", folder / "work")
+            elif separate:  # copies: the prepared task's layers, then the artifacts over them
+                materialize([frozen, *self.layers], root)
+            else:
+                os.rename(frozen, root)
+            for name in ("logs", "tests", "tools"):
+                (folder / name).mkdir()
+            (folder / "logs" / "verifier").mkdir()
+            (folder / "logs" / "agent").mkdir()
+            for path in (folder / "logs", folder / "logs" / "verifier", folder / "logs" / "agent", folder / "tests"):
+                os.chown(path, *self.root_ids)
+                os.chmod(path, 0o755)
+            (folder / "hosts").write_text(hosts)
+            if self.provides_judge:
+                (folder / "tools" / "bin").mkdir()
+                (folder / "tools" / "bin" / "judge").write_text(judge_script(self._inner_bwrap(), self.agent_uid))
+                for path in (folder / "tools", folder / "tools" / "bin", folder / "tools" / "bin" / "judge"):
+                    os.chmod(path, 0o755)  # the host's, read-only to the verifier and what it runs
+                (folder / "tools" / "userns").touch()  # where the judge's user namespace is bound
+            if not self.needs_bwrap or self.unisolated:
+                return
+            verifier.interpreters = self._interpreters(root)
+            if self.root_user:
+                verifier.namespaces = VerifierNamespaces(ID_BASE).start()
+                if self.provides_judge:  # where judge nests the code under test
+                    verifier.namespaces.bind_judge_userns(folder / "tools" / "userns")
+                if ports:
+                    verifier.ports = PortForward(verifier.namespaces.net, verifier.namespaces.pid,
+                                                 f"/proc/{self._episode.keeper}/ns/net", ports).start()
+                if network == "public":
+                    verifier.egress = self._serve_egress(verifier.namespaces.net, "verifier")
+            if self._cgroup is not None:
+                verifier.cgroup = SandboxCgroup(self._cgroup.parents, folder.name, self.limits.memory_mb,
+                                                self.limits.max_processes)
+        except BaseException as e:
+            self._drop_verifier()
+            if isinstance(e, (OSError, SandboxError)):
+                raise SandboxError(f"cannot enter the verifier phase: {_why(e) if isinstance(e, OSError) else e}") \
+                    from None
+            raise
+
+    def _verifier_uid(self, user: str | int | None) -> int:
+        """The verifier's uid inside: root (Harbor's default), or a user of the image's /etc/passwd."""
+        if user is None or user in ("root", 0, "0"):
+            return 0
+        if isinstance(user, int) or str(user).isdigit():
+            return int(user)
+        text = (self.read_file("/etc/passwd", 1 << 20) or b"").decode(errors="replace")
+        for line in text.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 3 and fields[0] == user and fields[2].isdigit():
+                return int(fields[2])
+        raise SandboxError(f"the verifier's user {user!r} is not in the image's /etc/passwd")
+
+    def _serve_egress(self, netns: str, who: str) -> socket.socket:
+        """A listener on EGRESS_PORT of the network namespace `netns` (the episode's, the verifier's), served by the
+        run's egress proxy as this sandbox's `who`."""
+        def listen() -> socket.socket:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", EGRESS_PORT))
+            sock.listen(64)
+            return sock
+
+        sock = in_netns(netns, listen)
+        self._egress.serve(sock, f"{self.root.name}:{who}")
+        return sock
+
+    def _network_env(self) -> dict[str, str]:
+        """HTTP(S)_PROXY where the phase has the network (the egress proxy on its loopback), else nothing."""
+        public = self._verifier.network == "public" if self._verifier is not None else self.network == "public"
+        if not public:
+            return {}
+        url = f"http://127.0.0.1:{EGRESS_PORT}"
+        local = "localhost,127.0.0.1,::1"
+        return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url, "NO_PROXY": local,
+                "no_proxy": local}
+
+    def _inner_bwrap(self) -> str:
+        """bubblewrap's path inside the sandbox (the host's where its system stands in; the image's otherwise)."""
+        if self.host_system:
+            return self._bwrap or "/usr/bin/bwrap"
+        return "/usr/bin/bwrap"
+
+    def _interpreters(self, view: Path) -> list[tuple[str, str]]:
+        """(execute-only copy, path) for each of the verifier's interpreters that exists in its view: the host's
+        where its system stands in, else the image's (found through the view's links, read from the image's layer
+        that holds it: the agent cannot write the system)."""
+        out, seen = [], set()
+        for path in VERIFIER_INTERPRETERS:
+            if self.host_system:
+                real = os.path.realpath(path)
+                source = real if os.path.isfile(real) else None
+            else:
+                found = _resolve_in(view, path)
+                real = "/" + os.path.relpath(found, view) if found else None
+                source = next((str(layer / real.lstrip("/")) for layer in self.layers
+                               if real and os.path.isfile(layer / real.lstrip("/"))), None)
+            if source is None or real in seen:
+                continue
+            copy = _exec_only_copy(source)
+            if copy is not None:
+                seen.add(real)
+                out.append((copy, real))
+        return out
 
     def leave_verifier(self) -> None:
         if self._closed:
             raise SandboxError("sandbox is closed")
-        self._drop_verifier_root()
-        self._dirs.update(tmp=self.root / "tmp", logs=self.root / "logs", mounts=self.root / "mounts")
-        self._mounts = []
+        self._drop_verifier()
 
-    def _drop_verifier_root(self) -> None:
-        if self._verifier_root is not None:
-            root, self._verifier_root = self._verifier_root, None
-            force_rmtree(root)
+    def _drop_verifier(self) -> None:
+        verifier, self._verifier = self._verifier, None
+        if verifier is not None:
+            verifier.close()
 
-    # Files
-    def copy_in(self, host_path: str | Path, dest: str, merge: bool = False) -> None:
-        host_path = Path(host_path)
-        if not dest.startswith("/") or ".." in Path(dest).parts:
-            raise SandboxError(f"copy_in destination must be an absolute path without '..', got {dest!r}")
-        if self.unisolated and dest.split("/")[1] not in WRITABLE_DIRS:
-            raise SandboxError(f"an unisolated sandbox cannot provide {dest}; it has only /app, /tmp and /logs")
-        try:
-            target = self.host_path(dest)
-        except SandboxError:
-            if dest.rstrip("/") in RESERVED_DESTS or dest.split("/")[1] in SYSTEM_DIRS + ("proc", "dev"):
-                raise SandboxError(f"cannot mount over system path {dest}") from None
-            target = self._dirs["mounts"] / str(len(self._mounts))
-            self._mounts.append((target, dest.rstrip("/")))
-        # The sandbox may have planted symlinks in its directories: never let a host-side copy follow them.
-        real_parent = os.path.realpath(target.parent)
-        if not any(real_parent == str(r.resolve()) or real_parent.startswith(str(r.resolve()) + "/")
-                   for r in self._disk_roots()):
-            raise SandboxError(f"copy_in destination {dest} resolves outside the sandbox (symlink); refusing")
-        if merge and host_path.is_dir() and target.is_dir() and not target.is_symlink():
-            pass
-        elif target.exists() or target.is_symlink():
-            if target.is_dir() and not target.is_symlink():
-                force_rmtree(target)
-            else:
-                target.unlink()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if host_path.is_dir():
-            copy_tree(host_path, target)
-        else:
-            shutil.copy2(host_path, target)
-        self._chown(target)
-
+    # Snapshots and the end ----------------------------------------------------------------------------------------
     def snapshot(self) -> LocalSnapshot:
-        snap_root = make_dir("snapshot", self.root.parent)
-        snap = LocalSnapshot(path=snap_root / "app", workdir=self.workdir if not self.unisolated else "/app",
-                             env=dict(self.env), image=self.image, entrypoint=self.entrypoint)
+        """The sandbox as it is now, as a layer on the host's disk over its stack: what every fork starts from."""
+        own = make_dir("snapshot", self.root.parent)
+        snap = LocalSnapshot(layers=(), workdir=self.workdir if not self.unisolated else "/app", own=own,
+                             host_system=self.host_system, env=dict(self.env), entrypoint=self.entrypoint)
         try:
             snap.held = hold(snap.discard)
-            copy_tree(self._dirs["app"], snap.path)
+            stopped = self._freeze()
+            try:
+                layer = commit(self._upper, own / "layer")
+            finally:
+                self._thaw(stopped)
+            os.chmod(own, 0o711)
+            snap.layers = (layer, *self.layers) if self._overlay else (layer,)
         except BaseException:
             snap.discard()
             raise
@@ -964,9 +1243,12 @@ class LocalSandbox(Sandbox):
         let_go(self._held)
         try:
             self.end_episode()
-            self._drop_verifier_root()
+            self._drop_verifier()
         finally:
             try:
+                with contextlib.suppress(OSError):
+                    if os.path.ismount(self.fs_root):
+                        unmount(self.fs_root)
                 force_rmtree(self.root)
             finally:
                 if self._cgroup is not None:
@@ -976,6 +1258,51 @@ class LocalSandbox(Sandbox):
     def __del__(self):
         if not getattr(self, "_closed", True) and hasattr(self, "root"):
             self.close()
+
+
+def _why(e: OSError) -> str:
+    return "a symbolic link" if e.errno in (errno.ELOOP, errno.ENOTDIR) else (
+        "another filesystem" if e.errno == errno.EXDEV else e.strerror or str(e))
+
+
+_LOCALHOST = re.compile(r"(^|\s)(localhost|localhost\.localdomain|ip6-localhost|ip6-loopback)(\s|$)")
+
+
+def _verifier_hosts(agents: str) -> str:
+    """The verifier's /etc/hosts: the standard loopback lines, then the names the episode added (a service's, an
+    entrypoint's), but none that makes `localhost` name anything else."""
+    kept = [line for line in agents.splitlines() if line.strip() and not line.lstrip().startswith("#")
+            and not _LOCALHOST.search(line.split("#")[0]) and line not in HOSTS_FILE.splitlines()]
+    return HOSTS_FILE + "".join(f"{line}\n" for line in kept)
+
+
+def _resolve_in(view: Path, path: str) -> str | None:
+    """The host path of the regular file `path` names inside `view`, following links inside the view only."""
+    current, pending, links = "", path.strip("/").split("/"), 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.rsplit("/", 1)[0]
+            continue
+        nxt = f"{current}/{part}"
+        try:
+            st = os.lstat(f"{view}{nxt}")
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > 40:
+                return None
+            target = os.readlink(f"{view}{nxt}")
+            if target.startswith("/"):
+                current = ""
+            pending = target.split("/") + pending
+        else:
+            current = nxt
+    host = f"{view}{current}"
+    return host if os.path.isfile(host) else None
 
 
 @dataclass
@@ -988,7 +1315,6 @@ class LocalBackend:
     extra_ro_binds: tuple[str, ...] = ()
     name: str = "local"
 
-    bwrap_mode: str | None = None  # probed when not given
     cgroups: bool | None = None  # whole-sandbox memory/processes: None = a cgroup where possible, else the monitor
     tmpfs: bool | None = None  # whole-sandbox disk: None = a tmpfs of its own where possible, else the monitor
     image_cache: str | None = None  # where built images are kept (rl/sandbox/image.py; MC_IMAGE_CACHE by default)
@@ -1001,29 +1327,29 @@ class LocalBackend:
     def __post_init__(self):
         sweep(self.root_parent)  # what killed runs left where this backend's sandboxes go (once per process)
         if not self.unisolated:
-            if self.bwrap_mode is None:
-                self.bwrap_mode, problem = probe_bwrap()
-            else:
-                problem = None
+            problem = bwrap_problem()
             if problem:
                 raise SandboxError(f"LocalSandbox refuses to run without isolation: {problem}. "
                                    "Pass unisolated=True only for trusted code (no isolation at all).")
+            launcher_path()  # built once, before any sandbox needs it
         else:
             warnings.warn("LocalBackend(unisolated=True): SANDBOXES RUN COMMANDS WITHOUT ANY ISOLATION as this host "
                           "user; only rlimits and timeouts apply. Never use this for model-generated code.",
                           UnisolatedWarning, stacklevel=2)
 
-    def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
-               limits: SandboxLimits | None = None, image: str | Path | None = None,
-               entrypoint: tuple[str, ...] = ()) -> LocalSandbox:
+    def _make(self, tree, **kwargs) -> LocalSandbox:
         with warnings.catch_warnings():
             if self.unisolated:  # warned once, here, instead of per sandbox
                 warnings.simplefilter("ignore", UnisolatedWarning)
-            return LocalSandbox(tree, workdir=workdir, env=env, limits=limits or self.limits,
-                                root_parent=self.root_parent, unisolated=self.unisolated,
-                                extra_ro_binds=self.extra_ro_binds, bwrap_mode=self.bwrap_mode,
-                                cgroups=self.cgroups, tmpfs=self.tmpfs, image=image, entrypoint=entrypoint)
+            return LocalSandbox(tree, root_parent=self.root_parent, unisolated=self.unisolated,
+                                extra_ro_binds=self.extra_ro_binds, cgroups=self.cgroups, tmpfs=self.tmpfs, **kwargs)
+
+    def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
+               limits: SandboxLimits | None = None, image=None, entrypoint: tuple[str, ...] = ()) -> LocalSandbox:
+        return self._make(tree, workdir=workdir, env=env, limits=limits or self.limits, image=image,
+                          entrypoint=entrypoint)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
-        return self.create(snapshot.path, workdir=snapshot.workdir, env=snapshot.env,
-                           limits=limits or snapshot.limits, image=snapshot.image, entrypoint=snapshot.entrypoint)
+        return self._make(None, workdir=snapshot.workdir, env=snapshot.env, limits=limits or snapshot.limits or
+                          self.limits, layers=snapshot.layers, host_system=snapshot.host_system,
+                          entrypoint=snapshot.entrypoint, fresh=False)

@@ -257,7 +257,7 @@ def test_reward_written_by_the_agent_does_not_count(tmp_path):
         assert res.reward == 0.0
         ls_tests, mkdir_tests = [m["content"] for m in res.messages if m["role"] == "tool"][:2]
         assert "No such file or directory" in ls_tests  # tests arrive only after the agent finished
-        assert "Read-only file system" in mkdir_tests
+        assert "Read-only file system" in mkdir_tests or "Permission denied" in mkdir_tests  # / is root's
         (tmp_path / "tests" / "test.sh").write_text("echo lots > /logs/verifier/reward.txt\n")
         res = task.verifier.verify(sbx, task)
     assert res.reward == 0.0 and "must hold one plain decimal number" in res.details["error"]

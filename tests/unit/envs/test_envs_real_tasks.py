@@ -280,7 +280,8 @@ def test_buildkit_heredocs_and_from_platform_are_read_as_docker_reads_them(tmp_p
     assert any("FROM python:3.12-slim" in note for note in task.notes)
     snapshot = prepare_task(task, LocalBackend())
     try:
-        files = {p.name: p.read_text() for p in snapshot.path.iterdir() if p.suffix == ".txt"}
+        app = snapshot.layers[0] / "app"  # the prepared task's own layer (its setup ran on the host's system)
+        files = {p.name: p.read_text() for p in app.iterdir() if p.suffix == ".txt"}
     finally:
         snapshot.discard()
     assert files == {"notes.txt": "NAME: not an instruction\n$HOME stays as written\n", "script.txt": "from-script\n",

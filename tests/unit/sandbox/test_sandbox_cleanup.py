@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.sandbox import SandboxLimits
+from rl.sandbox import SandboxError, SandboxLimits
 from rl.sandbox.leftovers import remove_tree
 from rl.sandbox.limits import find_cgroup_parents
 from rl.sandbox.local import LocalSandbox, bwrap_problem
@@ -41,7 +41,7 @@ os.chmod(".", 0o500)
 CHILD = """
 import json, os, sys
 from pathlib import Path
-from rl.sandbox import SandboxLimits
+from rl.sandbox import SandboxError, SandboxLimits
 from rl.sandbox.local import LocalSandbox
 root, host_file, host_dir, mess = sys.argv[1:5]
 sb = LocalSandbox(None, root_parent=root, limits=SandboxLimits(max_files=20000))
@@ -81,6 +81,11 @@ def test_closing_removes_any_depth_follows_no_link_and_releases_everything(tmp_p
         name = sb.root.name
         res = sb.exec(LEAVE_A_MESS.format(host_file=host_file, host_dir=host_dir))
         assert res.exit_code == 0, res.output
+        with pytest.raises(SandboxError) as e:  # the verifier's frozen copy follows 1024 folders deep, not more
+            sb.enter_verifier()
+        assert "nested deeper than 1024" in str(e.value) and "\n" not in str(e.value)
+        assert [n for n in os.listdir(root) if n.startswith("mc-verifier")] == []
+        sb.exec("chmod -R u+rwx /tmp/dddddddddddddddddddddddd; rm -rf /tmp/dddddddddddddddddddddddd")
         sb.enter_verifier()  # a verifier phase's own tmpfs goes too
         sb.exec("mkdir -p /tmp/v && chmod 000 /tmp/v")
         sb.close()

@@ -13,9 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
-import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,27 +23,12 @@ from rl.envs.agent import ScriptedPolicy, run_episode
 from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.envs.task import TaskError, prepare_task
-from rl.sandbox import SandboxLimits
-from rl.sandbox.limits import cgroup_problem, find_cgroup_parents, tmpfs_problem
+from rl.sandbox.limits import cgroup_problem, tmpfs_problem
 from rl.sandbox.local import LocalBackend, bwrap_problem
+from tests.hostile_assets import LIMITS, RecordingBackend, make_task, run_attack, run_solution
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
-
-# The verifier of every attack task: reward 1 exactly when the attack left its mark.
-PWNED_VERIFIER = "#!/bin/bash\nif [ -e /app/pwned ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
-LIMITS = SandboxLimits(command_timeout_s=30, cpu_time_s=30, memory_mb=256, max_processes=64, max_file_mb=64,
-                       disk_mb=64, max_files=3000, max_output_bytes=64 * 1024)
-
-
-class RecordingBackend(LocalBackend):
-    """LocalBackend that remembers the uids of its sandboxes, so that their leftovers can be looked for."""
-
-    def create(self, *args, **kwargs):
-        sandbox = super().create(*args, **kwargs)
-        self.__dict__.setdefault("made", []).append((sandbox.uid, sandbox.root.name))
-        return sandbox
-
 
 def _kernel_limits_problem() -> str | None:
     return cgroup_problem() or tmpfs_problem()
@@ -68,74 +51,6 @@ def backend(request, sandbox_root):
         pytest.skip(f"kernel limits unavailable here: {_kernel_limits_problem()}")
     on = request.param == "kernel"
     return RecordingBackend(limits=LIMITS, root_parent=sandbox_root, cgroups=on, tmpfs=on)
-
-
-def make_task(tmp_path: Path, name: str, solve: str, verifier: str = PWNED_VERIFIER, toml: str = "",
-              dockerfile: str = "FROM ubuntu:24.04\nWORKDIR /app\n") -> Path:
-    task = tmp_path / name
-    for d in ("environment", "tests", "solution"):
-        (task / d).mkdir(parents=True)
-    (task / "instruction.md").write_text(f"Hostile task {name}.\n")
-    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n[agent]\ntimeout_sec = 30.0\n'
-                                    + toml)
-    (task / "environment" / "Dockerfile").write_text(dockerfile)
-    (task / "tests" / "test.sh").write_text(verifier)
-    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
-    return task
-
-
-def host_state(backend: LocalBackend, watched: list[Path]) -> dict:
-    """What an attack must not change: watched files, and nothing of any sandbox left on the host."""
-    root = backend.root_parent
-    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-              if line.split()[1].startswith(root)]
-    made = backend.__dict__.get("made", [])
-    parents = find_cgroup_parents()
-    cgroups = [str(base / name) for base in ((parents.memory, parents.pids) if parents else ()) for _, name in made
-               if (base / name).exists()]
-    uids = {uid for uid, _ in made if uid is not None}
-    procs = []
-    for pid in os.listdir("/proc"):
-        try:
-            # Zombies are dead already (bwrap's exited helpers wait there for the host's init to reap them).
-            if pid.isdigit() and os.stat(f"/proc/{pid}").st_uid in uids and \
-                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                procs.append(pid)
-        except OSError:
-            pass
-    return {"files": {str(p): p.read_bytes() if p.is_file() else None for p in watched},
-            "sandbox dirs": sorted(os.listdir(root)), "mounts": mounts, "cgroups": cgroups, "processes": procs}
-
-
-def run_attack(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False) -> float:
-    """The task's reward when its solution is the attack: played as `check_task --oracle` does (solve.sh), or
-    (episode) by a scripted agent that sends solve.sh through the `run` tool; the host must be unchanged."""
-    return run_solution(task_dir, backend, watched, episode).reward
-
-
-def run_solution(task_dir: Path, backend: LocalBackend, watched: list[Path] = (), episode: bool = False):
-    """The VerifyResult of run_attack's run."""
-    files_before = host_state(backend, list(watched))["files"]
-    task = load_harbor_task(task_dir)
-    if episode:
-        snapshot = prepare_task(task, backend)
-        try:
-            with backend.fork(snapshot) as sbx:
-                turns = [format_tool_call("run", {"command": task.solution.as_commands()[0]})
-                         + format_tool_call("submit", {})]
-                result = run_episode(task, sbx, ScriptedPolicy(turns))
-        finally:
-            snapshot.discard()
-    else:
-        result = check_task(task, backend, oracle=True, log=lambda s: None)
-    clean = {"files": files_before, "sandbox dirs": [], "mounts": [], "cgroups": [], "processes": []}
-    for _ in range(50):  # killed processes may take a moment to be reaped
-        after = host_state(backend, list(watched))
-        if after == clean:
-            break
-        time.sleep(0.1)
-    assert after == clean, "the host changed"
-    return result.verify if episode else result
 
 
 # Classes that broke before ------------------------------------------------------------------------------------

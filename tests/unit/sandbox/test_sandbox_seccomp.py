@@ -7,15 +7,16 @@ import struct
 import pytest
 
 from rl.sandbox.local import LocalBackend, bwrap_problem
-from rl.sandbox.seccomp import _RET_ALLOW, _RET_ERRNO, _X32_BIT, ARCHES, DENIED, filter_program
+from rl.sandbox.seccomp import _RET_ALLOW, _RET_ERRNO, _X32_BIT, ARCHES, DENIED, DENIED_WITH_PID, filter_program
 
 EPERM = _RET_ERRNO | 1
 
 
-def run_bpf(prog: bytes, nr: int, arch: int) -> int:
-    """The classic BPF the filter uses (load word, jump if equal / greater or equal, return), run on one call."""
+def run_bpf(prog: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """The classic BPF the filter uses (load word, jump if equal / greater or equal, return), run on one call
+    (struct seccomp_data: nr, arch, instruction pointer, args)."""
     insns = [struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
-    data = struct.pack("=iI", nr, arch)
+    data = struct.pack("=iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
     pc, acc = 0, 0
     while True:
         code, jt, jf, k = insns[pc]
@@ -37,6 +38,10 @@ def test_the_filter_refuses_exactly_the_listed_calls_and_other_abis(machine):
     denied = {numbers[name] for name in DENIED}
     for nr in range(512):
         assert run_bpf(prog, nr, audit_arch) == (EPERM if nr in denied else _RET_ALLOW), nr
+        # another process's limits (any pid, 32-bit or not) are refused; a process's own (pid 0) are not
+        with_pid = nr in {numbers[name] for name in DENIED_WITH_PID}
+        for pid in (1, 1 << 32, 12345):
+            assert run_bpf(prog, nr, audit_arch, pid) == (EPERM if nr in denied or with_pid else _RET_ALLOW), (nr, pid)
     assert run_bpf(prog, 0, 0x40000003) == EPERM  # i386 code on x86_64, say: refused whole
     if machine == "x86_64":
         assert run_bpf(prog, _X32_BIT | 0, audit_arch) == EPERM  # the x32 ABI's read()

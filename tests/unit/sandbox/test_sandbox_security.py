@@ -14,7 +14,7 @@ import pytest
 
 from rl.envs.tools import ToolBox
 from rl.sandbox import LocalSandbox, SandboxLimits
-from rl.sandbox.local import bwrap_problem, probe_bwrap
+from rl.sandbox.local import bwrap_problem
 
 REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(bwrap_problem() is not None, reason=f"no bubblewrap: {bwrap_problem()}")
@@ -23,31 +23,14 @@ LIMITS = SandboxLimits(command_timeout_s=20, cpu_time_s=20, memory_mb=512, max_p
                        disk_mb=64, max_output_bytes=64 * 1024)
 
 
-def _modes() -> list[str]:
-    """bwrap modes to test: the probed one, plus root mode (no user namespace) when the host user is root."""
-    modes = [probe_bwrap()[0] or "userns"]
-    if os.geteuid() == 0 and "root" not in modes:
-        try:
-            with LocalSandbox(None, bwrap_mode="root") as s:
-                if s.exec("true").ok:
-                    modes.append("root")
-        except Exception:
-            pass
-    return modes
-
-
-@pytest.fixture(params=(_modes() if bwrap_problem() is None else ["userns"]) + ["image"])
+@pytest.fixture(params=["host", "image"])
 def sbx(request, tmp_path):
-    """A sandbox in each bwrap mode this host has, and one on a built image (which must give no more)."""
+    """A sandbox on the host's system and one on a built image (which must give no more)."""
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "main.py").write_text("print('hi')\n")
-    if request.param == "image":
-        image = request.getfixturevalue("test_image")
-        with LocalSandbox(tree, limits=LIMITS, image=image.root) as s:
-            yield s
-        return
-    with LocalSandbox(tree, limits=LIMITS, bwrap_mode=request.param) as s:
+    image = request.getfixturevalue("test_image") if request.param == "image" else None
+    with LocalSandbox(tree, limits=LIMITS, image=image) as s:
         yield s
 
 
@@ -125,9 +108,10 @@ def test_cannot_write_outside_task_tree(sbx, tmp_path):
     victim = tmp_path / "victim"
     res = sbx.exec(f"touch /usr/evil /etc/evil /evil /dev/evil /var/evil; mkdir -p {tmp_path}; touch {victim}; "
                    "echo ok > /app/fine")
-    assert res.output.count("Read-only file system") >= 4
+    # the host's system is bound read-only; an image's, and the sandbox's /, /var and /dev, are root's
+    assert res.output.count("Read-only file system") + res.output.count("Permission denied") >= 5, res.output
     assert not Path("/usr/evil").exists() and not Path("/etc/evil").exists() and not victim.exists()
-    assert not Path("/var/evil").exists() and sbx.read_file("/var/evil", 0) == b""  # the sandbox's own /var
+    assert not Path("/var/evil").exists() and sbx.read_file("/var/evil", 0) is None
     assert (sbx.app_dir / "fine").read_text() == "ok\n"
 
 
@@ -160,9 +144,14 @@ def test_fork_bomb_is_bounded(sbx):
 
 
 def test_memory_bomb_is_bounded(sbx):
+    """Memory is the whole sandbox's (the cgroup, or the monitor), never a per-process address-space limit: a
+    program may reserve far more address space than it touches (the JVM, Go, Node, torch), and one that touches
+    more than the sandbox's memory is killed."""
+    res = sbx.exec("python3 -c 'import mmap; m = mmap.mmap(-1, 8 * 1024**3); print(\"reserved\")'")
+    assert res.ok and res.output == "reserved\n", res.output  # 8 GB of address space under a 512 MB sandbox
     res = sbx.exec("python3 -c 'x = bytearray(2 * 1024**3); print(len(x))'")
-    assert res.exit_code != 0 and "MemoryError" in res.output
-    assert "memory limit reached (address space 512 MB)" in res.describe()
+    assert res.exit_code != 0 and res.memory_exceeded
+    assert "memory limit exceeded" in res.describe()
 
 
 def test_infinite_loop_and_sigterm_ignoring_process_are_killed(sbx):
@@ -209,18 +198,18 @@ def test_background_processes_live_for_the_episode_and_die_with_it(sbx):
 
 
 def test_services_have_the_usual_writable_system_paths(sbx):
-    """/var/log, /var/lib, /var/cache, /var/spool and /run are writable (on the sandbox's own disk) and outlive the
-    agent phase, so the verifier can read a service's log; /var/tmp is /tmp; the system stays read-only."""
+    """/var/log, /var/lib, /var/cache, /var/spool, /run, /tmp, /var/tmp and HOME are the agent's to write and outlive
+    the agent phase (the verifier judges a frozen copy of all of them, as a container's would be); the system, and
+    an image's other folders, are root's and read-only to it."""
     res = sbx.exec("mkdir -p /var/log/svc /var/lib/db /var/cache/c /var/spool/s /run/svc && "
                    "(setsid bash -c 'echo started > /var/log/svc/out.log; exec sleep 1000' >/dev/null 2>&1 &) && "
-                   "echo 7 > /run/svc/pid && touch /var/tmp/t && ls /tmp && "
-                   "for p in /usr/x /etc/x /usr/local/bin/x /x; do touch $p 2>/dev/null && echo wrote $p; done; "
-                   "touch /opt/x 2>/dev/null && echo wrote /opt/x; true")
-    # an image's /opt is the sandbox's copy, as in a container; the host's system has none to write
-    assert res.output.split() == ["t"] + (["wrote", "/opt/x"] if sbx.image is not None else []), res.output
+                   "echo 7 > /run/svc/pid && touch /var/tmp/t /tmp/u ~/.config-h && ls /tmp && "
+                   "for p in /usr/x /etc/x /usr/local/bin/x /x /var/x /opt/x /srv/x; do "
+                   "touch $p 2>/dev/null && echo wrote $p; done; true")
+    assert res.output.split() == ["u"], res.output
     sbx.enter_verifier()
-    res = sbx.exec("sleep 0.2; cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/")
-    assert res.output.split() == ["started", "7"], res.output  # the verifier's /tmp (and /var/tmp) are its own
+    res = sbx.exec("sleep 0.2; cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/; ls /tmp; ls -d ~/.config-h")
+    assert res.output.split() == ["started", "7", "t", "u", "/root/.config-h"], res.output
     assert sbx.read_file("/run/svc/pid", 16) == b"7\n"
 
 
@@ -242,7 +231,8 @@ def test_filling_the_disk_is_stopped(sbx):
     # Memory-backed places are small or read-only, so they cannot be used to fill the host's RAM either.
     res = sbx.exec("for i in 1 2 3 4 5 6; do head -c 15000000 /dev/zero > /dev/shm/f$i || break; done; touch /big",
                    timeout=15)
-    assert "No space left on device" in res.output and "Read-only file system" in res.output
+    assert "No space left on device" in res.output and ("Read-only file system" in res.output
+                                                        or "Permission denied" in res.output)
 
 
 def test_refuses_without_bwrap_unless_unisolated(monkeypatch, tmp_path):
