@@ -218,6 +218,12 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
     (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
+    (re.compile(r"^uvx? \(megatron-composer image\): this image has no uv", re.MULTILINE),
+     "uv, which the image's base lacks (it was built without a way to PyPI): rebuild it where the package index is "
+     "reachable"),
+    (re.compile(r"Because ([\w.\[\]-]+)\S* was not found in the cache"),
+     "{0} in the image's uv cache (offline, a verifier's uv finds what the build cached of what tests/test.sh has uv "
+     "or pip install): name it there or in the Dockerfile"),
     (re.compile(r"\b(make|cmake|gcc|g\+\+|cc|c\+\+|clang|git|javac?|mvn|gradle|node|npm|npx|yarn|go|cargo|rustc|"
                 r"ruby|php|perl|dotnet|swift|ghc|Rscript): (?:command )?not found|no '(java)' command could be found"),
      "{0}, a build tool its FROM image has and the stand-in lacks"),

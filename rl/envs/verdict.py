@@ -18,6 +18,7 @@ and which failures are the host's (the episode is run again) rather than the epi
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -25,27 +26,35 @@ from pathlib import Path
 
 SITE_DIR = Path(__file__).parent / "verifier_site"
 VERIFIER_DIR = "/tests/.verifier"  # the verifier's own files: a dot folder, which `pytest /tests` does not collect
-VERIFIER_SITE = f"{VERIFIER_DIR}/site"
-# uv's cache for the verifier: made on first use from the one the image's build warmed (rl/sandbox/image_tools/uv.py)
-VERIFIER_UV_CACHE = f"{VERIFIER_DIR}/uv-cache"
+VERIFIER_SITE = f"{VERIFIER_DIR}/site"  # read-only to the verifier, as all of /tests
 
 
 def verifier_env(*envs: dict[str, str]) -> dict[str, str]:
     """The environment of a verifier's command: `envs` (the task's, then the verifier's own; later ones win) with
-    the verifier's Python and uv settings over them. A PYTHONPATH they set follows the verifier's site."""
+    the verifier's Python and uv settings over them. A PYTHONPATH they set follows the verifier's site. Its caches
+    (bytecode, uv's) go to a folder of /tmp whose name is drawn anew for each call, so that nothing the agent left
+    in /tmp is taken for them; it is made when first written (uv's by rl/sandbox/image_tools/uv.py, from the cache
+    the image's build warmed)."""
     merged: dict[str, str] = {}
     for env in envs:
         merged.update(env)
     own_path = merged.get("PYTHONPATH", "")
+    scratch = f"/tmp/.mc-verifier-{secrets.token_hex(8)}"
     return {**merged,
             "PYTHONSAFEPATH": "1",  # no folder of the work tree first on sys.path (Python >= 3.11)
             "PYTHONPATH": VERIFIER_SITE + (f":{own_path}" if own_path else ""),
             "PYTHONNOUSERSITE": "1",
             # bytecode of the verifier's own, written as its Pythons compile (an empty value unsets the
             # sandbox's PYTHONDONTWRITEBYTECODE), never read from a __pycache__ the agent could have planted
-            "PYTHONPYCACHEPREFIX": f"{VERIFIER_DIR}/pycache", "PYTHONDONTWRITEBYTECODE": "",
-            "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": VERIFIER_UV_CACHE,
-            "UV_NO_PROGRESS": "1"}
+            "PYTHONPYCACHEPREFIX": f"{scratch}/pycache", "PYTHONDONTWRITEBYTECODE": "",
+            "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": f"{scratch}/uv-cache",
+            "UV_NO_PROGRESS": "1",
+            # uv's tools and Pythons of the verifier's own, not those of HOME (an installed tool would answer `uvx`)
+            "UV_TOOL_DIR": f"{scratch}/uv-tools", "UV_TOOL_BIN_DIR": f"{scratch}/uv-tools/bin",
+            "UV_PYTHON_INSTALL_DIR": f"{scratch}/uv-python", "UV_PYTHON_BIN_DIR": f"{scratch}/uv-python/bin",
+            # `uv venv DIR` replaces what is at DIR (as the uv releases these scripts fetch did), so a folder the
+            # agent made there, with a `bin/activate` or `bin/pytest` of its own, is gone before the verifier uses it
+            "UV_VENV_CLEAR": "1"}
 
 
 def site_files(dest: Path) -> Path:
