@@ -88,8 +88,8 @@ def _pip_config_files() -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def pip_sources(env: dict[str, str] | None = None) -> list[str]:
-    """pip's index URL (PyPI unless configured), extra index URLs and find-links, from PIP_* and pip.conf."""
+def pip_index_settings(env: dict[str, str] | None = None) -> tuple[list[str], list[str], list[str]]:
+    """pip's (index URLs, extra index URLs, find-links) as PIP_* and pip.conf set them (PyPI unless configured)."""
     env = os.environ if env is None else env
     settings: dict[str, str] = {}
     for path in _pip_config_files():
@@ -102,8 +102,14 @@ def pip_sources(env: dict[str, str] | None = None) -> list[str]:
     for key in ("index-url", "extra-index-url", "find-links"):
         if env.get(f"PIP_{key.upper().replace('-', '_')}"):
             settings[key] = env[f"PIP_{key.upper().replace('-', '_')}"]
-    index = settings.get("index-url", "https://pypi.org/simple").split()
-    return index + settings.get("extra-index-url", "").split() + settings.get("find-links", "").split()
+    return (settings.get("index-url", "https://pypi.org/simple").split(), settings.get("extra-index-url", "").split(),
+            settings.get("find-links", "").split())
+
+
+def pip_sources(env: dict[str, str] | None = None) -> list[str]:
+    """pip's index URL, extra index URLs and find-links, in that order."""
+    index, extra, find_links = pip_index_settings(env)
+    return index + extra + find_links
 
 
 def apt_sources(folder: Path = Path("/etc/apt")) -> list[str]:

@@ -107,6 +107,21 @@ def uv_warm_command(requirements: tuple[str, ...] | list[str]) -> str:
 TOOLS_DIGEST = hashlib.sha256(UV_TOOL.read_bytes() + uv_warm_command(["x"]).encode()).hexdigest()[:16]
 
 
+def uv_index_env() -> dict[str, str]:
+    """pip's package indexes on this host as uv's settings (uv reads no pip.conf), so that the build warms uv's
+    cache from where pip installs: http(s) indexes, and find-links that are URLs or folders the build sees."""
+    from rl.sandbox.egress import pip_index_settings
+
+    index, extra, find_links = pip_index_settings()
+    web = [u for u in index + extra if u.startswith(("http://", "https://"))]
+    env = {"UV_DEFAULT_INDEX": web[0]} if index and web and web[0] == index[0] else {}
+    if extras := [u for u in extra if u.startswith(("http://", "https://"))]:
+        env["UV_INDEX"] = " ".join(extras)
+    if links := [u for u in find_links if u.startswith(("http://", "https://")) or os.path.isdir(u)]:
+        env["UV_FIND_LINKS"] = ",".join(links)
+    return env
+
+
 def default_cache_dir() -> Path:
     """MC_IMAGE_CACHE, else a system folder: the build's and the sandboxes' users must be able to reach it (a home
     folder is often closed to them)."""
@@ -590,7 +605,8 @@ class ImageBuilder:
                     raise SandboxError(f"{recipe.what}: installing what the verifier asks for "
                                        f"({', '.join(recipe.verifier_packages)}) failed ({res.describe()}: "
                                        f"{_last_line(log)}); the whole log: {log}")
-                res = root.exec(uv_warm_command(recipe.verifier_packages), timeout=recipe.timeout_s)
+                res = root.exec(uv_warm_command(recipe.verifier_packages), timeout=recipe.timeout_s,
+                                env=uv_index_env())
                 if not res.ok:
                     log = self.log_path("verifier-uv-cache")
                     log.write_text(f"$ {uv_warm_command(recipe.verifier_packages)}\n{res.output}")
