@@ -3,9 +3,9 @@ SWE-bench's FAIL_TO_PASS lists): what the verifier's Pythons run with, which tes
 and which failures are the host's (the episode is run again) rather than the episode's (a void verdict).
 
 * **Its Pythons** (`verifier_env`): PYTHONSAFEPATH=1 with `verifier_site/` first on PYTHONPATH, so that a module in
-  the work tree shadows neither the standard library nor an installed distribution (pytest, unittest); bytecode only
-  from a cache of the verifier's own; uv offline, from a cache the image's build warmed. Every verifier phase gets the
-  site at `VERIFIER_DIR/site` inside /tests, which only the host writes before the verifier starts.
+  the work tree shadows neither the standard library nor an installed distribution (pytest, unittest); hash-based
+  bytecode always checked against its source; uv offline, from a cache the image's build warmed. Every verifier
+  phase gets the site at `VERIFIER_DIR/site` inside /tests, which only the host writes before the verifier starts.
 * **Its test runs** (`parse_test_runs`): every pytest run announces its start and end on the output (the site's plugin,
   `verifier_site/mc_verifier_pytest.py`; pytest's own session header and final line where that plugin is not loaded),
   unittest ends with "Ran N tests". A run that started and printed no final summary (the code under test ended the
@@ -31,10 +31,10 @@ VERIFIER_SITE = f"{VERIFIER_DIR}/site"  # read-only to the verifier, as all of /
 
 def verifier_env(*envs: dict[str, str]) -> dict[str, str]:
     """The environment of a verifier's command: `envs` (the task's, then the verifier's own; later ones win) with
-    the verifier's Python and uv settings over them. A PYTHONPATH they set follows the verifier's site. Its caches
-    (bytecode, uv's) go to a folder of /tmp whose name is drawn anew for each call, so that nothing the agent left
-    in /tmp is taken for them; it is made when first written (uv's by rl/sandbox/image_tools/uv.py, from the cache
-    the image's build warmed)."""
+    the verifier's Python and uv settings over them. A PYTHONPATH they set follows the verifier's site. uv's cache,
+    tools and Pythons go to a folder of /tmp whose name is drawn anew for each call, so that nothing the agent left in
+    /tmp or HOME is taken for them (the cache is made on first use by rl/sandbox/image_tools/uv.py, from the one the
+    image's build warmed)."""
     merged: dict[str, str] = {}
     for env in envs:
         merged.update(env)
@@ -44,11 +44,8 @@ def verifier_env(*envs: dict[str, str]) -> dict[str, str]:
             "PYTHONSAFEPATH": "1",  # no folder of the work tree first on sys.path (Python >= 3.11)
             "PYTHONPATH": VERIFIER_SITE + (f":{own_path}" if own_path else ""),
             "PYTHONNOUSERSITE": "1",
-            # bytecode of the verifier's own, written as its Pythons compile (an empty value unsets the
-            # sandbox's PYTHONDONTWRITEBYTECODE), never read from a __pycache__ the agent could have planted
-            "PYTHONPYCACHEPREFIX": f"{scratch}/pycache", "PYTHONDONTWRITEBYTECODE": "",
             "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": f"{scratch}/uv-cache",
-            "UV_NO_PROGRESS": "1",
+            "UV_NO_PROGRESS": "1", "UV_LINK_MODE": "copy",  # the cache and the work tree are different mounts
             # uv's tools and Pythons of the verifier's own, not those of HOME (an installed tool would answer `uvx`)
             "UV_TOOL_DIR": f"{scratch}/uv-tools", "UV_TOOL_BIN_DIR": f"{scratch}/uv-tools/bin",
             "UV_PYTHON_INSTALL_DIR": f"{scratch}/uv-python", "UV_PYTHON_BIN_DIR": f"{scratch}/uv-python/bin",

@@ -4,10 +4,16 @@ for -m and -c) goes last instead, so the repository's modules still import, but 
 tree (a `pytest.py`, a `unittest/` package) shadows neither the standard library nor an installed distribution.
 Distribution metadata found only through that folder (a `*.dist-info` with a pytest11 entry point, which pytest
 would load as a plugin) is not an installed distribution either: `importlib.metadata` does not list it.
-(Pythons before 3.11 ignore PYTHONSAFEPATH and put that folder first themselves; nothing here can change that.)"""
+Bytecode the agent left in a `__pycache__` counts only where it matches its source: hash-based bytecode, which
+Python otherwise may load without looking at the source at all, is always checked (as `--check-hash-based-pycs
+always` does). (Pythons before 3.11 ignore PYTHONSAFEPATH and put that folder first themselves; nothing here can
+change that.)"""
 
+import _imp
 import os
 import sys
+
+_imp.check_hash_based_pycs = "always"
 
 _argv0 = sys.argv[0] if sys.argv else ""
 try:

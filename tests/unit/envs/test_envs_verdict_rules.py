@@ -5,7 +5,9 @@ here with this Python and the verifier's site, the verifiers against a scripted 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +30,9 @@ from rl.sandbox.base import ExecResult, SandboxError
 TESTS = "import mod\n\n\ndef test_one():\n    assert mod.f() == 1\n\n\ndef test_two():\n    assert True\n"
 
 
-@pytest.fixture(scope="module")
-def pycache(tmp_path_factory):
-    return tmp_path_factory.mktemp("pycache")  # shared: Python compiles pytest once for the module's runs
-
-
 @pytest.fixture
-def tree(tmp_path, pycache):
+def tree(tmp_path):
     """A work tree (the agent's) and a tests folder (the verifier's) whose tests import the work tree's module."""
-    (tmp_path / "pycache").symlink_to(pycache)
     (tmp_path / "app").mkdir()
     (tmp_path / "tests").mkdir()
     (tmp_path / "app" / "mod.py").write_text("def f():\n    return 1\n")
@@ -47,7 +43,7 @@ def tree(tmp_path, pycache):
 def verifier_python(tree: Path, *argv: str, site: bool = True, safe_path: bool = True) -> str:
     """`python -m ...` from the work tree as a verifier runs it (its environment, with the site at SITE_DIR), the
     merged output. Without `site`: a script replaced PYTHONPATH; without `safe_path` either: Python as it is."""
-    env = {**verifier_env({"PATH": os.environ["PATH"]}), "PYTHONPYCACHEPREFIX": str(tree / "pycache")}
+    env = {**verifier_env({"PATH": os.environ["PATH"]}), "PYTHONDONTWRITEBYTECODE": "1"}
     env["PYTHONPATH"] = str(SITE_DIR) if site else ""
     if not safe_path:
         del env["PYTHONSAFEPATH"]
@@ -132,6 +128,19 @@ def test_a_pytest_plugin_declared_in_the_work_tree_is_not_loaded(tree):
     assert "THE AGENT PLUGIN LOADED" in pytest_run(tree, "-rA", site=False, safe_path=False)  # without the rule
     out = pytest_run(tree, "-rA")
     assert "THE AGENT PLUGIN LOADED" not in out and "2 passed" in out, out
+
+
+def test_bytecode_the_agent_planted_for_a_placed_file_does_not_run(tree):
+    """The verifier puts a file into the work tree and imports it; the agent left an unchecked hash-based .pyc for
+    that name in __pycache__ (which Python would load without reading the source)."""
+    app = tree / "app"
+    (app / "forged.py").write_text("import os\nos.write(1, b'THE AGENT RAN')\n")
+    py_compile.compile(str(app / "forged.py"), cfile=importlib.util.cache_from_source(str(app / "placed.py")),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    (app / "placed.py").write_text("print('the verifier ran')\n")
+    assert "THE AGENT RAN" in verifier_python(tree, "-c", "import placed", site=False, safe_path=False)
+    out = verifier_python(tree, "-c", "import placed")
+    assert "THE AGENT RAN" not in out and "the verifier ran" in out, out
 
 
 def test_a_script_that_sets_pythonpath_keeps_the_site_first():
