@@ -71,8 +71,9 @@ def group_metrics(results: list[dict]) -> dict:
         "generated_tokens": float(sum(m.get("tokens", 0) for m in metas)),
         "no_tool_call_episodes": float(sum(m.get("stop_reason") == "no_tool_call" for m in metas)),
         "verifier_timeouts": float(sum(bool(m.get("verifier_timeout")) for m in metas)),
-        # faults of the infrastructure (retried, never scored) and episodes that ended in an error of their own
-        # (scored 0 and kept: a void verdict, a command that broke the sandbox), apart (#57)
+        # faults of the infrastructure (retried, never scored) apart from episodes scored 0 for an error instead of a
+        # verdict (kept: a void verdict, a command that broke the sandbox; also what a task whose verifier cannot
+        # run here shows), #57
         "infra_faults": float(sum(r.get("infra_faults", 0) for r in results)),
         "policy_errors": float(sum("error" in m for m in metas)),
     }
