@@ -237,8 +237,9 @@ class EgressProxy:
     whose JSON lines receive them; `upstream`: the proxy URL to chain ("" for none; default: the host's
     HTTP_PROXY/HTTPS_PROXY/NO_PROXY)."""
 
-    def __init__(self, allowed_hosts: Iterable[str] | None = None, log: Callable[[dict], None] | str | Path | None
-                 = None, upstream: str | None = None, bind: str = "127.0.0.1"):
+    def __init__(self, allowed_hosts: Iterable[str] | None = None,
+                 log: Callable[[dict], None] | str | Path | None = None, upstream: str | None = None,
+                 bind: str = "127.0.0.1"):
         entries = list(registry_hosts() if allowed_hosts is None else allowed_hosts)
         self.allowed = [_allowed_entry(e) for e in entries]
         if upstream is None:
@@ -358,8 +359,8 @@ class EgressProxy:
                                f"reaches the package registries of this host and the run's allowed hosts: "
                                f"{', '.join(a.pattern for a in self.allowed) or 'none'})\n")
             if method == "CONNECT":
-                upstream = self._open_tunnel(host, port)
-                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                upstream, early = self._open_tunnel(host, port)
+                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n" + early)
             else:
                 upstream = self._open_forward(method, host, port, path, version, headers)
             self._track(upstream)
@@ -410,21 +411,22 @@ class EgressProxy:
             raise _Refused(502, f"cannot reach {host}", f"megatron-composer egress: cannot reach {host}:{port}: "
                                                         f"{e.strerror or e}\n") from None
 
-    def _open_tunnel(self, host: str, port: int) -> socket.socket:
+    def _open_tunnel(self, host: str, port: int) -> tuple[socket.socket, bytes]:
+        """A connection to host:port (through the host's proxy where it has one) and what the far end already sent."""
         via = self.upstream_connect if not _bypasses(host, self.no_proxy) else None
         if via is None:
-            return self._connect(host, port)
+            return self._connect(host, port), b""
         sock = self._connect(via.host, via.port)
         auth = f"Proxy-Authorization: {via.authorization}\r\n" if via.authorization else ""
         sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{auth}\r\n".encode())
         head, rest = _read_head(sock)
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
-        if not re.match(r"HTTP/1\.[01] 2\d\d", status) or rest:
+        if not re.match(r"HTTP/1\.[01] 2\d\d", status):
             sock.close()
             raise _Refused(502, f"upstream proxy refused {host}",
                            f"megatron-composer egress: the host's proxy {via.host}:{via.port} answered "
                            f"{status!r} for {host}:{port}\n")
-        return sock
+        return sock, rest
 
     def _open_forward(self, method: str, host: str, port: int, path: str, version: str,
                       headers: dict[str, str]) -> socket.socket:
@@ -439,6 +441,7 @@ class EgressProxy:
             line = f"{method} http://{_authority(host, port, 80)}{path} {version}"
             if via.authorization:
                 kept["proxy-authorization"] = via.authorization
+        kept.setdefault("host", _authority(host, port, 80))
         kept["connection"] = "close"  # one request per connection: the next one is checked anew
         sock.sendall((line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in kept.items()) + "\r\n").encode("latin-1"))
         return sock
