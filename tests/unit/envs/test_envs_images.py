@@ -310,7 +310,12 @@ def rollout_reward(task, backend) -> float:
         snapshot.discard()
 
 
-@pytest.mark.parametrize("attack", sorted(OLD_STYLE))
+# the uv ones need an image; the others are also shown fast, with this host's pytest (test_envs_verdict_rules.py)
+NEEDS_IMAGE = ("planted-venv", "uv-run-path")
+
+
+@pytest.mark.parametrize("attack", [a if a in NEEDS_IMAGE else pytest.param(a, marks=pytest.mark.e2e)
+                                    for a in sorted(OLD_STYLE)])
 def test_old_style_verifiers_give_the_agents_shortcut_0_and_the_honest_work_1(tmp_path, attack):
     test_sh, shortcut = OLD_STYLE[attack]
     backend = LocalBackend(build_images=True)  # the FROM image's pytest, as the task has it
@@ -325,7 +330,7 @@ def test_old_style_verifiers_give_the_agents_shortcut_0_and_the_honest_work_1(tm
 
 def test_terminal_bench_1_default_run_tests_runs_the_installed_pytest(tmp_path):
     """Terminal-Bench 1's default run-tests.sh runs `python3 -m pytest` from the WORKDIR, the agent's: a pytest.py
-    planted there does not run, and it is not the verdict; the honest work passes."""
+    planted there does not run, and its lines are not the verdict; the honest work passes."""
     root = tmp_path / "tb1-hello"
     (root / "tests").mkdir(parents=True)
     (root / "task.yaml").write_text("instruction: Write Hello, world! to /app/hello.txt and a helper.py whose "
@@ -333,8 +338,7 @@ def test_terminal_bench_1_default_run_tests_runs_the_installed_pytest(tmp_path):
     (root / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
     (root / "tests" / "test_outputs.py").write_text(TEST_OUTPUTS)
     backend = LocalBackend(build_images=True)
-    for solution, want in ((HONEST, 1.0), (f"cat > pytest.py <<'EOF'\n{FAKE_PASS}EOF\n", 0.0),
-                           (HONEST.replace('printf \'def greet', "printf 'import os\\nos._exit(0)\\ndef greet"), 0.0)):
+    for solution, want in ((HONEST, 1.0), (f"cat > pytest.py <<'EOF'\n{FAKE_PASS}EOF\n", 0.0)):
         (root / "solution.sh").write_text("#!/bin/bash\n" + solution)
         task = load_harbor_task(root)
         result = check_task(task, backend, oracle=True, log=lambda _: None)
