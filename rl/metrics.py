@@ -45,7 +45,8 @@ def summarize_groups(tasks, results: list[dict], samples: int, success_reward: f
 
 
 def group_metrics(results: list[dict]) -> dict:
-    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups.
+    """Reward mean / best-of-K / distribution and episode, segment and summary counts of one step's groups, and the
+    faults of the infrastructure apart from the episodes' own errors (``infra_faults``, ``policy_errors``).
 
     ``reward_mean`` is the training reward the advantages use; ``verifier_reward_mean`` the verifier's part and
     ``<term>_mean`` each shaping term's signed part (``length_penalty_mean``, ``malformed_tool_calls_mean``, ...),
@@ -70,5 +71,9 @@ def group_metrics(results: list[dict]) -> dict:
         "generated_tokens": float(sum(m.get("tokens", 0) for m in metas)),
         "no_tool_call_episodes": float(sum(m.get("stop_reason") == "no_tool_call" for m in metas)),
         "verifier_timeouts": float(sum(bool(m.get("verifier_timeout")) for m in metas)),
-        "sandbox_failures": float(sum(r.get("sandbox_failures", 0) for r in results)),
+        # faults of the infrastructure (retried, never scored) apart from episodes scored 0 for an error instead of a
+        # verdict (kept: a void verdict, a command that broke the sandbox; also what a task whose verifier cannot
+        # run here shows), #57
+        "infra_faults": float(sum(r.get("infra_faults", 0) for r in results)),
+        "policy_errors": float(sum("error" in m for m in metas)),
     }

@@ -83,6 +83,9 @@ class Trainer:
             self.orchestrator = OrchestratorRole(self.run_dir, len(self.tasks), cfg.rollout, cfg.train.seed,
                                                  state["orchestrator"] if state is not None else None)
             self.logger = MetricsLogger(self.run_dir, cfg.logging, True, to_dict(cfg))
+            # the console line: the reward, and the infrastructure's faults (retried) apart from the episodes'
+            # own errors (scored 0), rl.metrics.group_metrics
+            self.logger.console_keys = ["reward_mean", "infra_faults", "policy_errors"]
             if state is not None:
                 self.logger.truncate_after(self.step)
                 print(f"resumed from {self.latest} at step {self.step}; {self.orchestrator.describe()}", flush=True)

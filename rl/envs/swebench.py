@@ -16,13 +16,24 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.envs.task import GitTree, PatchSolution, RunStep, Task, TaskError, TaskLimits, VerifyResult, missing_tool
+from rl.envs.task import (
+    GitTree,
+    PatchSolution,
+    RunStep,
+    Task,
+    TaskError,
+    TaskLimits,
+    VerifyResult,
+    missing_tool,
+    verifier_anomaly,
+    void_on_failure,
+)
+from rl.envs.verdict import VERIFIER_SITE, final_run_log, site_files, verifier_env, why_runs_cannot_pass
 from rl.sandbox.base import Sandbox
 
 REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -87,12 +98,6 @@ def final_test_files(repo: Path, base_commit: str, test_patch: str, out: Path) -
     return paths
 
 
-# Python in the verifier's test run: no folder of the work tree first on sys.path (verifier_site/sitecustomize.py
-# puts it last), and bytecode only from a fresh cache in the verifier's own /tmp, never the work tree's __pycache__.
-SITE_DIR = Path(__file__).parent / "verifier_site"
-TEST_ENV = {"PYTHONSAFEPATH": "1", "PYTHONPATH": "/tests/site", "PYTHONPYCACHEPREFIX": "/tmp/mc-pycache"}
-
-
 def shadows(path: str) -> str:
     """Shell words for the test file at `path` and what Python would import in its place from the same folder: a
     package or namespace folder of the same name, an extension module (found before source), a sourceless or
@@ -116,6 +121,7 @@ class SWEBenchVerifier:
     pass_to_pass: list[str]
     test_cmd: str
 
+    @void_on_failure
     def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
         # The test files the patch touches are put in place from the host's own copy of the instance (base_commit
         # plus the test patch), replacing whatever the agent left there; no git command runs in the agent's
@@ -126,7 +132,7 @@ class SWEBenchVerifier:
             files = Path(tmp) / "tests" / "files"
             files.mkdir(parents=True)
             paths = final_test_files(self.repo, self.base_commit, self.test_patch, files)
-            shutil.copytree(SITE_DIR, files.parent / "site", ignore=shutil.ignore_patterns("__pycache__"))
+            site_files(files.parent / VERIFIER_SITE.removeprefix("/tests/"))
             sandbox.copy_in(files.parent, "/tests")
             place = "".join(
                 f"rm -rf -- {shadows(p)}; "
@@ -139,13 +145,17 @@ class SWEBenchVerifier:
             return VerifyResult(0.0, put.output, {"error": f"cannot put the test files in place: {put.output[-500:]}"},
                                 put)
         tests = " ".join(shlex.quote(t) for t in self._selectors())
-        res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, env=TEST_ENV,
+        res = sandbox.exec(f"{self.test_cmd} {tests}", cwd=task.workdir, env=verifier_env(task.env),
                            timeout=task.limits.verifier_timeout_s)
-        status = parse_test_log(res.output)
+        # Only the final pytest run's summary counts (the whole log for unittest's).
+        status = parse_test_log(final_run_log(res.output))
         f2p_failed = [t for t in self.fail_to_pass if status.get(t) not in PASSING]
         p2p_failed = [t for t in self.pass_to_pass if status.get(t) not in PASSING]
         details = {"FAIL_TO_PASS failing": f2p_failed, "PASS_TO_PASS failing": p2p_failed,
                    "tests": res.describe()}
+        if why := verifier_anomaly(res, task.limits.verifier_timeout_s) or why_runs_cannot_pass(res.output):
+            details["error"] = why
+            return VerifyResult(0.0, res.output, details, res)
         missing = missing_tool(res.output, "the test command") if f2p_failed or p2p_failed else None
         if missing:  # nothing ran: this zero says nothing about the agent's work
             details["error"] = missing

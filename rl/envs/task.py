@@ -8,6 +8,7 @@ the reward. Loaders for public formats (Harbor/Terminal-Bench folders, SWE-bench
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,6 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rl.envs.verdict import (
+    VERIFIER_SITE,
+    HostFault,
+    host_shortage,
+    one_line,
+    site_files,
+    verifier_env,
+    why_runs_cannot_pass,
+)
 from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, Service
 from rl.sandbox.image import ImageBuilder, ImageRecipe
 from rl.sandbox.leftovers import held_dir
@@ -208,6 +218,12 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
     (re.compile(r"No module named '?pytest'?|pytest: (?:command )?not found"),
      "pytest, which this host lacks: install it for the host's python3 (apt-get install python3-pytest)"),
     (re.compile(r"\buvx?: (?:command )?not found"), "uv, which this host lacks: install uv on the host"),
+    (re.compile(r"^uvx? \(megatron-composer image\): this image has no uv", re.MULTILINE),
+     "uv, which the image's base lacks (it was built without a way to PyPI): rebuild it where the package index is "
+     "reachable"),
+    (re.compile(r"Because ([\w.\[\]-]+)\S* was not found in the cache"),
+     "{0} in the image's uv cache (offline, a verifier's uv finds what the build cached of what tests/test.sh has uv "
+     "or pip install): name it there or in the Dockerfile"),
     (re.compile(r"\b(make|cmake|gcc|g\+\+|cc|c\+\+|clang|git|javac?|mvn|gradle|node|npm|npx|yarn|go|cargo|rustc|"
                 r"ruby|php|perl|dotnet|swift|ghc|Rscript): (?:command )?not found|no '(java)' command could be found"),
      "{0}, a build tool its FROM image has and the stand-in lacks"),
@@ -322,18 +338,44 @@ _REWARD_INTACT = ("cd /logs/verifier 2>/dev/null && [ -w . ] && [ ! -L . ] || { 
                   "[ -f $f ] && [ ! -L $f ] && [ -w $f ] || { ls -l $f; exit 1; }; fi; done")
 
 
-def verifier_anomaly(res: ExecResult) -> str | None:
-    """What went wrong in a verifier's run that voids its reward, or None. The code under test runs inside the
-    verifier's run; whatever it did to the run's machinery (filled the disk so the honest reward could not be
-    written) leaves one of these marks, and a verdict with any of them is not a verdict. (What it starts dies with
-    the verifier's shell, the init of its namespace, before the host reads the exit status.)"""
+def verifier_anomaly(res: ExecResult, timeout_s: float | None = None) -> str | None:
+    """What went wrong in a verifier's run that voids its verdict, or None; the same rule for every verifier. The code
+    under test runs inside the verifier's run; whatever it did to the run's machinery (killed the verifier's shell
+    after it wrote a reward, filled the disk so the honest reward could not be written) leaves one of these marks,
+    and a verdict with any of them is not a verdict. (What it starts dies with the verifier's shell, the init of its
+    namespace, before the host reads the exit status.)"""
+    if res.timed_out:  # a verifier that hangs has not decided; whatever it wrote before hanging does not count
+        return "the verifier timed out" + (f" after {timeout_s:g} s" if timeout_s is not None else "")
+    if res.exit_code > 128:  # killed (by the code it tested, say, after that code wrote a reward)
+        return f"the verifier was killed before it finished ({res.describe()})"
     if res.disk_exceeded:
-        return "the sandbox's disk limit was hit"
+        return f"the sandbox's disk limit was hit while the verifier ran ({res.describe()})"
     if res.memory_exceeded:
-        return "the sandbox's memory limit was hit"
+        return f"the sandbox's memory limit was hit while the verifier ran ({res.describe()})"
     if res.void:
         return res.void
     return None
+
+
+def void_on_failure(verify):
+    """Every verifier's `verify`: a failure entering or running the verifier phase (a folder the agent left where
+    the phase's machinery writes, a sandbox the episode broke) is a void verdict with a one-line reason, never an
+    exception, so that an episode's own doing scores 0 instead of being rerun. Only a shortage of the host itself
+    (its disk or memory) raises, as HostFault: the episode is then run again."""
+
+    @functools.wraps(verify)
+    def guarded(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
+        try:
+            return verify(self, sandbox, task)
+        except HostFault:
+            raise
+        except Exception as e:  # any failure: the verdict says which, in one line
+            if (short := host_shortage()) is not None:
+                raise HostFault(f"{short} (the verifier phase failed: {one_line(str(e))})") from e
+            said = str(e) if isinstance(e, (SandboxError, TaskError, OSError)) else f"{type(e).__name__}: {e}"
+            return VerifyResult(0.0, "", {"error": f"the verifier phase failed, no verdict: {one_line(said)}"})
+
+    return guarded
 
 
 @dataclass
@@ -349,6 +391,7 @@ class ScriptVerifier:
     judge_reads: tuple[str, ...] = ()  # task.toml [verifier].judge_reads: files of /tests visible inside `judge`
     shared_tests_dir: Path | None = None  # a multi-step task's tests/: in /tests under each step's own
 
+    @void_on_failure
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
         # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
         # the host made afresh, out of the agent's reach.
@@ -356,7 +399,9 @@ class ScriptVerifier:
         if self.shared_tests_dir is not None:
             sandbox.copy_in(self.shared_tests_dir, "/tests")
         sandbox.copy_in(self.tests_dir, "/tests", merge=self.shared_tests_dir is not None)
-        env = {**self.env, "MC_JUDGE_READS": ":".join(self.judge_reads)}
+        with tempfile.TemporaryDirectory() as tmp:
+            sandbox.copy_in(site_files(Path(tmp) / "site"), VERIFIER_SITE)
+        env = verifier_env(task.env, self.env, {"MC_JUDGE_READS": ":".join(self.judge_reads)})
         res = sandbox.exec(self.command, cwd=task.workdir, env=env, timeout=task.limits.verifier_timeout_s)
         details: dict = {"verifier": res.describe()}
         services = sandbox.end_episode()  # what the agent left running served the verifier; it is done now
@@ -368,14 +413,8 @@ class ScriptVerifier:
             details["error"] = f"{why}; {missing}" if missing else why
             return VerifyResult(0.0, res.output, details, res)
 
-        if res.timed_out:
-            # A verifier that hangs has not decided; whatever it wrote before hanging does not count.
-            return broken(f"the verifier timed out after {task.limits.verifier_timeout_s:g} s")
-        if res.exit_code > 128:
-            # Killed (by the code it tested, say, after that code wrote a reward): the verifier did not decide.
-            return broken(f"the verifier was killed before it finished ({res.describe()}); its reward does not count")
-        if anomaly := verifier_anomaly(res):
-            return broken(f"{anomaly} while the verifier ran ({res.describe()}); its reward does not count")
+        if anomaly := verifier_anomaly(res, task.limits.verifier_timeout_s):
+            return broken(f"{anomaly}; its reward does not count")
         tampered = sandbox.exec(_REWARD_INTACT, cwd="/", env={"PATH": BASE_ENV["PATH"]}, timeout=60)
         if tampered.exit_code != 0:
             return broken("the reward folder /logs/verifier was made unwritable or replaced during verification "
@@ -407,6 +446,8 @@ class ScriptVerifier:
             return broken(f"/logs/verifier/{e}")
         if name == "reward.json":
             details["rewards"] = rewards
+        if reward > self.reward_range[0] and (why := why_runs_cannot_pass(res.output)):
+            return broken(f"{why}; its reward ({reward:g}) does not count")
         missing = missing_tool(res.output) if reward == 0.0 else None
         if missing:  # a zero because the verifier could not run says nothing about the agent's work
             details["error"] = missing

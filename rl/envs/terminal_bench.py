@@ -9,7 +9,10 @@
     solution.sh | solution.yaml   the reference solution: a script, or a list of {command: ...}
 
 The verdict is Terminal-Bench's: the run's pytest -rA summary, resolved (reward 1) when it names at least one
-test and every test passed. Like SWE-bench's, that log is written where the code under test runs (docs/SANDBOX.md).
+test and every test passed, under the rules every verifier follows (rl/envs/verdict.py): only the final pytest run's
+summary is read, a run that ended early or collected no test decides nothing, a killed run is void, and Python runs
+with PYTHONSAFEPATH and the verifier's site (the default `python3 -m pytest` from the WORKDIR finds no `pytest` the
+agent left there). Like SWE-bench's, that log is written where the code under test runs (docs/SANDBOX.md).
 """
 
 from __future__ import annotations
@@ -23,8 +26,18 @@ import yaml
 
 from rl.envs.dockerfile import parse_dockerfile
 from rl.envs.swebench import PASSING, parse_test_log
-from rl.envs.task import EmptyTree, Task, TaskError, TaskLimits, VerifyResult, missing_tool, verifier_anomaly
+from rl.envs.task import (
+    EmptyTree,
+    Task,
+    TaskError,
+    TaskLimits,
+    VerifyResult,
+    missing_tool,
+    verifier_anomaly,
+    void_on_failure,
+)
 from rl.envs.task_folder import check_inside, positive_number, read_compose, verifier_requirements
+from rl.envs.verdict import VERIFIER_SITE, final_run, final_run_log, site_files, verifier_env, why_runs_cannot_pass
 from rl.sandbox.base import ExecResult, Sandbox
 
 DEFAULT_RUN_TESTS = "#!/bin/bash\npython3 -m pytest \"$TEST_DIR/test_outputs.py\" -rA\n"
@@ -42,6 +55,7 @@ class PytestLogVerifier:
     run_tests: str = DEFAULT_RUN_TESTS
     env: dict[str, str] = field(default_factory=dict)
 
+    @void_on_failure
     def verify(self, sandbox: Sandbox, task: Task) -> VerifyResult:
         sandbox.enter_verifier()
         with tempfile.TemporaryDirectory() as tmp:
@@ -51,16 +65,19 @@ class PytestLogVerifier:
             folder.mkdir(exist_ok=True)
             (folder / "run-tests.sh").write_text(self.run_tests)
             sandbox.copy_in(folder, "/tests")
-        res = sandbox.exec("bash /tests/run-tests.sh", cwd=task.workdir, env={"TEST_DIR": "/tests", **self.env},
+            sandbox.copy_in(site_files(Path(tmp) / "site"), VERIFIER_SITE)
+        res = sandbox.exec("bash /tests/run-tests.sh", cwd=task.workdir,
+                           env=verifier_env(task.env, {"TEST_DIR": "/tests"}, self.env),
                            timeout=task.limits.verifier_timeout_s)
         details: dict = {"tests": res.describe()}
         services = sandbox.end_episode()
         if services:
             details["background_processes"] = services
-        status = parse_test_log(res.output)
+        # Only the final pytest run's summary counts; a run that ended early or collected nothing decides nothing.
+        status = parse_test_log(final_run_log(res.output))
+        final = final_run(res.output)
         missing = missing_tool(res.output, "the test script")
-        why = (f"the tests timed out after {task.limits.verifier_timeout_s:g} s" if res.timed_out
-               else verifier_anomaly(res)
+        why = (verifier_anomaly(res, task.limits.verifier_timeout_s) or why_runs_cannot_pass(res.output)
                or (None if status or (res.exit_code != 0 and not missing) else
                    "the tests printed no pytest -rA summary line (PASSED/FAILED name)"))
         if why:
@@ -70,6 +87,10 @@ class PytestLogVerifier:
             details["failing"] = ["(no test ran)"]  # parse failure, which it counts unresolved
             return VerifyResult(0.0, res.output, details, res)
         details["failing"] = sorted(name for name, s in status.items() if s not in PASSING)
+        if final is not None and final.counts.get("failed", 0) + final.counts.get("errors", 0) > 0 \
+                and not details["failing"]:  # the run counted failures its summary lines do not show
+            details["failing"] = [f"({final.counts.get('failed', 0)} failed, {final.counts.get('errors', 0)} "
+                                  "errors by the run's own count)"]
         if details["failing"] and missing:  # a failure because the tests could not run says nothing of the work
             details["error"] = missing
         return VerifyResult(float(not details["failing"]), res.output, details, res)

@@ -13,9 +13,15 @@ Conversations are rendered in the run's chat format (`data.chat_format`: the mod
 Each episode's record (`episode_record`) carries the training reward: the verifier's plus the objective's
 shaping terms.
 
-A sandbox that fails (crash, setup error) is retried up to ``rollout.episode_retries`` times; after that the
-group raises `EpisodeCrash` (the claim loop, rl/rollout/worker.py, hands it back to the queue). A verifier that
-hangs is killed by the task's verifier timeout and scores 0.
+Faults of the infrastructure and failures of the policy are kept apart (#57). A fault of the host -- a sandbox
+that could not be forked or started before the agent acted (each episode's sandbox is started with a no-op command
+before the model's first turn), the host short of disk or memory (`rl.envs.verdict.HostFault`), the engine failing
+-- is retried up to ``rollout.episode_retries`` times, counted in the group's ``infra_faults``; after that the group
+raises `EpisodeCrash` (the claim loop, rl/rollout/worker.py, hands it back to the queue). An episode that ends in an
+error its own actions caused (a command that broke its sandbox; a verifier phase that could not run, which every
+verifier turns into a void verdict) scores 0 with the reason in ``meta["error"]``: it is kept, trained on, counted
+(``policy_errors`` of rl.metrics.group_metrics), and its group is not re-queued. A verifier that hangs is killed by
+the task's verifier timeout and scores 0.
 
 `EpisodeRunner` needs only an engine that generates (``engines.generate(prompts, sampling_params)``, as
 `rl.rollout.engines.EngineLeader` does); it knows nothing of queues or weight versions.
@@ -54,7 +60,19 @@ def episode_record(verifier_reward: float, transcript: list[dict], segments: lis
 
 
 class EpisodeCrash(RuntimeError):
-    """The episode's sandbox failed; the episode (not its reward) is lost and is rerun."""
+    """The infrastructure failed an episode (its sandbox, the host, the engine); the episode (not its reward) is lost
+    and is rerun."""
+
+
+def start_sandbox(sandbox) -> None:
+    """Start a forked sandbox (its episode, and the image's ENTRYPOINT) with a no-op before the agent acts, so that
+    one that cannot start is the infrastructure's fault (EpisodeCrash), never mistaken for the agent's doing."""
+    try:
+        res = sandbox.exec("true", timeout=120)
+    except Exception as e:
+        raise EpisodeCrash(f"the sandbox could not start: {type(e).__name__}: {e}") from e
+    if not res.ok:
+        raise EpisodeCrash(f"the sandbox could not start: `true` gave {res.describe()}: {res.output.strip()[-200:]}")
 
 
 def _seed(*parts: int) -> int:
@@ -181,9 +199,12 @@ class EpisodeRunner:
 
     def run_agent_episode(self, task: RLTask, sandbox, seed: int) -> dict:
         """One agent episode; with rollout.summary_trigger_tokens it may be a chain of segments, each a training
-        sample of the episode (the summary that ends a segment is sampled and trained like any turn)."""
+        sample of the episode (the summary that ends a segment is sampled and trained like any turn). Raises
+        `EpisodeCrash` for a fault of the infrastructure (retried); an error of the episode's own is its 0."""
         from rl.envs import EpisodeConfig, run_episode
+        from rl.envs.verdict import HostFault, host_shortage, one_line
 
+        start_sandbox(sandbox)
         policy = EnginePolicy(self, seed)
         trigger = self.cfg.summary_trigger_tokens
         cfg = EpisodeConfig(max_turns=self.cfg.agent_max_turns, command_timeout_s=self.cfg.agent_command_timeout_s,
@@ -194,41 +215,62 @@ class EpisodeRunner:
                              count_tokens=lambda text: len(self.tokenizer.encode(text)),
                              summarize=policy.summarize if trigger else None, context_tokens=policy.context_tokens,
                              chat_format=self.format)
-        except Exception as e:  # the sandbox or the verifier's machinery broke, not the model
-            raise EpisodeCrash(f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            why = f"{type(e).__name__}: {one_line(str(e))}"
+            if isinstance(e, HostFault) or policy.engine_error is not None:
+                raise EpisodeCrash(why) from e  # the host or the engine failed, not the episode
+            if (short := host_shortage()) is not None:
+                raise EpisodeCrash(f"{short}: {why}") from e
+            if not policy.all_segments():
+                raise EpisodeCrash(f"the episode failed before the first model turn: {why}") from e
+            return self.failed_episode(policy, f"the episode ended in an error of its own: {why}")
         segments = policy.all_segments()
         if not segments:  # the episode ended before the model was asked anything
             raise EpisodeCrash("episode ended before the first model turn")
         verify = ep.verify
         transcript = [m for seg in ep.segments for m in seg]  # the whole chain
-        return self.episode(ep.reward, transcript, segments, {
-            "turns": ep.turns, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
-            "segments": len(segments), "summaries": len(ep.summaries), "stop_reason": ep.stop_reason,
-            "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
-            "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
-            "context_overflow": policy.overflowed,
-            "verdict": (verify.output[-500:] if verify is not None else ""),
-            "transcript": ep.messages})
+        meta = {"turns": ep.turns, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
+                "segments": len(segments), "summaries": len(ep.summaries), "stop_reason": ep.stop_reason,
+                "tool_calls": sum(ep.tool_calls.values()), "malformed_tool_calls": ep.malformed_tool_calls,
+                "verifier_timeout": bool(verify is not None and "timed out" in verify.output.lower()),
+                "context_overflow": policy.overflowed,
+                "verdict": (verify.output[-500:] if verify is not None else ""),
+                "transcript": ep.messages}
+        if verify is not None and "error" in verify.details:  # a void verdict: no decision, scored 0
+            meta["error"] = verify.details["error"]
+        return self.episode(ep.reward, transcript, segments, meta)
+
+    def failed_episode(self, policy: "EnginePolicy", why: str) -> dict:
+        """An episode its own actions ended in an error: its tokens as sampled, a verifier reward of 0, the reason."""
+        segments = policy.all_segments()
+        transcript = policy.transcript()
+        return self.episode(0.0, transcript, segments, {
+            "turns": policy.turn, "tokens": sum(sum(seg["response_mask"]) for seg in segments),
+            "segments": len(segments), "summaries": len(policy.finished), "stop_reason": "error",
+            "tool_calls": sum(len(m.get("tool_calls") or []) for m in transcript if m.get("role") == "assistant"),
+            "malformed_tool_calls": 0, "verifier_timeout": False, "context_overflow": policy.overflowed,
+            "verdict": "", "error": why, "transcript": transcript})
 
     def run_agent(self, task: RLTask, item: WorkItem, group_size: int) -> tuple[list[dict], int]:
+        """The group's episodes and how many faults of the infrastructure were retried on the way."""
         pool = self._get_pool()
-        failures = 0
+        faults = 0
 
         def one(i: int) -> dict:
-            nonlocal failures
+            nonlocal faults
             for attempt in range(self.cfg.episode_retries + 1):
                 try:
                     with pool.fork(task.harbor) as sandbox:
                         return self.run_agent_episode(task, sandbox,
                                                       _seed(self.seed, item.gid, item.attempt, i, attempt))
-                except Exception as e:  # EpisodeCrash, SandboxError from fork, ...
-                    failures += 1
-                    print(f"worker {self.name}: group {item.gid} episode {i} sandbox failure "
+                except Exception as e:  # EpisodeCrash, SandboxError from fork, ...: the infrastructure's
+                    faults += 1
+                    print(f"worker {self.name}: group {item.gid} episode {i} infrastructure fault "
                           f"({attempt + 1}/{self.cfg.episode_retries + 1}): {str(e)[:300]}", flush=True)
             raise EpisodeCrash(f"episode {i} of group {item.gid} failed {self.cfg.episode_retries + 1} times")
 
         futures = [pool._executor.submit(one, i) for i in range(group_size)]
-        return [f.result() for f in futures], failures
+        return [f.result() for f in futures], faults
 
     def run_group(self, item: WorkItem) -> dict:
         """The item's group: a training group of a training task, or (``item.eval_version`` set) a held-out
@@ -236,14 +278,14 @@ class EpisodeRunner:
         task = (self.tasks if item.eval_version is None else self.eval_tasks)[item.prompt_index]
         group_size = item.samples or self.cfg.group_size
         t0 = time.perf_counter()
-        failures = 0
+        faults = 0
         if task.kind == "single_turn":
             episodes = self.run_single_turn(task, item, group_size)
         else:
-            episodes, failures = self.run_agent(task, item, group_size)
+            episodes, faults = self.run_agent(task, item, group_size)
         versions = Counter(v for ep in episodes for seg in ep["segments"] for v in seg["weight_versions"])
         return {"gid": item.gid, "prompt_index": item.prompt_index, "attempt": item.attempt, "task": task.name,
-                "kind": task.kind, "worker": self.name, "episodes": episodes, "sandbox_failures": failures,
+                "kind": task.kind, "worker": self.name, "episodes": episodes, "infra_faults": faults,
                 "version_counts": dict(versions), "min_weight_version": min(versions) if versions else None,
                 "eval_version": item.eval_version, "seconds": time.perf_counter() - t0}
 
@@ -279,6 +321,9 @@ class EnginePolicy:
         self.seen = 0  # messages already in the ledger (the last one: our own sampled turn)
         self.turn = 0
         self.overflowed = False
+        self.engine_error: Optional[BaseException] = None  # what the engine raised, if it did: not the episode's
+        self.messages: list[dict] = []  # the current segment's conversation, as run_episode holds it
+        self.earlier_messages: list[dict] = []  # the closed segments' conversations
 
     def _continuation_ids(self, messages: list[dict]) -> list[int]:
         """Tokens of what run_episode appended after our last sampled turn (messages[seen - 1]); the tool
@@ -288,6 +333,7 @@ class EnginePolicy:
 
     def _read(self, messages: list[dict]) -> None:
         """Bring the ledger up to `messages`: a new segment's prompt, or the messages since the last turn."""
+        self.messages = messages  # run_episode's own list: what it appends after this call shows in it too
         if self.ledger is None:
             self.ledger = TokenLedger(self.worker._prompt_ids(messages, self.tools))
         else:
@@ -301,7 +347,11 @@ class EnginePolicy:
         if budget < 1:
             self.overflowed = True
             return None
-        (result,) = w.generate([self.ledger.ids], budget, [_seed(self.seed, self.turn)])
+        try:
+            (result,) = w.generate([self.ledger.ids], budget, [_seed(self.seed, self.turn)])
+        except Exception as e:
+            self.engine_error = e
+            raise
         self.turn += 1
         self.ledger.add_generation(result)
         return w._text(result.token_ids)
@@ -326,8 +376,14 @@ class EnginePolicy:
         w = self.worker
         text = self._sample(w.cfg.summary_max_new_tokens or w.cfg.agent_max_new_tokens)
         self.finished.append(self.ledger.segment())
-        self.ledger, self.seen = None, 0
+        self.earlier_messages += messages
+        self.ledger, self.seen, self.messages = None, 0, []
         return text or ""
 
     def all_segments(self) -> list[dict]:
         return self.finished + ([self.ledger.segment()] if self.ledger is not None else [])
+
+    def transcript(self) -> list[dict]:
+        """Every message of the episode so far (all segments), for an episode that ended before run_episode
+        returned its own."""
+        return self.earlier_messages + self.messages

@@ -7,7 +7,8 @@ A group (one prompt's G episodes) is a dict as `RolloutWorker.run_group` builds 
     episodes                        G episodes, each:
         reward                          training reward (verifier reward + shaping terms)
         verifier_reward, reward_terms   its parts
-        meta                            turns, tokens, stop_reason, verdict, transcript, ... (JSON)
+        meta                            turns, tokens, stop_reason, verdict, transcript, error (when it
+                                        ended in one: scored 0), ... (JSON)
         segments                        the episode's context windows (several when it summarised), each:
             prompt_ids       [P]        int   the window's prompt
             response_ids     [R]        int   every token after it: sampled (mask 1) and appended (mask 0)
@@ -15,7 +16,7 @@ A group (one prompt's G episodes) is a dict as `RolloutWorker.run_group` builds 
             response_mask    [R]        0/1
             weight_versions  [sum mask] int   the weight version each sampled token came from
             routed_experts   [L, P+R, K] int  experts the engine chose per MoE layer and position, or None
-    sandbox_failures, version_counts, min_weight_version, eval_version, seconds
+    infra_faults, version_counts, min_weight_version, eval_version, seconds
 
 On disk a group is one safetensors file: every segment array is a tensor named ``e{i}.s{j}.{field}`` (token ids
 int32, log-probs float32, mask uint8, routing uint8 when the model has at most 256 experts, else int16) and

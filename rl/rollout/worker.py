@@ -6,10 +6,11 @@ Held-out evaluation runs on the same engine and episode code: the worker takes a
 (`WorkQueue.held_out`; ``eval_version`` v, ``samples`` episodes of a held-out task) before training groups, but
 only once its engine holds a version >= v, and writes the group back there (never trained on).
 
-A group whose sandboxes keep failing (`EpisodeCrash`, after ``rollout.episode_retries`` reruns of an episode) is
-handed back to the queue. When the queue says stop, the worker stops, and with it the engine's follower ranks.
-How and where workers run (threads in the trainer, rollout ranks, engines of several ranks, separate launches)
-is chosen in one place: rl/rollout/launch.py.
+A group whose episodes keep meeting faults of the infrastructure (`EpisodeCrash`, after ``rollout.episode_retries``
+reruns of an episode) is handed back to the queue; an episode that ended in an error of its own is scored 0 in its
+group and never makes the group go back (rl/rollout/episodes.py). When the queue says stop, the worker stops, and
+with it the engine's follower ranks. How and where workers run (threads in the trainer, rollout ranks, engines of
+several ranks, separate launches) is chosen in one place: rl/rollout/launch.py.
 """
 
 from __future__ import annotations

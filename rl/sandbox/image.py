@@ -66,9 +66,61 @@ IMAGE_LAYOUT = 3  # how an image is kept (3: a layer over the base; what it hold
 HOST_NET_FILES = ("/etc/resolv.conf", "/etc/hosts")
 MAX_BUILD_OUTPUT = 4 * 1024 * 1024
 BUILD_HOST_DIR = "/run/mc-build"  # where the build sees the host's CA bundle (a tmpfs, gone from the image)
-# uv and uvx for verifiers that run offline (image_tools/uv.py), put into every image after its steps.
-UV_STAND_IN = Path(__file__).with_name("image_tools") / "uv.py"
-TOOLS_DIGEST = hashlib.sha256(UV_STAND_IN.read_bytes()).hexdigest()[:16]
+# The real uv in every image: the `uv` wheel's binaries, installed in the base from the package index, behind
+# `uv` and `uvx` (image_tools/uv.py, put into every image after its steps), with a cache the image's build warms for
+# what the task's verifier asks for (`warm_uv_cache`), which the verifier's uv then uses offline.
+UV_VERSION = "0.13.9"
+UV_TOOL = Path(__file__).with_name("image_tools") / "uv.py"
+UV_HOME = "/usr/local/lib/megatron-composer/uv"  # bin/uv, bin/uvx: image_tools/uv.py's HOME
+UV_WARM_CACHE = "/usr/local/share/megatron-composer/uv-cache"  # image_tools/uv.py's WARM_CACHE
+
+
+def uv_install_command() -> str:
+    """Shell, run as root in a build with the network: the `uv` wheel's uv and uvx into UV_HOME/bin."""
+    return (f"python3 -m pip install --no-cache-dir -q --no-deps --target /tmp/mc-uv uv=={UV_VERSION} && "
+            f"mkdir -p {UV_HOME}/bin && mv /tmp/mc-uv/bin/uv /tmp/mc-uv/bin/uvx {UV_HOME}/bin/ && rm -rf /tmp/mc-uv "
+            f"&& {UV_HOME}/bin/uv --version")
+
+
+def uv_warm_command(requirements: tuple[str, ...] | list[str]) -> str:
+    """Shell, run as root in a build with the network: uv's cache at UV_WARM_CACHE holds what `requirements` need
+    the way verifiers ask uv for them -- installed into a virtual environment (`uv venv; uv pip install`, and
+    `uvx --with`, which resolves the same way) and added to a project (`uv init; uv add; uv run`, whose universal
+    resolution reads every platform's dependencies) -- all together, else one by one (two scripts may pin
+    differently). A requirement uv cannot install fails the step; the project form is best effort."""
+    reqs = " ".join(shlex.quote(r) for r in requirements)
+    return "\n".join([
+        "set -e",
+        f"export UV_CACHE_DIR={UV_WARM_CACHE} UV_PYTHON_DOWNLOADS=never UV_NO_PROGRESS=1",
+        f"uv={UV_HOME}/bin/uv",
+        '[ -x "$uv" ] || { echo "this base has no uv: nothing to cache"; exit 0; }',
+        "w=$(mktemp -d)",
+        'in_venv() { rm -rf "$w/venv" && "$uv" venv -q --python /usr/bin/python3 "$w/venv" && '
+        '"$uv" pip install -q --python "$w/venv/bin/python" "$@"; }',
+        'in_project() { rm -rf "$w/p" && "$uv" init -q --bare --no-workspace --python /usr/bin/python3 "$w/p" && '
+        '(cd "$w/p" && "$uv" add -q "$@"); }',
+        f"in_venv {reqs} || for r in {reqs}; do in_venv \"$r\"; done",
+        f"in_project {reqs} || for r in {reqs}; do in_project \"$r\" || echo \"uv add $r: left to the verifier\"; "
+        "done",
+        f'rm -rf "$w"; chmod -R a+rX {UV_WARM_CACHE}'])
+
+
+TOOLS_DIGEST = hashlib.sha256(UV_TOOL.read_bytes() + uv_warm_command(["x"]).encode()).hexdigest()[:16]
+
+
+def uv_index_env() -> dict[str, str]:
+    """pip's package indexes on this host as uv's settings (uv reads no pip.conf), so that the build warms uv's
+    cache from where pip installs: http(s) indexes, and find-links that are URLs or folders the build sees."""
+    from rl.sandbox.egress import pip_index_settings
+
+    index, extra, find_links = pip_index_settings()
+    web = [u for u in index + extra if u.startswith(("http://", "https://"))]
+    env = {"UV_DEFAULT_INDEX": web[0]} if index and web and web[0] == index[0] else {}
+    if extras := [u for u in extra if u.startswith(("http://", "https://"))]:
+        env["UV_INDEX"] = " ".join(extras)
+    if links := [u for u in find_links if u.startswith(("http://", "https://")) or os.path.isdir(u)]:
+        env["UV_FIND_LINKS"] = ",".join(links)
+    return env
 
 
 def default_cache_dir() -> Path:
@@ -317,7 +369,7 @@ class ImageBuilder:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.suite = suite or host_suite()
         self.progress = progress
-        recipe = [self.suite, BASE_PACKAGES, "shift-once", BUILD_UID_BASE, APT_CLEAN]
+        recipe = [self.suite, BASE_PACKAGES, "shift-once", BUILD_UID_BASE, APT_CLEAN, uv_install_command()]
         digest = hashlib.sha256(json.dumps(recipe).encode())
         self.base_key = digest.hexdigest()[:16]
 
@@ -367,11 +419,24 @@ class ImageBuilder:
                     marker.unlink()  # pip installs system-wide in a build, as in a python:* image
                 (rootfs / "etc" / "apt" / "apt.conf.d" / "docker-clean").write_text(APT_CLEAN)
                 _shift_owners(rootfs, BUILD_UID_BASE)
-                self._finish(work, folder, {"suite": self.suite, "packages": list(BASE_PACKAGES),
+                uv = self._install_uv(rootfs)
+                self._finish(work, folder, {"suite": self.suite, "packages": list(BASE_PACKAGES), "uv": uv,
                                             "build_s": round(time.monotonic() - t0, 1)})
             finally:
                 force_rmtree(work)
         return folder / "rootfs"
+
+    def _install_uv(self, rootfs: Path) -> str | None:
+        """The real uv into the base (the `uv` wheel, from the package index); its version, or None where the index
+        cannot be reached: the base is still made, and an image's `uv` then says in one line that it has none."""
+        res = BuildRoot(rootfs).exec(uv_install_command(), timeout=600)
+        if res.ok:
+            return UV_VERSION
+        log = self.log_path("base-uv")
+        log.write_text(f"$ {uv_install_command()}\n{res.output}")
+        self.progress(f"the base has no uv: installing the uv {UV_VERSION} wheel failed ({_last_line(log)}); task "
+                      f"verifiers that use uv will say so (the whole log: {log})")
+        return None
 
     def base_archive(self) -> Path:
         """The base as a tar archive with its owners as the build made them (uid 0 is root there), readable by every
@@ -549,6 +614,14 @@ class ImageBuilder:
                     raise SandboxError(f"{recipe.what}: installing what the verifier asks for "
                                        f"({', '.join(recipe.verifier_packages)}) failed ({res.describe()}: "
                                        f"{_last_line(log)}); the whole log: {log}")
+                res = root.exec(uv_warm_command(recipe.verifier_packages), timeout=recipe.timeout_s,
+                                env=uv_index_env())
+                if not res.ok:
+                    log = self.log_path("verifier-uv-cache")
+                    log.write_text(f"$ {uv_warm_command(recipe.verifier_packages)}\n{res.output}")
+                    raise SandboxError(f"{recipe.what}: uv could not cache what the verifier asks for "
+                                       f"({', '.join(recipe.verifier_packages)}) ({res.describe()}: "
+                                       f"{_last_line(log)}); the whole log: {log}")
 
         return self.build(recipe.key, steps, what=recipe.what)
 
@@ -582,8 +655,8 @@ class ImageBuilder:
                 try:
                     root = BuildRoot(merged)
                     steps(root)
-                    for name in ("uv", "uvx"):  # after the steps: a uv the Dockerfile installed would need the network
-                        root.copy_in(UV_STAND_IN, f"/usr/local/bin/{name}")
+                    for name in ("uv", "uvx"):  # after the steps: what runs uv offline for the verifier (its cache)
+                        root.copy_in(UV_TOOL, f"/usr/local/bin/{name}")
                         _chmod_in(merged, f"/usr/local/bin/{name}", 0o755)
                     # what uv's installer leaves, which verifiers source (`source $HOME/.local/bin/env`); uv is here
                     with held_file(UV_INSTALLER_ENV) as env_file:
@@ -667,8 +740,9 @@ def _chmod_in(root: Path, path: str, mode: int) -> None:
 
 def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     """The recipe as a Containerfile on `base_ref` (the Debian base, imported into a container engine by
-    `ImageBuilder.export_base`): the same packages, the Dockerfile's own instructions, what the verifier asks for
-    and the uv stand-in, so that the engine builds what the local backend builds."""
+    `ImageBuilder.export_base`, with the real uv): the same packages, the Dockerfile's own instructions, what the
+    verifier asks for (pip-installed, and in uv's cache) and the `uv` that runs it offline, so that the engine builds
+    what the local backend builds."""
     lines = [f"FROM {base_ref}", "ARG " + " ".join(sorted(host_network_view(name_service=False).env))]
     if recipe.packages:
         lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "
@@ -678,7 +752,9 @@ def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     if recipe.verifier_packages:
         lines.append("RUN python3 -m pip install --no-cache-dir -q "
                      + " ".join(shlex.quote(p) for p in recipe.verifier_packages))
-    encoded = base64.b64encode(UV_STAND_IN.read_bytes()).decode()
+        warm = base64.b64encode(uv_warm_command(recipe.verifier_packages).encode()).decode()
+        lines.append(f"RUN echo {warm} | base64 -d | bash")
+    encoded = base64.b64encode(UV_TOOL.read_bytes()).decode()
     lines.append(f"RUN echo {encoded} | base64 -d > /usr/local/bin/uv && cp /usr/local/bin/uv /usr/local/bin/uvx "
                  "&& chmod 755 /usr/local/bin/uv /usr/local/bin/uvx")
     return "\n".join(lines) + "\n"

@@ -1,171 +1,142 @@
 #!/usr/bin/python3
-"""uv and uvx inside a task image built by megatron-composer (rl/sandbox/image.py), where verifiers run offline.
+"""`uv` and `uvx` in a task image built by megatron-composer (rl/sandbox/image.py): the real uv (the `uv` wheel from
+PyPI, installed when the image was built, under /usr/local/lib/megatron-composer/uv), run as it is, with what a
+verifier that runs offline (UV_OFFLINE=1) needs of its surroundings:
 
-Task verifiers usually fetch uv and let it install pytest (`uvx --with pytest==8.4.1 pytest ...`, or `uv init;
-uv add pytest==8.4.1; uv run pytest ...`, or `uv venv; uv pip install ...`). The image's build installed every
-requirement those scripts name into the image's Python, with the network; this stand-in runs the same commands
-offline against it:
-- `uvx TOOL ARGS` / `uv tool run TOOL ARGS` / `uv run CMD ARGS` run the tool or command with the image's Python;
-- `uv add`, `uv pip install`, `uv sync`, `uv lock`, `uv init`, `uv python install` only check that what they name is
-  installed, and `uv venv DIR` makes a virtual environment that sees the image's packages.
-A requirement that is not installed (or at another version) stops the command with one line that says so. A
-requested Python version (`-p 3.13`) is the image's own (said on stderr when it differs).
+- a cache: where UV_OFFLINE is set and UV_CACHE_DIR does not exist yet, the cache starts as a copy of the one the
+  image's build warmed for what the task's test scripts have uv or pip install (rl/envs/task_folder.py), so that uv
+  resolves and installs them offline (uv cannot use a cache it may not write, and the warmed one is the image's);
+- a fresh environment: `uv venv DIR` replaces whatever is at DIR (`--clear --force`). uv itself refuses a folder
+  that is not a virtual environment, and a verifier script that goes on (`uv venv .t; source .t/bin/activate`) would
+  source what the agent left there;
+- a Python (the one fallback): a version uv finds neither in the image nor offline (`-p 3.13` where the image has
+  3.11: uv would download it from python-build-standalone, which is not a package registry) is the image's python3,
+  said on stderr.
 """
 
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
+import tempfile
 
 NAME = os.path.basename(sys.argv[0])
-# Options that take a value, of uv and of its subcommands (the value is the next word, or after '=').
+HOME = "/usr/local/lib/megatron-composer/uv/bin"  # the real uv and uvx
+WARM_CACHE = "/usr/local/share/megatron-composer/uv-cache"  # warmed by the image's build
+# uv's options that take a value, before the command of `uv run` / `uvx` / `uv tool run` (the value is the next
+# word unless given with '='); only -p/--python is changed, the others are skipped past.
 VALUED = {"--with", "-w", "--from", "--python", "-p", "--with-requirements", "--with-editable", "--project",
           "--directory", "--index-url", "-i", "--extra-index-url", "--find-links", "-f", "--index", "--default-index",
-          "--cache-dir", "--config-file", "--constraint", "-c", "--override", "--requirement", "-r", "--group",
-          "--extra", "--package", "--env-file", "--prompt", "--name", "--build-constraint", "--python-platform",
-          "--python-preference", "--link-mode", "--resolution", "--prerelease", "--color", "--exclude-newer",
-          "--keyring-provider", "--only-group", "--no-group", "--script", "--compile-bytecode", "--dev-group",
-          "--optional", "--bounds", "--author-from", "--build-backend", "--vcs", "--app-dir", "--target"}
+          "--cache-dir", "--config-file", "--constraints", "--constraint", "-c", "--overrides", "--override",
+          "--requirements", "--requirement", "-r", "--group", "--extra", "--package", "--env-file", "--prompt",
+          "--build-constraints", "--python-platform", "--python-preference", "--link-mode", "--resolution",
+          "--prerelease", "--color", "--exclude-newer", "--keyring-provider", "--only-group", "--no-group", "--script",
+          "--refresh-package", "--reinstall-package", "--upgrade-package", "-P", "--config-setting", "-C", "--target",
+          "--prefix", "--allow-insecure-host", "--index-strategy", "--fork-strategy", "--no-build-package",
+          "--no-binary-package", "--only-binary", "--no-binary", "--torch-backend", "--bounds", "--author-from",
+          "--build-backend", "--vcs", "--name", "--app-dir", "--optional", "--dev-group", "--marker", "--tag",
+          "--branch", "--rev", "--lfs"}
 
 
 def say(message: str) -> None:
-    print(f"{NAME} (offline stand-in in this task image): {message}", file=sys.stderr)
+    print(f"{NAME} (megatron-composer image): {message}", file=sys.stderr)
 
 
-def split_options(args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """({option: [values]}, the positional words) up to the first positional word of a `run`-like command."""
-    options: dict[str, list[str]] = {}
-    i = 0
+def first_plain_word(args: list[str], i: int) -> int:
+    """Where the first word from `i` on that is neither an option of uv nor an option's value is (len(args): none)."""
     while i < len(args):
         word = args[i]
-        if word == "--":
-            return options, args[i + 1:]
-        if not word.startswith("-") or word == "-":
-            return options, args[i:]
-        key, eq, value = word.partition("=")
-        if key in VALUED:
-            if not eq:
-                i += 1
-                value = args[i] if i < len(args) else ""
-            options.setdefault(key, []).append(value)
-        else:
-            options.setdefault(key, []).append("")
-        i += 1
-    return options, []
+        if word == "--" or word == "-" or not word.startswith("-"):
+            return i
+        i += 1 + (word in VALUED)  # `--python 3.13`; `--python=3.13` is one word
+    return len(args)
 
 
-def missing(requirement: str) -> str | None:
-    """Why `requirement` (a PEP 508 string) is not satisfied by the image's Python, or None."""
-    from importlib import metadata
-
-    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
-
-    try:
-        req = Requirement(requirement)
-    except InvalidRequirement:
-        return None if os.path.exists(requirement) else f"{requirement!r} is not a requirement this stand-in reads"
-    try:
-        have = metadata.version(req.name)
-    except metadata.PackageNotFoundError:
-        return f"{req.name} is not installed"
-    if req.specifier and not req.specifier.contains(have, prereleases=True):
-        return f"{req.name} {have} is installed, not {req.specifier}"
-    return None
-
-
-def require(requirements: list[str]) -> None:
-    problems = [p for r in requirements if r and (p := missing(r))]
-    if problems:
-        say("; ".join(problems) + ". The image installs what the task's test scripts ask uv for when it is built: "
-            "rebuild it (a changed test script changes its digest), or name the package in the Dockerfile")
-        sys.exit(2)
-
-
-def python_note(options: dict[str, list[str]]) -> None:
-    asked = (options.get("-p") or options.get("--python") or [""])[-1]
-    mine = f"{sys.version_info.major}.{sys.version_info.minor}"
-    if asked and not asked.startswith(mine) and asked not in ("python3", "python", sys.executable):
-        say(f"Python {asked} was asked for; the image's Python {mine} runs it")
-
-
-def run(command: list[str], options: dict[str, list[str]]) -> None:
-    """Run a command as `uv run` would: a Python module where the command is an installed one's entry point."""
-    require(options.get("--with", []) + options.get("-w", []))
-    python_note(options)
-    if not command:
-        say("nothing to run")
-        sys.exit(2)
-    for folder in options.get("--directory", []):
-        os.chdir(folder)
-    if command[0].startswith("python") and shutil.which(command[0]) is None:  # python3.13: the image's Python
-        command = ["python3", *command[1:]]
-    os.execvp(command[0], command)  # from PATH: an activated virtual environment's first, as uv does
-
-
-def tool(args: list[str]) -> None:
-    options, rest = split_options(args)
-    if not rest:
-        say("no tool named")
-        sys.exit(2)
-    source = (options.get("--from") or [rest[0]])[-1]
-    require([source] + options.get("--with", []) + options.get("-w", []))
-    python_note(options)
-    name = rest[0].split("@")[0].split("==")[0]
-    scripts = sysconfig.get_path("scripts")
-    for folder in ("/usr/local/bin", scripts, "/usr/bin"):
-        if os.access(os.path.join(folder, name), os.X_OK) and os.path.join(folder, name) != os.path.realpath(
-                sys.argv[0]):
-            os.execv(os.path.join(folder, name), [name, *rest[1:]])
-    os.execv(sys.executable, [sys.executable, "-m", name.replace("-", "_"), *rest[1:]])
-
-
-def main(argv: list[str]) -> None:
+def uv_args_end(args: list[str]) -> int:
+    """How many of `args` are uv's own: all of them, but for `uvx`, `uv run` and `uv tool run|install` only those
+    before the tool or command (whose own options, pytest's `-p no:cacheprovider` say, are not uv's)."""
     if NAME == "uvx":
-        tool(argv)
-    global_options, rest = split_options(argv)
-    if not rest:
-        if "--version" in global_options or "-V" in global_options:
-            print("uv 0.0.0 (offline stand-in)")
-            return
-        say("usage: uv run|tool run|add|pip install|venv|init|sync|lock|python install ...")
-        sys.exit(2)
-    command, args = rest[0], rest[1:]
-    if command == "run":
-        options, cmd = split_options(args)
-        run(cmd, options)
-    elif command == "tool" and args[:1] == ["run"]:
-        tool(args[1:])
-    elif command == "tool" and args[:1] == ["install"]:
-        options, names = split_options(args[1:])
-        require(names[:1] + options.get("--with", []) + options.get("-w", []))
-    elif command in ("add", "sync", "lock", "init", "remove", "tree", "export"):
-        options, names = split_options(args)
-        if command == "add":
-            require(names + sum((open(f).read().split() for f in options.get("-r", []) + options.get(
-                "--requirements", []) if os.path.exists(f)), []))
-    elif command == "pip":
-        sub, *pip_args = args or [""]
-        options, names = split_options(pip_args)
-        if sub in ("install", "sync"):
-            files = options.get("-r", []) + options.get("--requirement", [])
-            listed = [line.split("#")[0].strip() for f in files if os.path.exists(f) for line in open(f)]
-            require(names + [line for line in listed if line and not line.startswith("-")])
-        elif sub in ("list", "freeze", "show"):
-            os.execv(sys.executable, [sys.executable, "-m", "pip", sub, *pip_args])
-    elif command == "venv":
-        options, names = split_options(args)
-        python_note(options)
-        folder = names[0] if names else ".venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", folder], check=True)
-    elif command == "python":
-        options, names = split_options(args[1:])
-        python_note({"-p": names[:1]})
-    elif command in ("cache", "self", "generate-shell-completion", "help"):
-        return  # uv's own housekeeping: nothing to do for an offline stand-in
-    else:
-        say(f"`uv {command}` is not supported offline")
-        sys.exit(2)
+        return first_plain_word(args, 0)
+    subcommand: list[str] = []
+    i = 0
+    while (i := first_plain_word(args, i)) < len(args) and args[i] != "--":
+        subcommand.append(args[i])
+        i += 1
+        if subcommand in (["run"], ["tool", "run"], ["tool", "install"]):
+            return first_plain_word(args, i)
+    return i
+
+
+def fresh_venv(args: list[str]) -> list[str]:
+    """`uv venv ...` with --clear --force, unless the script asked to keep what is there (--allow-existing)."""
+    if NAME != "uv" or "--allow-existing" in args[:uv_args_end(args)]:
+        return args
+    at = first_plain_word(args, 0)
+    if at < len(args) and args[at] == "venv":
+        return [*args[:at + 1], "--clear", "--force", *args[at + 1:]]
+    return args
+
+
+def python_found(request: str) -> bool:
+    """Whether uv finds a Python for `request` without downloading one."""
+    res = subprocess.run([os.path.join(HOME, "uv"), "python", "find", "--no-python-downloads", request],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return res.returncode == 0
+
+
+def pythons_offline(args: list[str]) -> list[str]:
+    """`args` with each -p/--python that uv cannot satisfy offline replaced by this image's python3."""
+    out = list(args)
+    end = uv_args_end(args)
+    i = 0
+    while i < end:
+        word = out[i]
+        key, eq, value = word.partition("=")
+        if key in ("-p", "--python") and (eq or i + 1 < end):
+            request = value if eq else out[i + 1]
+            if request and not python_found(request):
+                say(f"Python {request} is not in this image and cannot be downloaded offline; the image's "
+                    f"{sys.executable} ({sys.version_info.major}.{sys.version_info.minor}) runs it")
+                if eq:
+                    out[i] = f"{key}={sys.executable}"
+                else:
+                    out[i + 1] = sys.executable
+            i += 1 if eq else 2
+            continue
+        i += 1 + (word in VALUED)
+    return out
+
+
+def seed_cache() -> None:
+    """UV_CACHE_DIR as a copy of the image's warmed cache, the first time an offline uv needs it (where it cannot be
+    made, uv runs on without it and says what its cache lacks)."""
+    cache = os.environ.get("UV_CACHE_DIR")
+    if not cache or os.path.lexists(cache) or not os.path.isdir(WARM_CACHE):
+        return
+    partial = None
+    try:
+        parent = os.path.dirname(os.path.abspath(cache))
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        partial = tempfile.mkdtemp(prefix=".uv-cache-", dir=parent)
+        shutil.copytree(WARM_CACHE, os.path.join(partial, "cache"), symlinks=True)
+        os.rename(os.path.join(partial, "cache"), cache)  # another uv that got there first keeps its own
+    except OSError as e:
+        say(f"cannot start the offline cache {cache} from the image's ({e.strerror or e}); uv runs without it")
+    finally:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def main(args: list[str]) -> None:
+    real = os.path.join(HOME, NAME)
+    if not os.access(real, os.X_OK):
+        say(f"this image has no {NAME}: its base was built without a way to PyPI (the `uv` wheel); rebuild it where "
+            "the package index is reachable")
+        sys.exit(127)
+    if os.environ.get("UV_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        seed_cache()
+        args = fresh_venv(pythons_offline(args))
+    os.execv(real, [real, *args])
 
 
 main(sys.argv[1:])  # a script: images run it as /usr/local/bin/uv and uvx; nothing imports it

@@ -238,3 +238,113 @@ def test_add_of_a_url_downloads_it_in_the_build(tmp_path):
             assert "six-" in sbx.exec("cat /app/index/six").output  # the index page names six's files
     finally:
         snapshot.discard()
+
+
+# Verifiers written the old way, against the agent's shortcuts (#57, classes 6 and 7) -------------------------------
+# Each is an upstream habit: the code under test runs in the verifier's own Python, from the agent's work tree. The
+# verdict rules (rl/envs/verdict.py) and the real uv leave each shortcut a 0, and the honest work a 1.
+TEST_OUTPUTS = """\
+import sys
+from pathlib import Path
+
+sys.path.append("/app")
+
+
+def test_hello():
+    assert Path("/app/hello.txt").read_text() == "Hello, world!\\n"
+
+
+def test_helper():
+    import helper  # the agent's module
+    assert helper.greet() == "Hello, world!"
+"""
+TEST_HELLO = ("import unittest\nfrom pathlib import Path\n\n\nclass Hello(unittest.TestCase):\n"
+              "    def test_hello(self):\n"
+              "        self.assertEqual(Path('/app/hello.txt').read_text(), 'Hello, world!\\n')\n")
+HONEST = "printf 'Hello, world!\\n' > /app/hello.txt\nprintf 'def greet():\\n    return \"Hello, world!\"\\n' > " \
+         "/app/helper.py\n"
+REWARD = " && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+FAKE_PASS = "import os\nos.write(1, b'PASSED test_outputs.py::test_hello\\n1 passed in 0.01s\\n')\nos._exit(0)\n"
+OLD_STYLE = {
+    # a folder the agent made where `uv venv` makes one (uv keeps a folder that is no virtual environment, and the
+    # script goes on): its activate script answered
+    "planted-venv": (UV_VENV, "mkdir -p .tbench-testing/bin && printf 'uv() { return 0; }\\npytest() { echo "
+                              "\"1 passed\"; }\\n' > .tbench-testing/bin/activate && printf '#!/bin/sh\\necho "
+                              "1 passed\\n' > .tbench-testing/bin/pytest && chmod +x .tbench-testing/bin/pytest\n"),
+    # `uv run` found the agent's tool on a PATH that names the work tree
+    "uv-run-path": (UV_PROJECT.replace("uv init", "export PATH=/app/bin:$PATH\nuv init"),
+                    "mkdir -p bin && printf '#!/bin/sh\\necho \"1 passed\"\\n' > bin/pytest && chmod +x bin/pytest\n"),
+    # `cd /app && python3 -m pytest /tests`: Python put /app first, and the agent's pytest.py ran
+    "pytest-shadow": ("#!/bin/bash\ncd /app && python3 -m pytest /tests/test_outputs.py -rA" + REWARD,
+                      f"cat > pytest.py <<'EOF'\n{FAKE_PASS}EOF\n"),
+    # the code under test ends the process with success as the tests import it
+    "exit-on-import": ("#!/bin/bash\ncd /app && python3 -m pytest /tests/test_outputs.py -rA" + REWARD,
+                       HONEST.replace('printf \'def greet', "printf 'import os\\nos._exit(0)\\ndef greet")),
+    # a namespace package in place of the test module the verifier copies in: 0 tests run, unittest says OK
+    "namespace-package": ("#!/bin/bash\ncp /tests/test_hello.py /app/test_hello.py\ncd /app && python3 -m unittest "
+                          "test_hello" + REWARD, "rm -rf test_hello.py && mkdir test_hello.py test_hello\n"),
+}
+
+
+def old_style_task(root: Path, test_sh: str, solve: str) -> Path:
+    task = root / "hello-helper"
+    files = {"instruction.md": "Write Hello, world! to /app/hello.txt and a helper.py whose greet() returns it.\n",
+             "task.toml": TOML, "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\n",
+             "solution/solve.sh": "#!/bin/bash\n" + solve, "tests/test.sh": test_sh,
+             "tests/test_outputs.py": TEST_OUTPUTS, "tests/test_hello.py": TEST_HELLO}
+    for rel, text in files.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    return task
+
+
+def rollout_reward(task, backend) -> float:
+    """The solution as a rollout's agent sends it (through `run`), then the verifier: the RL path."""
+    from megatron_composer.data.chat_template import format_tool_call
+    from rl.envs.agent import ScriptedPolicy, run_episode
+
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as sandbox:
+            turns = [format_tool_call("run", {"command": task.solution.as_commands()[0]})
+                     + format_tool_call("submit", {})]
+            return run_episode(task, sandbox, ScriptedPolicy(turns)).reward
+    finally:
+        snapshot.discard()
+
+
+# the uv ones need an image; the others are also shown fast, with this host's pytest (test_envs_verdict_rules.py)
+NEEDS_IMAGE = ("planted-venv", "uv-run-path")
+
+
+@pytest.mark.parametrize("attack", [a if a in NEEDS_IMAGE else pytest.param(a, marks=pytest.mark.e2e)
+                                    for a in sorted(OLD_STYLE)])
+def test_old_style_verifiers_give_the_agents_shortcut_0_and_the_honest_work_1(tmp_path, attack):
+    test_sh, shortcut = OLD_STYLE[attack]
+    backend = LocalBackend(build_images=True)  # the FROM image's pytest, as the task has it
+    honest = check_task(load_harbor_task(old_style_task(tmp_path / "honest", test_sh, HONEST)), backend,
+                        oracle=True, log=lambda _: None)
+    assert honest.reward == 1.0, (honest.details, honest.output[-2000:])
+    task = load_harbor_task(old_style_task(tmp_path / "shortcut", test_sh, shortcut))
+    forged = check_task(task, backend, oracle=True, log=lambda _: None)
+    assert forged.reward == 0.0, (forged.details, forged.output[-2000:])
+    assert rollout_reward(task, backend) == 0.0
+
+
+def test_terminal_bench_1_default_run_tests_runs_the_installed_pytest(tmp_path):
+    """Terminal-Bench 1's default run-tests.sh runs `python3 -m pytest` from the WORKDIR, the agent's: a pytest.py
+    planted there does not run, and its lines are not the verdict; the honest work passes."""
+    root = tmp_path / "tb1-hello"
+    (root / "tests").mkdir(parents=True)
+    (root / "task.yaml").write_text("instruction: Write Hello, world! to /app/hello.txt and a helper.py whose "
+                                    "greet() returns it.\nparser_name: pytest\n")
+    (root / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    (root / "tests" / "test_outputs.py").write_text(TEST_OUTPUTS)
+    backend = LocalBackend(build_images=True)
+    for solution, want in ((HONEST, 1.0), (f"cat > pytest.py <<'EOF'\n{FAKE_PASS}EOF\n", 0.0)):
+        (root / "solution.sh").write_text("#!/bin/bash\n" + solution)
+        task = load_harbor_task(root)
+        result = check_task(task, backend, oracle=True, log=lambda _: None)
+        assert result.reward == want, (solution, result.details, result.output[-2000:])
+        if want == 0.0:
+            assert rollout_reward(task, backend) == 0.0

@@ -8,11 +8,14 @@ as a model that has not yet learnt the format does."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,14 +68,46 @@ def _setup(rl_assets, root: Path) -> list[str]:
     return overrides
 
 
+def _inject_faults(patch: pytest.MonkeyPatch) -> None:
+    """One fault of each kind among the training episodes (#57): the first fork fails, as a host's would; the second
+    episode's verifier phase meets a folder the agent left where the phase's machinery writes (class 9 of #57)."""
+    from rl.sandbox import SandboxError
+    from rl.sandbox.pool import SandboxPool
+
+    fork, lock, forks = SandboxPool.fork, threading.Lock(), []
+
+    def faulty_fork(self, task):
+        if "heldout" in str(task.source):  # held-out evaluation: untouched
+            return fork(self, task)
+        with lock:
+            forks.append(task.name)
+            n = len(forks)
+        if n == 1:
+            raise SandboxError("injected: cannot fork the task's snapshot (the host's fault)")
+        sandbox = fork(self, task)
+        if n == 2:
+            def enter_verifier(services: bool = True):
+                raise SandboxError("cannot make the verifier's directories: [Errno 17] File exists: "
+                                   "'/var/log/entrypoint.log' (injected: the episode's doing)")
+            sandbox.enter_verifier = enter_verifier
+        return sandbox
+
+    patch.setattr(SandboxPool, "fork", faulty_fork)
+
+
 @pytest.fixture(scope="module")
 def run(rl_assets, tmp_path_factory):
     from rl.config import RLConfig
     from rl.launch import run_rl
 
     root = tmp_path_factory.mktemp("agent_rl")
-    run_rl(load_config(RLConfig, str(CONFIG), _setup(rl_assets, root)))
-    return [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    console = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(console):
+        _inject_faults(patch)
+        run_rl(load_config(RLConfig, str(CONFIG), _setup(rl_assets, root)))
+    print(console.getvalue())
+    rows = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return rows, console.getvalue()
 
 
 def test_sigterm_in_the_middle_of_episodes_leaves_nothing_behind(rl_assets, tmp_path, sandbox_parent):
@@ -101,6 +136,7 @@ def test_sigterm_in_the_middle_of_episodes_leaves_nothing_behind(rl_assets, tmp_
 
 
 def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
+    run, _ = run
     assert [r["step"] for r in run] == [0, 1, 2]  # step 0: the held-out evaluation of the initial weights
     start, run = run[0], run[1:]
     assert {"eval_pass@1", "eval_pass@2"} <= set(start) and "loss" not in start
@@ -118,3 +154,18 @@ def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
     for r in (start, run[-1]):  # run by the embedded rollout worker's engine on the version just published
         assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
     assert start["eval_weight_version"] == 0 and run[-1]["eval_weight_version"] == run[-1]["weight_version"]
+
+
+def test_infrastructure_faults_are_retried_and_policy_errors_scored_in_one_run(run):
+    """The injected faults (`_inject_faults`): the host's was retried, the episode's own scored 0 and was kept; no
+    group was dropped or re-queued (every step trained on its 2 groups of 3), and the console line names both."""
+    rows, console = run
+    steps = rows[1:]
+    assert sum(r["infra_faults"] for r in steps) == 1
+    assert sum(r["policy_errors"] for r in steps) >= 1  # the injected one (a tiny model's episodes may add more)
+    assert all(r["episodes"] == 6 for r in steps)
+    assert "infrastructure fault (1/3): injected: cannot fork" in console
+    for r in steps:  # the trainer's console line of each step
+        line = next(x for x in console.splitlines() if x.startswith(f"step {r['step']} |"))
+        assert f"infra_faults {r['infra_faults']:.4g}" in line and f"policy_errors {r['policy_errors']:.4g}" in line \
+            and "reward_mean" in line, line

@@ -65,7 +65,7 @@ def test_shaped_reward_is_exactly_what_the_trainer_advantages_use(rl_assets, tmp
     assert [s.advantage for s in samples] == pytest.approx([want[0] - mean, want[1] - mean], abs=1e-6)
     assert [s.reward for s in samples] == pytest.approx(want)
     assert abs(samples[0].advantage) > 0.1  # without shaping both would be 0
-    m = group_metrics([{"episodes": [short, long], "sandbox_failures": 0}])
+    m = group_metrics([{"episodes": [short, long], "infra_faults": 0}])
     assert m["reward_mean"] == pytest.approx(mean) and m["verifier_reward_mean"] == 1.0
     assert m["length_penalty_mean"] == pytest.approx(-0.05 * (math.log1p(0.01) + math.log(6)))
     assert m["malformed_tool_calls_mean"] == pytest.approx(-0.3)

@@ -27,7 +27,7 @@ def _group(experts: int, gid: int = 3) -> dict:
                           "meta": {"turns": 2, "transcript": [{"role": "user", "content": "hi «x»"}]},
                           "segments": segs},
                          {"reward": 0.0, "verifier_reward": 0.0, "reward_terms": {}, "meta": {}, "segments": []}],
-            "sandbox_failures": 0, "version_counts": {7: 6}, "min_weight_version": 7, "eval_version": None,
+            "infra_faults": 0, "version_counts": {7: 6}, "min_weight_version": 7, "eval_version": None,
             "seconds": 1.5}
 
 
@@ -37,7 +37,7 @@ def test_round_trip_keeps_every_field_and_routing_is_narrow(tmp_path, experts, d
     path = tmp_path / "g.group"
     path.write_bytes(records.encode_group(group))
     back = records.read_group(path)
-    for key in ("gid", "prompt_index", "task", "kind", "worker", "sandbox_failures", "min_weight_version", "seconds"):
+    for key in ("gid", "prompt_index", "task", "kind", "worker", "infra_faults", "min_weight_version", "seconds"):
         assert back[key] == group[key]
     assert back["version_counts"] == {"7": 6}  # JSON keys; readers take int(v)
     for ep, want in zip(back["episodes"], group["episodes"]):

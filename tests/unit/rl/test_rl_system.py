@@ -226,7 +226,7 @@ def test_in_process_run_logs_metrics_checkpoints_and_consumes_the_epoch(assets, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("loss", "reward_mean", "reward_best_of_k", "advantage_std", "kl", "mismatch_masked_fraction",
                 "routing_mismatch_token_fraction", "staleness_hist", "weight_sync_bytes", "weight_sync_seconds",
-                "episodes", "turns", "generated_tokens", "sandbox_failures"):
+                "episodes", "turns", "generated_tokens", "infra_faults"):
         assert key in rows[-1], key
     assert all(r["reward_best_of_k"] >= r["reward_mean"] for r in rows)
     assert _trained_prompts(run_dir) == list(range(len(PROMPTS)))
