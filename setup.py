@@ -8,7 +8,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer*", "pretrain*", "rl*", "tools*"]),
     package_data={"megatron_composer.kernels.cpu": ["csrc/*.cpp", "csrc/*.h"],  # C++ kernels are compiled on first use
-                  "rl.envs": ["verifier_site/sitecustomize.py"],  # copied into SWE-bench verifiers' sandboxes
+                  # the verifier's site, copied into every verifier's sandbox
+                  "rl.envs": ["verifier_site/*.py", "verifier_site/*.dist-info/*"],
                   "rl.sandbox": ["image_tools/uv.py",  # uv and uvx in built task images
                                  "launcher.c"]},  # the sandbox's per-command launcher, compiled on first use
     install_requires=[

@@ -27,10 +27,15 @@ BASE_ENV = {
     "TERM": "dumb",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Added for the verifier phase, over the task's own: no user site (HOME is fresh anyway), so no agent-planted
-# start-up hooks; git runs none of the programs the agent's repository config names for it (git >= 2.31 reads
-# GIT_CONFIG_*, which outranks every config file): no fsmonitor hook on `git status`, no hooks folder.
-VERIFIER_ENV = {"PYTHONNOUSERSITE": "1", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_COUNT": "2",
+# Added for the verifier phase, over the task's own. HOME lives on from the agent into the verifier (the verifier
+# judges what the agent left there), so no tool of the verifier's reads its settings from it: no user site, no git,
+# npm or pip configuration of the agent's, and the XDG configuration folder is one the host makes fresh under /tests
+# (a fixed path under /tmp or HOME could be the agent's). git runs none of the programs the agent's repository config
+# names for it (git >= 2.31 reads GIT_CONFIG_*, which outranks every config file): no fsmonitor hook on
+# `git status`, no hooks folder.
+VERIFIER_ENV = {"PYTHONNOUSERSITE": "1", "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
+                "NPM_CONFIG_USERCONFIG": "/dev/null", "PIP_CONFIG_FILE": "/dev/null",
+                "XDG_CONFIG_HOME": "/tests/.verifier/config", "GIT_CONFIG_COUNT": "2",
                 "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": "false",
                 "GIT_CONFIG_KEY_1": "core.hooksPath", "GIT_CONFIG_VALUE_1": "/dev/null"}
 

@@ -258,6 +258,8 @@ class LocalSnapshot:
     env: dict[str, str] = field(default_factory=dict)
     limits: SandboxLimits | None = None  # the task's limits, applied to every fork
     entrypoint: tuple[str, ...] = ()  # the image's ENTRYPOINT: every episode of a fork starts with it
+    user: str | int | None = None  # the agent's user (the task's [agent].user; None: the sandbox's own)
+    network: str = "none"  # the agent's network (the task's network_mode): "none" or "public"
     held: int | None = field(default=None, repr=False)  # its key in rl/sandbox/leftovers.py (a stop signal frees it)
 
     def discard(self) -> None:
@@ -417,7 +419,8 @@ class LocalSandbox(Sandbox):
         if network not in NETWORKS:
             raise SandboxError(f"LocalSandbox(network={network!r}): one of {list(NETWORKS)}")
         if network == "public" and egress is None:
-            raise SandboxError("LocalSandbox(network='public') needs the run's egress proxy (egress=)")
+            raise SandboxError("LocalSandbox(network='public') needs the run's egress proxy (egress=, or a callable "
+                               "that gives it)")
         self.network, self._egress = network, egress
         self._user = user
         self.agent_uid, self.agent_gid, self.home = AGENT_UID, AGENT_UID, HOME  # settled once the root is built
@@ -1162,7 +1165,8 @@ class LocalSandbox(Sandbox):
             return sock
 
         sock = in_netns(netns, listen)
-        self._egress.serve(sock, f"{self.root.name}:{who}")
+        proxy = self._egress() if callable(self._egress) else self._egress
+        proxy.serve(sock, f"{self.root.name}:{who}")
         return sock
 
     def _network_env(self) -> dict[str, str]:
@@ -1218,7 +1222,8 @@ class LocalSandbox(Sandbox):
         """The sandbox as it is now, as a layer on the host's disk over its stack: what every fork starts from."""
         own = make_dir("snapshot", self.root.parent)
         snap = LocalSnapshot(layers=(), workdir=self.workdir if not self.unisolated else "/app", own=own,
-                             host_system=self.host_system, env=dict(self.env), entrypoint=self.entrypoint)
+                             host_system=self.host_system, env=dict(self.env), entrypoint=self.entrypoint,
+                             user=self._user, network=self.network)
         try:
             snap.held = hold(snap.discard)
             stopped = self._freeze()
@@ -1319,6 +1324,11 @@ class LocalBackend:
     tmpfs: bool | None = None  # whole-sandbox disk: None = a tmpfs of its own where possible, else the monitor
     image_cache: str | None = None  # where built images are kept (rl/sandbox/image.py; MC_IMAGE_CACHE by default)
     build_images: bool = False  # build every task's Dockerfile, even where the host's system could stand in
+    # The agents' network: None gives each sandbox what its task declares ("none", or "public" through the egress
+    # proxy); "none" gives none to any, whatever the tasks declare (RL on tasks whose fix is published upstream).
+    network: str | None = None
+    egress_hosts: tuple[str, ...] = ()  # what the egress proxy allows beyond this host's package registries
+    egress_log: str | None = None  # where it logs every host each episode asked for (JSON lines)
 
     @property
     def runs_images(self) -> bool:
@@ -1337,7 +1347,20 @@ class LocalBackend:
                           "user; only rlimits and timeouts apply. Never use this for model-generated code.",
                           UnisolatedWarning, stacklevel=2)
 
-    def _make(self, tree, **kwargs) -> LocalSandbox:
+    @property
+    def egress(self):
+        """The run's egress proxy (rl/sandbox/egress.py), started with the first sandbox that has the network."""
+        if getattr(self, "_egress", None) is None:
+            from rl.sandbox.egress import EgressProxy, registry_hosts
+
+            self._egress = EgressProxy(allowed_hosts=[*registry_hosts(), *self.egress_hosts], log=self.egress_log)
+        return self._egress
+
+    def _make(self, tree, network: str = "none", **kwargs) -> LocalSandbox:
+        if network not in NETWORKS:
+            raise SandboxError(f"a sandbox's network is one of {list(NETWORKS)}, got {network!r}")
+        # the proxy is made when a phase first has the network (a verifier's, too: the run's setting is the agents')
+        kwargs.update(network="none" if self.network == "none" else network, egress=lambda: self.egress)
         with warnings.catch_warnings():
             if self.unisolated:  # warned once, here, instead of per sandbox
                 warnings.simplefilter("ignore", UnisolatedWarning)
@@ -1345,11 +1368,12 @@ class LocalBackend:
                                 extra_ro_binds=self.extra_ro_binds, cgroups=self.cgroups, tmpfs=self.tmpfs, **kwargs)
 
     def create(self, tree: str | Path | None, workdir: str = "/app", env: dict[str, str] | None = None,
-               limits: SandboxLimits | None = None, image=None, entrypoint: tuple[str, ...] = ()) -> LocalSandbox:
+               limits: SandboxLimits | None = None, image=None, entrypoint: tuple[str, ...] = (),
+               user: str | int | None = None, network: str = "none") -> LocalSandbox:
         return self._make(tree, workdir=workdir, env=env, limits=limits or self.limits, image=image,
-                          entrypoint=entrypoint)
+                          entrypoint=entrypoint, user=user, network=network)
 
     def fork(self, snapshot: LocalSnapshot, limits: SandboxLimits | None = None) -> LocalSandbox:
         return self._make(None, workdir=snapshot.workdir, env=snapshot.env, limits=limits or snapshot.limits or
                           self.limits, layers=snapshot.layers, host_system=snapshot.host_system,
-                          entrypoint=snapshot.entrypoint, fresh=False)
+                          entrypoint=snapshot.entrypoint, fresh=False, user=snapshot.user, network=snapshot.network)
