@@ -3,9 +3,11 @@
 - docker / podman (`ContainerSandbox`): the task's environment/Dockerfile is built as an image (its RUN lines run
   in the build); a container started from it with no network, a memory limit, a pid limit and rlimits stays up
   for the episode and each command runs with `exec` under `timeout -s KILL`. Snapshots are committed images,
-  so every fork starts from the prepared state. With `local_base` (no registry needed) the image is built on the
-  local backend's Debian base, imported into the engine, from the same recipe as the local backend's images
-  (rl/sandbox/image.py `containerfile`): the same tasks get the same system on both.
+  so every fork starts from the prepared state. A task's image and its prepared state are made once per digest of
+  what makes them and tagged in the engine's store (`ContainerBackend.plan`): a later prepare is a lookup. With
+  `local_base` (no registry needed) the image is built on the local backend's Debian base, imported into the
+  engine, from the same recipe as the local backend's images (rl/sandbox/image.py `containerfile`): the same tasks
+  get the same system on both.
 - apptainer (`ApptainerSandbox`): like LocalSandbox, each command is a fresh `apptainer exec --containall` of
   the backend's image (default docker://python:3.11-slim-bookworm) with the task tree bound at /app; the
   Dockerfile subset is applied as for the local backend.
