@@ -1,7 +1,8 @@
 """Container engines (docker, podman, apptainer): the same task contract as LocalSandbox, and on docker and podman
 the same rewards as the local backend for the same tasks, built on the same local Debian base where this host can
-build it (no registry needed; `make test-docker`, `make test-podman`), and each task prepared once per digest.
-Skipped, with the reason, where an engine is missing or cannot run containers."""
+build it (no registry needed), and each task prepared once per digest. The tests that run an engine are long
+(marked e2e): `make test-docker` and `make test-podman` run them, not `make test`; they skip, with the reason, where
+an engine is missing or cannot run containers."""
 
 import hashlib
 import os
@@ -41,6 +42,7 @@ def _backend(engine):
     return make_container_backend(engine, SandboxLimits(command_timeout_s=60), local_base=build_problem() is None)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_the_same_tasks_give_the_same_rewards_as_the_local_backend(engine, tmp_path):
     """A bundled task (the host's system stands in locally), a task that must be built (apt, pip, files outside
@@ -69,6 +71,7 @@ def test_the_same_tasks_give_the_same_rewards_as_the_local_backend(engine, tmp_p
             assert theirs.reward == mine == float(oracle), (task_dir.name, oracle, theirs.output[-2000:])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ENGINES)
 def test_task_untouched_zero_oracle_one(engine):
     backend = _backend(engine)
@@ -77,6 +80,7 @@ def test_task_untouched_zero_oracle_one(engine):
     assert check_task(task, backend, oracle=True, log=lambda s: None).reward == 1.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ENGINES)
 def test_container_has_no_network_and_kills_on_timeout(engine):
     backend = _backend(engine)
@@ -139,6 +143,7 @@ def multi_container_task(root: Path, server: str = API_SERVER) -> Path:
     return task
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_a_multi_container_task_runs_beside_its_services(engine, tmp_path):
     """The compose file's other service is built (on the local base) and started beside the task's container,
@@ -195,6 +200,7 @@ def _as_rootless(argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.e2e
 def test_rootless_podman_gives_the_same_rewards(tmp_path_factory):
     """podman as an ordinary user (subuid ranges, no root): a task whose ENTRYPOINT serves on port 80 and a
     multi-container task, untouched and solved, give the rewards the local backend and root podman give."""
@@ -221,6 +227,7 @@ def _image_ids(engine: str) -> set[str]:
     return set(listed.stdout.split())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_a_task_is_built_and_prepared_once_per_digest(engine, tmp_path):
     """The second prepare of a task finds its prepared image by digest: the engine's store is unchanged (nothing
