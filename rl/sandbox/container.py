@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import secrets
 import shlex
@@ -121,6 +122,26 @@ def _publish(engine: str, made: str, ref: str) -> None:
     if missing_images(engine, [ref]):
         _cli([engine, "tag", made, ref], f"tagging {ref}")
     subprocess.run([engine, "rmi", made], capture_output=True)
+
+
+def copy_into_folders(dockerfile: str) -> str:
+    """`dockerfile` with a '/' after the destination of each COPY or ADD that BuildKit and podman read as a folder
+    and docker's classic builder refuses unless it ends in '/': several sources (`COPY a.py b.md .`), or `.`."""
+    lines = []
+    for line in dockerfile.splitlines():
+        m = re.match(r"(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*)(\S.*?)\s*$", line, re.IGNORECASE)
+        if m and not line.rstrip().endswith("\\"):
+            try:
+                words = json.loads(m.group(2)) if m.group(2).startswith("[") else m.group(2).split()
+            except json.JSONDecodeError:
+                words = []
+            if len(words) >= 2 and all(isinstance(w, str) for w in words):
+                dest = words[-1]
+                if not dest.endswith("/") and (len(words) > 2 or dest in (".", "..") or dest.endswith(("/.", "/.."))):
+                    words[-1] = dest + "/"
+                    line = m.group(1) + (json.dumps(words) if m.group(2).startswith("[") else " ".join(words))
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def tree_digest(h, path: Path) -> None:
@@ -469,12 +490,14 @@ class ContainerBackend:
         return ImageBuild(f"{CACHE_REPO}/task:{h.hexdigest()[:32]}", dockerfile, context, recipe)
 
     def _build(self, build: ImageBuild, timeout_s: float) -> None:
-        """Build `build` and tag it (a failed build leaves no name behind)."""
+        """Build `build` and tag it (a failed build leaves no name behind). Each RUN step may take `timeout_s`, as
+        each step of the local backend's builds may."""
         made = _partial_name()
         argv = [*self._engine(), "build", "-q", "--force-rm", "--label", f"{CACHE_LABEL}=1", "-t", made,
                 *build_network()]
-        text = None
-        if build.recipe is not None:
+        if build.recipe is None:
+            text = build.dockerfile.read_text()
+        else:
             base, cleanup = self._build_base()
             text = containerfile(build.recipe, base, cleanup)
             network = host_network_view(name_service=False)
@@ -486,9 +509,10 @@ class ContainerBackend:
                 argv += ["--ulimit", f"{name}={value}:{value}"]
             for k, v in network.env.items():
                 argv += ["--build-arg", f"{k}={v}"]
-        argv += ["-f", "-" if text is not None else str(build.dockerfile), str(build.context)]
-        _cli(argv, f"building {build.dockerfile}", timeout=timeout_s,
-             stdin=text.encode() if text is not None else None)
+        argv += ["-f", "-", str(build.context)]
+        text = copy_into_folders(text)
+        runs = sum(1 for line in text.splitlines() if re.match(r"\s*RUN\s", line, re.IGNORECASE))
+        _cli(argv, f"building {build.dockerfile}", timeout=timeout_s * max(1, runs), stdin=text.encode())
         _publish(self.engine, made, build.ref)
 
     def _build_base(self) -> tuple[str, str | None]:

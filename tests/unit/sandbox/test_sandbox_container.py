@@ -22,6 +22,7 @@ from rl.sandbox.base import Service
 from rl.sandbox.container import (
     ENGINES,
     ContainerSnapshot,
+    copy_into_folders,
     engine_problem,
     entrypoint_argv,
     make_container_backend,
@@ -302,6 +303,17 @@ def test_a_containers_entrypoint_is_one_word_then_its_arguments():
     assert entrypoint_argv(["/entrypoint.sh", "--fast"], "img", ["sh", "-c", "x"]) == [
         "--entrypoint", "/entrypoint.sh", "img", "--fast", "sh", "-c", "x"]
     assert entrypoint_argv([], "img", ["python3", "server.py"]) == ["--entrypoint", "", "img", "python3", "server.py"]
+
+
+def test_a_copy_of_several_sources_goes_into_a_folder_on_every_engine():
+    """Harbor's `COPY server.py persona.md .` (BuildKit reads the destination as a folder; docker's classic builder
+    refuses it without its '/'): the destination gets its '/', in both forms, with flags; one source into a named
+    file, a RUN line and a continued line stay as written."""
+    text = ('FROM python:3.12-slim\nCOPY server.py persona.md .\nCOPY --chown=1:1 ["a b", "c", "/srv/x"]\n'
+            "ADD x.tar .\nCOPY one.py /app/main.py\nRUN cp a b .\nCOPY a \\\n  b .\n")
+    assert copy_into_folders(text).splitlines() == [
+        "FROM python:3.12-slim", "COPY server.py persona.md ./", 'COPY --chown=1:1 ["a b", "c", "/srv/x/"]',
+        "ADD x.tar ./", "COPY one.py /app/main.py", "RUN cp a b .", "COPY a \\", "  b ."]
 
 
 def test_discarding_a_prepared_task_keeps_its_cached_images(monkeypatch):
