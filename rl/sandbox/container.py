@@ -498,9 +498,17 @@ class ContainerBackend:
         if build.recipe is None:
             text = build.dockerfile.read_text()
         else:
-            base, cleanup = self._build_base()
-            text = containerfile(build.recipe, base, cleanup)
+            # What the local backend's builds see of the host to reach the network (rl/sandbox/image.py
+            # `host_network_view`): podman mounts it read-only into each step, as they do; docker's builds have no
+            # mounts, so there it is a layer below the image's own.
+            base = ImageBuilder().export_base(self.engine)
             network = host_network_view(name_service=False)
+            if self.engine == "podman":
+                text = containerfile(build.recipe, base)
+                for host, dest in network.binds:
+                    argv += ["-v", f"{host}:{dest}:ro"]
+            else:
+                text = containerfile(build.recipe, *self._base_with_host_view(base, network.binds))
             for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
                 # The engine's defaults (about a million) may pass what this host lets a process set: the build's
                 # own limits are this process's, at most BUILD_RLIMIT.
@@ -515,14 +523,12 @@ class ContainerBackend:
         _cli(argv, f"building {build.dockerfile}", timeout=timeout_s * max(1, runs), stdin=text.encode())
         _publish(self.engine, made, build.ref)
 
-    def _build_base(self) -> tuple[str, str | None]:
-        """The local base as builds on it see it: with what the local backend's builds see of the host to reach the
-        network (its CA bundle at BUILD_HOST_DIR, pip's configuration and the local indexes it names, at their
-        places: rl/sandbox/image.py `host_network_view`), built once per content; and the command that removes that
-        view again as an image's last step, giving back any file of the base it covered (docker's builds have no
-        mounts, so the view is files of a layer below the image's own). Returns (its reference, the command)."""
-        base = ImageBuilder().export_base(self.engine)
-        binds = sorted(host_network_view(name_service=False).binds, key=lambda bind: bind[1])
+    def _base_with_host_view(self, base: str, binds: list[tuple[str, str]]) -> tuple[str, str | None]:
+        """For an engine whose builds have no mounts: the local base with the files builds see of the host (`binds`,
+        each (host path, path in the build): its CA bundle at BUILD_HOST_DIR, pip's configuration and the local
+        indexes it names), built once per content; and the command that removes them again as an image's last
+        step, giving back any file of the base they covered. Returns (its reference, the command)."""
+        binds = sorted(binds, key=lambda bind: bind[1])
         if not binds:
             return base, None
         h = hashlib.sha256(f"{CACHE_FORMAT}\0{base}".encode())
