@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install test test-e2e test-vllm test-podman demo demo-vllm base demo-agent ablation loss-to-reward bench \
-	gpu-check clean
+.PHONY: install test test-e2e test-vllm test-podman test-docker demo demo-vllm base demo-agent ablation loss-to-reward \
+	bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -64,7 +64,15 @@ test-podman: install
 		/usr/bin/python3 -c 'import yaml' 2>/dev/null || apt-get install -y -qq python3-yaml; \
 	fi
 	MC_ROOTLESS_USER=$$(id -u mc-rootless >/dev/null 2>&1 && echo mc-rootless) \
-		$(PY) -m pytest -q -p no:cacheprovider tests/unit/sandbox/test_sandbox_container.py -k podman
+		$(PY) -m pytest -q -p no:cacheprovider -m e2e tests/unit/sandbox/test_sandbox_container.py -k podman
+
+# The docker backend for real, on Debian's docker.io (dockerd 20.10 on Debian 12): a daemon that already answers is
+# used as it is; otherwise dockerd runs for the tests only (tools/with_dockerd.sh). Images are built on the local
+# Debian base, imported into docker, so no registry is needed.
+test-docker: install
+	command -v dockerd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq docker.io; }
+	tools/with_dockerd.sh $(PY) -m pytest -q -p no:cacheprovider -m e2e \
+		tests/unit/sandbox/test_sandbox_container.py -k docker
 
 demo: install
 	$(PY) tools/demo.py

@@ -1,7 +1,8 @@
 """Run real tasks as their authors wrote them and tabulate what happened: untouched, after the reference solution,
 how long the environment took to build and to prepare again, and for a task that cannot run here, why.
 
-    python tools/task_table.py TASK_DIR... [--backend local|podman] [--out table.md] [--json rows.jsonl]
+    python tools/task_table.py TASK_DIR... [--backend local|docker|podman] [--local-base] [--out table.md]
+        [--json rows.jsonl]
 
 A task folder is Harbor (1.0, 1.1 multi-step) or Terminal-Bench 1 (tools/check_task.py reads both). A task "runs"
 when its untouched check gives reward 0 and its oracle check reward 1, neither with an error. A task that cannot be

@@ -437,12 +437,16 @@ class Sandbox:
     def close(self) -> None:
         raise NotImplementedError
 
-    def enter_verifier(self, services: bool = True) -> None:
-        """Start the verifier phase. Later commands see a fresh, empty /tmp (their HOME) and /logs with an empty
-        /logs/verifier, both made by the host; PYTHONNOUSERSITE=1; of what the agent wrote, only the work tree
-        remains. With services, what the agent left running may go on (where the backend keeps an episode: a
-        server the verifier queries over loopback) out of reach of the verifier's processes and files; without,
-        no process of the agent's is left. Each call starts the phase afresh."""
+    def enter_verifier(self, services: bool = True, *, separate: bool = False, artifacts=(), network: str = "none",
+                       user: str | int | None = None) -> None:
+        """Start the verifier phase: later commands are the verifier's, with /logs (an empty /logs/verifier) and
+        /tests made by the host, and the environment of VERIFIER_ENV. With services, what the agent left running may
+        go on (where the backend keeps an episode: a server the verifier queries over loopback) out of reach of the
+        verifier's processes and files; without, no process of the agent's is left. `separate` (Harbor's
+        environment_mode): the verifier starts from the prepared task with only `artifacts` (paths) of what the agent
+        wrote; `network`: "none" or "public"; `user`: the verifier's user (root by default). A backend that cannot
+        give one of these raises SandboxError saying so. Each call starts the phase afresh; how much of the agent's
+        work the verifier sees (the work tree, or all it wrote, frozen) is the backend's, in docs/SANDBOX.md."""
         raise NotImplementedError
 
     def leave_verifier(self) -> None:

@@ -3,9 +3,11 @@
 - docker / podman (`ContainerSandbox`): the task's environment/Dockerfile is built as an image (its RUN lines run
   in the build); a container started from it with no network, a memory limit, a pid limit and rlimits stays up
   for the episode and each command runs with `exec` under `timeout -s KILL`. Snapshots are committed images,
-  so every fork starts from the prepared state. With `local_base` (no registry needed) the image is built on the
-  local backend's Debian base, imported into the engine, from the same recipe as the local backend's images
-  (rl/sandbox/image.py `containerfile`): the same tasks get the same system on both.
+  so every fork starts from the prepared state. A task's image and its prepared state are made once per digest of
+  what makes them and tagged in the engine's store (`ContainerBackend.plan`): a later prepare is a lookup. With
+  `local_base` (no registry needed) the image is built on the local backend's Debian base, imported into the
+  engine, from the same recipe as the local backend's images (rl/sandbox/image.py `containerfile`): the same tasks
+  get the same system on both.
 - apptainer (`ApptainerSandbox`): like LocalSandbox, each command is a fresh `apptainer exec --containall` of
   the backend's image (default docker://python:3.11-slim-bookworm) with the task tree bound at /app; the
   Dockerfile subset is applied as for the local backend.
@@ -13,12 +15,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import resource
 import secrets
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -37,11 +42,16 @@ from rl.sandbox.base import (
     note_limits,
     run_process,
 )
-from rl.sandbox.image import ImageBuilder, containerfile, host_network_view
+from rl.sandbox.image import BUILD_HOST_DIR, ImageBuilder, ImageRecipe, containerfile, host_network_view
 from rl.sandbox.local import ENTRYPOINT_WAIT_S, HOSTS_FILE, LocalSandbox, LocalSnapshot
 
 ENGINES = ("docker", "podman", "apptainer")
 BUILD_RLIMIT = 16384  # open files and processes of a build's RUN steps
+# What the backend keeps in the engine's store, each image tagged by the digest of what made it: task images
+# (`task:`), prepared tasks (`prepared:`), the local base with the host's network view for builds (`build-base:`).
+CACHE_REPO = "localhost/megatron-composer"
+CACHE_LABEL = "megatron-composer.cache"  # on each: `docker image prune -a --filter label=megatron-composer.cache`
+CACHE_FORMAT = 1  # part of every digest: raise it when what a cached image holds changes
 
 
 def engine_problem(engine: str) -> str | None:
@@ -72,23 +82,122 @@ def _cli(argv: list[str], what: str, timeout: float = 600, stdin: bytes | None =
     return res.stdout.decode(errors="replace").strip()
 
 
+def _run_argv(engine: str, runtime: str | None) -> list[str]:
+    """`run` on `engine` with its OCI runtime (a global option of podman's, an option of docker's `run`)."""
+    if runtime is None:
+        return [engine, "run"]
+    return [engine, "--runtime", runtime, "run"] if engine == "podman" else [engine, "run", "--runtime", runtime]
+
+
+def _remove_containers(engine: str, containers: list[str]) -> None:
+    """Remove containers at once, with their anonymous volumes (an image's VOLUME makes one per container)."""
+    if containers:
+        subprocess.run([engine, "rm", "-f", "-v", *(["-t", "0"] if engine == "podman" else []), *containers],
+                       capture_output=True)
+
+
+def entrypoint_argv(entrypoint: list[str] | tuple[str, ...], image: str, command: list[str]) -> list[str]:
+    """`run` options and arguments that start `image` with `entrypoint` (replacing the image's, and its CMD) and
+    `command`: docker takes one word as --entrypoint, the rest go before the command."""
+    first, rest = (entrypoint[0], list(entrypoint[1:])) if entrypoint else ("", [])
+    return ["--entrypoint", first, image, *rest, *command]
+
+
+def missing_images(engine: str, refs: list[str]) -> list[str]:
+    """Those of `refs` the engine's store lacks (one call when it has them all)."""
+    if not refs or subprocess.run([engine, "image", "inspect", "--format", "{{.Id}}", *refs],
+                                  capture_output=True).returncode == 0:
+        return []
+    return [ref for ref in refs if subprocess.run([engine, "image", "inspect", "--format", "{{.Id}}", ref],
+                                                  capture_output=True).returncode != 0]
+
+
+def _partial_name() -> str:
+    return f"{CACHE_REPO}/partial:{secrets.token_hex(8)}"
+
+
+def _publish(engine: str, made: str, ref: str) -> None:
+    """Tag the image just made (under a name of its own) as `ref`, unless another process published `ref` first
+    (theirs is kept, this one goes), then drop the name it was made under."""
+    if missing_images(engine, [ref]):
+        _cli([engine, "tag", made, ref], f"tagging {ref}")
+    subprocess.run([engine, "rmi", made], capture_output=True)
+
+
+def copy_into_folders(dockerfile: str) -> str:
+    """`dockerfile` with a '/' after the destination of each COPY or ADD that BuildKit and podman read as a folder
+    and docker's classic builder refuses unless it ends in '/': several sources (`COPY a.py b.md .`), or `.`."""
+    lines = []
+    for line in dockerfile.splitlines():
+        m = re.match(r"(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*)(\S.*?)\s*$", line, re.IGNORECASE)
+        if m and not line.rstrip().endswith("\\"):
+            try:
+                words = json.loads(m.group(2)) if m.group(2).startswith("[") else m.group(2).split()
+            except json.JSONDecodeError:
+                words = []
+            if len(words) >= 2 and all(isinstance(w, str) for w in words):
+                dest = words[-1]
+                if not dest.endswith("/") and (len(words) > 2 or dest in (".", "..") or dest.endswith(("/.", "/.."))):
+                    words[-1] = dest + "/"
+                    line = m.group(1) + (json.dumps(words) if m.group(2).startswith("[") else " ".join(words))
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def tree_digest(h, path: Path) -> None:
+    """Feed a file or a folder to the hash `h` in a stable order: each entry's name under it, its mode, and its link
+    target or contents (never following a link inside it)."""
+
+    def entry(full: str, rel: str) -> None:
+        st = os.lstat(full)
+        h.update(f"{rel}\0{st.st_mode:o}\0".encode())
+        if stat.S_ISLNK(st.st_mode):
+            h.update(os.readlink(full).encode())
+        elif stat.S_ISREG(st.st_mode):
+            with open(full, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        h.update(b"\0")
+
+    path = Path(os.path.realpath(path))
+    entry(str(path), ".")
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            entry(full, os.path.relpath(full, path))
+
+
+def steps_digest(h, steps: list) -> None:
+    """Feed setup steps (CopyStep, RunStep) to `h`: each one's kind and fields, a path field by its contents."""
+    for step in steps:
+        h.update(type(step).__name__.encode() + b"\0")
+        for name, value in sorted(vars(step).items()):
+            if name == "origin":  # where it was written, for messages: not what it does
+                continue
+            h.update(name.encode() + b"=")
+            if isinstance(value, Path):
+                tree_digest(h, value)
+            else:
+                h.update(json.dumps(value, sort_keys=True, default=str).encode())
+            h.update(b"\0")
+
+
 @dataclass
 class ContainerSnapshot:
     engine: str
     image: str
     workdir: str
     env: dict[str, str] = field(default_factory=dict)
-    owned: bool = True  # a committed image this project made (removed on discard), not a task's base image
+    owned: bool = True  # a commit of a running sandbox (removed on discard), not a cached prepared task
     limits: SandboxLimits | None = None
     entrypoint: tuple[str, ...] = ()  # the task image's ENTRYPOINT: each fork's container starts with it
     services: list[tuple[Service, str]] = field(default_factory=list)  # the containers beside it, and their images
 
     def discard(self) -> None:
+        """Remove a sandbox's commit; a prepared task and its services' images stay cached by their digests."""
         if self.owned:
             subprocess.run([self.engine, "rmi", "-f", self.image], capture_output=True)
-        for service, image in self.services:
-            if service.dockerfile is not None:  # built here; a registry's image is not this project's to remove
-                subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
 
 
 class ContainerSandbox(Sandbox):
@@ -107,10 +216,9 @@ class ContainerSandbox(Sandbox):
         self.pod = pod
         # Started as Harbor starts a task's container: its image's ENTRYPOINT with `sh -c "sleep infinity"` (which
         # first leaves a mark that the entrypoint handed over to it).
-        start = (["--entrypoint", json.dumps(list(entrypoint)), image, "sh", "-c",
-                  f"touch {STARTED_MARK}; exec sleep infinity"] if entrypoint
-                 else ["--entrypoint", "sleep", image, "infinity"])
-        argv = [engine, *(["--runtime", runtime] if runtime else []), "run", "-d", "--name", self.name,
+        start = (entrypoint_argv(entrypoint, image, ["sh", "-c", f"touch {STARTED_MARK}; exec sleep infinity"])
+                 if entrypoint else entrypoint_argv(["sleep"], image, ["infinity"]))
+        argv = [*_run_argv(engine, runtime), "-d", "--name", self.name,
                 *(pod.join_argv("main") if pod else ["--network", "none"]), *container_limits(lim),
                 "--workdir", workdir, *start]
         self._closed = False
@@ -187,10 +295,17 @@ class ContainerSandbox(Sandbox):
             listed = _cli([self.engine, "exec", self.container, "sh", "-c", "echo /proc/[0-9]*"], "listing processes")
             self._image_pids = {p.rsplit("/", 1)[-1] for p in listed.split()}
 
-    def enter_verifier(self, services: bool = True) -> None:
+    def enter_verifier(self, services: bool = True, *, separate: bool = False, artifacts=(), network: str = "none",
+                       user: str | int | None = None) -> None:
         """Inside the running container, as its root: kill every process the agent phase started (a verifier shares
         the container's pid namespace with them, so they do not outlive the agent phase on this backend; what the
-        image's entrypoint started keeps serving, as in Harbor), then replace /tmp and /logs with empty ones."""
+        image's entrypoint started keeps serving, as in Harbor), then replace /tmp and /logs with empty ones. The
+        separate mode, the network and another user are the local backend's (refused here in one line)."""
+        if separate or network != "none" or user not in (None, "root", 0, "0"):
+            asked = "a separate verifier" if separate else (f"the network {network!r}" if network != "none"
+                                                            else f"the user {user!r}")
+            raise SandboxError(f"the {self.engine} backend's verifier runs in the task's container as its root, "
+                               f"without the network: {asked} needs the local backend")
         self._note_image_processes()
         keep = " ".join(sorted(self._image_pids | {"1"})) if services else "1"
         reset = (f"for p in /proc/[0-9]*; do p=${{p#/proc/}}; case ' {keep} '$$' ' in *\" $p \"*) ;; "
@@ -205,14 +320,19 @@ class ContainerSandbox(Sandbox):
         self.env = {k: v for k, v in self.env.items() if k not in VERIFIER_ENV}
 
     def snapshot(self) -> ContainerSnapshot:
-        image = f"mc-snapshot-{secrets.token_hex(6)}"
-        _cli([self.engine, "commit", self.container, image], f"{self.engine} commit")
+        image = f"{CACHE_REPO}/snapshot:{secrets.token_hex(8)}"
+        self.commit(image)
         return ContainerSnapshot(self.engine, image, self.workdir, dict(self.env))
+
+    def commit(self, image: str) -> None:
+        """The container's files as the image `image` (labelled as the backend's, so that a prune finds it)."""
+        _cli([self.engine, "commit", "--change", f"LABEL {CACHE_LABEL}=1", self.container, image],
+             f"{self.engine} commit")
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            subprocess.run([self.engine, "rm", "-f", "-t", "0", self.container], capture_output=True)
+            _remove_containers(self.engine, [self.container])
             if self.pod is not None:
                 self.pod.close()
 
@@ -247,7 +367,7 @@ class Pod:
     def __init__(self, engine: str, services: list[tuple[Service, str]], limits: SandboxLimits,
                  runtime: str | None = None):
         self.engine = engine
-        self.runtime = ["--runtime", runtime] if runtime else []
+        self.runtime = runtime
         self.name = f"mc-pod-{secrets.token_hex(6)}"
         self.folder = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
         self.hosts = HOSTS_FILE + "".join(
@@ -255,14 +375,13 @@ class Pod:
         self.containers: list[str] = []
         try:
             for service, image in services:
-                argv = [engine, *self.runtime, "run", "-d", "--name", f"{self.name}-{service.name}",
+                argv = [*_run_argv(engine, runtime), "-d", "--name", f"{self.name}-{service.name}",
                         *self.join_argv(service.name), *container_limits(limits)]
                 for k, v in service.env.items():
                     argv += ["-e", f"{k}={v}"]
-                if service.entrypoint is not None:
-                    argv += ["--entrypoint", json.dumps(service.entrypoint)]
-                self.containers.append(_cli(argv + [image, *(service.command or [])],
-                                            f"starting the service {service.name}"))
+                argv += (entrypoint_argv(service.entrypoint, image, service.command or [])
+                         if service.entrypoint is not None else [image, *(service.command or [])])
+                self.containers.append(_cli(argv, f"starting the service {service.name}"))
                 if service.healthcheck is not None:
                     self._wait_healthy(service, self.containers[-1])
         except BaseException:
@@ -270,11 +389,12 @@ class Pod:
             raise
 
     def join_argv(self, who: str) -> list[str]:
-        """`run` options for a container of the pod: the shared network namespace and its own /etc/hosts."""
+        """`run` options for a container of the pod: the shared network namespace and its own /etc/hosts (a mount
+        there replaces the engine's own file; podman is also told not to write its entries into it)."""
         hosts = self.folder / f"hosts-{who}"
         hosts.write_text(self.hosts)
         network = ["--network", f"container:{self.containers[0]}"] if self.containers else ["--network", "none"]
-        return [*network, "--no-hosts", "-v", f"{hosts}:/etc/hosts"]
+        return [*network, *(["--no-hosts"] if self.engine == "podman" else []), "-v", f"{hosts}:/etc/hosts"]
 
     def _wait_healthy(self, service: Service, container: str) -> None:
         """Run its healthcheck until it passes: failures in its start period do not count, then `retries` in a row
@@ -302,16 +422,43 @@ class Pod:
             time.sleep(hc.interval_s)
 
     def close(self) -> None:
-        for container in reversed(self.containers):
-            subprocess.run([self.engine, "rm", "-f", "-t", "0", container], capture_output=True)
+        _remove_containers(self.engine, self.containers[::-1])
         self.containers = []
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclass
+class ImageBuild:
+    """An image to build from a Dockerfile (on the local base: from its recipe), tagged by the digest of all its build
+    reads: the build text and every file of its context."""
+
+    ref: str
+    dockerfile: Path
+    context: Path
+    recipe: ImageRecipe | None  # build on the local base from this (else the Dockerfile as written)
+
+
+@dataclass
+class PreparePlan:
+    """What a task's prepare finds or makes, all named by digests before anything is built."""
+
+    prepared: str  # the prepared task's tag
+    source: str  # the image it is prepared on: the task image's tag, or a registry image
+    build: ImageBuild | None  # the task image's build (None: a registry image)
+    steps: list  # setup steps run on `source` (none after a build: the Dockerfile's own ran in it)
+    services: list[tuple[Service, str, ImageBuild | None]]  # each service, its image, and its build
+
+    def images(self) -> list[str]:
+        """The tags this prepare finds or makes in the engine's store."""
+        return [self.prepared, *([self.build.ref] if self.build else []),
+                *(b.ref for _, _, b in self.services if b is not None)]
+
+
+@dataclass
 class ContainerBackend:
-    """docker or podman. `build(task)` builds the task's Dockerfile (or starts from its docker_image / the
-    default image and applies its setup steps) and commits the prepared container as the snapshot."""
+    """docker or podman. `build(task)` prepares a task once per digest: its Dockerfile built into an image (or its
+    docker_image / the default image with its setup steps applied), its tree copied in, committed. Both are tagged
+    by digest in the engine's store (CACHE_REPO), so a later prepare of the same task starts no container."""
 
     engine: str = "docker"
     limits: SandboxLimits = field(default_factory=SandboxLimits)
@@ -334,90 +481,167 @@ class ContainerBackend:
                           "--memory and --pids-limit): only the rlimits hold; use cgroups v2 or root", stacklevel=2)
 
     def _engine(self) -> list[str]:
-        return [self.engine, *(["--runtime", self.runtime] if self.runtime else [])]
+        """The engine with its global options (podman's runtime; docker's builds take none)."""
+        return [self.engine, *(["--runtime", self.runtime] if self.runtime and self.engine == "podman" else [])]
 
-    def _build_argv(self, dockerfile: Path, recipe, image: str) -> tuple[list[str], str | None]:
-        """The engine's build command for a Dockerfile (its folder the context), and a Containerfile it reads
-        instead (local_base: `recipe`, the Dockerfile on the local Debian base)."""
-        context = str(dockerfile.parent)
-        if not self.local_base or recipe is None:
-            return [*self._engine(), "build", "-q", "-t", image, *build_network(), "-f", str(dockerfile), context], None
-        builder = ImageBuilder()
-        text = containerfile(recipe, builder.export_base(self.engine))
-        network = host_network_view(name_service=False)
-        argv = [*self._engine(), "build", "-q", "-t", image, *build_network()]
-        for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
-            # The engine's defaults (about a million) may pass what this host lets a process set: the build's own
-            # limits are this process's, at most BUILD_RLIMIT.
-            soft = resource.getrlimit(which)[0]
-            value = BUILD_RLIMIT if soft == resource.RLIM_INFINITY else min(soft, BUILD_RLIMIT)
-            argv += ["--ulimit", f"{name}={value}:{value}"]
-        for host, dest in network.binds:
-            argv += ["-v", f"{host}:{dest}:ro"]
-        for k, v in network.env.items():
-            argv += ["--build-arg", f"{k}={v}"]
-        return argv + ["-f", "-", context], text
+    def image_build(self, dockerfile: Path, context: Path, recipe: ImageRecipe | None) -> ImageBuild:
+        """What building `dockerfile` makes, and its tag: the digest of the build text (on the local base: the
+        recipe's Containerfile on this host's base) and of every file in `context`."""
+        h = hashlib.sha256(f"{CACHE_FORMAT}\0".encode())
+        recipe = recipe if self.local_base else None
+        if recipe is not None:
+            h.update(f"local base {ImageBuilder().base_key}\0{containerfile(recipe, 'base')}".encode())
+        else:
+            h.update(b"dockerfile\0" + dockerfile.read_bytes())
+        tree_digest(h, context)
+        return ImageBuild(f"{CACHE_REPO}/task:{h.hexdigest()[:32]}", dockerfile, context, recipe)
 
-    def _build(self, dockerfile: Path, recipe, timeout_s: float) -> str:
-        image = f"mc-task-{secrets.token_hex(6)}"
-        argv, text = self._build_argv(dockerfile, recipe, image)
-        _cli(argv, f"building {dockerfile}", timeout=timeout_s, stdin=text.encode() if text is not None else None)
-        return image
+    def _build(self, build: ImageBuild, timeout_s: float) -> None:
+        """Build `build` and tag it (a failed build leaves no name behind). Each RUN step may take `timeout_s`, as
+        each step of the local backend's builds may."""
+        made = _partial_name()
+        argv = [*self._engine(), "build", "-q", "--force-rm", "--label", f"{CACHE_LABEL}=1", "-t", made,
+                *build_network()]
+        if build.recipe is None:
+            text = build.dockerfile.read_text()
+        else:
+            # What the local backend's builds see of the host to reach the network (rl/sandbox/image.py
+            # `host_network_view`): podman mounts it read-only into each step, as they do; docker's builds have no
+            # mounts, so there it is a layer below the image's own.
+            base = ImageBuilder().export_base(self.engine)
+            network = host_network_view(name_service=False)
+            if self.engine == "podman":
+                text = containerfile(build.recipe, base)
+                for host, dest in network.binds:
+                    argv += ["-v", f"{host}:{dest}:ro"]
+            else:
+                text = containerfile(build.recipe, *self._base_with_host_view(base, network.binds))
+            for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+                # The engine's defaults (about a million) may pass what this host lets a process set: the build's
+                # own limits are this process's, at most BUILD_RLIMIT.
+                soft = resource.getrlimit(which)[0]
+                value = BUILD_RLIMIT if soft == resource.RLIM_INFINITY else min(soft, BUILD_RLIMIT)
+                argv += ["--ulimit", f"{name}={value}:{value}"]
+            for k, v in network.env.items():
+                argv += ["--build-arg", f"{k}={v}"]
+        argv += ["-f", "-", str(build.context)]
+        text = copy_into_folders(text)
+        runs = sum(1 for line in text.splitlines() if re.match(r"\s*RUN\s", line, re.IGNORECASE))
+        _cli(argv, f"building {build.dockerfile}", timeout=timeout_s * max(1, runs), stdin=text.encode())
+        _publish(self.engine, made, build.ref)
 
-    def _service_images(self, task) -> list[tuple[Service, str]]:
-        """Each service's image: built from its Dockerfile (on the local base with local_base), or its registry's."""
-        built = []
-        try:
-            for service in task.services:
-                if service.dockerfile is None:
-                    if self.local_base:
-                        raise SandboxError(f"the service {service.name} is the registry image {service.image}, which "
-                                           "a local base cannot stand in for: run without --local-base")
-                    built.append((service, service.image))
-                    continue
-                if self.local_base and service.recipe is None:
-                    raise SandboxError(f"the service {service.name} cannot be built on the local base "
-                                       f"({service.recipe_problem}): run without --local-base")
-                built.append((service, self._build(service.dockerfile, service.recipe, task.limits.setup_timeout_s)))
-        except BaseException:
-            for service, image in built:
-                if service.dockerfile is not None:
-                    subprocess.run([self.engine, "rmi", "-f", image], capture_output=True)
-            raise
-        return built
+    def _base_with_host_view(self, base: str, binds: list[tuple[str, str]]) -> tuple[str, str | None]:
+        """For an engine whose builds have no mounts: the local base with the files builds see of the host (`binds`,
+        each (host path, path in the build): its CA bundle at BUILD_HOST_DIR, pip's configuration and the local
+        indexes it names), built once per content; and the command that removes them again as an image's last
+        step, giving back any file of the base they covered. Returns (its reference, the command)."""
+        binds = sorted(binds, key=lambda bind: bind[1])
+        if not binds:
+            return base, None
+        h = hashlib.sha256(f"{CACHE_FORMAT}\0{base}".encode())
+        for host, dest in binds:
+            h.update(f"\0{dest}\0".encode())
+            tree_digest(h, Path(host))
+        ref = f"{CACHE_REPO}/build-base:{h.hexdigest()[:32]}"
+        own, made = f"{BUILD_HOST_DIR}/own", f"{BUILD_HOST_DIR}/made"
+        dests = [dest for _, dest in binds if not dest.startswith(BUILD_HOST_DIR + "/")]
+        parents = sorted({str(p) for dest in dests for p in Path(dest).parents if str(p) != "/"},
+                         key=lambda p: (p.count("/"), p))
+        cleanup = (f"rm -rf {' '.join(map(shlex.quote, dests))}; if [ -d {own} ]; then cp -a {own}/. /; fi; "
+                   f"if [ -f {made} ]; then tac {made} | while read -r d; do rmdir \"$d\" 2>/dev/null; done; fi; "
+                   f"rm -rf {BUILD_HOST_DIR}")
+        if not missing_images(self.engine, [ref]):
+            return ref, cleanup
+        lines = [f"FROM {base}",
+                 f"RUN mkdir -p {own} && for p in {' '.join(map(shlex.quote, dests))}; do if [ -e \"$p\" ]; then "
+                 f"cp -a --parents \"$p\" {own}/; fi; done; for d in {' '.join(map(shlex.quote, parents))}; do "
+                 f"[ -e \"$d\" ] || echo \"$d\"; done > {made}"]
+        with tempfile.TemporaryDirectory(prefix="mc-build-base-") as context:
+            for i, (host, dest) in enumerate(binds):
+                name = f"view{i}"
+                if os.path.isdir(host):
+                    shutil.copytree(host, Path(context, name), symlinks=True)
+                else:
+                    shutil.copy2(host, Path(context, name))
+                lines.append("COPY " + json.dumps([name + ("/" if os.path.isdir(host) else ""), dest]))
+            made_as = _partial_name()
+            _cli([*self._engine(), "build", "-q", "--force-rm", "--label", f"{CACHE_LABEL}=1", "-t", made_as,
+                  *build_network(), "-f", "-", context], "building the local base's view of the host",
+                 stdin=("\n".join(lines) + "\n").encode())
+        _publish(self.engine, made_as, ref)
+        return ref, cleanup
+
+    def _service_image(self, service: Service) -> tuple[str, ImageBuild | None]:
+        """A service's image: its Dockerfile's build (on the local base with local_base), or its registry's."""
+        if service.dockerfile is None:
+            if self.local_base:
+                raise SandboxError(f"the service {service.name} is the registry image {service.image}, which a "
+                                   "local base cannot stand in for: run without --local-base")
+            return service.image, None
+        if self.local_base and service.recipe is None:
+            raise SandboxError(f"the service {service.name} cannot be built on the local base "
+                               f"({service.recipe_problem}): run without --local-base")
+        build = self.image_build(service.dockerfile, service.build_context or service.dockerfile.parent,
+                                 service.recipe)
+        return build.ref, build
+
+    def plan(self, task, tree: Path) -> PreparePlan:
+        """The prepare of `task` whose tree is materialised at `tree`."""
+        if task.environment_dir is not None:
+            build = self.image_build(task.environment_dir / "Dockerfile", task.environment_dir, task.image)
+            source, steps = build.ref, []
+        else:
+            build, source, steps = None, task.docker_image or self.default_image, task.setup
+        h = hashlib.sha256(f"{CACHE_FORMAT}\0{source}\0{task.workdir}\0{json.dumps(task.env, sort_keys=True)}\0"
+                           .encode())
+        tree_digest(h, tree)
+        steps_digest(h, steps)
+        services = [(service, *self._service_image(service)) for service in task.services]
+        return PreparePlan(f"{CACHE_REPO}/prepared:{h.hexdigest()[:32]}", source, build, steps, services)
+
+    def cached_images(self, task) -> list[str]:
+        """The tags a prepare of `task` finds or makes in the engine's store."""
+        with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
+            task.tree.materialize(Path(tmp) / "tree")
+            return self.plan(task, Path(tmp) / "tree").images()
 
     def build(self, task) -> ContainerSnapshot:
+        """The prepared task, from the engine's store when a prepare of the same digest made it before."""
         limits = task.limits.sandbox_limits(self.limits)
-        if task.environment_dir is not None:
-            image = self._build(task.environment_dir / "Dockerfile", task.image, task.limits.setup_timeout_s)
-            base = ContainerSnapshot(self.engine, image, task.workdir, dict(task.env))
-            steps = []  # the Dockerfile's own COPY/RUN lines ran in the build
-        else:
-            base = ContainerSnapshot(self.engine, task.docker_image or self.default_image, task.workdir,
-                                     dict(task.env), owned=False)
-            steps = task.setup
-        sandbox = ContainerSandbox(self.engine, base.image, workdir="/", env=task.env, limits=limits,
+        timeout_s = task.limits.setup_timeout_s
+        with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
+            tree = Path(tmp) / "tree"
+            task.tree.materialize(tree)
+            plan = self.plan(task, tree)
+            builds = [b for _, _, b in plan.services if b is not None]
+            missing = set(missing_images(self.engine, [plan.prepared, *(b.ref for b in builds)]))
+            if plan.prepared in missing:
+                self._prepare(plan, task, tree, limits)
+        for b in builds:
+            if b.ref in missing:
+                self._build(b, timeout_s)
+        return ContainerSnapshot(self.engine, plan.prepared, task.workdir, dict(task.env), owned=False,
+                                 limits=limits, entrypoint=tuple(task.entrypoint),
+                                 services=[(service, ref) for service, ref, _ in plan.services])
+
+    def _prepare(self, plan: PreparePlan, task, tree: Path, limits: SandboxLimits) -> None:
+        """Build the task's image if its tag is missing, copy the tree in, run the setup steps, commit as
+        `plan.prepared`."""
+        if plan.build is not None and missing_images(self.engine, [plan.build.ref]):
+            self._build(plan.build, task.limits.setup_timeout_s)
+        sandbox = ContainerSandbox(self.engine, plan.source, workdir="/", env=task.env, limits=limits,
                                    runtime=self.runtime)
         try:
-            with tempfile.TemporaryDirectory(prefix="mc-task-") as tmp:
-                task.tree.materialize(Path(tmp) / "tree")
-                if any(Path(tmp, "tree").iterdir()):
-                    sandbox.copy_in(Path(tmp) / "tree", "/app", merge=True)
-            for step in steps:
+            if any(tree.iterdir()):
+                sandbox.copy_in(tree, "/app", merge=True)
+            for step in plan.steps:
                 step.apply(sandbox, task.limits.setup_timeout_s)
             sandbox.exec(f"mkdir -p {shlex.quote(task.workdir)}", cwd="/", timeout=60)
-            snap = sandbox.snapshot()
-            snap.workdir, snap.env, snap.limits = task.workdir, dict(task.env), limits
-            snap.entrypoint = tuple(task.entrypoint)
+            made = _partial_name()
+            sandbox.commit(made)
         finally:
             sandbox.close()
-            base.discard()
-        try:
-            snap.services = self._service_images(task)
-        except BaseException:
-            snap.discard()
-            raise
-        return snap
+        _publish(self.engine, made, plan.prepared)
 
     def create(self, tree, workdir: str = "/app", env=None, limits=None) -> ContainerSandbox:
         image = ImageBuilder().export_base(self.engine) if self.local_base else self.default_image

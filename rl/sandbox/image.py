@@ -471,7 +471,7 @@ class ImageBuilder:
         """The base as an image of a container engine (podman, docker; rootless too), imported once from
         `base_archive`. Returns its reference."""
         ref = f"localhost/megatron-composer/debian-{self.suite}:{self.base_key}"
-        if subprocess.run([engine, "image", "exists", ref], capture_output=True).returncode == 0:
+        if subprocess.run([engine, "image", "inspect", ref], capture_output=True).returncode == 0:
             return ref
         archive = self.base_archive()
         self.progress(f"importing the Debian {self.suite} base into {engine} as {ref} ...")
@@ -738,17 +738,22 @@ def _chmod_in(root: Path, path: str, mode: int) -> None:
         os.close(fd)
 
 
-def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
+def containerfile(recipe: ImageRecipe, base_ref: str, cleanup: str | None = None) -> str:
     """The recipe as a Containerfile on `base_ref` (the Debian base, imported into a container engine by
     `ImageBuilder.export_base`, with the real uv): the same packages, the Dockerfile's own instructions, what the
     verifier asks for (pip-installed, and in uv's cache) and the `uv` that runs it offline, so that the engine builds
-    what the local backend builds."""
+    what the local backend builds. `cleanup` is a last command (what the build saw of the host goes). The steps after
+    the Dockerfile's own run as root, then its USER is back."""
     lines = [f"FROM {base_ref}", "ARG " + " ".join(sorted(host_network_view(name_service=False).env))]
     if recipe.packages:
         lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                      + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
-    body = recipe.dockerfile.replace("\\\n", " ").splitlines()
-    lines += [line for line in body if not re.match(r"\s*FROM\s", line, re.IGNORECASE)]
+    body = [line for line in recipe.dockerfile.replace("\\\n", " ").splitlines()
+            if not re.match(r"\s*FROM\s", line, re.IGNORECASE)]
+    lines += body
+    users = [m.group(1) for line in body if (m := re.match(r"\s*USER\s+(\S+)", line, re.IGNORECASE))]
+    if users:
+        lines.append("USER root")
     if recipe.verifier_packages:
         lines.append("RUN python3 -m pip install --no-cache-dir -q "
                      + " ".join(shlex.quote(p) for p in recipe.verifier_packages))
@@ -757,6 +762,10 @@ def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     encoded = base64.b64encode(UV_TOOL.read_bytes()).decode()
     lines.append(f"RUN echo {encoded} | base64 -d > /usr/local/bin/uv && cp /usr/local/bin/uv /usr/local/bin/uvx "
                  "&& chmod 755 /usr/local/bin/uv /usr/local/bin/uvx")
+    if cleanup:
+        lines.append(f"RUN {cleanup}")
+    if users:
+        lines.append(f"USER {users[-1]}")
     return "\n".join(lines) + "\n"
 
 

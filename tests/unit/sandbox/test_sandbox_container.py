@@ -1,8 +1,10 @@
 """Container engines (docker, podman, apptainer): the same task contract as LocalSandbox, and on docker and podman
 the same rewards as the local backend for the same tasks, built on the same local Debian base where this host can
-build it (no registry needed; `make test-podman`). Skipped, with the reason, where an engine is missing or cannot
-run containers."""
+build it (no registry needed), and each task prepared once per digest. The tests that run an engine are long
+(marked e2e): `make test-docker` and `make test-podman` run them, not `make test`; they skip, with the reason, where
+an engine is missing or cannot run containers."""
 
+import hashlib
 import os
 import pwd
 import shutil
@@ -16,7 +18,17 @@ from rl.envs.check_task import check_task
 from rl.envs.harbor import load_harbor_task
 from rl.envs.task import prepare_task
 from rl.sandbox import SandboxError, SandboxLimits
-from rl.sandbox.container import ENGINES, engine_problem, make_container_backend
+from rl.sandbox.base import Service
+from rl.sandbox.container import (
+    ENGINES,
+    ContainerSnapshot,
+    copy_into_folders,
+    engine_problem,
+    entrypoint_argv,
+    make_container_backend,
+    missing_images,
+    tree_digest,
+)
 from rl.sandbox.image import ImageBuilder, build_problem
 from rl.sandbox.local import LocalBackend
 from tests.unit.envs.test_envs_images import TB2_UVX, built_task, service_task
@@ -31,6 +43,7 @@ def _backend(engine):
     return make_container_backend(engine, SandboxLimits(command_timeout_s=60), local_base=build_problem() is None)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["docker", "podman"])
 def test_the_same_tasks_give_the_same_rewards_as_the_local_backend(engine, tmp_path):
     """A bundled task (the host's system stands in locally), a task that must be built (apt, pip, files outside
@@ -59,6 +72,7 @@ def test_the_same_tasks_give_the_same_rewards_as_the_local_backend(engine, tmp_p
             assert theirs.reward == mine == float(oracle), (task_dir.name, oracle, theirs.output[-2000:])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ENGINES)
 def test_task_untouched_zero_oracle_one(engine):
     backend = _backend(engine)
@@ -67,6 +81,7 @@ def test_task_untouched_zero_oracle_one(engine):
     assert check_task(task, backend, oracle=True, log=lambda s: None).reward == 1.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ENGINES)
 def test_container_has_no_network_and_kills_on_timeout(engine):
     backend = _backend(engine)
@@ -129,11 +144,13 @@ def multi_container_task(root: Path, server: str = API_SERVER) -> Path:
     return task
 
 
-def test_a_multi_container_task_runs_beside_its_services_on_podman(tmp_path):
+@pytest.mark.e2e
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_a_multi_container_task_runs_beside_its_services(engine, tmp_path):
     """The compose file's other service is built (on the local base) and started beside the task's container,
     sharing only loopback, its name in /etc/hosts, waited for until healthy: 0 untouched, 1 solved. A service that
     never becomes healthy is one line with its last output, and leaves no container behind."""
-    backend = _backend("podman")
+    backend = _backend(engine)
     if not backend.local_base:
         pytest.skip(f"no local base to build on: {build_problem()}")
     task = load_harbor_task(multi_container_task(tmp_path / "ok"))
@@ -145,7 +162,7 @@ def test_a_multi_container_task_runs_beside_its_services_on_podman(tmp_path):
         COMPOSE.replace("retries: 30", "retries: 2").replace("interval: 1s", "interval: 0.2s"))
     task = load_harbor_task(broken)
     snapshot = prepare_task(task, backend)
-    before = subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout.split()
+    before = subprocess.run([engine, "ps", "-aq"], capture_output=True, text=True).stdout.split()
     try:
         with pytest.raises(SandboxError) as e:
             backend.fork(snapshot)
@@ -153,7 +170,7 @@ def test_a_multi_container_task_runs_beside_its_services_on_podman(tmp_path):
         snapshot.discard()
     (line,) = str(e.value).splitlines()
     assert "the service api did not become healthy" in line and "no config file: /srv/app.toml" in line, line
-    after = subprocess.run(["podman", "ps", "-aq"], capture_output=True, text=True).stdout.split()
+    after = subprocess.run([engine, "ps", "-aq"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before)
 
 
@@ -184,6 +201,7 @@ def _as_rootless(argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.e2e
 def test_rootless_podman_gives_the_same_rewards(tmp_path_factory):
     """podman as an ordinary user (subuid ranges, no root): a task whose ENTRYPOINT serves on port 80 and a
     multi-container task, untouched and solved, give the rewards the local backend and root podman give."""
@@ -204,16 +222,111 @@ def test_rootless_podman_gives_the_same_rewards(tmp_path_factory):
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def test_discarding_a_snapshot_removes_only_the_images_it_built(monkeypatch):
-    """A service that is a registry image (postgres:16) stays in the engine's store; the images built here go."""
+def _image_ids(engine: str) -> set[str]:
+    """Every image in the engine's store, intermediate ones included."""
+    listed = subprocess.run([engine, "images", "-aq", "--no-trunc"], capture_output=True, text=True, check=True)
+    return set(listed.stdout.split())
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_a_task_is_built_and_prepared_once_per_digest(engine, tmp_path):
+    """The second prepare of a task finds its prepared image by digest: the engine's store is unchanged (nothing
+    built, committed or left behind) and its forks give the same reward. A changed task tree is a new prepared image
+    on the same task image; a changed file of the build context is a new task image. Discarding a prepared snapshot
+    keeps it; discarding a sandbox's commit removes it."""
+    backend = _backend(engine)
+    if not backend.local_base:
+        pytest.skip(f"no local base to build on: {build_problem()}")
+    task_dir = built_task(tmp_path / "task", dockerfile="FROM ubuntu:24.04\nWORKDIR /opt/project\nCOPY data data\n"
+                          "RUN echo built > /opt/built.txt\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncd /opt/project\nif [ \"$(cat answer.txt 2>/dev/null)\" = 42 ] && [ \"$(cat /opt/built.txt)\" = "
+        "built ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+    (task_dir / "solution" / "solve.sh").write_text("#!/bin/bash\ncd /opt/project\necho 42 > answer.txt\n")
+    task = load_harbor_task(task_dir)
+    made = backend.cached_images(task)
+    try:
+        first = prepare_task(task, backend)
+        first.discard()
+        before = _image_ids(engine)
+        assert not missing_images(engine, made), made
+        second = prepare_task(task, backend)
+        assert second.image == first.image == made[0] and not second.owned
+        assert _image_ids(engine) == before
+        assert check_task(task, backend, oracle=True, log=lambda s: None).reward == 1.0
+        assert check_task(task, backend, oracle=False, log=lambda s: None).reward == 0.0
+        with backend.fork(second) as sbx:
+            assert sbx.exec("echo 42 > answer.txt").ok
+            commit = sbx.snapshot()
+        commit.discard()
+        assert _image_ids(engine) == before
+
+        (task_dir / "tests" / "extra.txt").write_text("a file of the task's tests, not its tree or build\n")
+        assert backend.cached_images(load_harbor_task(task_dir)) == made
+        (task_dir / "environment" / "data" / "more.json").write_text("[]\n")
+        changed = backend.cached_images(load_harbor_task(task_dir))
+        assert changed[0] != made[0] and changed[1] != made[1], (made, changed)
+        made += changed
+    finally:
+        subprocess.run([engine, "rmi", "-f", *made], capture_output=True)
+
+
+def test_digests_follow_names_modes_links_and_contents_not_times(tmp_path):
+    """What a cached image is found by: the same files give the same digest whatever their times; a changed
+    content, mode, name or link target does not."""
+    def digest(path):
+        h = hashlib.sha256()
+        tree_digest(h, path)
+        return h.hexdigest()
+
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "a.txt").write_text("a\n")
+    (tree / "link").symlink_to("sub/a.txt")
+    base = digest(tree)
+    os.utime(tree / "sub" / "a.txt", (1, 1))
+    assert digest(tree) == base
+    changes = [lambda: (tree / "sub" / "a.txt").write_text("b\n"), lambda: (tree / "sub" / "a.txt").chmod(0o755),
+               lambda: (tree / "sub" / "a.txt").rename(tree / "sub" / "b.txt"),
+               lambda: ((tree / "link").unlink(), (tree / "link").symlink_to("sub"))]
+    seen = {base}
+    for change in changes:
+        change()
+        seen.add(digest(tree))
+    assert len(seen) == len(changes) + 1
+
+
+def test_a_containers_entrypoint_is_one_word_then_its_arguments():
+    """docker takes one word as --entrypoint (podman a JSON list too): the rest of it goes before the command, and an
+    empty one clears the image's."""
+    assert entrypoint_argv(["/entrypoint.sh", "--fast"], "img", ["sh", "-c", "x"]) == [
+        "--entrypoint", "/entrypoint.sh", "img", "--fast", "sh", "-c", "x"]
+    assert entrypoint_argv([], "img", ["python3", "server.py"]) == ["--entrypoint", "", "img", "python3", "server.py"]
+
+
+def test_a_copy_of_several_sources_goes_into_a_folder_on_every_engine():
+    """Harbor's `COPY server.py persona.md .` (BuildKit reads the destination as a folder; docker's classic builder
+    refuses it without its '/'): the destination gets its '/', in both forms, with flags; one source into a named
+    file, a RUN line and a continued line stay as written."""
+    text = ('FROM python:3.12-slim\nCOPY server.py persona.md .\nCOPY --chown=1:1 ["a b", "c", "/srv/x"]\n'
+            "ADD x.tar .\nCOPY one.py /app/main.py\nRUN cp a b .\nCOPY a \\\n  b .\n")
+    assert copy_into_folders(text).splitlines() == [
+        "FROM python:3.12-slim", "COPY server.py persona.md ./", 'COPY --chown=1:1 ["a b", "c", "/srv/x/"]',
+        "ADD x.tar ./", "COPY one.py /app/main.py", "RUN cp a b .", "COPY a \\", "  b ."]
+
+
+def test_discarding_a_prepared_task_keeps_its_cached_images(monkeypatch):
+    """A prepared task and its services' images are the cache's (found again by digest): discarding it removes
+    nothing; a sandbox's commit goes."""
     from rl.sandbox import container
-    from rl.sandbox.base import Service
 
     removed = []
     monkeypatch.setattr(container.subprocess, "run", lambda argv, **kw: removed.append(argv[-1]))
     built = Service("api", dockerfile=Path("/task/environment/api/Dockerfile"))
-    snapshot = container.ContainerSnapshot("podman", "mc-snapshot-1", "/app",
-                                           services=[(built, "mc-task-2"), (Service("db", image="postgres:16"),
-                                                                            "postgres:16")])
-    snapshot.discard()
-    assert removed == ["mc-snapshot-1", "mc-task-2"]
+    ContainerSnapshot("podman", "localhost/megatron-composer/prepared:1", "/app", owned=False,
+                      services=[(built, "localhost/megatron-composer/task:2"),
+                                (Service("db", image="postgres:16"), "postgres:16")]).discard()
+    assert removed == []
+    ContainerSnapshot("docker", "localhost/megatron-composer/snapshot:3", "/app").discard()
+    assert removed == ["localhost/megatron-composer/snapshot:3"]
