@@ -96,6 +96,7 @@ HOSTS_FILE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n1
 # How long an episode waits for the image's ENTRYPOINT to hand over to its command (`exec "$@"`); one that is still
 # running then is the container's main process (a server) and keeps running, as in a container.
 ENTRYPOINT_WAIT_S = 5.0
+ENTRYPOINT_SETTLE_S = 10.0  # and at most this long for what it started to settle (its servers to listen)
 # Readable by root only; masked where the host's /etc stands in.
 MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers")
 SHM_BYTES = 64 * 1024 * 1024  # /dev/shm: a tmpfs of this size per episode (memory-backed)
@@ -807,6 +808,24 @@ class LocalSandbox(Sandbox):
             last = res.output.strip().splitlines()[-1:] or [res.describe()]
             raise SandboxError(f"the image's ENTRYPOINT {list(self.entrypoint)} failed before its command ran: "
                                f"{last[0].strip()[:200]} (its log: {log} in the sandbox)")
+        self._settle(ENTRYPOINT_SETTLE_S)
+
+    def _settle(self, limit_s: float) -> None:
+        """Wait until what the entrypoint left running has settled: every process of the episode asleep (a server in
+        accept, not still starting) on three looks in a row, or `limit_s` passed. A container is up a while before
+        an agent reaches it (Harbor sets the agent up); an episode here is reached at once, and its first command must
+        not find the entrypoint's server still starting."""
+        deadline, quiet = time.monotonic() + limit_s, 0
+        while quiet < 3 and time.monotonic() < deadline:
+            states = []
+            for pid in self._episode.processes() if self._episode else ():
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        states.append(f.read().rsplit(b")", 1)[1].split()[0])
+                except OSError:
+                    continue
+            quiet = quiet + 1 if all(state in (b"S", b"T", b"t", b"Z", b"I") for state in states) else 0
+            time.sleep(0.05)
 
     def end_episode(self) -> int | None:
         """Kill what the episode's commands left running (by killing its keeper, the init of its pid namespace)
