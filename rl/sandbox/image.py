@@ -266,9 +266,10 @@ class BuildRoot:
         for k, v in env.items():
             argv += ["--setenv", k, v]
         argv += ["--bind", str(self.root), "/", "--proc", "/proc", "--dev", "/dev"]
-        had_run_dir = os.path.lexists(self.root / BUILD_HOST_DIR.lstrip("/"))
-        created = [dest for _, dest in self._network.binds if not dest.startswith(BUILD_HOST_DIR + "/")
-                   and not os.path.lexists(self.root / dest.lstrip("/"))]
+        # what bwrap will make as mount points (each bind's place and the folders above it that are missing)
+        created = {str(p) for _, dest in self._network.binds
+                   for p in [Path(dest), *Path(dest).parents] if p != Path("/")
+                   and not os.path.lexists(self.root / str(p).lstrip("/"))}
         if any(dest.startswith(BUILD_HOST_DIR + "/") for _, dest in self._network.binds):
             argv += ["--tmpfs", BUILD_HOST_DIR]
         for host, dest in self._network.binds:
@@ -276,9 +277,9 @@ class BuildRoot:
         argv += ["--chdir", cwd, "--", "bash", "--noprofile", "--norc", "-c", command]
         try:
             return self._run_mapped(argv, timeout or self.default_timeout_s)
-        finally:  # the mount points bwrap had to make are not part of the image
-            for path in sorted(created + ([] if had_run_dir else [BUILD_HOST_DIR]), key=len, reverse=True):
-                _remove_mountpoint(self.root / path.lstrip("/"), self.root)
+        finally:  # the mount points bwrap had to make are not part of the image (what was there before stays)
+            for path in sorted(created, key=len, reverse=True):
+                _remove_mountpoint(self.root / path.lstrip("/"))
 
     def _run_mapped(self, argv: list[str], timeout: float) -> ExecResult:
         """Run bubblewrap as the build range's first uid; as soon as it has made the user namespace, map uids and
@@ -331,21 +332,15 @@ class BuildRoot:
             raise SandboxError(f"COPY to {dest}: {e}") from None
 
 
-def _remove_mountpoint(path: Path, root: Path) -> None:
-    """Remove an empty file or folder bwrap made as a mount point, and the parents it made with it."""
-    while path != root and (path.is_dir() or path.is_file()):
-        try:
-            if path.is_dir():
-                path.rmdir()
-            elif path.stat().st_size == 0:
-                path.unlink()
-            else:
-                return
-        except OSError:
-            return
-        path = path.parent
-        if path == root or any(path.iterdir()):
-            return
+def _remove_mountpoint(path: Path) -> None:
+    """Remove an empty file or folder bwrap made as a mount point (never one a step filled)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        elif path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -369,7 +364,8 @@ class ImageBuilder:
         self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
         self.suite = suite or host_suite()
         self.progress = progress
-        recipe = [self.suite, BASE_PACKAGES, "shift-once", BUILD_UID_BASE, APT_CLEAN, uv_install_command()]
+        recipe = [self.suite, BASE_PACKAGES, "shift-once", BUILD_UID_BASE, APT_CLEAN, uv_install_command(),
+                  "mount-points-of-their-own"]
         digest = hashlib.sha256(json.dumps(recipe).encode())
         self.base_key = digest.hexdigest()[:16]
 

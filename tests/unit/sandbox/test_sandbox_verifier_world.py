@@ -401,3 +401,62 @@ def test_the_agent_and_the_verifier_run_as_the_users_a_task_names(test_image, sa
         assert sbx.exec("id -u").output.split() == ["1000"]
     with pytest.raises(Exception, match="not in its image's /etc/passwd"):
         LocalSandbox(None, image=test_image, user="no-such-user", root_parent=str(sandbox_parent))
+
+
+def _digest(folder: Path) -> dict:
+    """Every entry of a folder: its type, mode, owner, size, content digest, link target (never followed)."""
+    import hashlib
+    import stat as st
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            s = os.lstat(path)
+            if st.S_ISREG(s.st_mode):
+                extra = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            elif st.S_ISLNK(s.st_mode):
+                extra = os.readlink(path)
+            else:
+                extra = None
+            out[os.path.relpath(path, folder)] = (st.S_IFMT(s.st_mode), st.S_IMODE(s.st_mode), s.st_uid, s.st_size,
+                                                  extra)
+    return out
+
+
+WRITE_EVERYWHERE = r"""
+# every folder of the sandbox this user can write into, and every file it can open for writing
+find / -xdev \( -path /proc -o -path /sys -o -path /dev \) -prune -o -writable -print 2>/dev/null |
+  while IFS= read -r p; do
+    if [ -d "$p" ]; then echo mine > "$p/.mc-written" 2>/dev/null; else echo mine >> "$p" 2>/dev/null; fi
+  done
+for p in /usr/bin/python3 /usr/local/bin/uv /etc/passwd /opt/tool/version /bin/sh; do
+  echo evil >> "$p" 2>/dev/null; rm -f "$p" 2>/dev/null; done
+echo done
+"""
+
+
+def test_an_episode_that_writes_everywhere_changes_nothing_below_its_own_layer(test_image, sandbox_parent, tmp_path):
+    """An episode writes into every path it can (and tries the image's system); its verifier writes too. Forks of
+    the same prepared task start as before, and the image's layers and the prepared task's layer are unchanged."""
+    backend = RecordingBackend(limits=LIMITS, root_parent=str(sandbox_parent))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "given.txt").write_text("given\n")
+    with backend.create(tree, image=test_image) as base:
+        snapshot = base.snapshot()
+    before = {str(layer): _digest(layer) for layer in snapshot.layers}
+    try:
+        with backend.fork(snapshot) as sbx:
+            res = sbx.exec(WRITE_EVERYWHERE, timeout=60)
+            assert res.output.strip().endswith("done"), res.output
+            assert sbx.exec("cat /app/given.txt").output.startswith("given\nmine")  # its own copy changed
+            sbx.enter_verifier()
+            sbx.exec(WRITE_EVERYWHERE, timeout=60)
+        with backend.fork(snapshot) as fresh:
+            res = fresh.exec("cat /app/given.txt /opt/tool/version; ls -a /app /tmp /root | grep -c mc-written")
+            assert res.output.split() == ["given", "tool", "0"], res.output
+    finally:
+        after = {str(layer): _digest(layer) for layer in snapshot.layers}
+        snapshot.discard()
+    assert after == before
