@@ -8,10 +8,9 @@ prepared-task snapshots stacked on it (1, 4, 16: a snapshot of a fork of a snaps
   - verifier entry: `enter_verifier()` after an agent step that wrote a few files (freeze, commit the episode's
     writes, the verifier's overlay, namespaces and cgroup);
 each against the named baseline "copy": the same sandbox's root copied whole (`cp -a` of the merged root, what a
-fork cost before layers), measured in the same run. Then memory: host memory per idle sandbox (each with its
-episode started), from the kernel's MemAvailable over `--idle` sandboxes, and the resident memory of their processes.
+fork cost before layers), measured in the same run. (Memory per idle sandbox: benchmarks/sandbox_throughput.py.)
 
-    python benchmarks/sandbox_layers.py [--samples 20] [--idle 16] [--large-mb 300]
+    python benchmarks/sandbox_layers.py [--samples 20] [--large-mb 300] [--depths 1 4 16]
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rl.sandbox.base import process_tree  # noqa: E402
 from rl.sandbox.image import ImageBuilder, build_problem  # noqa: E402
 from rl.sandbox.layers import overlay_problem  # noqa: E402
 from rl.sandbox.local import LocalBackend, bwrap_problem  # noqa: E402
@@ -34,23 +32,6 @@ from rl.sandbox.local import LocalBackend, bwrap_problem  # noqa: E402
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def mem_available_kb() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1])
-    return 0
-
-
-def rss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def stack(backend: LocalBackend, tree: Path, image, depth: int):
@@ -91,26 +72,9 @@ def measure(backend: LocalBackend, snapshot, samples: int) -> dict[str, list[flo
     return out
 
 
-def idle_memory(backend: LocalBackend, snapshot, n: int) -> tuple[float, float]:
-    """(MB of MemAvailable per idle sandbox, MB of its processes' resident memory) over n sandboxes at once."""
-    before = mem_available_kb()
-    sandboxes = [backend.fork(snapshot) for _ in range(n)]
-    try:
-        for s in sandboxes:
-            s.exec("true")  # its episode started: the init that holds its namespaces, waiting
-        time.sleep(1.0)
-        after = mem_available_kb()
-        rss = sum(rss_kb(p) for s in sandboxes for p in process_tree(s._episode.launcher.pid))
-    finally:
-        for s in sandboxes:
-            s.close()
-    return (before - after) / 1024 / n, rss / 1024 / n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--idle", type=int, default=16, help="idle sandboxes for the memory figure")
     ap.add_argument("--large-mb", type=int, default=300, help="size of the large image's extra layer")
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16])
     args = ap.parse_args()
@@ -135,14 +99,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mc-bench-tree-") as tmp:
         tree = Path(tmp)
         (tree / "main.py").write_text("print('hi')\n")
-        idle = None
         for name, image in images.items():
             for depth in args.depths:
                 snapshots = stack(backend, tree, image, depth)
                 try:
                     res = measure(backend, snapshots[-1], args.samples)
-                    if idle is None:
-                        idle = idle_memory(backend, snapshots[-1], args.idle)
                 finally:
                     for s in reversed(snapshots):
                         s.discard()
@@ -152,8 +113,6 @@ def main() -> int:
     for name, depth, r in rows:
         print(f"{name:<18}{depth:>6}{r['fork']:>9.1f}{r['start']:>9.1f}{r['verifier entry']:>10.1f}"
               f"{r['copy']:>9.1f}{r['copy'] / r['fork']:>11.1f}")
-    print(f"\nhost memory per idle sandbox (episode started, {args.idle} at once): {idle[0]:.1f} MB of MemAvailable, "
-          f"{idle[1]:.1f} MB resident in its processes")
     return 0
 
 

@@ -8,12 +8,17 @@ tmpfs (what a host without them gets), so the cost of the kernel's limits reads 
 fixed: the agent protocol's tools (list, write, edit, read, search, run the tests) on a small Python project,
 ending with submit, 8 tool calls in 6 turns.
 
-    python benchmarks/sandbox_throughput.py [--samples 40] [--episodes 16]
+Then host memory per idle sandbox: `--idle` sandboxes at once, each with its episode started (its init waiting),
+from the kernel's MemAvailable before and after (page tables, namespaces and tmpfs included) and the resident memory
+of their processes.
+
+    python benchmarks/sandbox_throughput.py [--samples 40] [--episodes 16] [--concurrency 1 2 4 8 16 32] [--idle 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -105,6 +110,38 @@ def throughput(make, task: Task, episodes: int, concurrency: int, label: str) ->
     return episodes / (time.perf_counter() - t0)
 
 
+def mem_available_kb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    return 0
+
+
+def idle_memory(make, n: int) -> tuple[float, float]:
+    """(MB of MemAvailable per idle sandbox, MB of its processes' resident memory) over n sandboxes at once."""
+    from rl.sandbox.base import process_tree
+
+    before = mem_available_kb()
+    own = set(process_tree(os.getpid()))
+    sandboxes = [make() for _ in range(n)]
+    try:
+        for s in sandboxes:
+            s.exec("true")  # its episode started: the init that holds its namespaces, waiting
+        time.sleep(1.0)
+        after = mem_available_kb()
+        rss = 0
+        for pid in set(process_tree(os.getpid())) - own:
+            try:
+                rss += int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                if line.startswith("VmRSS:")).split()[1])
+            except (OSError, StopIteration):
+                continue
+    finally:
+        for s in sandboxes:
+            s.close()
+    return (before - after) / 1024 / n, rss / 1024 / n
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -115,6 +152,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=40, help="sandbox starts for the latency percentiles")
     ap.add_argument("--episodes", type=int, default=16, help="episodes per concurrency level")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--idle", type=int, default=16, help="idle sandboxes at once for the memory figure")
     args = ap.parse_args()
     problem = bwrap_problem()
     if problem:
@@ -137,6 +175,7 @@ def main() -> int:
                {**makers, "monitor": lambda: monitored.fork(snapshot)}.items()}
         eps = {(name, c): throughput(make, task, args.episodes, c, name)
                for c in args.concurrency for name, make in makers.items()}
+        idle = idle_memory(makers["bwrap"], args.idle)
         snapshot.discard()
     print(f"start-to-first-command latency over {args.samples} starts (ms)")
     print(f"LocalSandbox's whole-sandbox limits here: memory by {mode['memory']}, disk by {mode['disk']}")
@@ -152,6 +191,8 @@ def main() -> int:
     for c in args.concurrency:
         print(f"{c:<14}{eps[('bwrap', c)]:>10.2f}{eps[('plain', c)]:>10.2f}"
               f"{eps[('bwrap', c)] / eps[('plain', c)]:>14.2f}")
+    print(f"\nhost memory per idle sandbox ({args.idle} at once, each with its episode started): {idle[0]:.1f} MB of "
+          f"MemAvailable, {idle[1]:.1f} MB resident in its processes")
     return 0
 
 
