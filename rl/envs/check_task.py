@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from rl.envs.episode import after_agent, start_episode
 from rl.envs.harbor import load_harbor_task
 from rl.envs.steps import run_steps
 from rl.envs.swebench import load_swebench
@@ -41,7 +42,9 @@ def make_backend(name: str, limits: SandboxLimits | None = None, build_images: b
     return make_container_backend(name, limits=limits, local_base=local_base)
 
 
-def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
+def check_task(task: Task, backend, oracle: bool, log=print, artifacts_dir: Path | None = None) -> VerifyResult:
+    """The task's verdict untouched (`oracle` False) or after its reference solution, with a reason wherever the
+    verdict is not one (`explain`). Raises TaskError (EpisodeStartError) when the sandbox does not become ready."""
     for note in task.notes:
         log(printable(f"note: {note}"))
     if oracle and any(t.solution is None for t in [task] + [s.task for s in task.steps]):  # before any setup
@@ -49,23 +52,147 @@ def check_task(task: Task, backend, oracle: bool, log=print) -> VerifyResult:
                         else f"{task.source or task.name}: a step has no reference solution (steps/<name>/solution/"
                         "solve.sh)")
     snapshot = prepare_task(task, backend)
+    failed: list[str] = []  # the reference solution's commands that failed, each with its last line
+
+    def solve(step: Task, box) -> None:
+        res = step.solution.apply(box, step)
+        log(printable(f"solution{'' if step is task else ' of ' + step.name}: {res.describe()}"))
+        if res.output.strip():
+            log(printable(res.output.rstrip()[-2000:]))
+        if not res.ok:
+            failed.append(f"{'' if step is task else step.name + ': '}{res.describe()}: {last_line(res.output)}"
+                          + (f" ({host})" if (host := network_failure(res.output)) else ""))
     try:
         with backend.fork(snapshot) as sandbox:
+            start_episode(task, sandbox)
             if task.steps:
-                def solve(step: Task, box) -> None:
-                    res = step.solution.apply(box, step)
-                    log(printable(f"solution of {step.name}: {res.describe()}"))
-
-                return run_steps(task, sandbox, solve if oracle else lambda step, box: None)
-            if oracle:
-                res = task.solution.apply(sandbox, task)
-                log(printable(f"solution: {res.describe()}"))
-                if res.output.strip():
-                    log(printable(res.output.rstrip()[-2000:]))
-            result = task.verifier.verify(sandbox, task)
+                result = run_steps(task, sandbox, solve if oracle else lambda step, box: None, artifacts_dir)
+            else:
+                if oracle:
+                    solve(task, sandbox)
+                problems = after_agent(task, sandbox, artifacts_dir)
+                result = task.verifier.verify(sandbox, task)
+                if problems:
+                    result.details["collect"] = problems
     finally:
         snapshot.discard()
+    if failed:  # what it scores after a failed reference solution says nothing of the task
+        why = f"the reference solution failed ({'; '.join(failed)}), so its verdict is void"
+        result.details["error"] = f"{why}; {result.details['error']}" if "error" in result.details else why
+    return explain(result, task)
+
+
+def last_line(output: str) -> str:
+    return next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")[:200]
+
+
+# A failure to reach the network, and the host it was for: curl and git ("Could not resolve host"), urllib3 and so
+# requests, pip and huggingface_hub ("Failed to resolve 'h'", "HTTPSConnectionPool(host='h'"), huggingface_hub's
+# "couldn't connect to 'https://h'", apt, wget, node and go. Python's own socket errors name no host: the last URL
+# the output shows before the error is taken.
+_NETWORK_ERROR = re.compile(
+    r"Could not resolve host|Temporary failure in name resolution|Name or service not known|"
+    r"No address associated with hostname|Network is unreachable|NameResolutionError|Failed to resolve|"
+    r"Temporary failure resolving|unable to resolve host address|getaddrinfo (?:ENOTFOUND|EAI_AGAIN)|"
+    r"dial tcp: lookup|We couldn't connect to|Failed to establish a new connection|nodename nor servname|"
+    r"Cannot connect to proxy|LocalEntryNotFoundError|OfflineModeIsEnabled")
+_NAMED_HOST = re.compile(
+    r"Could not resolve host:?\s*['\"]?(?P<a>[\w.-]+)|Failed to resolve ['\"](?P<b>[\w.-]+)|"
+    r"HTTPS?ConnectionPool\(host=['\"](?P<c>[\w.-]+)|couldn't connect to ['\"]?https?://(?P<d>[\w.-]+)|"
+    r"Temporary failure resolving ['\"‘](?P<e>[\w.-]+)|unable to resolve host address ['\"‘](?P<f>[\w.-]+)|"
+    r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) (?P<g>[\w.-]+)|dial tcp: lookup (?P<h>[\w.-]+)|"
+    r"Failed to connect to (?P<i>[\w.-]+) port")
+_URL_HOST = re.compile(r"\b(?:https?|ftp|git|ssh)://(?:[^@/\s'\"]+@)?([A-Za-z0-9][\w.-]*\.[A-Za-z]{2,})")
+_LOCAL = ("localhost", "127.0.0.1", "0.0.0.0", "::1")
+# uv's installer fails offline and is not a failure: every built image carries uv.
+_NOT_A_FAILURE = ("astral.sh",)
+# Package registries: a verifier that installs its tools from them (`apt-get install -y curl`, which the image has)
+# goes on when they cannot be reached, so their failures alone do not explain its zero.
+PACKAGE_REGISTRIES = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com", "security.ubuntu.com",
+                      "ports.ubuntu.com", "pypi.org", "files.pythonhosted.org", "registry.npmjs.org")
+
+
+def network_failure(output: str, local: tuple[str, ...] = ()) -> str | None:
+    """'it asked for HOST' when `output` shows a failure to reach the network (a host beyond this sandbox and the
+    `local` ones: the task's own services), naming the host; None when it shows none."""
+    hosts = unreached_hosts(output, local)
+    return f"it asked for {', '.join(hosts)}, beyond the sandbox's network" if hosts else None
+
+
+def unreached_hosts(output: str, local: tuple[str, ...] = ()) -> list[str]:
+    """The hosts `output` shows a failure to reach, in order ("a host it does not name" where none is named)."""
+    hosts = []
+    for error in _NETWORK_ERROR.finditer(output):
+        line_start = output.rfind("\n", 0, error.start()) + 1
+        line_end = output.find("\n", error.end())
+        line = output[line_start:line_end if line_end >= 0 else len(output)]
+        named = _NAMED_HOST.search(line)
+        host = next((g for g in named.groups() if g), None) if named else None
+        if host is None:  # Python's socket errors name no host: the last URL before the error
+            urls = _URL_HOST.findall(output, 0, line_end if line_end >= 0 else len(output))
+            host = urls[-1] if urls else None
+        if host not in _LOCAL and host not in _NOT_A_FAILURE and host not in local:
+            hosts.append(host)
+    if None in hosts:  # an error that names no host: one the output names elsewhere (pip's retries, then its error)
+        named = [next(g for g in m.groups() if g) for m in _NAMED_HOST.finditer(output)]
+        named = [h for h in named if h not in _LOCAL and h not in _NOT_A_FAILURE and h not in local]
+        hosts = [h for h in hosts if h is not None] + (named[-1:] or ([] if len(hosts) > 1 else [None]))
+    return [h or "a host it does not name" for h in dict.fromkeys(hosts)]
+
+
+_MISSING_COMMAND = re.compile(r"(?:^|[\s:])([\w.+/-]+): (?:command )?not found\b|^env: ['‘]?([\w.+-]+)['’]?: No such "
+                              r"file or directory", re.MULTILINE)
+
+
+def missing_command(output: str) -> str | None:
+    """The command a shell could not find (exit status 127), from its own message, or None."""
+    found = _MISSING_COMMAND.findall(output)
+    names = [a or b for a, b in found]
+    return names[-1] if names else None
+
+
+def explain(result: VerifyResult, task: Task) -> VerifyResult:
+    """The verdict with a reason where it is not one: a network failure names its host; a verifier that stopped
+    with exit status 127 names the command it lacked; a verdict of 0 that a network failure explains is an error."""
+    details, res = result.details, result.exec_result
+    output = result.output or ""
+    local = tuple(s.name for s in task.services)
+    hosts, host = unreached_hosts(output, local), network_failure(output, local)
+    if "error" in details:
+        error = details["error"]
+        if host and not any(h in error for h in hosts):
+            details["error"] = f"{error} ({host})"
+        if res is not None and res.exit_code == 127 and (command := missing_command(output)) and \
+                f"`{command}`" not in details["error"] and f" {command}," not in details["error"]:
+            details["error"] += f" (the command `{command}` is missing: exit status 127)"
+    elif host and result.reward <= reward_range(task)[0] and not all(h in PACKAGE_REGISTRIES for h in hosts):
+        details["error"] = f"the verifier needs the network, which the sandbox did not give it: {host}"
     return result
+
+
+def reward_range(task: Task) -> tuple[float, float]:
+    return getattr(task.verifier, "reward_range", (0.0, 1.0))
+
+
+def verdict_problem(untouched: VerifyResult, reference: VerifyResult | None, high: float = 1.0) -> str | None:
+    """Why an untouched task's reward is no verdict on the agent's work, or None: it scores as much as the reference
+    solution (or the most there is)."""
+    if untouched.reward >= high or (reference is not None and untouched.reward > 0 and
+                                    untouched.reward >= reference.reward):
+        scored = f"the untouched task scores {untouched.reward:g}" + (
+            f", as much as the reference solution ({reference.reward:g})" if reference is not None else "")
+        return f"the verifier does not depend on the agent's work: {scored}"
+    return None
+
+
+def partial_credit(untouched: VerifyResult, low: float = 0.0) -> str | None:
+    """One line for an untouched task that gets partial credit (a weighted rubric), or None."""
+    if untouched.reward <= low or "error" in untouched.details:
+        return None
+    keys = untouched.details.get("rewards")
+    return (f"partial credit: the untouched task scores {untouched.reward:g}"
+            + (f" ({', '.join(f'{k} {v:g}' for k, v in keys.items())})" if keys else "")
+            + ", which its verifier gives for work already there")
 
 
 def load_task(path: str, instance: str | None = None, repos: str | None = None) -> Task:

@@ -476,6 +476,19 @@ class Task:
     # own instruction, verifier and solution are its first step's.
     steps: list["TaskStep"] = field(default_factory=list)
     step_reward: str = "mean"  # multi_step_reward_strategy: "mean" of every step (0 for one not reached) or "final"
+    # What Harbor's task.toml declares beyond limits (rl/envs/task_config.py), for the sandbox and the episode
+    # (rl/envs/episode.py) to honour.
+    agent_user: str | int | None = None  # who the agent's commands run as (None: the image's user, root)
+    verifier_user: str | int | None = None
+    agent_network: str = "none"  # the agent phase's network: "none" or "public"
+    verifier_network: str = "none"
+    verifier_mode: str = "shared"  # "shared" (the agent's sandbox) or "separate" (a container of its own)
+    verifier_environment: object | None = None  # [verifier.environment] (task_config.EnvironmentConfig)
+    collect: tuple = ()  # [[verifier.collect]] hooks (task_config.CollectHook): after the agent, before artifacts
+    artifacts: tuple = ()  # task_config.Artifact: copied into the run folder after the agent's phase
+    healthcheck: object | None = None  # task_config.Healthcheck: must pass before the agent starts
+    mcp_servers: tuple = ()  # task_config.McpServer: offered to the agent
+    skills_dir: str | None = None  # a folder of the image with skills for the agent
 
 
 @dataclass
@@ -487,7 +500,7 @@ class TaskStep:
     name: str
     task: Task
     workdir_files: Path | None = None  # steps/<name>/workdir/
-    healthcheck: str | None = None  # a command that must succeed before the agent starts
+    healthcheck: object | None = None  # task_config.Healthcheck that must pass before the agent starts
     min_reward: float | dict[str, float] | None = None  # below it (or any key of reward.json below its value): stop
 
 

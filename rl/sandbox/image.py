@@ -34,7 +34,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -46,9 +46,10 @@ from rl.sandbox.owners import make_dir
 BUILD_UID_BASE = 2_000_000  # below the sandboxes' uids (rl/sandbox/local.py UID_BASE)
 BUILD_UIDS = 65536
 # What the sandbox runs inside every image (nested bubblewrap for `judge`; nsenter, setpriv, prlimit) and what
-# most tasks and their verifiers expect of a python:* image (pip, venv, pytest; `python` is python3).
+# most tasks and their verifiers expect (python3 with pip, venv, pytest). No `python`: plain Debian and Ubuntu images
+# have none (a Dockerfile may link it itself); the loader gives python:* images theirs.
 BASE_PACKAGES = ("bubblewrap", "util-linux", "procps", "ca-certificates", "curl", "python3", "python3-pip",
-                 "python3-venv", "python3-pytest", "python-is-python3")
+                 "python3-venv", "python3-pytest")
 DEFAULT_SUITE = "bookworm"
 # The capabilities a container engine gives a build's root by default (they count inside its user namespace only).
 BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
@@ -112,6 +113,7 @@ class ImageRecipe:
     required: str | None = None  # why the host's system cannot stand in (None: it can; a backend may build anyway)
     dockerfile: str = ""  # the Dockerfile as written, for a container engine that builds it from the same base
     verifier_packages: tuple[str, ...] = ()  # what the task's verifier has uv or pip install: pip installs them here
+    stages: dict = field(default_factory=dict)  # name -> ImageRecipe: images its steps copy from (COPY --from)
 
 
 @dataclass
@@ -202,6 +204,7 @@ class BuildRoot:
         self._bwrap = bwrap_path()
         self._network = host_network_view()
         self.outputs: list[tuple[str, str]] = []  # (step, output) of the steps so far: a later failure may be theirs
+        self.stage_roots: dict[str, Path] = {}  # images its COPY --from steps copy out of (ImageRecipe.stages)
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str = "/",
              env: dict[str, str] | None = None) -> ExecResult:
@@ -517,8 +520,12 @@ class ImageBuilder:
         return removed
 
     def build_recipe(self, recipe: ImageRecipe) -> Image:
-        """Build (or find) a loader's recipe: its packages from the Debian mirror, then its steps."""
+        """Build (or find) a loader's recipe: the images it copies from first, then its packages from the Debian
+        mirror, then its steps."""
+        stage_roots = {name: self.build_recipe(stage).root for name, stage in recipe.stages.items()}
+
         def steps(root: BuildRoot) -> None:
+            root.stage_roots = stage_roots
             if recipe.packages:
                 command = ("apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                            + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
@@ -581,6 +588,9 @@ def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     """The recipe as a Containerfile on `base_ref` (the Debian base, imported into a container engine by
     `ImageBuilder.export_base`): the same packages, the Dockerfile's own instructions, what the verifier asks for
     and the uv stand-in, so that the engine builds what the local backend builds."""
+    if recipe.stages:
+        raise SandboxError(f"{recipe.what}: a multi-stage Dockerfile (COPY --from) is not rebuilt on the local base; "
+                           "run it on the local backend, or on the engine without --local-base")
     lines = [f"FROM {base_ref}", "ARG " + " ".join(sorted(host_network_view(name_service=False).env))]
     if recipe.packages:
         lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "

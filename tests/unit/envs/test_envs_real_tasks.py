@@ -595,6 +595,7 @@ min_reward = 0.5
 env = {{ EXPECTED_GREETING = "Hello, Ada!" }}
 [steps.healthcheck]
 command = "test -x /app/greet.sh"
+interval_sec = 0.2
 
 [[steps]]
 name = "document"
@@ -632,7 +633,8 @@ def test_a_multi_step_task_runs_its_steps_in_order(tmp_path, strategy):
     tests over the shared ones, its env) after; min_reward stops the task; the reward is the mean or the final's."""
     task = load_harbor_task(multi_step_task(tmp_path, strategy))
     assert [s.name for s in task.steps] == ["scaffold", "implement", "document"] and task.step_reward == strategy
-    assert task.instruction.startswith("Create /app/greet.sh") and task.steps[1].healthcheck == "test -x /app/greet.sh"
+    assert task.instruction.startswith("Create /app/greet.sh")
+    assert task.steps[1].healthcheck.command == "test -x /app/greet.sh"
     backend = LocalBackend()
     solved = check_task(task, backend, oracle=True, log=lambda s: None)
     assert solved.reward == 1.0 and [s["reward"] for s in solved.details["steps"]] == [1.0, 1.0, 1.0], solved.details
