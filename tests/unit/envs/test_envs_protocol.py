@@ -294,8 +294,8 @@ def test_dockerfile_add_unpacks_local_archives(tmp_path):
      ["numpy>=1.26"]),
     ("FOO=1 sudo python3 -m pip install --no-cache-dir -q pandas==2.2.2; pip3 install --target /x six\n",
      ["pandas==2.2.2", "six"]),
-    ("uv tool run --from black==24.1 black --check .\nuvx --with=a==1 ruff check .\n", ["black==24.1", "black", "a==1",
-                                                                                      "ruff"]),
+    ("uv tool run --from black==24.1 black --check .\nuvx --with=a==1 ruff check .\n", ["black==24.1", "a==1", "ruff"]),
+    ("uvx --from harbor-rewardkit==0.2.0 rewardkit /tests\n", ["harbor-rewardkit==0.2.0"]),  # the command is no package
     ("#!/bin/bash\n# uvx --with not-this pytest\npython3 -m pytest /tests -rA\n", []),
 ])
 def test_verifier_requirements(script, wanted):
