@@ -509,6 +509,9 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     build = getattr(backend, "build", None)
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
+    if task.docker_image is not None and task.environment_dir is None:
+        raise TaskError(f"{task.name}: it runs on the prebuilt image {task.docker_image} (no Dockerfile beside it), "
+                        f"which the {backend.name} backend cannot run: use a container backend whose engine has it")
     if task.services:
         raise TaskError(f"{task.name}: a multi-container task ({', '.join(s.name for s in task.services)} beside its "
                         f"own) runs on a container backend, not the {backend.name} backend: --backend podman "

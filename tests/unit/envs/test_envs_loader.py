@@ -379,3 +379,16 @@ def test_a_partially_credited_untouched_task_says_so(tmp_path):
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "0.5", res.stdout + res.stderr
     assert "partial credit: the untouched task scores 0.5 (style 1, works 0)" in res.stderr
     assert check_task(load_harbor_task(root), LocalBackend(), oracle=True, log=lambda _: None).reward == 1.0
+
+
+@needs_bwrap
+def test_a_prebuilt_image_alone_is_refused_naming_it_where_the_backend_cannot_run_it(tmp_path):
+    root = harbor(tmp_path, '[environment]\ndocker_image = "ghcr.io/example/task:1.0"\n')
+    (root / "environment" / "Dockerfile").unlink()
+    task = load_harbor_task(root)
+    assert task.docker_image == "ghcr.io/example/task:1.0" and task.environment_dir is None
+    with pytest.raises(TaskError, match=r"runs on the prebuilt image ghcr.io/example/task:1.0 \(no Dockerfile beside "
+                                        r"it\), which the local backend cannot run"):
+        check_task(task, LocalBackend(), oracle=False, log=lambda _: None)
+    (root / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    assert any("is built from environment/Dockerfile here" in n for n in load_harbor_task(root).notes)
