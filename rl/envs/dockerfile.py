@@ -107,14 +107,13 @@ class DockerfilePlan:
     def recipe(self, path: Path, timeout_s: float, wanted: tuple[str, ...], required: str | None) -> ImageRecipe:
         family = image_family(self.base_image or "")
         packages = FAMILY_PACKAGES.get(family, ())
-        links = [RunStep(command=f"ln -sfn {shlex.quote(target)} {shlex.quote(link)}", cwd="/", env={},
-                         origin=f"{path}: the stand-in for FROM {self.base_image}")
-                 for link, target in FAMILY_LINKS.get(family, ())]
+        stand_in = tuple(f"ln -sfn {shlex.quote(target)} {shlex.quote(link)}"
+                         for link, target in FAMILY_LINKS.get(family, ()))
         stages = self.stage_recipes(timeout_s)
-        return ImageRecipe(key=self.digest(packages + tuple(wanted) + tuple(s.command for s in links), stages),
-                           packages=packages, steps=links + list(self.steps), timeout_s=timeout_s,
-                           what=f"{path.parent.name}/{path.name}", required=required, verifier_packages=tuple(wanted),
-                           dockerfile=self.text, stages=stages)
+        return ImageRecipe(key=self.digest(packages + tuple(wanted) + stand_in, stages), packages=packages,
+                           steps=list(self.steps), timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}",
+                           required=required, verifier_packages=tuple(wanted), dockerfile=self.text, stages=stages,
+                           stand_in=stand_in)
 
     def task_parts(self, path: Path, timeout_s: float, verifier: tuple[str, list[str]] | None = None,
                    scripts: dict[str, str] | None = None) -> tuple[list, ImageRecipe]:

@@ -114,6 +114,7 @@ class ImageRecipe:
     dockerfile: str = ""  # the Dockerfile as written, for a container engine that builds it from the same base
     verifier_packages: tuple[str, ...] = ()  # what the task's verifier has uv or pip install: pip installs them here
     stages: dict = field(default_factory=dict)  # name -> ImageRecipe: images its steps copy from (COPY --from)
+    stand_in: tuple[str, ...] = ()  # commands after the packages that give the base what the FROM image has
 
 
 @dataclass
@@ -535,6 +536,11 @@ class ImageBuilder:
                     log.write_text(f"$ {command}\n{res.output}")
                     raise SandboxError(f"{recipe.what}: installing {', '.join(recipe.packages)} for the image failed "
                                        f"({res.describe()}); the whole log: {log}")
+            for command in recipe.stand_in:
+                res = root.exec(command, timeout=recipe.timeout_s)
+                if not res.ok:
+                    raise SandboxError(f"{recipe.what}: the stand-in's `{command}` failed ({res.describe()}): "
+                                       f"{res.output.strip()[-200:]}")
             for step in recipe.steps:
                 step.apply(root, recipe.timeout_s)
             if recipe.verifier_packages:  # from the package index now, so that the verifier needs no network
@@ -595,6 +601,7 @@ def containerfile(recipe: ImageRecipe, base_ref: str) -> str:
     if recipe.packages:
         lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                      + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
+    lines += [f"RUN {command}" for command in recipe.stand_in]
     body = recipe.dockerfile.replace("\\\n", " ").splitlines()
     lines += [line for line in body if not re.match(r"\s*FROM\s", line, re.IGNORECASE)]
     if recipe.verifier_packages:
