@@ -53,12 +53,14 @@ def check_task(task: Task, backend, oracle: bool, log=print, artifacts_dir: Path
                         "solve.sh)")
     snapshot = prepare_task(task, backend)
     failed: list[str] = []  # the reference solution's commands that failed, each with its last line
+    networks: list[str] = []  # the network each phase the reference solution ran in was given
 
     def solve(step: Task, box) -> None:
         res = step.solution.apply(box, step)
         log(printable(f"solution{'' if step is task else ' of ' + step.name}: {res.describe()}"))
         if res.output.strip():
             log(printable(res.output.rstrip()[-2000:]))
+        networks.append(getattr(box, "network", "none"))
         if not res.ok:
             failed.append(f"{'' if step is task else step.name + ': '}{res.describe()}: {last_line(res.output)}"
                           + (f" ({host})" if (host := network_failure(res.output)) else ""))
@@ -79,7 +81,31 @@ def check_task(task: Task, backend, oracle: bool, log=print, artifacts_dir: Path
     if failed:  # what it scores after a failed reference solution says nothing of the task
         why = f"the reference solution failed ({'; '.join(failed)}), so its verdict is void"
         result.details["error"] = f"{why}; {result.details['error']}" if "error" in result.details else why
+    public = [t for t in [task] + [s.task for s in task.steps] if t.agent_network == "public"]
+    reach = next((m.group(0).strip() for t in public for m in [_NETWORK_USE.search(solution_text(t))] if m), None)
+    if oracle and "error" not in result.details and result.reward < reward_range(task)[1] and reach and (
+            "public" not in networks):
+        result.details["error"] = (f"the task gives its agent the network (network_mode \"public\"), which this "
+                                   f"sandbox did not, and its reference solution reaches for it ({reach}): it scores "
+                                   f"{result.reward:g} without it")
     return explain(result, task)
+
+
+# What in a reference solution reaches for the network: a download, a clone, a package install, a URL.
+_NETWORK_USE = re.compile(r"(?:^|[\s;&|(`])(?:curl|wget|git\s+clone|pip3?\s+install|uv\s+(?:pip\s+install|add|sync)|"
+                          r"apt(?:-get)?\s+(?:-\S+\s+)*install|npm\s+(?:i|install|ci)|yarn\s+add|go\s+(?:get|install)|"
+                          r"cargo\s+install)\b|\bhttps?://[\w.-]+", re.MULTILINE)
+
+
+def solution_text(task: Task) -> str:
+    """The reference solution's commands as text (solve.sh, or a Terminal-Bench solution's commands)."""
+    solution = task.solution
+    if solution is None:
+        return ""
+    script = getattr(solution, "solution_dir", None)
+    if script is not None and (Path(script) / "solve.sh").is_file():
+        return (Path(script) / "solve.sh").read_text(errors="replace")
+    return "\n".join(getattr(solution, "commands", []) or [getattr(solution, "patch", "")])
 
 
 def last_line(output: str) -> str:

@@ -14,6 +14,7 @@ rl/envs/harbor.py assembles a Task from these in one pass.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -33,6 +34,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _SIZE_MB = {"": 1 / (1024 * 1024), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
 _STEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SERVICE_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+_TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")
 
 
 @dataclass(frozen=True)
@@ -211,10 +213,22 @@ class _Table:
         raise TaskError(f"{self.where}.{key} must be a user name or uid, got {value!r}")
 
     def env(self, key: str = "env") -> dict[str, str]:
+        """A table of variables; a value that is a whole `${VAR}` or `${VAR:-default}` is read from this host's
+        environment, as Harbor resolves it when the task starts."""
         env = self.get(key, {}) or {}
         if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
             raise TaskError(f"{self.where}.{key} must be a table of strings, got {env!r}")
-        return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in env.items()}
+        out = {}
+        for k, v in env.items():
+            value = str(v).lower() if isinstance(v, bool) else str(v)
+            if (m := _TEMPLATE.fullmatch(value)) is not None:
+                if m.group(1) not in os.environ and m.group(2) is None:
+                    raise TaskError(f"{self.where}.{key}: {k} = {value} needs the variable {m.group(1)} in this host's "
+                                    "environment (Harbor reads it from there): export it, or give a default "
+                                    f"(${{{m.group(1)}:-...}})")
+                value = os.environ.get(m.group(1), m.group(2))
+            out[str(k)] = value
+        return out
 
     def strings(self, key: str) -> tuple[str, ...]:
         value = self.get(key, []) or []

@@ -15,7 +15,7 @@ import pytest
 from rl.envs.check_task import check_task, explain, missing_command, network_failure, partial_credit, verdict_problem
 from rl.envs.dockerfile import StageCopyStep, UnsupportedDockerfile, _in_stage, host_lacks, parse_dockerfile
 from rl.envs.harbor import TaskFormatWarning, load_harbor_task, read_task_folder, verifier_packages
-from rl.envs.task import TaskError, VerifyResult
+from rl.envs.task import TaskError, VerifyResult, prepare_task
 from rl.envs.task_config import read_harbor_config
 from rl.sandbox.base import ExecResult
 from rl.sandbox.local import LocalBackend, bwrap_problem
@@ -391,3 +391,39 @@ def test_a_prebuilt_image_alone_is_refused_naming_it_where_the_backend_cannot_ru
         check_task(task, LocalBackend(), oracle=False, log=lambda _: None)
     (root / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
     assert any("is built from environment/Dockerfile here" in n for n in load_harbor_task(root).notes)
+
+
+def test_environment_variables_come_from_this_host_as_harbor_reads_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("MC_TEST_TOKEN", "t-1")
+    task = load_harbor_task(harbor(tmp_path, '[environment.env]\nTOKEN = "${MC_TEST_TOKEN}"\nURL = "${MC_NOT_SET:-'
+                                   'http://x}"\nLITERAL = "a ${B} c"\n[verifier.env]\nV = "${MC_TEST_TOKEN}"\n'))
+    assert (task.env["TOKEN"], task.env["URL"], task.env["LITERAL"]) == ("t-1", "http://x", "a ${B} c")
+    assert task.verifier.env == {"V": "t-1"}
+    with pytest.raises(TaskError, match=r"KEY = \$\{MC_NOT_SET\} needs the variable MC_NOT_SET in this host's env"):
+        load_harbor_task(harbor(tmp_path / "b", '[environment.env]\nKEY = "${MC_NOT_SET}"\n'))
+
+
+@needs_bwrap
+def test_a_reference_solution_short_of_the_network_its_task_declares_is_no_verdict(tmp_path):
+    root = harbor(tmp_path, '[environment]\nnetwork_mode = "public"\n',
+                  test_sh="[ -s /app/page.html ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
+                          "/logs/verifier/reward.txt\n",
+                  extra={"solution/solve.sh": "python3 -c 'import urllib.request as u; u.urlretrieve(\"http://example"
+                                              ".com/\", \"/app/page.html\")' 2>/dev/null || true\n"})
+    task = load_harbor_task(root)
+    backend = LocalBackend()
+    snapshot = prepare_task(task, backend)
+    try:
+        with backend.fork(snapshot) as box:
+            given = getattr(box, "network", "none")
+    finally:
+        snapshot.discard()
+    result = check_task(task, backend, oracle=True, log=lambda _: None)
+    if given == "public":  # the sandbox gives the agent what the task declares: the reference solution's verdict
+        assert "error" not in result.details or "network" not in result.details["error"]
+    else:
+        assert result.details["error"] == (
+            "the task gives its agent the network (network_mode \"public\"), which this sandbox did not, and its "
+            "reference solution reaches for it (http://example.com): it scores 0 without it")
+    (root / "solution" / "solve.sh").write_text("echo offline > /app/other.txt\n")  # no reach: a plain wrong verdict
+    assert "error" not in check_task(load_harbor_task(root), backend, oracle=True, log=lambda _: None).details
