@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rl.envs.network import unreached_hosts
 from rl.sandbox.base import BASE_ENV, ExecResult, Sandbox, SandboxError, SandboxLimits, Service
 from rl.sandbox.image import ImageBuilder, ImageRecipe
 from rl.sandbox.leftovers import held_dir
@@ -164,10 +165,10 @@ def build_lacks(command: str, output: str) -> str | None:
     if ppa := re.search(r"add-apt-repository\s+(?:-\S+\s+)*(ppa:\S+)", command):
         return (f"it adds the Ubuntu archive {ppa.group(1)} (Launchpad), which the build cannot reach and a Debian "
                 "stand-in cannot use: build the task on a container backend from its own image")
-    if host := _UNREACHED_HOST.search(output):
-        return (f"it downloads from {host.group(1) or host.group(2)}, which the build cannot reach (it reaches the "
-                "package registries only): build the task on a container backend with internet, or put the download "
-                "into the task")
+    if hosts := unreached_hosts(output, ignore=()):
+        return (f"it downloads from {', '.join(hosts)}, which the build cannot reach (it reaches the package "
+                "registries only): build the task on a container backend with internet, or put the download into the "
+                "task")
     if package := _NO_PACKAGE.search(output):
         return (f"Debian's archive, which stands in for the FROM image's, has no package {package.group(1)}: build "
                 "the task on a container backend from its own image")
@@ -221,10 +222,6 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
      "a nested sandbox for `judge` (unprivileged user namespaces), which this host lacks: enable them "
      "(sysctl kernel.unprivileged_userns_clone=1)"),
 )
-
-# The host a failed download named (curl, wget, apt, pip, git).
-_UNREACHED_HOST = re.compile(r"Could not resolve host:? ['\"‘]?([\w.-]+)|(?:Temporary failure resolving|unable to "
-                             r"resolve host address|Failed to resolve) ['\"‘]?([\w.-]+)")
 
 _NO_PACKAGE = re.compile(r"^E: (?:Unable to locate package |Package ')([\w.+-]+)", re.MULTILINE)
 

@@ -299,6 +299,8 @@ def test_copy_from_an_image_this_machine_cannot_make_is_refused_naming_it(tmp_pa
      "pypi.org"),
     ("npm ERR! request to https://registry.npmjs.org/x failed, reason: getaddrinfo ENOTFOUND registry.npmjs.org\n",
      "registry.npmjs.org"),
+    ("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/datasets/x/resolve/"
+     "main/a.mp4\nRetrying in 1s [Retry 1/5].\n    HF download failed: An error happened\n", "huggingface.co"),
     ("curl: (6) Could not resolve host: astral.sh\n", None),  # uv's installer: every image has uv
     ("requests.exceptions.ConnectionError: HTTPConnectionPool(host='localhost', port=8000): Failed to establish "
      "a new connection: [Errno 111] Connection refused\n", None),  # the agent's own server, not the network

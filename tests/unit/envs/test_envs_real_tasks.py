@@ -323,6 +323,8 @@ class _FailingBuild:
 
 @pytest.mark.parametrize("output,says", [
     ("curl: (6) Could not resolve host: golang.org\n", "it downloads from golang.org, which the build cannot reach"),
+    ("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/datasets/m/x.mp4\n",
+     "it downloads from huggingface.co, which the build cannot reach"),
     ("W: Failed to fetch http://ppa.launchpad.net/x  Temporary failure resolving 'ppa.launchpad.net'\n"
      "E: Unable to locate package python3.11\n", "it downloads from ppa.launchpad.net"),
     ("Reading package lists...\nE: Unable to locate package openjdk-21-jdk\n",
