@@ -638,8 +638,10 @@ def test_a_multi_step_task_runs_its_steps_in_order(tmp_path, strategy):
     assert task.instruction.startswith("Create /app/greet.sh")
     assert task.steps[1].healthcheck.command == "test -x /app/greet.sh"
     backend = LocalBackend()
-    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    solved = check_task(task, backend, oracle=True, log=lambda s: None, artifacts_dir=tmp_path / "run")
     assert solved.reward == 1.0 and [s["reward"] for s in solved.details["steps"]] == [1.0, 1.0, 1.0], solved.details
+    for step, text in (("scaffold", "echo hello\n"), ("document", 'echo "Hello, $(cat /app/config.txt)!"\n')):
+        assert (tmp_path / "run" / "steps" / step / "artifacts" / "app" / "greet.sh").read_text() == text
     untouched = check_task(task, backend, oracle=False, log=lambda s: None)
     (first,) = untouched.details["steps"]  # scaffold's 0 is below its min_reward: the task stops there
     assert untouched.reward == 0.0 and first["stopped"] == "below its min_reward 1.0"
