@@ -24,6 +24,7 @@ import glob
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -195,6 +196,13 @@ def host_lacks(family: str, scripts: dict[str, str]) -> str | None:
     return None
 
 
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
+# The platform arguments BuildKit gives every build (their value once a stage declares them): this host's.
+PLATFORM_ARGS = {**{f"{w}PLATFORM": f"linux/{_ARCH}" for w in ("TARGET", "BUILD")},
+                 **{f"{w}OS": "linux" for w in ("TARGET", "BUILD")}, **{f"{w}ARCH": _ARCH for w in ("TARGET", "BUILD")},
+                 "TARGETVARIANT": "", "BUILDVARIANT": ""}
+
+
 # A BuildKit heredoc: <<EOF, <<-EOF, <<"EOF" or <<'EOF' in a RUN, COPY or ADD line; its body follows the line.
 _HEREDOC_RE = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
 
@@ -313,12 +321,11 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
                 plan.base_image = words[0]
                 variables = dict(global_args)
             plan.name, seen_from = name, True
-        elif keyword == "ARG" and not seen_from:
-            name, eq, default = rest.partition("=")
-            global_args.setdefault(name.strip(), _substitute(default.strip().strip('"'), global_args) if eq else "")
         elif keyword == "ARG":
             name, eq, default = rest.partition("=")
-            variables.setdefault(name.strip(), _substitute(default.strip().strip('"'), variables) if eq else "")
+            scope = variables if seen_from else global_args
+            scope.setdefault(name.strip(), _substitute(default.strip().strip('"'), scope) if eq
+                             else PLATFORM_ARGS.get(name.strip(), ""))
         elif keyword == "ENV":
             parts = shlex.split(rest)
             if parts and "=" not in parts[0]:  # legacy form: ENV KEY value with spaces
@@ -365,7 +372,8 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             if _REACHES_OUT.search(command):
                 reaches_out(f"{where}: RUN reaches past {TREE_ROOT} (it installs, downloads or names a system path)")
             plan.runs.append(command)
-            plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))
+            # a RUN step's environment holds the stage's ARGs too, as in a build
+            plan.steps.append(RunStep(command=command, cwd=plan.workdir, env={**variables, **plan.env}, origin=where))
         elif keyword == "ENTRYPOINT":
             args = _args(rest) if rest.startswith("[") else None
             plan.entrypoint = tuple(args) if args is not None else ("/bin/sh", "-c", rest)

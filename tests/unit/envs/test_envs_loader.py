@@ -250,6 +250,13 @@ def test_multi_stage_dockerfiles_copy_out_of_earlier_stages_and_uv_s_image(tmp_p
     assert parse_dockerfile(ctx / "Dockerfile", ctx).task_parts(ctx / "Dockerfile", 60.0)[1].key != recipe.key
 
 
+def test_buildkit_s_platform_arguments_have_this_host_s_values(tmp_path):
+    ctx = write(tmp_path, {"Dockerfile": "ARG TARGETARCH\nFROM debian\nARG TARGETARCH\nARG TARGETOS\nARG OTHER\n"
+                                         "RUN echo uv-${TARGETOS}-${TARGETARCH}-${OTHER}.tgz\n"})
+    (run,) = parse_dockerfile(ctx / "Dockerfile", ctx).steps  # ARGs are the RUN step's environment, as in a build
+    assert run.env["TARGETOS"] == "linux" and run.env["TARGETARCH"] in ("amd64", "arm64") and run.env["OTHER"] == ""
+
+
 def test_copy_from_a_stage_follows_links_inside_that_stage_only(tmp_path):
     root = tmp_path / "stage"
     (root / "usr" / "bin").mkdir(parents=True)
