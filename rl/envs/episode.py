@@ -20,6 +20,7 @@ import time
 from pathlib import Path, PurePosixPath
 
 from rl.envs.task import Task, TaskError
+from rl.envs.task_config import Artifact
 from rl.sandbox.base import BASE_ENV, Sandbox, SandboxError
 
 ARTIFACT_BYTES = 64 * 1024 * 1024  # the most one artifact may hold (as a base64 tar) to be collected
@@ -73,12 +74,16 @@ def after_agent(task: Task, sandbox: Sandbox, artifacts_dir: Path | None = None)
     return problems
 
 
+CONVENTION = Artifact("/logs/artifacts")  # collected whenever it exists, as Harbor collects it
+
+
 def collect_artifacts(task: Task, sandbox: Sandbox, dest: Path) -> list[str]:
-    """Copy each of the task's artifacts out of the sandbox into `dest` (at its destination, else at its path
-    without the leading /), as Harbor fills a trial's artifacts folder. Nothing of the archive may leave `dest`."""
+    """Copy each of the task's artifacts (and /logs/artifacts, where the task left it) out of the sandbox into `dest`
+    (at its destination, else at its path without the leading /), as Harbor fills a trial's artifacts folder.
+    Nothing of the archive may leave `dest`."""
     problems = []
     dest.mkdir(parents=True, exist_ok=True)
-    for n, artifact in enumerate(task.artifacts):
+    for n, artifact in enumerate((*task.artifacts, CONVENTION)):
         source = artifact.source if artifact.source.startswith("/") else str(PurePosixPath(task.workdir) /
                                                                                artifact.source)
         name = PurePosixPath(source).name or "root"
@@ -89,7 +94,8 @@ def collect_artifacts(task: Task, sandbox: Sandbox, dest: Path) -> list[str]:
                            f"-cf - {shlex.quote(name)} | base64 -w0 > {staged}", cwd="/",
                            env={"PATH": BASE_ENV["PATH"]}, timeout=300)
         if res.exit_code == 3:
-            problems.append(f"artifact {artifact.source} does not exist")
+            if artifact is not CONVENTION:
+                problems.append(f"artifact {artifact.source} does not exist")
             continue
         try:
             data = sandbox.read_file(staged, ARTIFACT_BYTES) if res.ok else None

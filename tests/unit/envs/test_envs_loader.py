@@ -356,10 +356,12 @@ def test_check_task_gives_no_verdict_without_a_reason(tmp_path):
                              "/tmp/up) & exec \\\"$@\\\"\", \"sh\"]\n",
                   test_sh="[ -f /app/out.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
                           "/logs/verifier/reward.txt\n",
-                  extra={"solution/solve.sh": "echo done > /app/out.txt\n"})
+                  extra={"solution/solve.sh": "echo done > /app/out.txt\nmkdir -p /logs/artifacts && echo log > "
+                                              "/logs/artifacts/solver.log\n"})
     res = run(root, "--oracle", "--artifacts", str(tmp_path / "run"))
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "1", res.stdout + res.stderr
     assert (tmp_path / "run" / "app" / "out.txt").read_text() == "done\n"
+    assert (tmp_path / "run" / "logs" / "artifacts" / "solver.log").read_text() == "log\n"  # Harbor's convention
     (root / "solution" / "solve.sh").write_text("echo done > /app/out.txt\npip install notebook\n")
     res = run(root, "--oracle")
     assert res.returncode == 2 and "the reference solution failed (exit code" in res.stderr, res.stderr
