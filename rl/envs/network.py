@@ -7,6 +7,7 @@ build (rl/envs/task.py) and for a verdict (rl/envs/check_task.py).
 
 from __future__ import annotations
 
+import os
 import re
 
 _NETWORK_ERROR = re.compile(
@@ -20,7 +21,9 @@ _NAMED_HOST = re.compile(
     r"HTTPS?ConnectionPool\(host=['\"](?P<c>[\w.-]+)|couldn't connect to ['\"]?https?://(?P<d>[\w.-]+)|"
     r"Temporary failure resolving ['\"‘](?P<e>[\w.-]+)|unable to resolve host address ['\"‘](?P<f>[\w.-]+)|"
     r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) (?P<g>[\w.-]+)|dial tcp: lookup (?P<h>[\w.-]+)|"
-    r"Failed to connect to (?P<i>[\w.-]+) port")
+    r"Failed to connect to (?P<i>[\w.-]+) port|"
+    r"(?P<j>thrown while requesting \w+ https?://[\w.-]+)|"  # huggingface_hub
+    r"': /simple/(?P<k>[\w.-]+)/")  # pip's retries name the project, not its index: pypi.org unless configured
 _URL_HOST = re.compile(r"\b(?:https?|ftp|git|ssh)://(?:[^@/\s'\"]+@)?([A-Za-z0-9][\w.-]*\.[A-Za-z]{2,})")
 _LOCAL = ("localhost", "127.0.0.1", "0.0.0.0", "::1")
 # uv's installer fails offline in a verifier and is not a failure there: every built image carries uv.
@@ -29,6 +32,15 @@ UV_INSTALLER = ("astral.sh",)
 # goes on when they cannot be reached, so their failures alone do not explain its zero.
 PACKAGE_REGISTRIES = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com", "security.ubuntu.com",
                       "ports.ubuntu.com", "pypi.org", "files.pythonhosted.org", "registry.npmjs.org")
+
+
+def _host(match: re.Match) -> str:
+    """The host a _NAMED_HOST match names."""
+    if match.group("j"):
+        return _URL_HOST.search(match.group("j")).group(1)
+    if match.group("k"):
+        return os.environ.get("PIP_INDEX_URL", "https://pypi.org").split("://", 1)[-1].split("/", 1)[0]
+    return next(g for g in match.groups() if g)
 
 
 def network_failure(output: str, local: tuple[str, ...] = (), ignore: tuple[str, ...] = UV_INSTALLER) -> str | None:
@@ -47,14 +59,15 @@ def unreached_hosts(output: str, local: tuple[str, ...] = (), ignore: tuple[str,
         line_end = output.find("\n", error.end())
         line = output[line_start:line_end if line_end >= 0 else len(output)]
         named = _NAMED_HOST.search(line)
-        host = next((g for g in named.groups() if g), None) if named else None
+        host = _host(named) if named else None
         if host is None:  # Python's socket errors name no host: the last URL before the error
             urls = _URL_HOST.findall(output, 0, line_end if line_end >= 0 else len(output))
             host = urls[-1] if urls else None
         if host not in _LOCAL and host not in ignore and host not in local:
             hosts.append(host)
-    if None in hosts:  # an error that names no host: one the output names elsewhere (pip's retries, then its error)
-        named = [next(g for g in m.groups() if g) for m in _NAMED_HOST.finditer(output)]
+    found = [h for h in dict.fromkeys(hosts) if h is not None]
+    if None in hosts and not found:  # errors that name no host: one the output names elsewhere, else none
+        named = [_host(m) for m in _NAMED_HOST.finditer(output)]
         named = [h for h in named if h not in _LOCAL and h not in ignore and h not in local]
-        hosts = [h for h in hosts if h is not None] + (named[-1:] or ([] if len(hosts) > 1 else [None]))
-    return [h or "a host it does not name" for h in dict.fromkeys(hosts)]
+        found = named[-1:] or ["a host it does not name"]
+    return found

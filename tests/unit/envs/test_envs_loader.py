@@ -308,6 +308,9 @@ def test_copy_from_an_image_this_machine_cannot_make_is_refused_naming_it(tmp_pa
      "registry.npmjs.org"),
     ("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/datasets/x/resolve/"
      "main/a.mp4\nRetrying in 1s [Retry 1/5].\n    HF download failed: An error happened\n", "huggingface.co"),
+    ("WARNING: Retrying (Retry(total=0)) after connection broken by 'NewConnectionError('<HTTPSConnection>: Failed to "
+     "establish a new connection: [Errno -3] Temporary failure in name resolution')': /simple/datasets/\n"
+     "ERROR: No matching distribution found for datasets==4.0.0\n", "pypi.org"),  # pip names the project only
     ("curl: (6) Could not resolve host: astral.sh\n", None),  # uv's installer: every image has uv
     ("requests.exceptions.ConnectionError: HTTPConnectionPool(host='localhost', port=8000): Failed to establish "
      "a new connection: [Errno 111] Connection refused\n", None),  # the agent's own server, not the network
