@@ -7,7 +7,6 @@ build (rl/envs/task.py) and for a verdict (rl/envs/check_task.py).
 
 from __future__ import annotations
 
-import os
 import re
 
 _NETWORK_ERROR = re.compile(
@@ -23,7 +22,7 @@ _NAMED_HOST = re.compile(
     r"getaddrinfo (?:ENOTFOUND|EAI_AGAIN) (?P<g>[\w.-]+)|dial tcp: lookup (?P<h>[\w.-]+)|"
     r"Failed to connect to (?P<i>[\w.-]+) port|"
     r"(?P<j>thrown while requesting \w+ https?://[\w.-]+)|"  # huggingface_hub
-    r"': /simple/(?P<k>[\w.-]+)/")  # pip's retries name the project, not its index: pypi.org unless configured
+    r"': /simple/(?P<k>[\w.-]+)/")  # pip's retries name the project, not its index
 _URL_HOST = re.compile(r"\b(?:https?|ftp|git|ssh)://(?:[^@/\s'\"]+@)?([A-Za-z0-9][\w.-]*\.[A-Za-z]{2,})")
 _LOCAL = ("localhost", "127.0.0.1", "0.0.0.0", "::1")
 # uv's installer fails offline in a verifier and is not a failure there: every built image carries uv.
@@ -39,7 +38,7 @@ def _host(match: re.Match) -> str:
     if match.group("j"):
         return _URL_HOST.search(match.group("j")).group(1)
     if match.group("k"):
-        return os.environ.get("PIP_INDEX_URL", "https://pypi.org").split("://", 1)[-1].split("/", 1)[0]
+        return "pypi.org"  # pip's own index (a sandbox's pip has no other unless the task configures one)
     return next(g for g in match.groups() if g)
 
 
