@@ -19,6 +19,7 @@ folder (a symlink to the host) is refused. The working tree is /app unless the D
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import warnings
@@ -122,13 +123,28 @@ VERIFIER_MODULES = {"rewardkit": "harbor-rewardkit"}
 _IMPORT = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
 
 
+def imported_modules(source: str) -> set[str]:
+    """The top-level modules a Python file imports (`import a, b.c`, `from d import e`)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # not Python 3 this parser reads: its import lines
+        return set(_IMPORT.findall(source))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 def verifier_packages(folder: TaskFolder) -> list[str]:
     """What the verifier needs installed: what its scripts have uv or pip install, and the packages of the modules
     its Python files import that the stand-in lacks."""
     wanted = [r for text in folder.verifier_scripts.values() for r in verifier_requirements(text)]
     test_dirs = [d for d in [folder.tests] + [s.tests for s in folder.steps] if d is not None]
     for path in (p for d in test_dirs for p in sorted(d.rglob("*.py"))):
-        for module in _IMPORT.findall(path.read_text(errors="replace")):
+        for module in sorted(imported_modules(path.read_text(errors="replace"))):
             if module in VERIFIER_MODULES and not any(w.split("=")[0].split("[")[0].strip() == VERIFIER_MODULES[
                     module] for w in wanted):
                 wanted.append(VERIFIER_MODULES[module])

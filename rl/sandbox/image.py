@@ -550,9 +550,12 @@ class ImageBuilder:
                 if not res.ok:
                     log = self.log_path("verifier-packages")
                     log.write_text(f"$ {command}\n{res.output}")
+                    newer = re.search(r"require a different python version: .*?Requires-Python (\S+)", res.output)
+                    why = (f"its releases need Python {newer.group(1).rstrip(';,')}, newer than the stand-in's "
+                           f"(Debian {self.suite}'s python3)" if newer else _last_line(log))
                     raise SandboxError(f"{recipe.what}: installing what the verifier asks for "
                                        f"({', '.join(recipe.verifier_packages)}) failed ({res.describe()}: "
-                                       f"{_last_line(log)}); the whole log: {log}")
+                                       f"{why}); the whole log: {log}")
 
         return self.build(recipe.key, steps, what=recipe.what)
 

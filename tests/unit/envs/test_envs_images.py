@@ -278,3 +278,22 @@ def test_a_multi_stage_dockerfile_copies_out_of_its_stages_and_uv_s_image(tmp_pa
     assert check_task(task, backend, oracle=False, log=lambda _: None).reward == 0.0
     solved = check_task(task, backend, oracle=True, log=lambda _: None)
     assert solved.reward == 1.0, solved.output[-2000:]
+
+
+@pytest.mark.e2e
+def test_a_verifier_that_imports_rewardkit_gets_harbor_rewardkit_or_the_reason(tmp_path):
+    """harbor-rewardkit (PyPI) is installed for a verifier that imports `rewardkit`; where the stand-in's Python is
+    older than its releases need, the build says so in one line."""
+    root = built_task(tmp_path, "FROM python:3.12-slim-bookworm\nWORKDIR /app\n")
+    (root / "tests" / "grade.py").write_text("import json, rewardkit\nprint(json.dumps({'reward': 1.0}))\n")
+    (root / "tests" / "test.sh").write_text("python /tests/grade.py > /logs/verifier/reward.json\n")
+    task = load_harbor_task(root)
+    assert task.image.verifier_packages == ("harbor-rewardkit",)
+    try:
+        result = check_task(task, LocalBackend(), oracle=False, log=lambda _: None)
+    except TaskError as e:
+        (line,) = str(e).splitlines()
+        assert "installing what the verifier asks for (harbor-rewardkit) failed" in line
+        assert "its releases need Python >=3.12, newer than the stand-in's" in line, line
+    else:
+        assert result.reward == 1.0, result.details  # the stand-in's Python runs it
