@@ -31,7 +31,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rl.envs.task import CopyStep, RunStep, TaskError
+from rl.envs.task import CopyStep, RunStep, TaskError, read_utf8
 from rl.sandbox.base import BASE_ENV
 from rl.sandbox.image import ImageRecipe
 
@@ -286,7 +286,7 @@ def _in_tree(path: str) -> bool:
 
 def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
     """The Dockerfile's last stage as a plan (the stages it copies from in `plan.stages`)."""
-    text = path.read_text()
+    text = read_utf8(path)
     plan = DockerfilePlan(text=text)
     stages: list[DockerfilePlan] = []  # the stages before this one, in order
     global_args: dict[str, str] = {}  # ARG before the first FROM: usable in FROM lines

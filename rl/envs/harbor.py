@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
-from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep
+from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep, read_utf8
 from rl.envs.task_config import HarborConfig, TB1Config, read_harbor_config, read_tb1_config
 from rl.envs.task_folder import check_inside, read_compose, verifier_requirements
 from rl.envs.terminal_bench import DEFAULT_RUN_TESTS, CommandSolution, PytestLogVerifier
@@ -100,12 +100,12 @@ def read_task_folder(task_dir: str | Path) -> TaskFolder:
             if not (folder / need).is_file():
                 raise TaskError(f"{toml}: step {step.name!r} has no steps/{step.name}/{need}")
         scripts[f"steps/{step.name}/tests/test.sh"] = (folder / "tests" / "test.sh").read_text(errors="replace")
-        steps.append(StepFolder(step.name, folder, (folder / "instruction.md").read_text(), folder / "tests",
+        steps.append(StepFolder(step.name, folder, read_utf8(folder / "instruction.md"), folder / "tests",
                                 folder / "solution" if (folder / "solution" / "solve.sh").is_file() else None,
                                 folder / "workdir" if (folder / "workdir").is_dir() else None))
     environment = root / "environment"
     dockerfile = environment / "Dockerfile"
-    return TaskFolder(root, HARBOR, cfg, instruction.read_text() if instruction.is_file() else "",
+    return TaskFolder(root, HARBOR, cfg, read_utf8(instruction) if instruction.is_file() else "",
                       environment if environment.is_dir() else None, dockerfile if dockerfile.is_file() else None,
                       tests if tests.is_dir() else None, scripts,
                       root / "solution" if (root / "solution" / "solve.sh").is_file() else None, steps)
@@ -312,11 +312,11 @@ def _tb1_solution(path: Path | None) -> CommandSolution | None:
     if path is None:
         return None
     if path.name == "solution.sh":
-        return CommandSolution([path.read_text()])
+        return CommandSolution([read_utf8(path)])
     import yaml
 
     try:
-        items = yaml.safe_load(path.read_text())
+        items = yaml.safe_load(read_utf8(path))
     except yaml.YAMLError as e:
         raise TaskError(f"{path} is not YAML: {str(e).splitlines()[0][:120]}") from None
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) and isinstance(i.get("command"), str)

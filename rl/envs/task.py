@@ -31,6 +31,14 @@ class TaskError(ValueError):
     """A task definition is invalid; the message names the file and the field."""
 
 
+def read_utf8(path: Path) -> str:
+    """A task file's text; TaskError in one line when it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path} is not UTF-8 text (byte {e.start}): a task's text files are UTF-8") from None
+
+
 @dataclass
 class TaskLimits:
     agent_timeout_s: float = 600.0

@@ -17,11 +17,11 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import yaml
 
-from rl.envs.task import TaskError
+from rl.envs.task import TaskError, read_utf8
 
 try:
     import tomllib
@@ -452,7 +452,7 @@ def _min_reward(value, where: str) -> float | dict[str, float] | None:
 def read_harbor_config(path) -> HarborConfig:
     """task.toml read into a HarborConfig (TaskError in one line for what is malformed or cannot be honoured)."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(read_utf8(path))
     except tomllib.TOMLDecodeError as e:
         raise TaskError(f"{path} is not valid TOML: {e}") from None
     cfg = HarborConfig(path=str(path))
@@ -539,7 +539,7 @@ class TB1Config:
 
 def read_tb1_config(path) -> TB1Config:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(read_utf8(path))
     except yaml.YAMLError as e:
         raise TaskError(f"{path} is not YAML: {str(e).splitlines()[0][:120]}") from None
     if not isinstance(data, dict):

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from rl.envs.dockerfile import UnsupportedDockerfile, parse_dockerfile
-from rl.envs.task import TaskError
+from rl.envs.task import TaskError, read_utf8
 from rl.sandbox.base import HealthCheck, Service
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
@@ -121,7 +121,7 @@ def read_compose(folder: Path) -> tuple[list[str], list[Service]]:
         if not path.is_file():
             continue
         try:
-            services = (yaml.safe_load(path.read_text()) or {}).get("services") or {}
+            services = (yaml.safe_load(read_utf8(path)) or {}).get("services") or {}
         except (yaml.YAMLError, AttributeError) as e:
             raise TaskError(f"{path} is not a compose file: {str(e).splitlines()[0][:120]}") from None
         if not isinstance(services, dict):

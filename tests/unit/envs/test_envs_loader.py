@@ -441,3 +441,10 @@ def test_a_reference_solution_short_of_the_network_its_task_declares_is_no_verdi
             "reference solution reaches for it (http://example.com): it scores 0 without it")
     (root / "solution" / "solve.sh").write_text("echo offline > /app/other.txt\n")  # no reach: a plain wrong verdict
     assert "error" not in check_task(load_harbor_task(root), backend, oracle=True, log=lambda _: None).details
+
+
+def test_a_task_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    root = harbor(tmp_path, "[verifier]\n")
+    (root / "instruction.md").write_bytes(b"caf\xe9\n")
+    with pytest.raises(TaskError, match=r"instruction.md is not UTF-8 text \(byte 3\)"):
+        load_harbor_task(root)
