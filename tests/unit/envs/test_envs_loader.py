@@ -448,3 +448,14 @@ def test_a_task_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
     (root / "instruction.md").write_bytes(b"caf\xe9\n")
     with pytest.raises(TaskError, match=r"instruction.md is not UTF-8 text \(byte 3\)"):
         load_harbor_task(root)
+
+
+@needs_bwrap
+def test_a_stdio_mcp_server_the_sandbox_lacks_stops_the_episode_before_the_agent(tmp_path):
+    toml = '[[environment.mcp_servers]]\nname = "tools"\ntransport = "stdio"\ncommand = "{}"\n'
+    root = harbor(tmp_path, toml.format("no-such-mcp-server"))
+    with pytest.raises(TaskError, match=r"MCP server 'tools' starts with `no-such-mcp-server`, which the sandbox does "
+                                        r"not have"):
+        check_task(load_harbor_task(root), LocalBackend(), oracle=False, log=lambda _: None)
+    (root / "task.toml").write_text(toml.format("sh"))
+    assert check_task(load_harbor_task(root), LocalBackend(), oracle=False, log=lambda _: None).reward == 1.0
