@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rl.envs.episode import after_agent, start_episode
 from rl.envs.harbor import load_harbor_task
-from rl.envs.network import PACKAGE_REGISTRIES, network_failure, unreached_hosts
+from rl.envs.network import PACKAGE_REGISTRIES, UV_INSTALLER, network_failure, unreached_hosts
 from rl.envs.steps import run_steps
 from rl.envs.swebench import load_swebench
 from rl.envs.task import Task, TaskError, VerifyResult, prepare_task
@@ -133,7 +133,10 @@ def explain(result: VerifyResult, task: Task) -> VerifyResult:
     hosts, host = unreached_hosts(output, local), network_failure(output, local)
     if "error" in details:
         error = details["error"]
-        if host and not any(h in error for h in hosts):
+        beyond = [h for h in hosts if h not in PACKAGE_REGISTRIES]  # a verifier's apt/pip retries are beside the point
+        if beyond and not any(h in error for h in beyond):
+            details["error"] = f"{error} ({network_failure(output, local, ignore=UV_INSTALLER + PACKAGE_REGISTRIES)})"
+        elif host and not beyond and "it asked for" not in error:
             details["error"] = f"{error} ({host})"
         if res is not None and res.exit_code == 127 and (command := missing_command(output)) and \
                 f"`{command}`" not in details["error"] and f" {command}," not in details["error"]:

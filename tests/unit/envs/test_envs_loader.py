@@ -459,3 +459,13 @@ def test_a_stdio_mcp_server_the_sandbox_lacks_stops_the_episode_before_the_agent
         check_task(load_harbor_task(root), LocalBackend(), oracle=False, log=lambda _: None)
     (root / "task.toml").write_text(toml.format("sh"))
     assert check_task(load_harbor_task(root), LocalBackend(), oracle=False, log=lambda _: None).reward == 1.0
+
+
+def test_a_verdict_names_the_host_that_matters_not_the_verifier_s_package_retries(tmp_path):
+    task = load_harbor_task(harbor(tmp_path, "[verifier]\n"))
+    apt = "W: Temporary failure resolving 'deb.debian.org'\n"
+    res = explain(VerifyResult(0.0, apt + "curl: (6) Could not resolve host: github.com\n", {"error": "broken"}), task)
+    assert res.details["error"] == "broken (it asked for github.com, beyond the sandbox's network)"
+    res = explain(VerifyResult(0.0, apt, {"error": "void (it asked for pypi.org, beyond the sandbox's network)"}), task)
+    assert res.details["error"] == "void (it asked for pypi.org, beyond the sandbox's network)"
+    assert "error" not in explain(VerifyResult(0.0, apt + "FAILED test_x\n", {}), task).details  # apt alone: a verdict
