@@ -400,9 +400,7 @@ def generate_splits(out: str | Path, splits: dict[str, int], seed: int = 0,
 
 def solution_turns(task) -> list[list[dict]]:
     """The reference solution of a generated task (an `rl.envs.Task` loaded from its folder) as tool calls."""
-    from rl.envs.harbor import read_task_toml
-
-    meta = read_task_toml(Path(task.source) / "task.toml").get("metadata", {})
+    meta = task.metadata
     if "solution_turns" not in meta:
         raise ValueError(f"{task.source}: task.toml [metadata] has no solution_turns (not a generated task)")
     return json.loads(meta["solution_turns"])

@@ -4,11 +4,14 @@ how long the environment took to build and to prepare again, and for a task that
     python tools/task_table.py TASK_DIR... [--backend local|docker|podman] [--local-base] [--out table.md]
         [--json rows.jsonl]
 
-A task folder is Harbor (1.0, 1.1 multi-step) or Terminal-Bench 1 (tools/check_task.py reads both). A task "runs"
-when its untouched check gives reward 0 and its oracle check reward 1, neither with an error. A task that cannot be
-loaded or built here (a GPU, a multi-container compose file on the local backend, a download from beyond the package
-registries, a base that is not Debian) is a row with its one-line reason. Exit status 1 when a task gives other
-rewards than 0 and 1 with no reason (a verdict that would mislead training).
+A task folder is Harbor (schema up to 1.4, multi-step) or Terminal-Bench 1 (tools/check_task.py reads both). Every
+row is one of:
+- right: untouched reward 0 and reward 1 after the reference solution, neither with an error;
+- refused: it cannot be loaded, built or verified here, with its one-line reason (the host, tool or key it needs);
+- flagged: its verdicts are not verdicts on the agent's work (the untouched task scores as much as the reference
+  solution, or the most there is) or the untouched task gets partial credit, said in one line;
+- wrong: any other rewards with no reason: a verdict that would mislead training.
+The table closes with the count of each; exit status 1 when a row is wrong.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from rl.envs.check_task import check_task, load_task, make_backend, printable  # noqa: E402
+from rl.envs.check_task import (  # noqa: E402
+    check_task,
+    load_task,
+    make_backend,
+    partial_credit,
+    printable,
+    reward_range,
+    verdict_problem,
+)
 from rl.envs.harbor import TaskFormatWarning  # noqa: E402
 from rl.envs.task import TaskError, prepare_task  # noqa: E402
 from rl.sandbox import SandboxError  # noqa: E402
@@ -42,11 +53,20 @@ class Row:
     second_prepare_s: float | None = None  # a prepare once the image is built: what every later run pays
     unsolved: float | None = None
     oracle: float | None = None
-    reason: str = ""  # why it cannot run here, or what went wrong
+    reason: str = ""  # why it cannot run here (refused), or why its verdicts are no verdicts (flagged)
+    flagged: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.flagged:
+            return "flagged"
+        if self.reason:
+            return "refused"
+        return "right" if (self.unsolved, self.oracle) == (0.0, 1.0) else "wrong"
 
     @property
     def runs(self) -> bool:
-        return self.unsolved == 0.0 and self.oracle == 1.0 and not self.reason
+        return self.verdict == "right"
 
 
 def task_format(path: Path, task) -> str:
@@ -82,16 +102,22 @@ def check_one(path: Path, backend) -> Row:
     except (TaskError, SandboxError) as e:
         row.reason = one_line(e)
         return row
+    results = {}
     for oracle in (False, True):
         try:
             result = check_task(task, backend, oracle, log=lambda _: None)
         except (TaskError, SandboxError) as e:
-            row.reason = one_line(e)
+            row.reason = f"{'oracle' if oracle else 'untouched'}: {one_line(e)}"
             return row
+        results[oracle] = result
         setattr(row, "oracle" if oracle else "unsolved", result.reward)
         if "error" in result.details:
             row.reason = f"{'oracle' if oracle else 'untouched'}: {one_line(result.details['error'])}"
             return row
+    low, high = reward_range(task)
+    why = verdict_problem(results[False], results[True], high) or partial_credit(results[False], low)
+    if why:
+        row.reason, row.flagged = printable(why), True
     return row
 
 
@@ -99,15 +125,16 @@ def markdown(rows: list[Row]) -> str:
     def num(v, fmt):
         return "" if v is None else format(v, fmt)
 
-    lines = ["| task | format | environment | build s | 2nd prepare s | untouched | oracle | runs here / why not |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | format | environment | build s | 2nd prepare s | untouched | oracle | verdict | reason |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.task} | {r.format} | {r.environment} | {num(r.build_s, '.1f')} | "
                      f"{num(r.second_prepare_s, '.2f')} | {num(r.unsolved, 'g')} | {num(r.oracle, 'g')} | "
-                     f"{'yes' if r.runs else r.reason.replace('|', '/')} |")
-    ran = sum(r.runs for r in rows)
-    lines.append(f"\n{ran} of {len(rows)} tasks give 0 untouched and 1 with the oracle; "
-                 f"{len(rows) - ran} cannot run here (the reason is in the row).")
+                     f"{r.verdict} | {r.reason.replace('|', '/')} |")
+    count = {v: sum(r.verdict == v for r in rows) for v in ("right", "refused", "flagged", "wrong")}
+    lines.append(f"\n{len(rows)} tasks: {count['right']} right (0 untouched, 1 with the oracle), {count['refused']} "
+                 f"refused with their reason, {count['flagged']} flagged with their reason, {count['wrong']} wrong "
+                 "(a verdict without a reason).")
     return "\n".join(lines) + "\n"
 
 
@@ -135,15 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_description(path.name[:40])
         rows.append(check_one(path, backend))
         r = rows[-1]
-        tqdm.write(f"{r.task}: untouched {r.unsolved} oracle {r.oracle}"
+        tqdm.write(f"{r.task}: {r.verdict}: untouched {r.unsolved} oracle {r.oracle}"
                    + (f" ({r.reason})" if r.reason else ""), file=sys.stderr)
     table = markdown(rows)
     print(table, end="")
     if args.out:
         Path(args.out).write_text(table)
     if args.json:
-        Path(args.json).write_text("".join(json.dumps({**asdict(r), "runs": r.runs}) + "\n" for r in rows))
-    return 1 if any(not r.runs and not r.reason for r in rows) else 0  # a verdict wrong without a reason
+        Path(args.json).write_text("".join(json.dumps({**asdict(r), "verdict": r.verdict}) + "\n" for r in rows))
+    return 1 if any(r.verdict == "wrong" for r in rows) else 0
 
 
 if __name__ == "__main__":

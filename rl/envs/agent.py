@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from megatron_composer.data.chat_format import ChatFormat, ChatMLFormat
+from rl.envs.episode import after_agent, start_episode
 from rl.envs.task import Task, VerifyResult
 from rl.envs.tools import TOOL_SPECS, ToolBox, tool_schemas
 from rl.sandbox.base import Sandbox
@@ -130,6 +131,7 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
     budget_s = config.time_budget_s if config.time_budget_s is not None else task.limits.agent_timeout_s
     max_turns = min(config.max_turns, task.limits.max_turns)
     profile = agent_profile(config.profile)
+    start_episode(task, sandbox)  # the task's health check (and its stdio MCP servers' commands) before the agent
     tools = ToolBox(sandbox, max_observation_chars=config.max_observation_chars,
                     command_timeout_s=config.command_timeout_s, tools=profile.tools)
     messages = initial_messages(task, sandbox.workdir, profile.name)
@@ -175,6 +177,8 @@ def run_episode(task: Task, sandbox: Sandbox, policy: Policy, config: EpisodeCon
             messages[-1] = {"role": "user", "content": f"{task.instruction}\n\nSummary of your work so far:\n"
                                                        f"{summary}"}
             segments.append(messages)
+    if verify:
+        after_agent(task, sandbox)  # its collect hooks, as Harbor runs them before the verifier
     result = task.verifier.verify(sandbox, task) if verify else None
     return EpisodeResult(
         reward=result.reward if result else 0.0, verify=result, segments=segments, summaries=summaries,

@@ -9,9 +9,13 @@ the command, or the script itself) become steps; `--platform` is read past. Two 
   root filesystem made from packages, plus what the FROM image's family implies (build-essential for gcc, nodejs for
   node ...), then the steps, with the network (rl/sandbox/image.py). Cached under a digest of everything it reads.
 Both are stated in the task's notes. ENTRYPOINT starts every episode, as it starts a container (a service it leaves
-running serves the agent and the verifier). Instructions that only describe a container (LABEL, EXPOSE, CMD, USER
-...) are noted; anything else (multi-stage builds, COPY --from, a non-Debian base that must be built) is named in an
-error that points to a container backend. ADD of a URL downloads it in the build.
+running serves the agent and the verifier). USER is the image's user, which the task's phases run as unless
+task.toml names another. Instructions that only describe a container (LABEL, EXPOSE, CMD ...) are noted. ADD of a
+URL downloads it in the build. Multi-stage builds: each stage is read as its own plan (`FROM <earlier stage>`
+starts from that stage's steps); `COPY --from=<stage>` copies out of that stage's image, built first
+(`StageCopyStep`); `COPY --from=<image>` works for images this machine can make (`ghcr.io/astral-sh/uv`, from uv's
+wheel on the package index); any other image, and a non-Debian base that must be built, is named in an error that
+points to a container backend.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import glob
 import hashlib
 import json
 import os
+import platform
 import re
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rl.envs.task import CopyStep, RunStep, TaskError
+from rl.envs.task import CopyStep, RunStep, TaskError, read_utf8
 from rl.sandbox.base import BASE_ENV
 from rl.sandbox.image import ImageRecipe
 
@@ -49,6 +55,18 @@ FAMILY_PACKAGES = {
     "mariadb": ("mariadb-server",), "mysql": ("mariadb-server",), "haskell": ("ghc", "cabal-install"),
     "swift": (), "julia": ("julia",),
 }
+# What an image family has at a path of its own that Debian's packages put elsewhere: python:* images have
+# /usr/local/bin/python (plain Debian and Ubuntu images have no `python`, so a Dockerfile may link one itself).
+FAMILY_LINKS = {"python": (("/usr/local/bin/python", "/usr/bin/python3"),)}
+# Commands an image family has that the host's system may lack: a task that calls one (its verifier, its solution,
+# its Dockerfile's RUN steps) is built with the family's packages rather than stood in for by the host.
+FAMILY_COMMANDS = {"python": ("python",), "node": ("node", "npm", "npx"), "gcc": ("gcc", "g++", "make"),
+                   "golang": ("go",), "rust": ("cargo", "rustc"), "openjdk": ("java", "javac"),
+                   "eclipse-temurin": ("java", "javac"), "amazoncorretto": ("java", "javac"), "maven": ("mvn",),
+                   "gradle": ("gradle",), "ruby": ("ruby", "gem"), "php": ("php",), "r-base": ("Rscript",),
+                   "haskell": ("ghc", "cabal"), "julia": ("julia",)}
+# Images a `COPY --from=<image>` may name that this machine makes itself: uv's (its binaries from the uv wheel).
+UV_IMAGE = re.compile(r"^(?:ghcr\.io/)?astral-sh/uv(?::(?P<tag>[^@\s]+))?(?:@\S+)?$")
 # Bases whose packages are not Debian's: their Dockerfile steps cannot be stood in for by a Debian build.
 NON_DEBIAN = ("alpine", "fedora", "centos", "rockylinux", "almalinux", "amazonlinux", "archlinux", "opensuse",
               "busybox", "ubi", "oraclelinux", "photon", "clearlinux", "nixos", "windows", "scratch")
@@ -72,13 +90,39 @@ class DockerfilePlan:
     build_reason: str | None = None  # the first step that reaches past /app: the task needs a built image
     text: str = ""  # the Dockerfile as written (part of the image's digest)
     entrypoint: tuple[str, ...] = ()  # ENTRYPOINT: what each episode starts with, as a container does
+    user: str | None = None  # USER: who the image's processes run as (None: root)
+    name: str | None = None  # the stage's name (FROM ... AS name)
+    stages: dict[str, "DockerfilePlan"] = field(default_factory=dict)  # stages its COPY --from names, by key
+    runs: list[str] = field(default_factory=list)  # its RUN steps' commands
 
-    def task_parts(self, path: Path, timeout_s: float, verifier: tuple[str, list[str]] | None = None
-                   ) -> tuple[list, ImageRecipe]:
+    def set_workdir(self, workdir: str, origin: str) -> None:
+        """[environment].workdir: the working directory instead of the Dockerfile's WORKDIR."""
+        if not _in_tree(workdir):
+            self.build_reason = self.build_reason or f"{origin} {workdir} is outside {TREE_ROOT}"
+        self.workdir = workdir
+
+    def stage_recipes(self, timeout_s: float) -> dict[str, ImageRecipe]:
+        return {key: stage.recipe(Path(f"stage {key}"), timeout_s, (), f"stage {key} of the Dockerfile")
+                for key, stage in self.stages.items()}
+
+    def recipe(self, path: Path, timeout_s: float, wanted: tuple[str, ...], required: str | None) -> ImageRecipe:
+        family = image_family(self.base_image or "")
+        packages = FAMILY_PACKAGES.get(family, ())
+        stand_in = tuple(f"ln -sfn {shlex.quote(target)} {shlex.quote(link)}"
+                         for link, target in FAMILY_LINKS.get(family, ()))
+        stages = self.stage_recipes(timeout_s)
+        return ImageRecipe(key=self.digest(packages + tuple(wanted) + stand_in, stages), packages=packages,
+                           steps=list(self.steps), timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}",
+                           required=required, verifier_packages=tuple(wanted), dockerfile=self.text, stages=stages,
+                           stand_in=stand_in)
+
+    def task_parts(self, path: Path, timeout_s: float, verifier: tuple[str, list[str]] | None = None,
+                   scripts: dict[str, str] | None = None) -> tuple[list, ImageRecipe]:
         """(the setup steps to run on the host's system, the image to build), the steps empty when one reaches past
         /app and so the image must be built (a backend may build it anyway); the stand-in is stated in the notes.
         `verifier` is (its script's name, what it has uv or pip install): a verifier that installs tools needs the
-        image too, which carries them (the verifier runs offline)."""
+        image too, which carries them (the verifier runs offline). `scripts` (name -> text: the verifier's, the
+        solution's) are read for commands the FROM image has and the host's system lacks."""
         where = f"{path}: FROM {self.base_image}"
         family = image_family(self.base_image or "")
         packages = FAMILY_PACKAGES.get(family, ())
@@ -86,24 +130,32 @@ class DockerfilePlan:
         if wanted and self.build_reason is None:
             self.build_reason = (f"{script} has uv or pip install {', '.join(wanted)}, which the image carries so that "
                                  "the verifier runs offline")
-        recipe = ImageRecipe(key=self.digest(packages + tuple(wanted)), packages=packages, steps=list(self.steps),
-                             timeout_s=timeout_s, what=f"{path.parent.name}/{path.name}", required=self.build_reason,
-                             verifier_packages=tuple(wanted), dockerfile=self.text)
+        if self.build_reason is None:
+            lacking = host_lacks(family, {"the Dockerfile's RUN steps": "\n".join(self.runs),
+                                          **(scripts or {})})
+            if lacking:
+                self.build_reason = lacking
+        recipe = self.recipe(path, timeout_s, tuple(wanted), self.build_reason)
         if self.build_reason is None:
             self.notes.append(f"{where}: the host's system stands in for the image (every step stays in {TREE_ROOT})")
             return self.steps, recipe
-        if family in NON_DEBIAN:
-            raise UnsupportedDockerfile(f"{where}: a non-Debian base ({family}) must be built ({self.build_reason}); "
-                                        f"the local backend builds on Debian: {CONTAINER_BACKENDS}")
+        for plan in [self, *self.stages.values()]:
+            stage_family = image_family(plan.base_image or "")
+            if stage_family in NON_DEBIAN:
+                raise UnsupportedDockerfile(f"{path}: FROM {plan.base_image}: a non-Debian base ({stage_family}) must "
+                                            f"be built ({self.build_reason}); the local backend builds on Debian: "
+                                            f"{CONTAINER_BACKENDS}")
         known = "" if family in FAMILY_PACKAGES else "; an image this backend does not know: only Debian's base"
         self.notes.append(f"{where}: built into an image on a Debian root filesystem from packages"
                           + (f" with {', '.join(packages)}" if packages else "") + f"{known} (because "
                           f"{self.build_reason})")
         return [], recipe
 
-    def digest(self, packages: tuple[str, ...]) -> str:
-        """Everything the build reads: the Dockerfile, the packages it adds and every file its COPY/ADD take."""
-        h = hashlib.sha256(json.dumps([self.text, list(packages)]).encode())
+    def digest(self, packages: tuple[str, ...], stages: dict[str, ImageRecipe] | None = None) -> str:
+        """Everything the build reads: the Dockerfile, the packages it adds, every file its COPY/ADD take and the
+        stages it copies from."""
+        h = hashlib.sha256(json.dumps([self.text, self.name, list(packages),
+                                       sorted((k, r.key) for k, r in (stages or {}).items())]).encode())
         for step in self.steps:
             if isinstance(step, CopyStep):
                 h.update(f"\0copy {step.dest} {step.unpack}\0".encode())
@@ -129,6 +181,26 @@ def image_family(image: str) -> str:
         if name == family or name.startswith(family + "-") or re.match(rf"{re.escape(family)}[0-9.]", name):
             return family
     return name
+
+
+def host_lacks(family: str, scripts: dict[str, str]) -> str | None:
+    """Why the host's system cannot stand in for an image of `family`: a command the family's images have, which
+    one of `scripts` (name -> text) calls and the host lacks; None when it can."""
+    for command in FAMILY_COMMANDS.get(family, ()):
+        if shutil.which(command, path=BASE_ENV["PATH"]) is not None:
+            continue
+        call = re.compile(rf"(?:^|[\s;&|(`]){re.escape(command)}(?=[\s;&|)`]|$)", re.MULTILINE)
+        for name, text in scripts.items():
+            if call.search(text):
+                return (f"{name} calls `{command}`, which FROM {family} images have and this host's system lacks")
+    return None
+
+
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(platform.machine(), platform.machine())
+# The platform arguments BuildKit gives every build (their value once a stage declares them): this host's.
+PLATFORM_ARGS = {**{f"{w}PLATFORM": f"linux/{_ARCH}" for w in ("TARGET", "BUILD")},
+                 **{f"{w}OS": "linux" for w in ("TARGET", "BUILD")}, **{f"{w}ARCH": _ARCH for w in ("TARGET", "BUILD")},
+                 "TARGETVARIANT": "", "BUILDVARIANT": ""}
 
 
 # A BuildKit heredoc: <<EOF, <<-EOF, <<"EOF" or <<'EOF' in a RUN, COPY or ADD line; its body follows the line.
@@ -213,11 +285,13 @@ def _in_tree(path: str) -> bool:
 
 
 def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
-    plan = DockerfilePlan()
+    """The Dockerfile's last stage as a plan (the stages it copies from in `plan.stages`)."""
+    text = read_utf8(path)
+    plan = DockerfilePlan(text=text)
+    stages: list[DockerfilePlan] = []  # the stages before this one, in order
+    global_args: dict[str, str] = {}  # ARG before the first FROM: usable in FROM lines
     variables: dict[str, str] = {}
     seen_from = False
-    text = path.read_text()
-    plan.text = text
 
     def reaches_out(why: str) -> None:
         plan.build_reason = plan.build_reason or why
@@ -230,14 +304,28 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             raise UnsupportedDockerfile(f"{where}: {keyword} of an inline file (a heredoc) is not supported by the "
                                         "local backend; write the file with RUN, or use a container backend")
         if keyword == "FROM":
+            words = [w for w in _substitute(rest, global_args).split() if not w.startswith("--")]  # --platform
+            if not words:
+                raise TaskError(f"{where}: FROM names no image")
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
             if seen_from:
-                raise UnsupportedDockerfile(f"{where}: multi-stage builds (a second FROM) need a container backend")
-            seen_from = True
-            image = [w for w in rest.split() if not w.startswith("--")]  # --platform=...: the host's is used
-            plan.base_image = image[0] if image else None
+                stages.append(plan)
+                earlier = _stage(stages, words[0])
+                plan = (DockerfilePlan(base_image=earlier.base_image, workdir=earlier.workdir, env=dict(earlier.env),
+                                       steps=list(earlier.steps), build_reason=earlier.build_reason, text=text,
+                                       entrypoint=earlier.entrypoint, user=earlier.user, stages=dict(earlier.stages),
+                                       runs=list(earlier.runs))
+                        if earlier is not None else DockerfilePlan(base_image=words[0], text=text))
+                variables = dict(global_args)
+            else:
+                plan.base_image = words[0]
+                variables = dict(global_args)
+            plan.name, seen_from = name, True
         elif keyword == "ARG":
             name, eq, default = rest.partition("=")
-            variables.setdefault(name.strip(), _substitute(default.strip().strip('"'), variables) if eq else "")
+            scope = variables if seen_from else global_args
+            scope.setdefault(name.strip(), _substitute(default.strip().strip('"'), scope) if eq
+                             else PLATFORM_ARGS.get(name.strip(), ""))
         elif keyword == "ENV":
             parts = shlex.split(rest)
             if parts and "=" not in parts[0]:  # legacy form: ENV KEY value with spaces
@@ -263,9 +351,11 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
                 reaches_out(f"{where}: WORKDIR {target} is outside {TREE_ROOT}")
             plan.workdir = target
         elif keyword in ("COPY", "ADD"):
-            steps = _copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env})
+            steps = _copy_steps(keyword, rest, where, context, plan, {**variables, **plan.env}, stages)
             for step in steps:
-                if isinstance(step, RunStep):
+                if isinstance(step, StageCopyStep):
+                    reaches_out(f"{where}: {keyword} --from={step.stage} copies out of another image")
+                elif isinstance(step, RunStep):
                     reaches_out(f"{where}: ADD downloads {step.origin.rsplit(' ', 1)[-1]}")
                 elif not _in_tree(step.dest):
                     reaches_out(f"{where}: {keyword} to {step.dest} is outside {TREE_ROOT}")
@@ -281,7 +371,9 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
                 command = command.lstrip()
             if _REACHES_OUT.search(command):
                 reaches_out(f"{where}: RUN reaches past {TREE_ROOT} (it installs, downloads or names a system path)")
-            plan.steps.append(RunStep(command=command, cwd=plan.workdir, env=dict(plan.env), origin=where))
+            plan.runs.append(command)
+            # a RUN step's environment holds the stage's ARGs too, as in a build
+            plan.steps.append(RunStep(command=command, cwd=plan.workdir, env={**variables, **plan.env}, origin=where))
         elif keyword == "ENTRYPOINT":
             args = _args(rest) if rest.startswith("[") else None
             plan.entrypoint = tuple(args) if args is not None else ("/bin/sh", "-c", rest)
@@ -289,25 +381,109 @@ def parse_dockerfile(path: Path, context: Path) -> DockerfilePlan:
             plan.notes.append(f"{where}: CMD is replaced, as Harbor and Terminal-Bench replace it: the sandbox's "
                               "episode runs the agent's commands")
         elif keyword == "USER":
-            plan.notes.append(f"{where}: USER is not honoured: the agent runs as the sandbox's own user")
+            plan.user = _substitute(rest, {**variables, **plan.env}).strip() or None
         elif keyword in NO_EFFECT:
             plan.notes.append(f"{where}: {keyword} has no effect on a local task and is ignored")
         else:
             raise UnsupportedDockerfile(f"{where}: the local backend cannot honour {keyword}; it supports FROM, "
                                         "WORKDIR, ENV, ARG, USER, COPY/ADD of the task's own files and RUN. Use a "
                                         "container backend (docker, podman, apptainer) for this task")
+    if plan.user is not None:
+        plan.notes.append(f"{path}: USER {plan.user} is the image's user: the task's phases run as it unless "
+                          "task.toml names another ([agent].user, [verifier].user)")
     return plan
 
 
+def _stage(stages: list[DockerfilePlan], ref: str) -> DockerfilePlan | None:
+    """The earlier stage `ref` names (its AS name, or its index), or None."""
+    for n, stage in enumerate(stages):
+        if ref == str(n) or (stage.name is not None and ref.lower() == stage.name.lower()):
+            return stage
+    return None
+
+
+@dataclass
+class StageCopyStep:
+    """`COPY --from=<stage or image> SRC... DEST`: files out of another image this machine builds first (an earlier
+    stage of the Dockerfile, or an image it can make), copied in as COPY copies them. Runs in an image's build
+    (its BuildRoot holds the roots of the stages it copies from in `stage_roots`)."""
+
+    stage: str  # the key of the stage in the recipe's stages
+    sources: list[str]
+    dest: str  # absolute
+    dest_is_dir: bool
+    origin: str
+
+    def apply(self, root, timeout: float) -> None:
+        stage_root = getattr(root, "stage_roots", {}).get(self.stage)
+        if stage_root is None:
+            raise TaskError(f"{self.origin}: COPY --from={self.stage} runs only in an image's build")
+        for src in self.sources:
+            found = _in_stage(Path(stage_root), src)
+            if not found:
+                raise TaskError(f"{self.origin}: COPY --from={self.stage}: {src} does not exist in that image")
+            for host in found:
+                target = (str(PurePosixPath(self.dest) / host.name) if self.dest_is_dir and not host.is_dir()
+                          else self.dest)
+                root.copy_in(host, target, merge=True)
+
+
+def _in_stage(stage_root: Path, src: str) -> list[Path]:
+    """The paths `src` names inside a stage's root filesystem (a glob may name several), every link on the way
+    followed inside that root, never out of it."""
+    root = os.path.realpath(stage_root)
+    if any(c in src for c in "*?["):
+        matches = sorted(glob.glob(os.path.join(root, src.lstrip("/"))))
+        return [Path(m) for m in matches if not os.path.islink(m) and os.path.realpath(m).startswith(root + "/")]
+    parts, current, hops = list(PurePosixPath("/" + src).parts[1:]), root, 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current) if current != root else root
+            continue
+        candidate = os.path.join(current, part)
+        if os.path.islink(candidate):
+            hops += 1
+            if hops > 40:
+                return []
+            target = os.readlink(candidate)
+            current = root if target.startswith("/") else current
+            parts = [p for p in PurePosixPath(target).parts if p != "/"] + parts
+            continue
+        current = candidate
+    return [Path(current)] if os.path.lexists(current) else []
+
+
+def uv_stage(ref: str, origin: str) -> DockerfilePlan | None:
+    """The plan of an image `COPY --from=<ref>` names that this machine can make: uv's image (/uv, /uvx and
+    /usr/local/bin/uv{,x}, from the uv wheel of the tag's version); None for any other image."""
+    m = UV_IMAGE.match(ref)
+    if m is None:
+        return None
+    tag = (m.group("tag") or "latest").split("-", 1)[0]
+    version = ("" if tag in ("latest", "") or not re.fullmatch(r"\d+(?:\.\d+){0,2}", tag)
+               else f"=={tag}" if tag.count(".") == 2 else f"=={tag}.*")
+    command = (f"python3 -m pip install --no-cache-dir -q --only-binary=:all: {shlex.quote('uv' + version)} && "
+               "for b in uv uvx; do cp \"$(command -v $b)\" /$b; done")
+    return DockerfilePlan(base_image="debian", text=f"# uv's image {ref} made from the uv wheel\n{command}\n",
+                          steps=[RunStep(command=command, cwd="/", env={}, origin=f"{origin}: uv's image {ref}")],
+                          build_reason=f"{origin}: COPY --from={ref}", name=ref)
+
+
 def _copy_steps(keyword: str, rest: str, where: str, context: Path, plan: DockerfilePlan,
-                variables: dict[str, str]) -> list[CopyStep]:
+                variables: dict[str, str], stages: list[DockerfilePlan]) -> list:
     parts = _args(rest)
     flags = [p for p in parts if p.startswith("--")]
     parts = [_substitute(p, variables) for p in parts if not p.startswith("--")]
+    source_image = None
     for flag in flags:
-        name = flag.split("=", 1)[0]
+        name, _, value = flag.partition("=")
         if name in ("--chown", "--chmod", "--link"):
             plan.notes.append(f"{where}: {keyword} {name} ignored: files belong to the sandbox user")
+        elif name == "--from" and keyword == "COPY" and value:
+            source_image = _substitute(value, variables)
         else:
             raise UnsupportedDockerfile(f"{where}: {keyword} {name} needs a container backend")
     if len(parts) < 2:
@@ -316,6 +492,15 @@ def _copy_steps(keyword: str, rest: str, where: str, context: Path, plan: Docker
     dest_abs = dest if dest.startswith("/") else str(PurePosixPath(plan.workdir) / dest)
     dest_is_dir = dest.endswith("/") or dest in (".", "./") or len(sources) > 1
     dest_abs = os.path.normpath(dest_abs)
+    if source_image is not None:
+        stage = _stage(stages, source_image) or uv_stage(source_image, where)
+        if stage is None:
+            raise UnsupportedDockerfile(
+                f"{where}: COPY --from={source_image} needs that image, which this machine cannot make (it makes the "
+                f"Dockerfile's earlier stages and ghcr.io/astral-sh/uv): {CONTAINER_BACKENDS} with a registry")
+        key = stage.name or source_image
+        plan.stages[key] = stage
+        return [StageCopyStep(key, sources, dest_abs, dest_is_dir, where)]
     context_real = os.path.realpath(context)
     steps = []
     for src in sources:

@@ -1,128 +1,161 @@
-"""Load Harbor / Terminal-Bench 2 task folders, unmodified.
+"""Load Harbor (Terminal-Bench 2, schema up to 1.4, multi-step) and Terminal-Bench 1 task folders, unmodified.
 
-    task/
-      instruction.md          what the agent is asked to do
-      task.toml               limits: [agent].timeout_sec, [verifier].timeout_sec, env, reward_range
-                              ([low, high], default [0, 1]) and judge_reads (files of tests/ the code under
-                              test may read inside `judge`),
-                              [environment] build_timeout_sec, memory_mb (or memory = "2G"), cpus,
-                              storage_mb (or storage), docker_image, env
-      environment/Dockerfile  the machine; build context environment/ (optional: empty /app otherwise)
-      tests/test.sh           verifier; copied to /tests after the agent finished, writes
-                              /logs/verifier/reward.txt
-      solution/solve.sh       reference solution (optional)
+    task/                          Harbor                            Terminal-Bench 1
+      instruction.md               what the agent is asked           (task.yaml's instruction)
+      task.toml | task.yaml        configuration (rl/envs/task_config.py reads every key)
+      environment/Dockerfile       the machine; context environment/ Dockerfile, context the task folder
+      environment/docker-compose.yaml   containers beside the task's own (rl/envs/task_folder.py)
+      tests/test.sh                verifier, writes /logs/verifier/reward.txt or reward.json
+                                                                     run-tests.sh (pytest -rA summary)
+      solution/solve.sh            reference solution                solution.sh | solution.yaml
+      steps/<name>/                a multi-step task's steps: instruction.md, tests/, solution/, workdir/
 
-The working tree is /app. `[agent].max_turns` is read as an extension (default 50). Keys this loader does not
-know are named in a TaskFormatWarning (and the task's notes): they have no effect here. A file or folder of the
-task that resolves outside the task folder (a symlink to the host) is refused. A compose file beside the
-Dockerfile is a note with one service and refused with several. A Terminal-Bench 1 folder (task.yaml, no
-instruction.md) is read by rl/envs/terminal_bench.py into the same Task.
+Reading comes before building: `read_task_folder` reads the folder into a `TaskFolder` (its format, its typed
+configuration, the files the task has); `assemble` turns it into a `Task` in one pass (the Dockerfile's plan,
+the stand-in, the verifier, the solution, the steps). A file or folder of the task that resolves outside the task
+folder (a symlink to the host) is refused. The working tree is /app unless the Dockerfile's WORKDIR or
+[environment].workdir says otherwise.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import math
 import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.envs.dockerfile import parse_dockerfile
-from rl.envs.steps import STRATEGIES
-from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep
-from rl.envs.task_folder import check_inside, positive_number, read_compose, verifier_requirements
-from rl.envs.terminal_bench import load_terminal_bench_task
+from rl.envs.task import EmptyTree, ScriptSolution, ScriptVerifier, Task, TaskError, TaskLimits, TaskStep, read_utf8
+from rl.envs.task_config import HarborConfig, TB1Config, read_harbor_config, read_tb1_config
+from rl.envs.task_folder import check_inside, read_compose, verifier_requirements
+from rl.envs.terminal_bench import DEFAULT_RUN_TESTS, CommandSolution, PytestLogVerifier
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
-_SIZE_MB = {"": 1 / (1024 * 1024), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
-
-
-def _number(table: dict, key: str, where: str, default: float) -> float:
-    return positive_number(table.get(key, default), f"{where}.{key}")
-
-
-def _size_mb(table: dict, key_mb: str, key_str: str, where: str, default: int) -> int:
-    if key_mb in table:
-        return int(_number(table, key_mb, where, default))
-    if key_str in table:
-        value = table[key_str]
-        m = _SIZE_RE.match(str(value))
-        if not m:
-            raise TaskError(f"{where}.{key_str} must look like '2G' or '512M', got {value!r}")
-        return max(1, int(float(m.group(1)) * _SIZE_MB[m.group(2).upper()]))
-    return default
-
-
-def _table(data: dict, key: str, where: str) -> dict:
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        raise TaskError(f"{where}: [{key}] must be a table, got {value!r}")
-    return value
-
-
-def _reward_range(table: dict, where: str) -> tuple[float, float]:
-    """[verifier].reward_range = [low, high]: the rewards the verifier may give (default [0, 1])."""
-    value = table.get("reward_range", [0.0, 1.0])
-    ok = (isinstance(value, list) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-          and value[0] < value[1])
-    if not ok:
-        raise TaskError(f"{where}.reward_range must be [low, high] with finite low < high, got {value!r}")
-    return float(value[0]), float(value[1])
-
-
-def _judge_reads(table: dict, where: str, tests_dir: Path) -> tuple[str, ...]:
-    """[verifier].judge_reads = ["file", ...]: files of tests/ that the code under test may read inside `judge`
-    (where /tests is otherwise empty); each a relative path to a file the task has."""
-    value = table.get("judge_reads", [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise TaskError(f"{where}.judge_reads must be a list of paths under tests/, got {value!r}")
-    for path in value:
-        parts = Path(path).parts
-        if not path or path.startswith("/") or ".." in parts or ":" in path or not (tests_dir / path).is_file():
-            raise TaskError(f"{where}.judge_reads: {path!r} is not a file of {tests_dir} (give paths relative to "
-                            "tests/, without '..' or ':')")
-    return tuple(value)
-
-
-def _env(table: dict, where: str) -> dict[str, str]:
-    env = table.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
-        raise TaskError(f"{where}.env must be a table of strings, got {env!r}")
-    return {str(k): str(v) for k, v in env.items()}
-
-
-# task.toml keys this loader reads or knowingly ignores ([metadata] is free-form); others get a warning.
-KNOWN_KEYS = {
-    "": {"version", "schema_version", "task", "metadata", "verifier", "agent", "environment", "solution", "source",
-         "steps", "multi_step_reward_strategy", "artifacts"},
-    "verifier": {"timeout_sec", "env", "reward_range", "judge_reads"},
-    "agent": {"timeout_sec", "max_turns"},
-    "environment": {"build_timeout_sec", "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb",
-                    "allow_internet", "env", "gpus", "gpu_types"},
-    "solution": {"env"},
-}
+HARBOR, TB1 = "Harbor", "Terminal-Bench 1"
+NETWORK = {"public": "public", "no-network": "none"}  # Harbor's network_mode -> the sandbox's network
 
 
 class TaskFormatWarning(UserWarning):
     """A task file holds something this loader does not honour; the task still loads."""
 
 
-def unknown_keys(data: dict, toml_path: Path) -> list[str]:
-    out = []
-    for table, known in KNOWN_KEYS.items():
-        values = data if not table else data.get(table, {})
-        if isinstance(values, dict):
-            for key in values:
-                if key not in known:
-                    name = f"[{table}].{key}" if table else key
-                    out.append(f"{toml_path}: unknown key {name} is ignored (known here: {', '.join(sorted(known))})")
-    return out
+@dataclass
+class StepFolder:
+    name: str
+    folder: Path
+    instruction: str
+    tests: Path
+    solution: Path | None
+    workdir_files: Path | None
+
+
+@dataclass
+class TaskFolder:
+    """What a task folder holds, read and checked, before anything is built."""
+
+    root: Path
+    format: str  # HARBOR | TB1
+    config: HarborConfig | TB1Config
+    instruction: str
+    context: Path | None  # the Dockerfile's build context
+    dockerfile: Path | None
+    tests: Path | None
+    verifier_scripts: dict[str, str]  # name -> text: what the verifier runs (test.sh, run-tests.sh, each step's)
+    solution: Path | None  # Harbor's solution/ (with solve.sh), TB1's solution.sh / solution.yaml
+    steps: list[StepFolder] = field(default_factory=list)
+
+
+def read_task_folder(task_dir: str | Path) -> TaskFolder:
+    """The folder's format, configuration and files; TaskError in one line naming what is missing."""
+    root = Path(task_dir)
+    if not root.is_dir():
+        raise TaskError(f"{root} does not exist or is not a task folder")
+    toml, yaml_path, instruction = root / "task.toml", root / "task.yaml", root / "instruction.md"
+    if not toml.is_file() and yaml_path.is_file():
+        check_inside(root)
+        cfg = read_tb1_config(yaml_path)
+        run_tests = root / "run-tests.sh"
+        solution = next((p for p in (root / "solution.sh", root / "solution.yaml") if p.is_file()), None)
+        return TaskFolder(root, TB1, cfg, cfg.instruction, root, root / "Dockerfile" if (
+            root / "Dockerfile").is_file() else None, root / "tests" if (root / "tests").is_dir() else None,
+            {"run-tests.sh": run_tests.read_text(errors="replace") if run_tests.is_file() else DEFAULT_RUN_TESTS},
+            solution)
+    if not toml.is_file():
+        raise TaskError(f"{root} has no task.toml (Harbor) or task.yaml (Terminal-Bench 1)")
+    check_inside(root)
+    cfg = read_harbor_config(toml)
+    if not instruction.is_file() and not cfg.steps:
+        raise TaskError(f"{root} has no instruction.md: a Harbor task states its instruction there")
+    tests, scripts = root / "tests", {}
+    if not cfg.steps and not (tests / "test.sh").is_file():
+        raise TaskError(f"{root} has no verifier: expected tests/test.sh (it runs as `bash /tests/test.sh` and writes "
+                        "/logs/verifier/reward.txt)")
+    if (tests / "test.sh").is_file():
+        scripts["tests/test.sh"] = (tests / "test.sh").read_text(errors="replace")
+    steps = []
+    for step in cfg.steps:
+        folder = root / "steps" / step.name
+        for need in ("instruction.md", "tests/test.sh"):
+            if not (folder / need).is_file():
+                raise TaskError(f"{toml}: step {step.name!r} has no steps/{step.name}/{need}")
+        scripts[f"steps/{step.name}/tests/test.sh"] = (folder / "tests" / "test.sh").read_text(errors="replace")
+        steps.append(StepFolder(step.name, folder, read_utf8(folder / "instruction.md"), folder / "tests",
+                                folder / "solution" if (folder / "solution" / "solve.sh").is_file() else None,
+                                folder / "workdir" if (folder / "workdir").is_dir() else None))
+    environment = root / "environment"
+    dockerfile = environment / "Dockerfile"
+    return TaskFolder(root, HARBOR, cfg, read_utf8(instruction) if instruction.is_file() else "",
+                      environment if environment.is_dir() else None, dockerfile if dockerfile.is_file() else None,
+                      tests if tests.is_dir() else None, scripts,
+                      root / "solution" if (root / "solution" / "solve.sh").is_file() else None, steps)
+
+
+def load_harbor_task(task_dir: str | Path) -> Task:
+    """A Harbor or Terminal-Bench 1 task folder as a Task (notes say what has no effect here; each is also a
+    TaskFormatWarning)."""
+    return assemble(read_task_folder(task_dir))
+
+
+# The Python modules a verifier may import that the stand-in does not carry, and the package that has each (the
+# task's own image had it): a verifier of Harbor's rubric format imports `rewardkit`.
+VERIFIER_MODULES = {"rewardkit": "harbor-rewardkit"}
+_IMPORT = re.compile(r"^\s*(?:from|import)\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level modules a Python file imports (`import a, b.c`, `from d import e`)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # not Python 3 this parser reads: its import lines
+        return set(_IMPORT.findall(source))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def verifier_packages(folder: TaskFolder) -> list[str]:
+    """What the verifier needs installed: what its scripts have uv or pip install, and the packages of the modules
+    its Python files import that the stand-in lacks."""
+    wanted = [r for text in folder.verifier_scripts.values() for r in verifier_requirements(text)]
+    test_dirs = [d for d in [folder.tests] + [s.tests for s in folder.steps] if d is not None]
+    for path in (p for d in test_dirs for p in sorted(d.rglob("*.py"))):
+        for module in sorted(imported_modules(path.read_text(errors="replace"))):
+            if module in VERIFIER_MODULES and not any(w.split("=")[0].split("[")[0].strip() == VERIFIER_MODULES[
+                    module] for w in wanted):
+                wanted.append(VERIFIER_MODULES[module])
+    return list(dict.fromkeys(wanted))
+
+
+def solution_scripts(folder: TaskFolder) -> dict[str, str]:
+    """The reference solution's scripts (name -> text): what they call, the image must have."""
+    paths = [folder.solution] + [s.solution for s in folder.steps]
+    files = [p / "solve.sh" if p.is_dir() else p for p in paths if p is not None]
+    return {str(f.relative_to(folder.root)): f.read_text(errors="replace") for f in files if f.is_file()}
 
 
 AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/var", "/run", "/dev/shm")
@@ -143,146 +176,150 @@ def writable_search_paths(envs: dict[str, dict[str, str]], task_dir: Path) -> li
     return out
 
 
-def read_task_toml(path: Path) -> dict:
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise TaskError(f"{path} is not valid TOML: {e}") from None
-
-
-def load_harbor_task(task_dir: str | Path) -> Task:
-    task_dir = Path(task_dir)
-    if not task_dir.is_dir():
-        raise TaskError(f"task folder {task_dir} does not exist")
-    instruction_path = task_dir / "instruction.md"
-    toml_path = task_dir / "task.toml"
-    test_sh = task_dir / "tests" / "test.sh"
-    if not instruction_path.is_file() and (task_dir / "task.yaml").is_file():
-        return load_terminal_bench_task(task_dir)  # a Terminal-Bench 1 folder
-    multi_step = toml_path.is_file() and "steps" in read_task_toml(toml_path)
-    if not instruction_path.is_file() and not multi_step:
-        raise TaskError(f"{task_dir} has no instruction.md: a Harbor task states its instruction there")
-    if not toml_path.is_file():
-        raise TaskError(f"{task_dir} has no task.toml: a Harbor task declares its limits there")
-    if not test_sh.is_file() and not multi_step:
-        raise TaskError(f"{task_dir} has no verifier: expected {test_sh.relative_to(task_dir)} "
-                        "(it runs as `bash /tests/test.sh` and writes /logs/verifier/reward.txt)")
-    check_inside(task_dir)
-    data = read_task_toml(toml_path)
-    verifier_t = _table(data, "verifier", str(toml_path))
-    agent_t = _table(data, "agent", str(toml_path))
-    env_t = _table(data, "environment", str(toml_path))
-    where = f"{toml_path}: [verifier]"
-    limits = TaskLimits(
-        agent_timeout_s=_number(agent_t, "timeout_sec", f"{toml_path}: [agent]", 600.0),
-        verifier_timeout_s=_number(verifier_t, "timeout_sec", where, 600.0),
-        setup_timeout_s=_number(env_t, "build_timeout_sec", f"{toml_path}: [environment]", 600.0),
-        memory_mb=_size_mb(env_t, "memory_mb", "memory", f"{toml_path}: [environment]", 2048),
-        storage_mb=_size_mb(env_t, "storage_mb", "storage", f"{toml_path}: [environment]", 10240),
-        cpus=_number(env_t, "cpus", f"{toml_path}: [environment]", 1.0),
-        max_turns=int(_number(agent_t, "max_turns", f"{toml_path}: [agent]", 50)),
-    )
-    docker_image = env_t.get("docker_image")
-    if docker_image is not None and not isinstance(docker_image, str):
-        raise TaskError(f"{toml_path}: [environment].docker_image must be a string, got {docker_image!r}")
-    env = _env(env_t, f"{toml_path}: [environment]")
-    environment_dir = task_dir / "environment"
-    dockerfile = environment_dir / "Dockerfile"
-    setup, image, workdir, notes, entrypoint = [], None, "/app", [], ()
-    if dockerfile.is_file():
-        plan = parse_dockerfile(dockerfile, environment_dir)
-        scripts = [test_sh] + sorted((task_dir / "steps").glob("*/tests/test.sh"))
-        wanted = [r for script in scripts if script.is_file()
-                  for r in verifier_requirements(script.read_text(errors="replace"))]
-        setup, image = plan.task_parts(dockerfile, limits.setup_timeout_s,
-                                       ("tests/test.sh", list(dict.fromkeys(wanted))))
-        workdir, notes, entrypoint = plan.workdir, plan.notes, plan.entrypoint
+def assemble(folder: TaskFolder) -> Task:
+    """The Task a read folder describes, in one pass."""
+    cfg, root = folder.config, folder.root
+    harbor = isinstance(cfg, HarborConfig)
+    notes = list(cfg.notes)
+    if harbor:
+        env_cfg = cfg.environment
+        limits = TaskLimits(agent_timeout_s=cfg.agent.timeout_s, verifier_timeout_s=cfg.verifier.timeout_s,
+                            setup_timeout_s=env_cfg.build_timeout_s, memory_mb=env_cfg.memory_mb,
+                            storage_mb=env_cfg.storage_mb, cpus=env_cfg.cpus, max_turns=cfg.agent.max_turns)
+        env, workdir_override = dict(env_cfg.env), env_cfg.workdir
+    else:
+        limits = TaskLimits(agent_timeout_s=cfg.agent_timeout_s, verifier_timeout_s=cfg.verifier_timeout_s)
+        env, workdir_override = {}, None
+    setup, image, workdir, entrypoint, image_user = [], None, workdir_override or "/app", (), None
+    docker_image = cfg.environment.docker_image if harbor else None
+    if folder.dockerfile is not None:
+        plan = parse_dockerfile(folder.dockerfile, folder.context)
+        if workdir_override:
+            plan.set_workdir(workdir_override, f"{cfg.path}: [environment].workdir")
+        setup, image = plan.task_parts(folder.dockerfile, limits.setup_timeout_s,
+                                       (" and ".join(folder.verifier_scripts), verifier_packages(folder)),
+                                       {**folder.verifier_scripts, **solution_scripts(folder)})
+        workdir, entrypoint, image_user = plan.workdir, plan.entrypoint, plan.user
         env = {**plan.env, **env}
-    for note in unknown_keys(data, toml_path) + writable_search_paths(
-            {"task environment": env, "verifier environment": _env(verifier_t, where)}, task_dir):
-        warnings.warn(note, TaskFormatWarning, stacklevel=2)
-        notes.append(note)
-    compose_notes, services = read_compose(environment_dir)
+        notes += plan.notes
+        if docker_image:  # as Harbor's --force-build: the Dockerfile beside a prebuilt image's name is built
+            notes.append(f"{cfg.path}: [environment].docker_image {docker_image} is built from "
+                         f"{folder.dockerfile.relative_to(root)} here (as Harbor builds it with --force-build)")
+    elif docker_image is None and workdir not in ("/app",):
+        raise TaskError(f"{cfg.path}: [environment].workdir {workdir} needs a Dockerfile to be built from (the "
+                        "host's system stands in only for /app)")
+    compose_notes, services = read_compose(folder.context) if folder.context is not None else ([], [])
     notes += compose_notes
-    gpus = env_t.get("gpus", 0)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise TaskError(f"{toml_path}: [environment].gpus must be a whole number, got {gpus!r}")
-    if gpus:
-        raise TaskError(f"{toml_path}: the task needs {gpus} GPU(s) ([environment].gpus); the sandboxes here have none")
-    if data.get("artifacts"):
-        notes.append(f"{toml_path}: artifacts are not collected here; what the verifier needs it reads in the sandbox")
-    if env_t.get("allow_internet"):
-        notes.append(f"{toml_path}: allow_internet=true is not granted; sandboxes have no network")
-    solution_dir = task_dir / "solution"
-    solution_env = _env(_table(data, "solution", str(toml_path)), f"{toml_path}: [solution]")
-    solution = ScriptSolution(solution_dir, solution_env) if (solution_dir / "solve.sh").is_file() else None
+    if harbor:
+        task = _harbor_task(folder, cfg, limits, env, workdir, setup, image, entrypoint, services, notes, image_user)
+    else:
+        task = Task(name=root.name, instruction=folder.instruction, tree=EmptyTree(),
+                    verifier=PytestLogVerifier(folder.tests, folder.verifier_scripts["run-tests.sh"]),
+                    workdir=workdir, env=env, setup=setup, image=image, entrypoint=entrypoint, services=services,
+                    solution=_tb1_solution(folder.solution), limits=limits, source=root,
+                    environment_dir=folder.context if folder.dockerfile is not None else None, notes=notes,
+                    metadata=dict(cfg.metadata), agent_user=image_user, verifier_user=image_user)
+    for note in writable_search_paths({"task environment": task.env,
+                                       "verifier environment": getattr(task.verifier, "env", {})}, root):
+        task.notes.append(note)
+    for note in task.notes:
+        if "unknown key" in note or "which the agent can write" in note:
+            warnings.warn(note, TaskFormatWarning, stacklevel=2)
+    return task
+
+
+def _harbor_task(folder: TaskFolder, cfg: HarborConfig, limits: TaskLimits, env, workdir, setup, image, entrypoint,
+                 services, notes, image_user) -> Task:
+    root, env_cfg = folder.root, cfg.environment
+    if env_cfg.docker_image is not None and folder.dockerfile is None:
+        notes.append(f"{cfg.path}: [environment].docker_image {env_cfg.docker_image} is a prebuilt image: a container "
+                     "backend uses it where its engine has it; elsewhere the task is refused naming it")
+    mcp_hosts = {s.name for s in services} | {"localhost", "127.0.0.1", "::1"}
+    for server in env_cfg.mcp_servers:
+        if server.url is not None:
+            host = re.sub(r"^[a-z+]+://", "", server.url).split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+            if host not in mcp_hosts:
+                raise TaskError(f"{cfg.path}: MCP server {server.name!r} is at {server.url}, which is neither a "
+                                "service of the task's compose file nor local: the sandbox cannot reach it")
+    if env_cfg.mcp_servers:
+        notes.append(f"{cfg.path}: MCP servers {', '.join(s.name for s in env_cfg.mcp_servers)} are offered to the "
+                     "agent (Task.mcp_servers); a stdio server's command is checked to exist as each episode starts")
+    if env_cfg.skills_dir:
+        notes.append(f"{cfg.path}: [environment].skills_dir {env_cfg.skills_dir} is offered to the agent "
+                     "(Task.skills_dir), as Harbor copies it into an agent's skills folder")
+    hooks = cfg.verifier.collect + tuple(h for s in cfg.steps for h in s.verifier.collect)
+    sidecar = sorted({h.service for h in hooks if h.service != "main"} | {
+        a.service for a in cfg.artifacts + tuple(a for s in cfg.steps for a in s.artifacts) if a.service})
+    missing = [s for s in sidecar if s not in {svc.name for svc in services}]
+    if missing:
+        raise TaskError(f"{cfg.path}: a collect hook or artifact names service {missing[0]!r}, which the compose file "
+                        "does not have")
+    if sidecar:
+        raise TaskError(f"{cfg.path}: collect hooks or artifacts in the services {', '.join(sidecar)} need a command "
+                        "run in a container beside the task's own, which the backends here do not offer")
+    verifier_env = cfg.verifier.env
+    solution = ScriptSolution(folder.solution, cfg.solution_env) if folder.solution is not None else None
+    verifier = ScriptVerifier(folder.tests if folder.tests is not None else root / "tests", env=verifier_env,
+                              reward_range=cfg.verifier.reward_range,
+                              judge_reads=_judge_reads(cfg.verifier.judge_reads, folder.tests, cfg.path))
     task = Task(
-        name=task_dir.name,
-        instruction=instruction_path.read_text() if instruction_path.is_file() else "",
-        tree=EmptyTree(),
-        verifier=ScriptVerifier(task_dir / "tests", env=_env(verifier_t, where),
-                                reward_range=_reward_range(verifier_t, where),
-                                judge_reads=_judge_reads(verifier_t, where, task_dir / "tests")),
-        workdir=workdir,
-        env=env,
-        setup=setup,
-        image=image,
-        entrypoint=entrypoint,
-        services=services,
-        solution=solution,
-        limits=limits,
-        source=task_dir,
-        environment_dir=environment_dir if dockerfile.is_file() else None,
-        docker_image=docker_image,
-        notes=notes,
-        metadata=dict(data.get("metadata") or {}),
-    )
-    return with_steps(task, data, toml_path) if multi_step else task
-
-
-def with_steps(task: Task, data: dict, toml_path: Path) -> Task:
-    """The task with Harbor 1.1's [[steps]]: each steps/<name>/ holds instruction.md, tests/test.sh (over the
-    task's shared tests/), solution/solve.sh and workdir/; [steps.agent]/[steps.verifier] timeouts and env,
-    [steps.healthcheck] command and min_reward come from task.toml (rl/envs/steps.py runs them)."""
-    task_dir, where = task.source, str(toml_path)
-    tables = data.get("steps")
-    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
-        raise TaskError(f"{where}: steps must be [[steps]] tables, each with a name")
-    strategy = data.get("multi_step_reward_strategy", "mean")
-    if strategy not in STRATEGIES:
-        raise TaskError(f"{where}: multi_step_reward_strategy {strategy!r} is not one of {list(STRATEGIES)}")
-    shared = task_dir / "tests"
+        name=root.name, instruction=folder.instruction, tree=EmptyTree(), verifier=verifier, workdir=workdir, env=env,
+        setup=setup, image=image, entrypoint=entrypoint, services=services, solution=solution, limits=limits,
+        source=root, environment_dir=folder.context if folder.dockerfile is not None else None,
+        docker_image=env_cfg.docker_image, notes=notes, metadata=dict(cfg.metadata),
+        agent_user=_or(cfg.agent.user, image_user), verifier_user=_or(cfg.verifier.user, image_user),
+        agent_network=NETWORK[cfg.agent.network or env_cfg.network],
+        verifier_network=NETWORK[cfg.verifier.network or env_cfg.network], verifier_mode=cfg.verifier.mode,
+        verifier_environment=cfg.verifier.environment, collect=cfg.verifier.collect, artifacts=cfg.artifacts,
+        healthcheck=env_cfg.healthcheck, mcp_servers=env_cfg.mcp_servers, skills_dir=env_cfg.skills_dir)
+    if not cfg.steps:
+        return task
+    shared = root / "tests"
     steps = []
-    for n, table in enumerate(tables, 1):
-        name = table.get("name")
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-            raise TaskError(f"{where}: step {n} needs a name (a folder under steps/), got {name!r}")
-        folder, at = task_dir / "steps" / name, f"{where}: step {name!r}"
-        for need in ("instruction.md", "tests/test.sh"):
-            if not (folder / need).is_file():
-                raise TaskError(f"{at} has no steps/{name}/{need}")
-        agent_t, verifier_t = _table(table, "agent", at), _table(table, "verifier", at)
-        base = task.limits
-        limits = dataclasses.replace(
-            base, agent_timeout_s=_number(agent_t, "timeout_sec", f"{at} [agent]", base.agent_timeout_s),
-            verifier_timeout_s=_number(verifier_t, "timeout_sec", f"{at} [verifier]", base.verifier_timeout_s))
-        check = _table(table, "healthcheck", at).get("command")
-        if check is not None and not isinstance(check, str):
-            raise TaskError(f"{at}: [steps.healthcheck].command must be a shell command, got {check!r}")
-        need = table.get("min_reward")
-        if need is not None and not (isinstance(need, (int, float)) and not isinstance(need, bool)) and not (
-                isinstance(need, dict) and all(isinstance(v, (int, float)) for v in need.values())):
-            raise TaskError(f"{at}: min_reward must be a number or a table of numbers, got {need!r}")
-        solve = folder / "solution"
-        verifier = dataclasses.replace(task.verifier, tests_dir=folder / "tests",
-                                       env={**task.verifier.env, **_env(verifier_t, f"{at} [verifier]")},
-                                       shared_tests_dir=shared if shared.is_dir() else None)
+    for step_cfg, step in zip(cfg.steps, folder.steps):
+        step_verifier = dataclasses.replace(
+            verifier, tests_dir=step.tests, env=step_cfg.verifier.env, reward_range=step_cfg.verifier.reward_range,
+            judge_reads=_judge_reads(step_cfg.verifier.judge_reads, step.tests, cfg.path),
+            shared_tests_dir=shared if shared.is_dir() else None)
+        step_limits = dataclasses.replace(limits, agent_timeout_s=step_cfg.agent.timeout_s,
+                                          verifier_timeout_s=step_cfg.verifier.timeout_s)
         step_task = dataclasses.replace(
-            task, name=f"{task.name}/{name}", instruction=(folder / "instruction.md").read_text(), verifier=verifier,
-            solution=ScriptSolution(solve, task.solution.env if task.solution else {})
-            if (solve / "solve.sh").is_file() else None, limits=limits)
-        steps.append(TaskStep(name, step_task, folder / "workdir" if (folder / "workdir").is_dir() else None, check,
-                              float(need) if isinstance(need, (int, float)) else need))
+            task, name=f"{task.name}/{step.name}", instruction=step.instruction, verifier=step_verifier,
+            solution=ScriptSolution(step.solution, cfg.solution_env) if step.solution is not None else None,
+            limits=step_limits, agent_user=_or(step_cfg.agent.user, image_user),
+            verifier_user=_or(step_cfg.verifier.user, image_user),
+            agent_network=NETWORK[step_cfg.agent.network or env_cfg.network],
+            verifier_network=NETWORK[step_cfg.verifier.network or env_cfg.network], collect=step_cfg.verifier.collect,
+            artifacts=cfg.artifacts + step_cfg.artifacts)
+        steps.append(TaskStep(step.name, step_task, step.workdir_files, step_cfg.healthcheck, step_cfg.min_reward))
     first = steps[0].task
     return dataclasses.replace(task, instruction=first.instruction, verifier=first.verifier, solution=first.solution,
-                               steps=steps, step_reward=strategy)
+                               steps=steps, step_reward=cfg.step_reward)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _judge_reads(paths: tuple[str, ...], tests: Path | None, where: str) -> tuple[str, ...]:
+    for path in paths:
+        if tests is None or not (tests / path).is_file():
+            raise TaskError(f"{where}: [verifier].judge_reads: {path!r} is not a file of {tests}")
+    return paths
+
+
+def _tb1_solution(path: Path | None) -> CommandSolution | None:
+    if path is None:
+        return None
+    if path.name == "solution.sh":
+        return CommandSolution([read_utf8(path)])
+    import yaml
+
+    try:
+        items = yaml.safe_load(read_utf8(path))
+    except yaml.YAMLError as e:
+        raise TaskError(f"{path} is not YAML: {str(e).splitlines()[0][:120]}") from None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) and isinstance(i.get("command"), str)
+                                                            for i in items):
+        raise TaskError(f"{path} must be a list of entries with a `command:` text")
+    return CommandSolution([i["command"] for i in items])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rl.envs.network import unreached_hosts
 from rl.envs.verdict import (
     VERIFIER_SITE,
     HostFault,
@@ -38,6 +39,14 @@ from rl.sandbox.leftovers import held_dir
 
 class TaskError(ValueError):
     """A task definition is invalid; the message names the file and the field."""
+
+
+def read_utf8(path: Path) -> str:
+    """A task file's text; TaskError in one line when it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path} is not UTF-8 text (byte {e.start}): a task's text files are UTF-8") from None
 
 
 @dataclass
@@ -174,10 +183,10 @@ def build_lacks(command: str, output: str) -> str | None:
     if ppa := re.search(r"add-apt-repository\s+(?:-\S+\s+)*(ppa:\S+)", command):
         return (f"it adds the Ubuntu archive {ppa.group(1)} (Launchpad), which the build cannot reach and a Debian "
                 "stand-in cannot use: build the task on a container backend from its own image")
-    if host := _UNREACHED_HOST.search(output):
-        return (f"it downloads from {host.group(1) or host.group(2)}, which the build cannot reach (it reaches the "
-                "package registries only): build the task on a container backend with internet, or put the download "
-                "into the task")
+    if hosts := unreached_hosts(output, ignore=()):
+        return (f"it downloads from {', '.join(hosts)}, which the build cannot reach (it reaches the package "
+                "registries only): build the task on a container backend with internet, or put the download into the "
+                "task")
     if package := _NO_PACKAGE.search(output):
         return (f"Debian's archive, which stands in for the FROM image's, has no package {package.group(1)}: build "
                 "the task on a container backend from its own image")
@@ -212,6 +221,9 @@ class Verifier(Protocol):
 _MISSING_TOOLS = (  # the first that shows is named: a failed download comes before the tool it would have fetched
     # uv's installer (`curl ... astral.sh/uv/install.sh | sh`) is not counted: a built image carries uv offline, and
     # where uv is missing its own line below names it
+    (re.compile(r"megatron-composer egress refuses (?!astral\.sh\b)([\w.-]+)"),
+     "{0}, which the run's egress proxy does not allow (it reaches the package registries): add it to the run's "
+     "egress hosts, or put what it downloads into the task"),
     (re.compile(r"Could not resolve host(?!: astral\.sh\b)|Temporary failure in name resolution|"
                 r"Network is unreachable"),
      "the network, which sandboxes do not have: put what it downloads into the task or onto the host"),
@@ -237,10 +249,6 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
      "a nested sandbox for `judge` (unprivileged user namespaces), which this host lacks: enable them "
      "(sysctl kernel.unprivileged_userns_clone=1)"),
 )
-
-# The host a failed download named (curl, wget, apt, pip, git).
-_UNREACHED_HOST = re.compile(r"Could not resolve host:? ['\"‘]?([\w.-]+)|(?:Temporary failure resolving|unable to "
-                             r"resolve host address|Failed to resolve) ['\"‘]?([\w.-]+)")
 
 _NO_PACKAGE = re.compile(r"^E: (?:Unable to locate package |Package ')([\w.+-]+)", re.MULTILINE)
 
@@ -378,6 +386,21 @@ def void_on_failure(verify):
     return guarded
 
 
+def verifier_phase(task: "Task") -> dict:
+    """How a task's verifier phase is entered (`Sandbox.enter_verifier`'s keywords) beyond the default (the agent's
+    frozen world, no network, root): Harbor's separate mode with the artifacts it declares, the verifier's network
+    and user. Only what the task asks for is passed, so a backend that cannot give it says so in one line."""
+    kwargs: dict = {}
+    if task.verifier_mode == "separate":
+        kwargs.update(separate=True, artifacts=[a.source for a in task.artifacts
+                                                if getattr(a, "service", None) in (None, "main")])
+    if task.verifier_network != "none":
+        kwargs["network"] = task.verifier_network
+    if task.verifier_user not in (None, "root", 0, "0"):
+        kwargs["user"] = task.verifier_user
+    return kwargs
+
+
 @dataclass
 class ScriptVerifier:
     """Harbor's verifier: tests/ copied to /tests after the agent finished, `bash /tests/test.sh` writes
@@ -395,7 +418,7 @@ class ScriptVerifier:
     def verify(self, sandbox: Sandbox, task: "Task") -> VerifyResult:
         # A reward the agent wrote itself must not count: the verifier gets a /logs/verifier (and /tmp, HOME)
         # the host made afresh, out of the agent's reach.
-        sandbox.enter_verifier()
+        sandbox.enter_verifier(**verifier_phase(task))
         if self.shared_tests_dir is not None:
             sandbox.copy_in(self.shared_tests_dir, "/tests")
         sandbox.copy_in(self.tests_dir, "/tests", merge=self.shared_tests_dir is not None)
@@ -519,6 +542,19 @@ class Task:
     # own instruction, verifier and solution are its first step's.
     steps: list["TaskStep"] = field(default_factory=list)
     step_reward: str = "mean"  # multi_step_reward_strategy: "mean" of every step (0 for one not reached) or "final"
+    # What Harbor's task.toml declares beyond limits (rl/envs/task_config.py), for the sandbox and the episode
+    # (rl/envs/episode.py) to honour.
+    agent_user: str | int | None = None  # who the agent's commands run as (None: the image's user, root)
+    verifier_user: str | int | None = None
+    agent_network: str = "none"  # the agent phase's network: "none" or "public"
+    verifier_network: str = "none"
+    verifier_mode: str = "shared"  # "shared" (the agent's sandbox) or "separate" (a container of its own)
+    verifier_environment: object | None = None  # [verifier.environment] (task_config.EnvironmentConfig)
+    collect: tuple = ()  # [[verifier.collect]] hooks (task_config.CollectHook): after the agent, before artifacts
+    artifacts: tuple = ()  # task_config.Artifact: copied into the run folder after the agent's phase
+    healthcheck: object | None = None  # task_config.Healthcheck: must pass before the agent starts
+    mcp_servers: tuple = ()  # task_config.McpServer: offered to the agent
+    skills_dir: str | None = None  # a folder of the image with skills for the agent
 
 
 @dataclass
@@ -530,7 +566,7 @@ class TaskStep:
     name: str
     task: Task
     workdir_files: Path | None = None  # steps/<name>/workdir/
-    healthcheck: str | None = None  # a command that must succeed before the agent starts
+    healthcheck: object | None = None  # task_config.Healthcheck that must pass before the agent starts
     min_reward: float | dict[str, float] | None = None  # below it (or any key of reward.json below its value): stop
 
 
@@ -539,6 +575,9 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
     build = getattr(backend, "build", None)
     if build is not None:  # container engines build the Dockerfile themselves
         return build(task)
+    if task.docker_image is not None and task.environment_dir is None:
+        raise TaskError(f"{task.name}: it runs on the prebuilt image {task.docker_image} (no Dockerfile beside it), "
+                        f"which the {backend.name} backend cannot run: use a container backend whose engine has it")
     if task.services:
         raise TaskError(f"{task.name}: a multi-container task ({', '.join(s.name for s in task.services)} beside its "
                         f"own) runs on a container backend, not the {backend.name} backend: --backend podman "
@@ -561,6 +600,8 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
         task.tree.materialize(tree_dir)
         workdir = task.workdir if image is not None else "/app"
         on_image = {"image": image} if image is not None else {}
+        if task.agent_user not in (None, "root", 0, "0"):  # the agent's folders are its user's from the start
+            on_image["user"] = task.agent_user
         sandbox = backend.create(tree_dir, workdir=workdir, env=task.env, limits=limits, **on_image)
     try:
         for step in setup:
@@ -573,6 +614,8 @@ def prepare_task(task: Task, backend, limits: SandboxLimits | None = None):
         snapshot.env = dict(task.env)
         snapshot.limits = limits
         snapshot.entrypoint = tuple(task.entrypoint)  # not run by setup, as a Dockerfile's RUN steps do not
+        if hasattr(snapshot, "network"):  # the agent's network and user, as the task declares them
+            snapshot.network, snapshot.user = task.agent_network, on_image.get("user")
         return snapshot
     finally:
         sandbox.close()

@@ -1,5 +1,5 @@
-"""Checks every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, the compose
-file beside its Dockerfile (the containers beside the task's own), and positive numbers in its config."""
+"""What every task folder format shares (Harbor, Terminal-Bench 1): nothing of it resolves outside it, the compose
+file beside its Dockerfile (the containers beside the task's own), and what its verifier installs for itself."""
 
 from __future__ import annotations
 
@@ -11,16 +11,8 @@ from pathlib import Path
 import yaml
 
 from rl.envs.dockerfile import UnsupportedDockerfile, parse_dockerfile
-from rl.envs.task import TaskError
+from rl.envs.task import TaskError, read_utf8
 from rl.sandbox.base import HealthCheck, Service
-
-
-def positive_number(value, name: str) -> float:
-    """value as a float when it is a positive number (not a bool); else a TaskError naming the field `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TaskError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
 
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
@@ -129,7 +121,7 @@ def read_compose(folder: Path) -> tuple[list[str], list[Service]]:
         if not path.is_file():
             continue
         try:
-            services = (yaml.safe_load(path.read_text()) or {}).get("services") or {}
+            services = (yaml.safe_load(read_utf8(path)) or {}).get("services") or {}
         except (yaml.YAMLError, AttributeError) as e:
             raise TaskError(f"{path} is not a compose file: {str(e).splitlines()[0][:120]}") from None
         if not isinstance(services, dict):
@@ -192,18 +184,20 @@ def verifier_requirements(script: str) -> list[str]:
 
 
 def _named(args: list[str], tool: bool) -> list[str]:
-    names, i = [], 0
+    names, i, source = [], 0, False
     while i < len(args):
         word = args[i]
         key, eq, value = word.partition("=")
         if key in ("--with", "-w", "--from") and (eq or i + 1 < len(args)):
             names.append(value if eq else args[i + 1])
+            source = source or key == "--from"
             i += 1 if eq else 2
             continue
         if word.startswith("-"):
             i += 1 + (key in _VALUED and not eq)
             continue
-        names.append(word)
+        if not (tool and source):  # `uvx --from PACKAGE COMMAND`: the command is no package
+            names.append(word)
         if tool:  # the tool's own arguments follow its name
             break
         i += 1

@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+# Identities, as docker's userns-remap gives them: uids 0-65535 of every sandbox and image build are the image range on
+# the host (ID_BASE onwards), so nothing inside is the host's root; the agent is AGENT_UID inside, HOME its home.
+ID_BASE = 2_000_000
+ID_RANGE = 65536
+AGENT_UID = 1000
+HOME = "/root"  # the image user's home: the agent's (and the verifier's), which lives through the episode
+
 # Environment of every sandboxed command before the task's own ENV entries.
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

@@ -278,17 +278,22 @@ class EgressProxy:
             self._asked.setdefault(episode, [])
         return f"http://{token}:x@{host}:{port}"
 
-    def serve(self, listener: socket.socket, episode: str | None) -> None:
+    def serve(self, listener: socket.socket, episode: str | None,
+              local: Callable[[str, int], socket.socket | None] | None = None) -> None:
         """Accept connections on `listener` (bound and listening: TCP made inside an episode's network namespace,
         or a unix socket), every one of them the episode's (None: the shared listener, which reads the episode from
-        the connection's credentials)."""
+        the connection's credentials). `local(host, port)`: a connection to what the episode itself serves under
+        that name (its loopback, the names its /etc/hosts gives its services), or None; such a request is the
+        episode's own business, neither checked against the allowed hosts nor sent out of it, as a proxy inside
+        a container would resolve it."""
         if episode is not None:
             with self._lock:
                 self._asked.setdefault(episode, [])
         listener.settimeout(0.5)
         with self._lock:
             self._listeners.append((listener, episode))
-        threading.Thread(target=self._accept, args=(listener, episode), name="egress-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(listener, episode, local), name="egress-accept",
+                         daemon=True).start()
 
     def asked(self, episode: str) -> list[tuple[str, int, bool]]:
         """Every (host, port, allowed) the episode asked for, in order."""
@@ -317,7 +322,7 @@ class EgressProxy:
         self.close()
 
     # -- connections -----------------------------------------------------------------------------------------------
-    def _accept(self, listener: socket.socket, episode: str | None) -> None:
+    def _accept(self, listener: socket.socket, episode: str | None, local=None) -> None:
         while not self._closed.is_set():
             try:
                 client, _ = listener.accept()
@@ -328,7 +333,8 @@ class EgressProxy:
             if not self._slots.acquire(timeout=IDLE_TIMEOUT_S):
                 client.close()
                 continue
-            threading.Thread(target=self._handle, args=(client, episode), name="egress-conn", daemon=True).start()
+            threading.Thread(target=self._handle, args=(client, episode, local), name="egress-conn",
+                             daemon=True).start()
 
     def _track(self, *socks: socket.socket) -> None:
         with self._lock:
@@ -341,7 +347,7 @@ class EgressProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def _handle(self, client: socket.socket, episode: str | None) -> None:
+    def _handle(self, client: socket.socket, episode: str | None, local=None) -> None:
         upstream = None
         self._track(client)
         try:
@@ -351,6 +357,22 @@ class EgressProxy:
             if episode is None:
                 episode = self._episode_of(headers)
             host, port, path = _destination(method, target, headers)
+            try:
+                own = local(host, port) if local is not None else None
+            except OSError as e:
+                raise _Refused(502, f"cannot reach {host}", f"megatron-composer egress: {host}:{port} is the "
+                               f"episode's own, and nothing answers there: {e.strerror or e}\n") from None
+            if own is not None:  # the episode's own service: reached in its network, as it would be without a proxy
+                upstream = own
+                if method == "CONNECT":
+                    client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                else:
+                    _send_request(own, method, path, version, headers, host, port)
+                self._track(upstream)
+                if rest:
+                    upstream.sendall(rest)
+                _relay(client, upstream)
+                return
             allowed = any(a.admits(host, port) for a in self.allowed)
             self._record(episode, method, host, port, allowed)
             if not allowed:
@@ -431,20 +453,28 @@ class EgressProxy:
     def _open_forward(self, method: str, host: str, port: int, path: str, version: str,
                       headers: dict[str, str]) -> socket.socket:
         via = self.upstream_http if not _bypasses(host, self.no_proxy) else None
-        kept = {k: v for k, v in headers.items() if k not in ("proxy-authorization", "proxy-connection", "connection",
-                                                               "keep-alive")}
         if via is None:
             sock = self._connect(host, port)
-            line = f"{method} {path} {version}"
+            _send_request(sock, method, path, version, headers, host, port)
         else:
             sock = self._connect(via.host, via.port)
-            line = f"{method} http://{_authority(host, port, 80)}{path} {version}"
-            if via.authorization:
-                kept["proxy-authorization"] = via.authorization
-        kept.setdefault("host", _authority(host, port, 80))
-        kept["connection"] = "close"  # one request per connection: the next one is checked anew
-        sock.sendall((line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in kept.items()) + "\r\n").encode("latin-1"))
+            _send_request(sock, method, f"http://{_authority(host, port, 80)}{path}", version, headers, host, port,
+                          via.authorization)
         return sock
+
+
+def _send_request(sock: socket.socket, method: str, target: str, version: str, headers: dict[str, str], host: str,
+                  port: int, authorization: str | None = None) -> None:
+    """A forwarded request's head: the client's headers without its proxy ones, one request per connection (the next
+    one is checked anew), naming its Host."""
+    kept = {k: v for k, v in headers.items() if k not in ("proxy-authorization", "proxy-connection", "connection",
+                                                           "keep-alive")}
+    if authorization:
+        kept["proxy-authorization"] = authorization
+    kept.setdefault("host", _authority(host, port, 80))
+    kept["connection"] = "close"
+    sock.sendall((f"{method} {target} {version}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in kept.items())
+                  + "\r\n").encode("latin-1"))
 
 
 def _authority(host: str, port: int, default: int) -> str:

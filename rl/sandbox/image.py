@@ -33,23 +33,24 @@ import subprocess
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from rl.sandbox.base import BASE_ENV, ExecResult, SandboxError, dir_usage, run_process
+from rl.sandbox.base import BASE_ENV, HOME, ID_BASE, ID_RANGE, ExecResult, SandboxError, dir_usage, run_process
+from rl.sandbox.bwrap import bwrap_path, read_bwrap_info
 from rl.sandbox.layers import in_use, materialize, mount_overlay, unmount, use_overlay
 from rl.sandbox.leftovers import force_rmtree, sweep
-from rl.sandbox.local import HOME, ID_BASE, ID_RANGE, bwrap_path, read_bwrap_info
 from rl.sandbox.owners import make_dir
 from rl.sandbox.safe_tree import copy_into, open_beneath, open_dir
 
 BUILD_UID_BASE = ID_BASE  # root of the build's user namespace is root of every sandbox's: the image's files are root's
 BUILD_UIDS = ID_RANGE
 # What the sandbox runs inside every image (nested bubblewrap for `judge`; nsenter, setpriv, prlimit) and what
-# most tasks and their verifiers expect of a python:* image (pip, venv, pytest; `python` is python3).
+# most tasks and their verifiers expect (python3 with pip, venv, pytest). No `python`: plain Debian and Ubuntu images
+# have none (a Dockerfile may link it itself); the loader gives python:* images theirs.
 BASE_PACKAGES = ("bubblewrap", "util-linux", "procps", "ca-certificates", "curl", "python3", "python3-pip",
-                 "python3-venv", "python3-pytest", "python-is-python3")
+                 "python3-venv", "python3-pytest")
 DEFAULT_SUITE = "bookworm"
 # The capabilities a container engine gives a build's root by default (they count inside its user namespace only).
 BUILD_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
@@ -165,6 +166,8 @@ class ImageRecipe:
     required: str | None = None  # why the host's system cannot stand in (None: it can; a backend may build anyway)
     dockerfile: str = ""  # the Dockerfile as written, for a container engine that builds it from the same base
     verifier_packages: tuple[str, ...] = ()  # what the task's verifier has uv or pip install: pip installs them here
+    stages: dict = field(default_factory=dict)  # name -> ImageRecipe: images its steps copy from (COPY --from)
+    stand_in: tuple[str, ...] = ()  # commands after the packages that give the base what the FROM image has
 
 
 @dataclass
@@ -255,6 +258,7 @@ class BuildRoot:
         self._bwrap = bwrap_path()
         self._network = host_network_view()
         self.outputs: list[tuple[str, str]] = []  # (step, output) of the steps so far: a later failure may be theirs
+        self.stage_roots: dict[str, Path] = {}  # images its COPY --from steps copy out of (ImageRecipe.stages)
 
     def exec(self, command: str, *, timeout: float | None = None, cwd: str = "/",
              env: dict[str, str] | None = None) -> ExecResult:
@@ -387,9 +391,13 @@ class ImageBuilder:
     def _finished(self, folder: Path) -> bool:
         return (folder / "image.json").is_file()
 
+    def base_folder(self) -> Path:
+        """Where this host's base is kept (built or not)."""
+        return self.cache_dir / f"base-{self.base_key}"
+
     def base(self) -> Path:
         """The Debian root filesystem every image starts from (built by mmdebstrap on first use)."""
-        folder = self.cache_dir / f"base-{self.base_key}"
+        folder = self.base_folder()
         if self._finished(folder):
             return folder / "rootfs"
         if (why := self.problem()) is not None:
@@ -587,8 +595,12 @@ class ImageBuilder:
         return removed
 
     def build_recipe(self, recipe: ImageRecipe) -> Image:
-        """Build (or find) a loader's recipe: its packages from the Debian mirror, then its steps."""
+        """Build (or find) a loader's recipe: the images it copies from first, then its packages from the Debian
+        mirror, then its steps."""
+        stage_roots = {name: self.build_recipe(stage).root for name, stage in recipe.stages.items()}
+
         def steps(root: BuildRoot) -> None:
+            root.stage_roots = stage_roots
             if recipe.packages:
                 command = ("apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                            + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
@@ -598,6 +610,11 @@ class ImageBuilder:
                     log.write_text(f"$ {command}\n{res.output}")
                     raise SandboxError(f"{recipe.what}: installing {', '.join(recipe.packages)} for the image failed "
                                        f"({res.describe()}); the whole log: {log}")
+            for command in recipe.stand_in:
+                res = root.exec(command, timeout=recipe.timeout_s)
+                if not res.ok:
+                    raise SandboxError(f"{recipe.what}: the stand-in's `{command}` failed ({res.describe()}): "
+                                       f"{res.output.strip()[-200:]}")
             for step in recipe.steps:
                 step.apply(root, recipe.timeout_s)
             if recipe.verifier_packages:  # from the package index now, so that the verifier needs no network
@@ -607,9 +624,12 @@ class ImageBuilder:
                 if not res.ok:
                     log = self.log_path("verifier-packages")
                     log.write_text(f"$ {command}\n{res.output}")
+                    newer = re.search(r"require a different python version: .*?Requires-Python (\S+)", res.output)
+                    why = (f"its releases need Python {newer.group(1).rstrip(';,')}, newer than the stand-in's "
+                           f"(Debian {self.suite}'s python3)" if newer else _last_line(log))
                     raise SandboxError(f"{recipe.what}: installing what the verifier asks for "
                                        f"({', '.join(recipe.verifier_packages)}) failed ({res.describe()}: "
-                                       f"{_last_line(log)}); the whole log: {log}")
+                                       f"{why}); the whole log: {log}")
                 res = root.exec(uv_warm_command(recipe.verifier_packages), timeout=recipe.timeout_s,
                                 env=uv_index_env())
                 if not res.ok:
@@ -740,10 +760,14 @@ def containerfile(recipe: ImageRecipe, base_ref: str, cleanup: str | None = None
     verifier asks for (pip-installed, and in uv's cache) and the `uv` that runs it offline, so that the engine builds
     what the local backend builds. `cleanup` is a last command (what the build saw of the host goes). The steps after
     the Dockerfile's own run as root, then its USER is back."""
+    if recipe.stages:
+        raise SandboxError(f"{recipe.what}: a multi-stage Dockerfile (COPY --from) is not rebuilt on the local base; "
+                           "run it on the local backend, or on the engine without --local-base")
     lines = [f"FROM {base_ref}", "ARG " + " ".join(sorted(host_network_view(name_service=False).env))]
     if recipe.packages:
         lines.append("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                      + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
+    lines += [f"RUN {command}" for command in recipe.stand_in]
     body = [line for line in recipe.dockerfile.replace("\\\n", " ").splitlines()
             if not re.match(r"\s*FROM\s", line, re.IGNORECASE)]
     lines += body

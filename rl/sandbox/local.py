@@ -29,7 +29,6 @@ import contextlib
 import errno
 import functools
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -47,7 +46,11 @@ from pathlib import Path
 from typing import Sequence
 
 from rl.sandbox.base import (
+    AGENT_UID,
     BASE_ENV,
+    HOME,
+    ID_BASE,
+    ID_RANGE,
     VERIFIER_ENV,
     ExecResult,
     Sandbox,
@@ -58,6 +61,7 @@ from rl.sandbox.base import (
     process_tree,
     run_process,
 )
+from rl.sandbox.bwrap import bwrap_path, read_bwrap_info
 from rl.sandbox.launcher import launcher_path
 from rl.sandbox.layers import commit, materialize, mount_overlay, unmount, use_overlay
 from rl.sandbox.leftovers import force_rmtree, hold, let_go, sweep
@@ -76,12 +80,8 @@ from rl.sandbox.owners import make_dir
 from rl.sandbox.safe_tree import chown_tree, copy_into, copy_out, open_beneath, open_dir
 from rl.sandbox.seccomp import filter_fd
 
-ID_BASE = 2_000_000  # host uid of root inside every sandbox and image build (uids 0-65535 map to ID_BASE onwards)
-ID_RANGE = 65536
-AGENT_UID = 1000  # the agent's uid inside (unless the task names a user of its image)
 NETWORKS = ("none", "public")  # an episode's network: loopback only, or the host's egress proxy (rl/sandbox/egress.py)
 EGRESS_PORT = 3128  # where the egress proxy answers on an episode's loopback (HTTP_PROXY)
-HOME = "/root"  # the agent's (and the verifier's) HOME: the image user's, which lives through the episode
 # The system folders of the host that stand in for an image where a task needs none; bound read-only.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 # Folders every sandbox's root has, made where its layers lack them: (path, mode, the agent's). /var/tmp is a folder of
@@ -208,26 +208,6 @@ class _Verifier:
         force_rmtree(self.root)
 
 
-def read_bwrap_info(fd: int, timeout_s: float = 30.0) -> dict:
-    """bubblewrap's --info-fd JSON (it closes the descriptor after writing, or at its exit)."""
-    data = b""
-    deadline = time.monotonic() + timeout_s
-    while len(data) < 1 << 16:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            raise SandboxError(f"bubblewrap did not start within {timeout_s:g} s")
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-        if data.rstrip().endswith(b"}"):
-            break
-    try:
-        return json.loads(data)
-    except ValueError:
-        return {}
-
-
 def _kill_launcher(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()
@@ -267,10 +247,6 @@ class LocalSnapshot:
         let_go(self.held)
         if self.own is not None:
             force_rmtree(self.own)
-
-
-def bwrap_path() -> str | None:
-    return shutil.which("bwrap")
 
 
 def probe_bwrap() -> tuple[str | None, str | None]:
@@ -1185,7 +1161,16 @@ class LocalSandbox(Sandbox):
 
         sock = in_netns(netns, listen)
         proxy = self._egress() if callable(self._egress) else self._egress
-        proxy.serve(sock, f"{self.root.name}:{who}")
+        hosts = self._verifier.root / "hosts" if who == "verifier" else self.root / "hosts"
+
+        def local(host: str, port: int) -> socket.socket | None:
+            """What the sandbox itself serves under `host` (its loopback; a name its /etc/hosts gives loopback)."""
+            address = _loopback_address(host, hosts)
+            if address is None:
+                return None
+            return in_netns(netns, lambda: socket.create_connection((address, port), timeout=10))
+
+        proxy.serve(sock, f"{self.root.name}:{who}", local=local)
         return sock
 
     def _network_env(self) -> dict[str, str]:
@@ -1300,6 +1285,32 @@ def _verifier_hosts(agents: str) -> str:
     return HOSTS_FILE + "".join(f"{line}\n" for line in kept)
 
 
+def _loopback_address(host: str, hosts_file: Path) -> str | None:
+    """The loopback address `host` names in the sandbox (an address of 127.0.0.0/8 or ::1, localhost, or a name its
+    /etc/hosts maps to one), else None."""
+    import ipaddress
+
+    name = host.strip("[]").lower()
+    try:
+        return name if ipaddress.ip_address(name).is_loopback else None
+    except ValueError:
+        pass
+    if name in ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"):
+        return "127.0.0.1"
+    try:
+        lines = hosts_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split("#")[0].split()
+        if len(fields) >= 2 and name in (f.lower() for f in fields[1:]):
+            try:
+                return fields[0] if ipaddress.ip_address(fields[0]).is_loopback else None
+            except ValueError:
+                return None
+    return None
+
+
 def _resolve_in(view: Path, path: str) -> str | None:
     """The host path of the regular file `path` names inside `view`, following links inside the view only."""
     current, pending, links = "", path.strip("/").split("/"), 0
@@ -1368,11 +1379,18 @@ class LocalBackend:
 
     @property
     def egress(self):
-        """The run's egress proxy (rl/sandbox/egress.py), started with the first sandbox that has the network."""
+        """The run's egress proxy (rl/sandbox/egress.py), started with the first sandbox that has the network: it
+        allows the package registries this host is configured for and those the image base's apt reads (Debian's
+        security archive, say), and the run's `egress_hosts`."""
         if getattr(self, "_egress", None) is None:
-            from rl.sandbox.egress import EgressProxy, registry_hosts
+            from rl.sandbox.egress import EgressProxy, PackageSources, apt_sources, registry_hosts
+            from rl.sandbox.image import ImageBuilder
 
-            self._egress = EgressProxy(allowed_hosts=[*registry_hosts(), *self.egress_hosts], log=self.egress_log)
+            base_apt = ImageBuilder(self.image_cache, progress=lambda _: None).base_folder() / "rootfs" / "etc" / "apt"
+            images = PackageSources(pip=[], apt=apt_sources(base_apt), npm=[]).hosts() if base_apt.is_dir() else []
+            self._egress = EgressProxy(allowed_hosts=list(dict.fromkeys([*registry_hosts(), *images,
+                                                                          *self.egress_hosts])),
+                                       log=self.egress_log)
         return self._egress
 
     def _make(self, tree, network: str = "none", **kwargs) -> LocalSandbox:

@@ -37,9 +37,10 @@ ENV PROJECT_HOME=/opt/project
 """
 TEST_SH = """\
 #!/bin/bash
+# `python`, as python:* images have it (plain Debian and Ubuntu images have none)
 cd /opt/project
 total=$(jq '[.[] | .n] | add' data/items.json)
-if [ "$(cat answer.txt 2>/dev/null)" = "$total" ] && python3 -c "import six" && [ -s built.json ] \\
+if [ "$(cat answer.txt 2>/dev/null)" = "$total" ] && python -c "import six" && [ -s built.json ] \\
    && [ "$PROJECT_HOME" = /opt/project ]; then
   echo 1 > /logs/verifier/reward.txt
 else
@@ -348,3 +349,64 @@ def test_terminal_bench_1_default_run_tests_runs_the_installed_pytest(tmp_path):
         assert result.reward == want, (solution, result.details, result.output[-2000:])
         if want == 0.0:
             assert rollout_reward(task, backend) == 0.0
+
+
+MULTI_STAGE = """\
+FROM debian:bookworm-slim AS builder
+WORKDIR /src
+COPY data/items.json .
+RUN python3 -c "import json; print(sum(i['n'] for i in json.load(open('items.json'))))" > /src/total.txt
+FROM builder AS checked
+RUN test -s /src/total.txt && ln -s /src/total.txt /src/latest
+FROM python:3.12-slim-bookworm
+COPY --from=ghcr.io/astral-sh/uv:0.8.4 /uv /uvx /bin/
+COPY --from=checked /src/latest /opt/project/expected.txt
+WORKDIR /opt/project
+COPY data /opt/project/data
+"""
+MULTI_STAGE_TEST_SH = """\
+#!/bin/bash
+cd /opt/project
+if [ "$(cat answer.txt 2>/dev/null)" = "$(cat expected.txt)" ] && /bin/uv --version | grep -q "^uv 0.8.4" \\
+   && python --version | grep -q "^Python 3"; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+@pytest.mark.e2e
+def test_a_multi_stage_dockerfile_copies_out_of_its_stages_and_uv_s_image(tmp_path):
+    """COPY --from an earlier stage (through a link of that stage), FROM <stage>, and COPY --from uv's image, made
+    from the uv wheel: 0 untouched and 1 after the solution; a python:* image has `python`."""
+    root = built_task(tmp_path, MULTI_STAGE)
+    (root / "tests" / "test.sh").write_text(MULTI_STAGE_TEST_SH)
+    (root / "solution" / "solve.sh").write_text(
+        "cd /opt/project && python -c \"import json; print(sum(i['n'] for i in json.load(open('data/items.json'))))\" "
+        "> answer.txt\n")
+    task = load_harbor_task(root)
+    assert set(task.image.stages) == {"checked", "ghcr.io/astral-sh/uv:0.8.4"}
+    backend = LocalBackend()
+    assert check_task(task, backend, oracle=False, log=lambda _: None).reward == 0.0
+    solved = check_task(task, backend, oracle=True, log=lambda _: None)
+    assert solved.reward == 1.0, solved.output[-2000:]
+
+
+@pytest.mark.e2e
+def test_a_verifier_that_imports_rewardkit_gets_harbor_rewardkit_or_the_reason(tmp_path):
+    """harbor-rewardkit (PyPI) is installed for a verifier that imports `rewardkit`; where the stand-in's Python is
+    older than its releases need, the build says so in one line."""
+    root = built_task(tmp_path, "FROM python:3.12-slim-bookworm\nWORKDIR /app\n")
+    (root / "tests" / "grade.py").write_text("import json, rewardkit\nprint(json.dumps({'reward': 1.0}))\n")
+    (root / "tests" / "test.sh").write_text("python /tests/grade.py > /logs/verifier/reward.json\n")
+    task = load_harbor_task(root)
+    assert task.image.verifier_packages == ("harbor-rewardkit",)
+    try:
+        result = check_task(task, LocalBackend(), oracle=False, log=lambda _: None)
+    except TaskError as e:
+        (line,) = str(e).splitlines()
+        assert "installing what the verifier asks for (harbor-rewardkit) failed" in line
+        assert "its releases need Python >=3.12, newer than the stand-in's" in line, line
+    else:
+        assert result.reward == 1.0, result.details  # the stand-in's Python runs it

@@ -324,6 +324,8 @@ class _FailingBuild:
 
 @pytest.mark.parametrize("output,says", [
     ("curl: (6) Could not resolve host: golang.org\n", "it downloads from golang.org, which the build cannot reach"),
+    ("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/datasets/m/x.mp4\n",
+     "it downloads from huggingface.co, which the build cannot reach"),
     ("W: Failed to fetch http://ppa.launchpad.net/x  Temporary failure resolving 'ppa.launchpad.net'\n"
      "E: Unable to locate package python3.11\n", "it downloads from ppa.launchpad.net"),
     ("Reading package lists...\nE: Unable to locate package openjdk-21-jdk\n",
@@ -569,9 +571,12 @@ def test_a_verifier_that_downloads_its_tools_is_told_about_the_network(tmp_path)
         "\"/tmp/expected.txt\")'\n"
         "cmp /tmp/expected.txt /app/hello.txt && echo 1 > /logs/verifier/reward.txt "
         "|| echo 0 > /logs/verifier/reward.txt\n")
-    result = check_task(load_harbor_task(task_dir), LocalBackend(), oracle=True, log=lambda s: None)
-    assert result.reward == 0.0 and "the verifier needs the network, which sandboxes do not have" in \
-        result.details["error"], result.details
+    task = load_harbor_task(task_dir)
+    result = check_task(task, LocalBackend(), oracle=True, log=lambda s: None)  # the network the task declares
+    assert task.verifier_network == "public" and result.reward == 0.0, result.details
+    assert "the verifier needs example.com, which the run's egress proxy does not allow" in result.details["error"]
+    result = check_task(task, LocalBackend(network="none"), oracle=True, log=lambda s: None)  # a run without any
+    assert result.reward == 0.0 and "example.com" in result.details["error"], result.details
 
 
 MULTI_STEP_TOML = """\
@@ -596,6 +601,7 @@ min_reward = 0.5
 env = {{ EXPECTED_GREETING = "Hello, Ada!" }}
 [steps.healthcheck]
 command = "test -x /app/greet.sh"
+interval_sec = 0.2
 
 [[steps]]
 name = "document"
@@ -633,10 +639,13 @@ def test_a_multi_step_task_runs_its_steps_in_order(tmp_path, strategy):
     tests over the shared ones, its env) after; min_reward stops the task; the reward is the mean or the final's."""
     task = load_harbor_task(multi_step_task(tmp_path, strategy))
     assert [s.name for s in task.steps] == ["scaffold", "implement", "document"] and task.step_reward == strategy
-    assert task.instruction.startswith("Create /app/greet.sh") and task.steps[1].healthcheck == "test -x /app/greet.sh"
+    assert task.instruction.startswith("Create /app/greet.sh")
+    assert task.steps[1].healthcheck.command == "test -x /app/greet.sh"
     backend = LocalBackend()
-    solved = check_task(task, backend, oracle=True, log=lambda s: None)
+    solved = check_task(task, backend, oracle=True, log=lambda s: None, artifacts_dir=tmp_path / "run")
     assert solved.reward == 1.0 and [s["reward"] for s in solved.details["steps"]] == [1.0, 1.0, 1.0], solved.details
+    for step, text in (("scaffold", "echo hello\n"), ("document", 'echo "Hello, $(cat /app/config.txt)!"\n')):
+        assert (tmp_path / "run" / "steps" / step / "artifacts" / "app" / "greet.sh").read_text() == text
     untouched = check_task(task, backend, oracle=False, log=lambda s: None)
     (first,) = untouched.details["steps"]  # scaffold's 0 is below its min_reward: the task stops there
     assert untouched.reward == 0.0 and first["stopped"] == "below its min_reward 1.0"

@@ -203,12 +203,13 @@ def test_services_have_the_usual_writable_system_paths(sbx):
     an image's other folders, are root's and read-only to it."""
     res = sbx.exec("mkdir -p /var/log/svc /var/lib/db /var/cache/c /var/spool/s /run/svc && "
                    "(setsid bash -c 'echo started > /var/log/svc/out.log; exec sleep 1000' >/dev/null 2>&1 &) && "
+                   "for i in $(seq 100); do [ -s /var/log/svc/out.log ] && break; sleep 0.05; done && "
                    "echo 7 > /run/svc/pid && touch /var/tmp/t /tmp/u ~/.config-h && ls /tmp && "
                    "for p in /usr/x /etc/x /usr/local/bin/x /x /var/x /opt/x /srv/x; do "
                    "touch $p 2>/dev/null && echo wrote $p; done; true")
     assert res.output.split() == ["u"], res.output
     sbx.enter_verifier()
-    res = sbx.exec("sleep 0.2; cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/; ls /tmp; ls -d ~/.config-h")
+    res = sbx.exec("cat /var/log/svc/out.log /run/svc/pid; ls /var/tmp/; ls /tmp; ls -d ~/.config-h")
     assert res.output.split() == ["started", "7", "t", "u", "/root/.config-h"], res.output
     assert sbx.read_file("/run/svc/pid", 16) == b"7\n"
 

@@ -460,3 +460,19 @@ def test_an_episode_that_writes_everywhere_changes_nothing_below_its_own_layer(t
         after = {str(layer): _digest(layer) for layer in snapshot.layers}
         snapshot.discard()
     assert after == before
+
+
+def test_a_task_in_separate_mode_is_judged_on_its_artifacts_alone(tmp_path, sandbox_parent):
+    """task.toml's [verifier] environment_mode = "separate" with its `artifacts`: through check_task, the verifier
+    sees the declared file (as a regular file) and nothing else of the agent's, and its reward follows."""
+    verifier = ("#!/bin/bash\nif [ \"$(cat /app/out.txt)\" = 42 ] && [ ! -e /app/scratch.txt ] && [ ! -L /app/out.txt ]"
+                " && [ ! -e /app/key.txt ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n")
+    solve = "echo 42 > /app/out.txt; echo junk > /app/scratch.txt; ln -s /tests/key /app/key.txt\n"
+    toml = 'artifacts = ["/app/out.txt", "/app/key.txt"]\n'
+    task = make_task(tmp_path, "separate", solve, verifier=verifier, toml=toml)
+    text = (task / "task.toml").read_text().replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+    (task / "task.toml").write_text(toml + text.replace(toml, ""))
+    backend = RecordingBackend(limits=LIMITS, root_parent=str(sandbox_parent))
+    assert run_attack(task, backend) == 1.0
+    shared = make_task(tmp_path, "shared", solve, verifier=verifier)
+    assert run_attack(shared, backend) == 0.0  # the default: the agent's whole frozen world, scratch.txt included

@@ -1,6 +1,6 @@
 """tools/task_table.py: real task folders in a table, each untouched and with its oracle, its build and second
-prepare, and for a task that cannot run here its one-line reason; the exit status says whether every task that
-loads gives 0 and 1."""
+prepare, and every row right, refused or flagged with its one-line reason, or wrong (no reason): the closing count
+says how many of each and the exit status whether any is wrong."""
 
 import json
 import subprocess
@@ -30,19 +30,38 @@ def test_tasks_that_run_and_tasks_that_cannot_are_rows(tmp_path):
     (gpu / "task.toml").write_text((gpu / "task.toml").read_text().replace("[environment]", "[environment]\ngpus = 1"))
     code, rows, text = table([harbor, tb1, gpu], tmp_path)
     assert code == 0, text
-    by_format = {r["format"]: r for r in rows if r["runs"]}
+    by_format = {r["format"]: r for r in rows if r["verdict"] == "right"}
     assert set(by_format) == {"Harbor", "Terminal-Bench 1"}
     for row in by_format.values():
         assert (row["unsolved"], row["oracle"], row["reason"]) == (0.0, 1.0, "")
         assert row["environment"] == "host system" and row["build_s"] is None and row["second_prepare_s"] > 0
-    (refused,) = [r for r in rows if not r["runs"]]
+    (refused,) = [r for r in rows if r["verdict"] != "right"]
     assert refused["unsolved"] is None and "needs 1 GPU(s)" in refused["reason"] and "\n" not in refused["reason"]
-    assert "2 of 3 tasks give 0 untouched and 1 with the oracle" in text
+    assert refused["verdict"] == "refused"
+    assert ("3 tasks: 2 right (0 untouched, 1 with the oracle), 1 refused with their reason, 0 flagged with their "
+            "reason, 0 wrong (a verdict without a reason)") in text
     assert (tmp_path / "table.md").read_text() == text
 
 
 def test_a_task_that_loads_but_does_not_give_0_and_1_fails_the_table(tmp_path):
     wrong = hello_world(tmp_path / "wrong")
     (wrong / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'Goodbye' > hello.txt\n")
-    code, (row,), _ = table([wrong], tmp_path)
-    assert code == 1 and (row["unsolved"], row["oracle"], row["runs"]) == (0.0, 0.0, False)
+    code, (row,), text = table([wrong], tmp_path)
+    assert code == 1 and (row["unsolved"], row["oracle"], row["verdict"]) == (0.0, 0.0, "wrong")
+    assert "0 flagged with their reason, 1 wrong (a verdict without a reason)" in text
+
+
+def test_a_verifier_that_ignores_the_agent_s_work_is_flagged(tmp_path):
+    """An untouched task that scores 1 (tests that run the canonical solution, not the agent's file) is flagged
+    with its reason, as is an untouched task's partial credit; neither fails the table."""
+    always = hello_world(tmp_path / "always")
+    (always / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    partial = hello_world(tmp_path / "partial")
+    (partial / "tests" / "test.sh").write_text(
+        "h=0; [ -f /app/hello.txt ] && h=1; echo \"{\\\"style\\\": 1, \\\"hello\\\": $h}\" > "
+        "/logs/verifier/reward.json\n")
+    code, rows, text = table([always, partial], tmp_path)
+    assert code == 0 and [r["verdict"] for r in rows] == ["flagged", "flagged"], text
+    assert rows[0]["reason"] == ("the verifier does not depend on the agent's work: the untouched task scores 1, as "
+                                 "much as the reference solution (1)")
+    assert rows[1]["reason"].startswith("partial credit: the untouched task scores 0.5 (style 1, hello 0)")
