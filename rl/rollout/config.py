@@ -71,6 +71,12 @@ class RolloutConfig:
     sandbox_build_images: bool = field(default=False, metadata={
         "help": "build every task's Dockerfile into an image (rl/sandbox/image.py), even where the host's system "
                 "could stand in (a task whose steps reach past /app is built either way)"})
+    sandbox_network: str = field(default="task", metadata={
+        "help": "the agents' network: task (what each task declares: none, or public through the run's egress "
+                "proxy to this host's package registries) or none (no agent has one, whatever its task declares: "
+                "RL on tasks whose fix is published upstream)"})
+    egress_hosts: list = field(default_factory=list, metadata={
+        "help": "hosts the egress proxy allows beyond this host's package registries (host, *.domain, host:port)"})
     episode_retries: int = field(default=2, metadata={
         "help": "a crashed sandbox episode is rerun this often before the group is re-queued"})
     group_timeout_s: float = field(default=1800.0, metadata={
@@ -91,6 +97,9 @@ class RolloutConfig:
         return self.tp * self.ep
 
     def validate(self) -> "RolloutConfig":
+        if self.sandbox_network not in ("task", "none"):
+            raise ConfigError(f"rollout.sandbox_network={self.sandbox_network!r}: use task (as each task declares) "
+                              "or none")
         if self.group_size < 1:
             raise ConfigError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.backend not in ("engine", "vllm"):

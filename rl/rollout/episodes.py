@@ -181,7 +181,9 @@ class EpisodeRunner:
             from rl.sandbox import LocalBackend
 
             self._backend = LocalBackend(unisolated=self.cfg.sandbox_unisolated,
-                                         build_images=self.cfg.sandbox_build_images)
+                                         build_images=self.cfg.sandbox_build_images,
+                                         network=None if self.cfg.sandbox_network == "task" else "none",
+                                         egress_hosts=tuple(self.cfg.egress_hosts))
         return self._backend
 
     def _get_pool(self):

@@ -8,8 +8,8 @@ A task directory holds either or both of:
   ``{"prefix": TEXT}`` -> 1 if the stripped response starts with TEXT;
   ``{"python_output": TEXT}`` -> the response is a Python program run in a sandbox (``rl.sandbox``), 1 if its
   stdout (stripped) equals TEXT.
-* sub-directories that are Harbor tasks (``task.toml`` + ``instruction.md``): agent episodes in a sandbox,
-  rewarded by the task's verifier.
+* sub-directories that are Harbor tasks (``task.toml`` + ``instruction.md``) or Terminal-Bench 1 tasks
+  (``task.yaml``): agent episodes in a sandbox, rewarded by the task's verifier.
 
 `load_rl_tasks(dir)` returns them in a fixed order (jsonl lines first, then task folders by name), so prompt
 indices, and therefore the sampler's permutation, are stable across runs and resumes.
@@ -85,12 +85,14 @@ def load_rl_tasks(path: str | Path) -> list[RLTask]:
             tasks.append(RLTask(name=str(d.get("id", f"line{n}")), kind="single_turn", prompt=d["prompt"], check=check))
     from rl.envs import load_harbor_task
 
-    for sub in sorted(p for p in root.iterdir() if p.is_dir() and (p / "task.toml").is_file()):
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and ((p / "task.toml").is_file()
+                                                                     or (p / "task.yaml").is_file())):
         task = load_harbor_task(sub)
         if task.steps:
             raise ConfigError(f"{sub} is a multi-step task ([[steps]]); RL rollouts run single-step tasks: check it "
                               "with tools/check_task.py, or train on its steps as tasks of their own")
         tasks.append(RLTask(name=task.name, kind="agent", prompt=task.instruction, harbor=task))
     if not tasks:
-        raise ConfigError(f"'{root}' holds no tasks.jsonl and no Harbor task folders (task.toml)")
+        raise ConfigError(f"'{root}' holds no tasks.jsonl and no task folders (Harbor's task.toml, Terminal-Bench's "
+                          "task.yaml)")
     return tasks
