@@ -84,6 +84,7 @@ timeout_sec = 120.0
 max_turns = 8
 
 [environment]
+allow_internet = false
 build_timeout_sec = 60.0
 cpus = 1
 memory_mb = 512
