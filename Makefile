@@ -13,12 +13,13 @@ $(VENV)/.installed: setup.py
 	# Pin torch first: an unpinned requirement would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
-	# LocalSandbox needs bubblewrap, and mmdebstrap to build task images (rl/sandbox/image.py); install them where apt
-	# is available (sandbox and image tests skip with the reason otherwise).
-	{ command -v bwrap && command -v mmdebstrap; } >/dev/null \
+	# LocalSandbox needs bubblewrap, a C compiler for its launcher (rl/sandbox/launcher.c) and nftables to publish a
+	# task's service ports to its verifier; mmdebstrap builds task images (rl/sandbox/image.py). Installed where apt is
+	# available (sandbox and image tests skip with the reason otherwise).
+	{ command -v bwrap && command -v mmdebstrap && command -v nft && command -v cc; } >/dev/null \
 		|| { command -v apt-get >/dev/null && $(SUDO) apt-get update -qq \
-			&& $(SUDO) apt-get install -y -qq bubblewrap mmdebstrap; } \
-		|| echo "WARNING: bubblewrap or mmdebstrap not installed: sandbox or image tests will be skipped"
+			&& $(SUDO) apt-get install -y -qq bubblewrap mmdebstrap nftables gcc libc6-dev; } \
+		|| echo "WARNING: bubblewrap, mmdebstrap, nftables or gcc not installed: sandbox or image tests will be skipped"
 	touch $@
 
 install: $(VENV)/.installed
