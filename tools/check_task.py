@@ -11,7 +11,8 @@ goes without a reason:
   verifier that wrote no reward, needed a tool or a host the sandbox lacks (named), or a reference solution whose
   commands failed (its last line);
 - exit status 1: the untouched task scores as much as its reference solution (or the most there is): the verifier
-  does not depend on the agent's work;
+  does not depend on the agent's work; or, with --oracle, a reference solution that ran without an error scores
+  below the most there is: the verifier rejects the task's own solution;
 - an untouched task that gets partial credit (a weighted rubric) says so in one line (its reference solution is
   run to compare).
 --artifacts DIR collects the task's declared `artifacts` there (steps/<name>/artifacts/ for a multi-step task).
@@ -32,6 +33,7 @@ from rl.envs.check_task import (  # noqa: E402
     make_backend,
     partial_credit,
     printable,
+    reference_problem,
     reward_range,
     verdict_problem,
 )
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in result.details:
         print(printable(f"error: {result.details['error']}"), file=sys.stderr)
         return 2
+    if args.oracle and (problem := reference_problem(result, high)):
+        print(printable(f"error: {problem}"), file=sys.stderr)
+        return 1
     if not args.oracle:
         if problem := verdict_problem(result, reference, high):
             print(printable(f"error: {problem}"), file=sys.stderr)

@@ -9,7 +9,8 @@ row is one of:
 - right: untouched reward 0 and reward 1 after the reference solution, neither with an error;
 - refused: it cannot be loaded, built or verified here, with its one-line reason (the host, tool or key it needs);
 - flagged: its verdicts are not verdicts on the agent's work (the untouched task scores as much as the reference
-  solution, or the most there is) or the untouched task gets partial credit, said in one line;
+  solution, or the most there is; or the reference solution ran without an error and scores less than the most
+  there is) or the untouched task gets partial credit, said in one line;
 - wrong: any other rewards with no reason: a verdict that would mislead training.
 The table closes with the count of each; exit status 1 when a row is wrong.
 """
@@ -34,6 +35,7 @@ from rl.envs.check_task import (  # noqa: E402
     make_backend,
     partial_credit,
     printable,
+    reference_problem,
     reward_range,
     verdict_problem,
 )
@@ -115,7 +117,8 @@ def check_one(path: Path, backend) -> Row:
             row.reason = f"{'oracle' if oracle else 'untouched'}: {one_line(result.details['error'])}"
             return row
     low, high = reward_range(task)
-    why = verdict_problem(results[False], results[True], high) or partial_credit(results[False], low)
+    why = (verdict_problem(results[False], results[True], high) or reference_problem(results[True], high)
+           or partial_credit(results[False], low))
     if why:
         row.reason, row.flagged = printable(why), True
     return row

@@ -161,6 +161,19 @@ def verdict_problem(untouched: VerifyResult, reference: VerifyResult | None, hig
     return None
 
 
+def reference_problem(reference: VerifyResult, high: float = 1.0) -> str | None:
+    """Why the reference solution's verdict says nothing of the agent's work, or None: it ran without an error and
+    still scores below the most there is, so its verifier rejects the task's own solution."""
+    if reference.reward >= high or "error" in reference.details:
+        return None
+    lines = [line.strip() for line in reference.output.splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith("FAILED ")]  # pytest -rA: the test that failed, and why
+    said = (f" ({failed[0][:200]})" if failed else f" (the verifier's last line: {lines[-1][:200]})" if lines
+            else " (the verifier printed nothing)")
+    return (f"the reference solution ran without an error and scores {reference.reward:g} of {high:g}: the verifier "
+            f"rejects the task's own solution{said}")
+
+
 def partial_credit(untouched: VerifyResult, low: float = 0.0) -> str | None:
     """One line for an untouched task that gets partial credit (a weighted rubric), or None."""
     if untouched.reward <= low or "error" in untouched.details:

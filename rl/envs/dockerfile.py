@@ -217,8 +217,8 @@ def _logical_lines(text: str, path: Path) -> list[tuple[int, str]]:
         i += 1
         if not buf and (not line.strip() or line.lstrip().startswith("#")):
             continue
-        if buf and line.lstrip().startswith("#"):
-            continue
+        if buf and (not line.strip() or line.lstrip().startswith("#")):
+            continue  # docker drops empty and comment lines inside a continuation (an empty one with a warning)
         if not buf:
             start = i
         if line.endswith("\\"):

@@ -173,7 +173,7 @@ class RunStep:
             else:
                 why = (missing_tool(self.command, "this setup command", _INSTALLS)
                        or missing_tool(res.output, "this setup command"))
-            last = next((line for line in reversed(res.output.splitlines()) if line.strip()), "no output")
+            last = last_meaningful_line(res.output)
             raise TaskError(f"{self.origin}: " + (why or f"setup command failed ({res.describe()}): {last[:200]}")
                             + f" (the whole log: {setup_log(self, res)})")
 
@@ -190,7 +190,18 @@ def build_lacks(command: str, output: str) -> str | None:
     if package := _NO_PACKAGE.search(output):
         return (f"Debian's archive, which stands in for the FROM image's, has no package {package.group(1)}: build "
                 "the task on a container backend from its own image")
+    if pinned := _PINNED.search(output):
+        return (f"it pins a package version ({pinned.group(0).strip()}) of the FROM image's archive; Debian's, which "
+                "stands in for it, has another: build the task on a container backend from its own image")
     return None
+
+
+def last_meaningful_line(output: str) -> str:
+    """The last line of a failed command's output that is not a tool's routine notice (pip's warning about root,
+    its upgrade notice), which would hide the error above it."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    said = [line for line in lines if not _NOTICE.match(line.strip())]
+    return (said or lines or ["no output"])[-1]
 
 
 def setup_log(step: "RunStep", res: ExecResult) -> Path:
@@ -251,6 +262,10 @@ _MISSING_TOOLS = (  # the first that shows is named: a failed download comes bef
 )
 
 _NO_PACKAGE = re.compile(r"^E: (?:Unable to locate package |Package ')([\w.+-]+)", re.MULTILINE)
+# apt refusing a pinned version (`pkg=1.2-3`) that the stand-in's archive has not, or has newer already.
+_PINNED = re.compile(r"^E: (?:Version '[^']+' for '[^']+' was not found|Packages were downgraded and -y was used "
+                     r"without --allow-downgrades)", re.MULTILINE)
+_NOTICE = re.compile(r"^(?:WARNING: Running pip as the 'root' user|\[notice\] |WARNING: You are using pip version)")
 
 # A command that installs packages (a Dockerfile RUN line), which cannot work on the local backend.
 _INSTALLS = (

@@ -597,10 +597,15 @@ class ImageBuilder:
     def build_recipe(self, recipe: ImageRecipe) -> Image:
         """Build (or find) a loader's recipe: the images it copies from first, then its packages from the Debian
         mirror, then its steps."""
-        stage_roots = {name: self.build_recipe(stage).root for name, stage in recipe.stages.items()}
+        stages = {name: self.build_recipe(stage) for name, stage in recipe.stages.items()}
 
         def steps(root: BuildRoot) -> None:
-            root.stage_roots = stage_roots
+            with contextlib.ExitStack() as views:
+                root.stage_roots = {name: views.enter_context(self.image_view(image))
+                                    for name, image in stages.items()}
+                build_steps(root)
+
+        def build_steps(root: BuildRoot) -> None:
             if recipe.packages:
                 command = ("apt-get update -qq && apt-get install -y -qq --no-install-recommends "
                            + " ".join(recipe.packages) + " && rm -rf /var/lib/apt/lists/*")
@@ -640,6 +645,29 @@ class ImageBuilder:
                                        f"{_last_line(log)}); the whole log: {log}")
 
         return self.build(recipe.key, steps, what=recipe.what)
+
+    @contextlib.contextmanager
+    def image_view(self, image: Image):
+        """A read-only view of `image`'s root filesystem for the time of the block (what COPY --from reads): its
+        layers stacked (overlayfs), or its one folder where layers are copies."""
+        if len(image.layers) == 1:
+            yield image.layers[0]
+            return
+        work = self._work_dir()
+        view = work / "view"
+        try:
+            view.mkdir()
+            if use_overlay():
+                mount_overlay(image.layers, view)
+                try:
+                    yield view
+                finally:
+                    unmount(view)
+            else:
+                materialize(image.layers, view)
+                yield view
+        finally:
+            force_rmtree(work)
 
     def build(self, recipe_key: str, steps: Callable[[BuildRoot], None], what: str = "image",
               parent: Image | None = None) -> Image:

@@ -376,6 +376,24 @@ fi
 """
 
 
+def test_a_stage_is_built_and_copied_out_of_on_the_local_base(tmp_path):
+    """COPY --from an earlier stage reads that stage's image (its layers stacked read-only for the build), each time
+    the image is built: the two-stage task gives 0 untouched and 1 with its solution."""
+    root = built_task(tmp_path, "FROM debian:bookworm-slim AS tool\nRUN mkdir -p /src && echo 42 > /src/total.txt\n"
+                                "FROM python:3.11-slim-bookworm\nCOPY --from=tool /src/total.txt /opt/project/\n"
+                                "WORKDIR /opt/project\nCOPY data /opt/project/data\n")
+    (root / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ncd /opt/project\n[ \"$(cat answer.txt 2>/dev/null)\" = \"$(cat total.txt)\" ] "
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    (root / "solution" / "solve.sh").write_text("#!/bin/bash\ncd /opt/project && cat total.txt > answer.txt\n")
+    task = load_harbor_task(root)
+    assert set(task.image.stages) == {"tool"}
+    backend = LocalBackend()
+    assert check_task(task, backend, oracle=False, log=lambda _: None).reward == 0.0
+    solved = check_task(task, backend, oracle=True, log=lambda _: None)
+    assert solved.reward == 1.0, solved.output[-2000:]
+
+
 @pytest.mark.e2e
 def test_a_multi_stage_dockerfile_copies_out_of_its_stages_and_uv_s_image(tmp_path):
     """COPY --from an earlier stage (through a link of that stage), FROM <stage>, and COPY --from uv's image, made

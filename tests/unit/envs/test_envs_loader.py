@@ -250,6 +250,32 @@ def test_multi_stage_dockerfiles_copy_out_of_earlier_stages_and_uv_s_image(tmp_p
     assert parse_dockerfile(ctx / "Dockerfile", ctx).task_parts(ctx / "Dockerfile", 60.0)[1].key != recipe.key
 
 
+def test_empty_and_comment_lines_inside_a_continuation_are_dropped_as_docker_drops_them(tmp_path):
+    ctx = write(tmp_path, {"Dockerfile": "FROM debian\nRUN apt-get install -y \\\n    curl \\\n\n"
+                                         "    # a comment between the packages\n    jq\nWORKDIR /app\n"})
+    plan = parse_dockerfile(ctx / "Dockerfile", ctx)
+    assert plan.workdir == "/app" and plan.runs == ["apt-get install -y curl jq"], plan.runs
+
+
+def test_a_failed_build_step_says_what_failed_not_a_routine_notice():
+    """A pinned package version the stand-in's archive lacks is named as such; pip's warning about root, printed
+    after the error, does not stand in for it."""
+    from rl.envs.task import build_lacks, last_meaningful_line
+
+    downgrade = ("The following packages will be DOWNGRADED:\n  ca-certificates\n"
+                 "E: Packages were downgraded and -y was used without --allow-downgrades.\n")
+    why = build_lacks("apt-get install -y ca-certificates=20230311+deb12u1", downgrade)
+    assert why.startswith("it pins a package version (E: Packages were downgraded") and "container backend" in why
+    missing = "E: Version '1.2-3' for 'jq' was not found\n"
+    assert "it pins a package version (E: Version '1.2-3' for 'jq' was not found)" in build_lacks("", missing)
+    output = ("Successfully installed pytest-8.3.0\nAssertionError: pytest must not be importable\n"
+              "WARNING: Running pip as the 'root' user can result in broken permissions\n"
+              "[notice] A new release of pip is available: 24.0 -> 25.1\n")
+    assert last_meaningful_line(output) == "AssertionError: pytest must not be importable"
+    assert last_meaningful_line("") == "no output"
+    assert last_meaningful_line("[notice] only a notice\n") == "[notice] only a notice"
+
+
 def test_buildkit_s_platform_arguments_have_this_host_s_values(tmp_path):
     ctx = write(tmp_path, {"Dockerfile": "ARG TARGETARCH\nFROM debian\nARG TARGETARCH\nARG TARGETOS\nARG OTHER\n"
                                          "RUN echo uv-${TARGETOS}-${TARGETARCH}-${OTHER}.tgz\n"})

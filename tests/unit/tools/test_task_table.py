@@ -43,12 +43,20 @@ def test_tasks_that_run_and_tasks_that_cannot_are_rows(tmp_path):
     assert (tmp_path / "table.md").read_text() == text
 
 
-def test_a_task_that_loads_but_does_not_give_0_and_1_fails_the_table(tmp_path):
-    wrong = hello_world(tmp_path / "wrong")
-    (wrong / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'Goodbye' > hello.txt\n")
-    code, (row,), text = table([wrong], tmp_path)
-    assert code == 1 and (row["unsolved"], row["oracle"], row["verdict"]) == (0.0, 0.0, "wrong")
-    assert "0 flagged with their reason, 1 wrong (a verdict without a reason)" in text
+def test_a_reference_solution_its_verifier_rejects_is_flagged_with_the_test_that_failed(tmp_path):
+    """A reference solution that runs without an error and scores 0 is no verdict on the agent's work: the row says
+    so with the test that failed, and check_task --oracle exits 1 with the same line."""
+    broken = hello_world(tmp_path / "broken")
+    (broken / "solution" / "solve.sh").write_text("#!/bin/bash\necho 'Goodbye' > hello.txt\n")
+    code, (row,), text = table([broken], tmp_path)
+    assert code == 0 and (row["unsolved"], row["oracle"], row["verdict"]) == (0.0, 0.0, "flagged"), text
+    assert row["reason"] == ("the reference solution ran without an error and scores 0 of 1: the verifier rejects "
+                             "the task's own solution (FAILED test_hello_file_content)"), row["reason"]
+    assert "1 flagged with their reason, 0 wrong (a verdict without a reason)" in text
+    res = subprocess.run([sys.executable, "tools/check_task.py", str(broken), "--oracle"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1 and res.stdout.splitlines()[-1] == "0", res.stdout + res.stderr
+    assert "error: the reference solution ran without an error and scores 0 of 1" in res.stderr
 
 
 def test_a_verifier_that_ignores_the_agent_s_work_is_flagged(tmp_path):
