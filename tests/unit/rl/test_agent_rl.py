@@ -76,21 +76,24 @@ def _inject_faults(patch: pytest.MonkeyPatch) -> None:
 
     fork, lock, forks = SandboxPool.fork, threading.Lock(), []
 
+    @contextlib.contextmanager
     def faulty_fork(self, task):
         if "heldout" in str(task.source):  # held-out evaluation: untouched
-            return fork(self, task)
+            with fork(self, task) as sandbox:
+                yield sandbox
+            return
         with lock:
             forks.append(task.name)
             n = len(forks)
         if n == 1:
             raise SandboxError("injected: cannot fork the task's snapshot (the host's fault)")
-        sandbox = fork(self, task)
-        if n == 2:
-            def enter_verifier(services: bool = True):
-                raise SandboxError("cannot make the verifier's directories: [Errno 17] File exists: "
-                                   "'/var/log/entrypoint.log' (injected: the episode's doing)")
-            sandbox.enter_verifier = enter_verifier
-        return sandbox
+        with fork(self, task) as sandbox:
+            if n == 2:
+                def enter_verifier(services: bool = True):
+                    raise SandboxError("cannot make the verifier's directories: [Errno 17] File exists: "
+                                       "'/var/log/entrypoint.log' (injected: the episode's doing)")
+                sandbox.enter_verifier = enter_verifier
+            yield sandbox
 
     patch.setattr(SandboxPool, "fork", faulty_fork)
 
