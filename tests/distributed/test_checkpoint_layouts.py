@@ -16,6 +16,7 @@ def _check(loads):
         assert r["wrong"] == [] and r["n"] > 100 and r["step"] == 1, (case, r["wrong"][:5])
 
 
+@pytest.mark.e2e  # four launches; test_trainer_layouts resumes across layouts in make test
 def test_checkpoints_load_across_every_layout(tmp_path):
     """Model and AdamW state saved under each of one rank, tp2, ep2, cp2, dp2 + ZeRO-1, fsdp, fsdp x tp2,
     fsdp x tp2 + sp, fsdp x cp2, fsdp x ep2, fsdp x tp2 x ep2 and HSDP x ep2 (after a forward with no backward,

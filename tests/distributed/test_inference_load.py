@@ -38,6 +38,7 @@ def _check(res, case):
 
 
 @pytest.mark.dist
+@pytest.mark.e2e  # expert parallelism alone; tp x ep below runs in make test
 @pytest.mark.parametrize("case", CASES)
 def test_expert_parallel_engine_loaded_per_rank(ep_results, case):
     _check(ep_results[case], case)

@@ -48,6 +48,7 @@ def ep_results(tmp_path_factory):
 
 
 @pytest.mark.dist
+@pytest.mark.e2e  # tp x ep loading per rank (test_inference_load) runs in make test
 @pytest.mark.parametrize("case", ["mla_tp2_ep2_greedy", "gqa_tp2_ep2_greedy", "mla_tp2_ep2_speculative"])
 def test_tensor_and_expert_parallel_engine_equals_one_rank(ep_results, case):
     """tp = 2 x ep = 2 on 4 ranks: greedy tokens, log-probs within 1e-5 and routing capture equal the one-rank

@@ -59,7 +59,9 @@ def _launch(rl_assets: Path, run_dir: Path, nproc: int, steps: int, env: dict | 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [{"rollout.tp": 2}, {"rollout.tp": 1, "rollout.ep": 2}], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("layout", [{"rollout.tp": 2},
+                                    pytest.param({"rollout.tp": 1, "rollout.ep": 2}, marks=pytest.mark.e2e)],
+                         ids=["tp2", "ep2"])
 def test_one_trainer_rank_and_a_tensor_parallel_rollout_group(rl_assets, tmp_path, layout):
     run_dir = tmp_path / "run"
     res = _launch(rl_assets, run_dir, nproc=3, steps=3, **layout, **{

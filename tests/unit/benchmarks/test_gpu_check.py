@@ -12,8 +12,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
 import gpu_check_parts  # noqa: E402
+import pytest  # noqa: E402
 
 
+@pytest.mark.e2e  # the whole reduced check: minutes on 2 cores
 def test_reduced_check_report_has_every_section_and_cuda_parts_skipped(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}

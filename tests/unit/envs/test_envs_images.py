@@ -156,7 +156,8 @@ uvx -w pytest==8.4.1 pytest /tests/test_outputs.py -rA && echo 1 > /logs/verifie
 """
 
 
-@pytest.mark.parametrize("test_sh", [TB2_UVX, UV_PROJECT, UV_VENV, UV_SET_E],
+@pytest.mark.parametrize("test_sh", [TB2_UVX, pytest.param(UV_PROJECT, marks=pytest.mark.e2e), UV_VENV,
+                                     pytest.param(UV_SET_E, marks=pytest.mark.e2e)],
                          ids=["uvx", "uv-project", "uv-venv", "set-e-source-env"])
 def test_the_usual_uv_boilerplates_run_offline_on_the_image(tmp_path, test_sh):
     """Harbor and Terminal-Bench verifiers fetch uv and have it install pytest: the image carries what they name

@@ -159,6 +159,7 @@ def test_dry_run_peak_agrees_with_the_estimate_at_real_widths():
     assert abs(r.peak_bytes / est - 1) <= 0.15, (r.peak_bytes / GiB, est / GiB, r.by_kind)
 
 
+@pytest.mark.e2e  # two more dry runs at real widths
 def test_dry_run_peak_is_affine_in_the_number_of_layers():
     """What simulate_scaled's extrapolation rests on: with identical blocks each added layer adds the same bytes
     to the peak (its sharded state and one more saved block input), once the peak sits in the same block at
@@ -218,6 +219,7 @@ def test_kimi_long_context_dry_run_fits_e2e(seq):
     assert "estimate and dry run agree within 15%" in r.stdout, r.stdout
 
 
+@pytest.mark.e2e  # a subprocess dry run at real widths
 def test_planner_simulate_prints_the_comparison_and_its_assumptions():
     r = _plan("--preset", "tiny-kimi-k2.5", "--gpus", "8", "--gpu-mem", "1", "--ep", "2", "--cp", "2", "--fsdp",
               "--seq", "256", "--simulate")
