@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[3]
 # A process that holds a sandbox in its verifier phase (two tmpfs where the host mounts them), a snapshot, a build
 # folder and a command still running in the sandbox, then waits to be stopped.
 _HOLDER = """
-import sys, threading, time
+import signal, sys, threading, time
+# As a terminal starts a run: a runner that ignores SIGINT and SIGHUP (a shell's background job, nohup) passes that on,
+# and a process that ignores a stop signal keeps ignoring it (release_on_signals leaves it so).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from rl.sandbox import LocalBackend
 from rl.sandbox.leftovers import held_dir, release_on_signals
 if sys.argv[2] == "handlers":
