@@ -43,6 +43,7 @@ def test_checkpoints_load_across_every_layout(tmp_path):
     _check(loads)
 
 
+@pytest.mark.e2e  # an async save's publication: tests/unit/checkpoint/test_checkpoint_async.py in make test
 def test_fsdp_expert_parallel_resume_from_an_async_save_gives_the_uninterrupted_losses(tmp_path):
     r = run_worker("checkpoint_worker.py", 4, ["--cases", "resume"], tmp_path)
     assert len(r["straight"]) == 4 and r["resumed"] == r["straight"] and r["invisible_until_finished"]

@@ -146,6 +146,7 @@ def test_dry_run_measures_parameters_exactly_and_the_peak_near_the_estimate():
     assert 0.7 <= r.peak_bytes / est <= 1.3, (r.by_kind, est)
 
 
+@pytest.mark.e2e  # make test checks the peak against the estimate at tiny widths (the test above)
 def test_dry_run_peak_agrees_with_the_estimate_at_real_widths():
     """Kimi K2.5's widths, layout (EP 8, CP 8, FSDP over 512 ranks) and full recompute with 3 layers (one dense,
     two MoE) at a 32k sequence: the backward peak (the last block's context-parallel attention backward, with
