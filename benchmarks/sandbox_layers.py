@@ -98,6 +98,7 @@ def main() -> int:
                                    "head -c 1048576 /dev/urandom > /opt/big/f$i; done", timeout=600), what="bench")
     else:
         print(f"(no built images here: {build_problem()})")
+    copies = max(1, min(args.copies, args.samples))
     rows = []
     with tempfile.TemporaryDirectory(prefix="mc-bench-tree-") as tmp:
         tree = Path(tmp)
@@ -106,13 +107,13 @@ def main() -> int:
             for depth in args.depths:
                 snapshots = stack(backend, tree, image, depth)
                 try:
-                    res = measure(backend, snapshots[-1], args.samples, max(1, min(args.copies, args.samples)))
+                    res = measure(backend, snapshots[-1], args.samples, copies)
                 finally:
                     for s in reversed(snapshots):
                         s.discard()
                 rows.append((name, depth, {k: 1e3 * pct(v, 0.5) for k, v in res.items()}))
     print(f"\np50 latency in ms over {args.samples} samples (baseline: copy = cp -a of the sandbox's merged root, "
-          f"over {max(1, min(args.copies, args.samples))})")
+          f"over {copies})")
     print(f"{'image':<18}{'depth':>6}{'fork':>9}{'start':>9}{'verifier':>10}{'copy':>9}{'copy/fork':>11}")
     for name, depth, r in rows:
         print(f"{name:<18}{depth:>6}{r['fork']:>9.1f}{r['start']:>9.1f}{r['verifier entry']:>10.1f}"

@@ -52,7 +52,6 @@ BUILD_RLIMIT = 16384  # open files and processes of a build's RUN steps
 CACHE_REPO = "localhost/megatron-composer"
 CACHE_LABEL = "megatron-composer.cache"  # on each: `docker image prune -a --filter label=megatron-composer.cache`
 CACHE_FORMAT = 1  # part of every digest: raise it when what a cached image holds changes
-_OFFLINE_VERIFIER_SAID: set[str] = set()  # engines whose offline verifiers were said
 
 
 def engine_problem(engine: str) -> str | None:
@@ -303,13 +302,13 @@ class ContainerSandbox(Sandbox):
         image's entrypoint started keeps serving, as in Harbor), then replace /tmp and /logs with empty ones. The
         separate mode and another user are the local backend's (refused here in one line). The container has no
         network, so a verifier whose network is "public" (Harbor's default, which most tasks leave as it is) runs
-        offline, as the images are built for (what a verifier installs is in them), said once per engine."""
+        offline, as the images are built for (what a verifier installs is in them), said in a warning (once per call
+        site and engine, as Python's warnings filter repeats)."""
         if separate or user not in (None, "root", 0, "0"):
             asked = "a separate verifier" if separate else f"the user {user!r}"
             raise SandboxError(f"the {self.engine} backend's verifier runs in the task's container as its root: "
                                f"{asked} needs the local backend")
-        if network != "none" and self.engine not in _OFFLINE_VERIFIER_SAID:
-            _OFFLINE_VERIFIER_SAID.add(self.engine)
+        if network != "none":
             warnings.warn(f"the {self.engine} backend runs verifiers without the network (a task's verifier network "
                           f"is {network!r}): what a verifier downloads must be in its image; the local backend gives "
                           "it the run's egress proxy", stacklevel=2)

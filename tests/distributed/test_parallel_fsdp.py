@@ -29,15 +29,16 @@ LAYOUTS_E2E = ["ep2", "fsdp", "fsdp_ep2_expert_dim1", "fsdp_ep2_fused_head", "fs
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, request):
-    cache = {}
+def results(tmp_path_factory):
+    """layout -> its result; each group of layouts is one launch, made when a test first asks for one of them."""
+    launched = {}
 
     def get(layout):
-        group = LAYOUTS if layout in LAYOUTS else LAYOUTS_E2E
-        if group[0] not in cache:
-            cache[group[0]] = torchrun.run_worker("fsdp_worker.py", 4, ["--cases", ",".join(group)],
+        group = ",".join(LAYOUTS if layout in LAYOUTS else LAYOUTS_E2E)
+        if group not in launched:
+            launched[group] = torchrun.run_worker("fsdp_worker.py", 4, ["--cases", group],
                                                   tmp_path_factory.mktemp("fsdp4"))
-        return cache[group[0]][layout]
+        return launched[group][layout]
     return get
 
 
