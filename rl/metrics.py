@@ -17,6 +17,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def pass_at_1_se(per_task: list[dict], samples: int) -> float:
+    """The sampling standard error of pass@1 on these tasks: how far another evaluation of the same checkpoint on
+    the same tasks would move it (each task's pass rate is a mean of `samples` Bernoulli draws, whose variance
+    p(1-p)/(samples-1) estimates without bias). Two evaluations on one task set differ by more than twice
+    sqrt(se_a^2 + se_b^2) by chance about 5% of the time. The spread between task sets is not in it. NaN with
+    one sample per task."""
+    if samples < 2 or not per_task:
+        return float("nan")
+    var = sum(t["pass@1"] * (1 - t["pass@1"]) / (samples - 1) for t in per_task)
+    return math.sqrt(var) / len(per_task)
+
+
 def summarize_groups(tasks, results: list[dict], samples: int, success_reward: float = 1.0) -> dict:
     """pass@1, pass@K (K = samples) and the reward mean over one finished group of ``samples`` episodes per
     task (``results[i]`` is tasks[i]'s, as `RolloutWorker.run_group` returns it). A sample passes when its
@@ -35,9 +47,10 @@ def summarize_groups(tasks, results: list[dict], samples: int, success_reward: f
     for tier in sorted({t["tier"] for t in per_task if t["tier"] is not None}):
         rows = [t for t in per_task if t["tier"] == tier]
         tiers[tier] = {"tasks": len(rows), "pass@1": sum(t["pass@1"] for t in rows) / len(rows),
-                       k: sum(t[k] for t in rows) / len(rows)}
+                       "pass@1_se": pass_at_1_se(rows, samples), k: sum(t[k] for t in rows) / len(rows)}
     return {"tasks": len(tasks), "samples": samples,
             "pass@1": sum(t["pass@1"] for t in per_task) / len(per_task),
+            "pass@1_se": pass_at_1_se(per_task, samples),
             k: sum(t[k] for t in per_task) / len(per_task),
             "reward_mean": sum(sum(t["rewards"]) for t in per_task) / (len(per_task) * samples),
             "per_tier": tiers,  # tasks whose metadata names a tier (the generated family's)

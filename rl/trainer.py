@@ -289,8 +289,10 @@ class Trainer:
         summary = summarize_groups(self._eval_tasks, results, cfg.eval.samples, cfg.eval.success_reward)
         k = cfg.eval.samples
         episodes = [ep for r in results for ep in r["episodes"]]
-        tiers = {f"eval_tier{t}_{m}": v[m] for t, v in summary["per_tier"].items() for m in ("pass@1", f"pass@{k}")}
-        return {"eval_pass@1": summary["pass@1"], f"eval_pass@{k}": summary[f"pass@{k}"], **tiers,
+        tiers = {f"eval_tier{t}_{m}": v[m] for t, v in summary["per_tier"].items()
+                 for m in ("tasks", "pass@1", "pass@1_se", f"pass@{k}")}
+        return {"eval_tasks": summary["tasks"], "eval_pass@1": summary["pass@1"],
+                "eval_pass@1_se": summary["pass@1_se"], f"eval_pass@{k}": summary[f"pass@{k}"], **tiers,
                 "eval_tool_calls_per_episode": sum(ep.get("meta", {}).get("tool_calls", 0) for ep in episodes)
                 / max(len(episodes), 1),
                 "eval_reward_mean": summary["reward_mean"], "eval_weight_version": float(version),

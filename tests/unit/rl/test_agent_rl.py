@@ -154,6 +154,8 @@ def test_agent_rl_trains_multi_turn_episodes_with_nonzero_gradients(run):
     assert sum(r["summaries"] for r in run) > 0 and max(r["segments_per_episode"] for r in run) > 1
     assert {"eval_pass@1", "eval_pass@2"} <= set(run[-1]) and 0 <= run[-1]["eval_pass@1"] <= run[-1]["eval_pass@2"] <= 1
     assert "eval_tool_calls_per_episode" in start and any(k.startswith("eval_tier") for k in start)  # per tier
+    assert start["eval_tasks"] == 2 and start["eval_pass@1_se"] >= 0  # its sampling error, per tier too
+    assert sum(v for k, v in start.items() if k.startswith("eval_tier") and k.endswith("_tasks")) == 2
     for r in (start, run[-1]):  # run by the embedded rollout worker's engine on the version just published
         assert r["eval_workers"] == ["embedded0"] and r["eval_token_versions"] == [r["eval_weight_version"]]
     assert start["eval_weight_version"] == 0 and run[-1]["eval_weight_version"] == run[-1]["weight_version"]
