@@ -78,9 +78,9 @@ test-docker: install
 demo: install
 	$(PY) tools/demo.py
 
-# The tiny agent base (tools/make_base.py, about 15 minutes on 2 idle cores): code plus copy rows until the copy gate
-# passes or the budget ends; replaces models/tiny-agent-base (committed, with its tokenizer) only by a base that
-# copies better. make demo-agent starts from it.
+# The tiny agent base (tools/make_base.py, about 8 minutes on 2 idle cores): code plus copy rows, encoded with the
+# shipped tokenizer, until both copy gates pass with a margin or the budget ends; replaces models/tiny-agent-base
+# (committed, with its tokenizer) only by a base that copies better. make demo-agent starts from it.
 base: install
 	$(PY) tools/make_base.py --ship
 

@@ -8,7 +8,9 @@ Each trial samples --words distinct words from the pool (default: the agent task
 words, the values its tool calls must copy) and scores the text " w1 w2 ... wN w1 w2 ... wN": per word, the
 summed loss of its tokens, in nats. The first copy is what the model guesses without anything to copy (about
 log(pool size) for a uniform guess); the second copy is what it pays with the list in front of it. A model
-that copies pays well under 1 nat per word on the second copy; the gate is that figure below --gate.
+that copies pays well under 1 nat per word on the second copy; the gate is that figure below --gate. Without
+--pool the same test also runs on 512 one-token words the task family never uses (the open copy, which only an
+induction circuit does; its gate is --open-gate).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 GATE_NATS = 1.0
+FORMING_NATS = 1.5  # an open second copy under this: the induction circuit is forming (formation points)
+OPEN_GATE_NATS = FORMING_NATS  # the base's gate on words the task family never uses
 LAW_T = 10 ** 5.7  # induction heads form after about T x sqrt(B x C) tokens (Aoyama, Wilcox and Schneider, 2025)
 
 
@@ -123,23 +127,32 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gate", type=float, default=GATE_NATS, help="pass when the second copy costs less (nats/word)")
+    ap.add_argument("--open-gate", type=float, default=OPEN_GATE_NATS,
+                    help="without --pool: the same test on words the task family never uses passes under this")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args()
     pool = [w for w in args.pool.split(",") if w] if args.pool else default_pool()
     try:
         model, tokenizer, where = load_ours(args.checkpoint) if args.checkpoint else load_hf(args.hf)
         result = copy_score(model, tokenizer, pool, args.words, args.trials, args.seed)
+        other = None if args.pool else copy_score(model, tokenizer, open_pool(tokenizer, exclude=set(pool)),
+                                                  args.words, args.trials, args.seed)
     except (CheckpointError, ConfigError, TokenizerError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result |= {"checkpoint": where, "gate": args.gate, "passes": result["second_copy_nats_per_word"] < args.gate}
+    if other is not None:  # the open copy: an induction circuit, not a closed set learned word by word
+        result["open"] = other | {"gate": args.open_gate,
+                                  "passes": other["second_copy_nats_per_word"] < args.open_gate}
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"{where}: {args.words} words from a pool of {len(pool)}, {args.trials} trials: first copy "
-              f"{result['first_copy_nats_per_word']:.2f} nats/word, second copy "
-              f"{result['second_copy_nats_per_word']:.2f} nats/word (gate < {args.gate:g}: "
-              f"{'pass' if result['passes'] else 'FAIL'})")
+        return 0
+    rows = [("the task family's words" if not args.pool else "the given words", result)]
+    rows += [("words the task family never uses", result["open"])] if other is not None else []
+    for what, r in rows:
+        print(f"{where}: {args.words} words from a pool of {r['pool']} ({what}), {args.trials} trials: first copy "
+              f"{r['first_copy_nats_per_word']:.2f} nats/word, second copy {r['second_copy_nats_per_word']:.2f} "
+              f"nats/word (gate < {r['gate']:g}: {'pass' if r['passes'] else 'FAIL'})")
     return 0
 
 

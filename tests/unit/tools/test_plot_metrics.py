@@ -64,11 +64,12 @@ def test_training_curve_is_drawn_raw_in_a_light_shade_under_its_ema(tmp_path, ca
 
 def test_copy_probe_panel_plots_against_tokens_with_the_gate_and_the_law(tmp_path):
     """A stage with the copy probe (train.eval_hooks: tools.copy_eval:copy_probe) gets a panel of the probe against
-    training tokens, the gate line and the induction-head law's prediction for its tokens per step."""
+    training tokens, the gate line, the measured formation points of the open copy (its second copy first under 1.5,
+    then under 1 nat/word) and the induction-head law's prediction for its tokens per step."""
     import matplotlib.pyplot as plt
 
     rows = [{"step": s, "loss": 8 - s / 1000, "tokens_seen": 1024 * s,
-             **({"copy_pool_first": 9.0, "copy_pool_second": 8.0 - s / 500, "copy_open_second": 7.0 - s / 500}
+             **({"copy_pool_first": 9.0, "copy_pool_second": 8.0 - s / 500, "copy_open_second": 7.5 - s / 400}
                 if s % 500 == 0 else {})} for s in range(1, 3001)]
     rows.insert(0, {"step": 0, "copy_pool_first": 9.0, "copy_pool_second": 9.0, "copy_open_second": 8.5})
     run = _write(tmp_path / "tiny_base", rows)
@@ -78,5 +79,7 @@ def test_copy_probe_panel_plots_against_tokens_with_the_gate_and_the_law(tmp_pat
     second = lines["tiny_base pool second"]
     assert list(second.get_xdata()) == pytest.approx([1024 * s / 1e6 for s in range(0, 3001, 500)])
     assert list(lines["gate 1 nat/word"].get_ydata()) == [1.0, 1.0]
+    assert list(lines["tiny_base open < 1.5"].get_xdata()) == pytest.approx([2500 * 1024 / 1e6])
+    assert list(lines["tiny_base open < 1"].get_xdata()) == pytest.approx([3000 * 1024 / 1e6])
     law = [line for line in ax.get_lines() if line.get_label().startswith("_") and line.get_xdata()[0] > 0]
     assert law and law[0].get_xdata()[0] == pytest.approx(10 ** 5.7 * 1024 ** 0.5 / 1e6)
