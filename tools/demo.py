@@ -41,8 +41,9 @@ AGENT_SUMMARY_TRIGGER = 600  # the full agent profile's episodes of examples/tin
 AGENT_BASE = Path("models/tiny-agent-base")  # tools/make_base.py ships it; it holds its tokenizer
 AGENT_STAGES = ["examples/tiny/agent/sft.yaml"]
 AGENT_RL = "examples/tiny/rl_agent.yaml"
-AGENT_CHAIN_SPLITS = {"sft": 480, "train": 320, "heldout": 32}
+AGENT_CHAIN_SPLITS = {"sft": 480, "train": 320, "heldout": 96}  # x 8 samples: a 0.05 held-out change is 2+ SE
 AGENT_CHAIN_SUMMARY_TRIGGER = 300  # = rollout.summary_trigger_tokens of examples/tiny/rl_agent.yaml
+AGENT_COPY_CONVERSATIONS = 1000  # word lists repeated back, beside the tool-use SFT: they keep the base's copy
 AGENT_TRAIN_EVAL_TASKS = 48  # the SFT checkpoint's pass@k on this many train tasks (a seeded sample)
 
 
@@ -181,23 +182,35 @@ def agent_chain(args, py: str, t0: float) -> int:
         n = write_agent_sft(agent / "agent_tasks", agent / "agent_sft.jsonl", AGENT_BASE, args.nproc,
                             splits=AGENT_CHAIN_SPLITS, profile="compact", summary_trigger=AGENT_CHAIN_SUMMARY_TRIGGER)
         print(f"wrote {n} tool-use SFT conversations (compact agent profile) to {agent / 'agent_sft.jsonl'}")
+    if not (agent / "copy_sft.jsonl").exists():  # keeps the base's copy through the SFT (tools/make_base.py)
+        from megatron_composer.data.tokenizer import load_tokenizer
+        from tools.make_base import copy_conversations
+
+        rows = copy_conversations(load_tokenizer(str(AGENT_BASE)), AGENT_COPY_CONVERSATIONS, 4, 15, seed=0)
+        tmp = agent / "copy_sft.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.rename(agent / "copy_sft.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sft = run_root / "sft"  # one stage: its run.dir (a chain of stages would place each in run.dir/<stem>)
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
               "pretrain_composer.py", "--config", *AGENT_STAGES, f"run.dir={sft}", *args.overrides], env)
-    tiers = {split: _tier_eval(py, agent / "agent_tasks" / split, sft,
-                               AGENT_TRAIN_EVAL_TASKS if split == "train" else 0)
-             for split in ("train", "heldout")}
+    import yaml
+
+    samples = int(yaml.safe_load((ROOT / AGENT_RL).read_text())["eval"]["samples"])
+    train_tiers = _tier_eval(py, agent / "agent_tasks" / "train", sft, AGENT_TRAIN_EVAL_TASKS, samples)
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "rl_composer.py",
               "--config", AGENT_RL, f"run.dir={run_root / 'rl'}", f"checkpoint.init_from={sft}"], env)
     _summarise(run_root, AGENT_STAGES, time.time() - t0, base=AGENT_BASE)
-    print("\nSFT checkpoint, 4 samples per task:")
+    # the RL run's step-0 evaluation is the SFT checkpoint's, on the held-out split with the same settings
+    tiers = {"train": train_tiers, "heldout": _step0_eval(run_root / "rl", samples)}
+    print(f"\nSFT checkpoint, {samples} samples per task (held-out: the RL run's step-0 evaluation):")
     for split, summary in tiers.items():
         for tier, t in summary["per_tier"].items():
-            print(f"  {split:8s} tier {tier}: {t['tasks']:3d} tasks  "
-                  f"pass@1 {t['pass@1']:.3f}  pass@4 {t['pass@4']:.3f}")
-        print(f"  {split:8s} all   : {summary['tasks']:3d} tasks  "
-              f"pass@1 {summary['pass@1']:.3f}  pass@4 {summary['pass@4']:.3f}")
+            print(f"  {split:8s} tier {tier}: {t['tasks']:3d} tasks  pass@1 {t['pass@1']:.3f} ± "
+                  f"{t['pass@1_se']:.3f}  pass@{samples} {t[f'pass@{samples}']:.3f}")
+        print(f"  {split:8s} all   : {summary['tasks']:3d} tasks  pass@1 {summary['pass@1']:.3f} ± "
+              f"{summary['pass@1_se']:.3f}  pass@{samples} {summary[f'pass@{samples}']:.3f}")
+    print("  (± one sampling standard error: the scatter of another evaluation of the same checkpoint)")
     _rl_table(run_root / "rl")
     return 0
 
@@ -205,18 +218,32 @@ def agent_chain(args, py: str, t0: float) -> int:
 def _copy_gates(run_root: Path, stages: list[str], base: Path | None = None) -> None:
     """tools/copy_eval.py on the base the chain starts from (a Hugging Face directory) and on each stage's last
     checkpoint: a list of the task family's words repeated after itself."""
-    print("copy gate (second copy of a repeated word list; a model that copies pays < 1 nat/word):")
+    print("copy gate (second copy of a repeated list of 8 words; a model that copies pays well under 1 nat/word):")
     sources = ([("base", ["--hf", str(base)])] if base else []) + [
         (Path(stage).stem, ["--checkpoint", str(run_root / Path(stage).stem)]) for stage in stages]
     for name, source in sources:
         out = subprocess.run([sys.executable, str(ROOT / "tools" / "copy_eval.py"), *source, "--json"], cwd=ROOT,
                              check=True, capture_output=True, text=True).stdout
         g = json.loads(out.strip().splitlines()[-1])
-        print(f"  {name:13s} first copy {g['first_copy_nats_per_word']:.2f}  second copy "
-              f"{g['second_copy_nats_per_word']:.2f} nats/word  {'pass' if g['passes'] else 'FAIL'}")
+        for what, r in (("task-family words", g), ("other words", g["open"])):
+            print(f"  {name:13s} {what:17s} first copy {r['first_copy_nats_per_word']:.2f}  second copy "
+                  f"{r['second_copy_nats_per_word']:.2f} nats/word  (gate < {r['gate']:g}: "
+                  f"{'pass' if r['passes'] else 'FAIL'})")
 
 
-def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int) -> dict:
+def _step0_eval(rl_dir: Path, samples: int) -> dict:
+    """The RL run's step-0 held-out evaluation (eval.at_start) in tools/evaluate.py's summary shape."""
+    rows = [json.loads(line) for line in (rl_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    row = next(r for r in rows if r.get("step") == 0 and "eval_pass@1" in r)
+    k = f"pass@{samples}"
+    tiers = sorted({int(key[len("eval_tier"):].split("_")[0]) for key in row if key.startswith("eval_tier")})
+    return {"tasks": int(row["eval_tasks"]), "pass@1": row["eval_pass@1"], "pass@1_se": row["eval_pass@1_se"],
+            k: row[f"eval_{k}"], "per_tier": {t: {"tasks": int(row[f"eval_tier{t}_tasks"]),
+                                                  **{m: row[f"eval_tier{t}_{m}"] for m in ("pass@1", "pass@1_se", k)}}
+                                              for t in tiers}}
+
+
+def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int, samples: int) -> dict:
     """tools/evaluate.py on the SFT checkpoint with the RL run's episode settings (its rollout section: the
     compact agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not
     hold."""
@@ -225,7 +252,7 @@ def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int) -> dict:
     rollout = yaml.safe_load((ROOT / AGENT_RL).read_text())["rollout"]
     out = ROOT / checkpoint / f"eval_{tasks.name}.json"
     cmd = [py, str(ROOT / "tools" / "evaluate.py"), "--tasks", str(tasks), "--checkpoint", str(checkpoint),
-           "--samples", "4", "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
+           "--samples", str(samples), "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
     cmd += [f"rollout.{k}={v}" for k, v in rollout.items()]
     _run(cmd)
     return json.loads(out.read_text())
@@ -241,7 +268,14 @@ def _rl_table(rl_dir: Path) -> None:
     print(f"\nRL ({rl_dir}, {len(steps)} steps):")
     print(f"  verifier reward, first fifth {mean(first, 'verifier_reward_mean'):.3f} -> last fifth "
           f"{mean(last, 'verifier_reward_mean'):.3f}")
-    print("  held-out pass@1 by step: " + ", ".join(f"{r['step']}: {r['eval_pass@1']:.3f}" for r in evals))
+    print("  held-out pass@1 by step: " + ", ".join(
+        f"{r['step']}: {r['eval_pass@1']:.3f}" + (f" ± {r['eval_pass@1_se']:.3f}" if "eval_pass@1_se" in r else "")
+        for r in evals))
+    if len(evals) > 1 and "eval_pass@1_se" in evals[0] and "eval_pass@1_se" in evals[-1]:
+        gain = evals[-1]["eval_pass@1"] - evals[0]["eval_pass@1"]
+        se = (evals[0]["eval_pass@1_se"] ** 2 + evals[-1]["eval_pass@1_se"] ** 2) ** 0.5
+        print(f"  held-out gain, step {evals[0]['step']} -> {evals[-1]['step']}: {gain:+.3f} "
+              f"({gain / se:+.1f} standard errors)" if se > 0 else f"  held-out gain: {gain:+.3f}")
     print(f"  tool calls per episode (evaluations) {mean(evals, 'eval_tool_calls_per_episode'):.2f}; chains summarised "
           f"{sum(r.get('summaries', 0) for r in steps):.0f}; all-equal groups dropped and refilled "
           f"{sum(r.get('equal_reward_groups_replaced', 0) for r in steps):.0f}")
