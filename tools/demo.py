@@ -217,7 +217,7 @@ def agent_chain(args, py: str, t0: float) -> int:
 
 def _copy_gates(run_root: Path, stages: list[str], base: Path | None = None) -> None:
     """tools/copy_eval.py on the base the chain starts from (a Hugging Face directory) and on each stage's last
-    checkpoint: a list of the task family's words repeated after itself."""
+    checkpoint: a list of words repeated after itself, the task family's and words it never uses."""
     print("copy gate (second copy of a repeated list of 8 words; a model that copies pays well under 1 nat/word):")
     sources = ([("base", ["--hf", str(base)])] if base else []) + [
         (Path(stage).stem, ["--checkpoint", str(run_root / Path(stage).stem)]) for stage in stages]
@@ -243,7 +243,7 @@ def _step0_eval(rl_dir: Path, samples: int) -> dict:
                                               for t in tiers}}
 
 
-def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int, samples: int) -> dict:
+def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample_tasks: int, samples: int) -> dict:
     """tools/evaluate.py on the SFT checkpoint with the RL run's episode settings (its rollout section: the
     compact agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not
     hold."""
@@ -252,7 +252,8 @@ def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample: int, samples: int
     rollout = yaml.safe_load((ROOT / AGENT_RL).read_text())["rollout"]
     out = ROOT / checkpoint / f"eval_{tasks.name}.json"
     cmd = [py, str(ROOT / "tools" / "evaluate.py"), "--tasks", str(tasks), "--checkpoint", str(checkpoint),
-           "--samples", str(samples), "--summary", str(out)] + (["--sample-tasks", str(sample)] if sample else [])
+           "--samples", str(samples), "--summary", str(out)] + (["--sample-tasks", str(sample_tasks)] if sample_tasks
+                                                                  else [])
     cmd += [f"rollout.{k}={v}" for k, v in rollout.items()]
     _run(cmd)
     return json.loads(out.read_text())
