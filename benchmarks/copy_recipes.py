@@ -62,6 +62,7 @@ def run_arm(name: str, steps: int, seed: int, out: Path) -> None:
     from megatron_composer.model.model import Transformer
     from megatron_composer.model.presets import get_preset
     from tools.copy_eval import copy_score, default_pool, one_token_words, open_pool
+    from tools.make_base import repeat_list
 
     arm = BEFORE | ARMS[name]
     torch.set_num_threads(1)
@@ -90,10 +91,7 @@ def run_arm(name: str, steps: int, seed: int, out: Path) -> None:
         return [(t,) for t in rng.sample(open_ids[:n], k)]
 
     def repeated(words: list[tuple[int, ...]], repeat: str) -> list[int]:
-        out, k = list(words), len(words)
-        while sum(map(len, out)) < row_len - 1:
-            start = rng.randrange(k - 1) if repeat == "shifted" and rng.random() < 0.5 else 0
-            out += words if start == 0 else words[start: start + rng.randint(2, k - start)]
+        out = repeat_list(rng, words, repeat, row_len - 1)
         return [tok.eod] + [t for w in out for t in w][:row_len - 1]
 
     def make_row(kind: str, step: int) -> list[int]:

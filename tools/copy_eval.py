@@ -32,6 +32,11 @@ OPEN_GATE_NATS = FORMING_NATS  # the base's gate on words the task family never 
 LAW_T = 10 ** 5.7  # induction heads form after about T x sqrt(B x C) tokens (Aoyama, Wilcox and Schneider, 2025)
 
 
+def formation_point(rows: list[dict], below: float) -> dict | None:
+    """The first logged evaluation (a metrics row) whose open second copy is under `below` nats/word, or None."""
+    return next((r for r in rows if r.get("copy_open_second", below) < below), None)
+
+
 def default_pool() -> list[str]:
     from tools.task_family import FOLDERS, MODULES, NAMES, WORDS
 

@@ -196,8 +196,10 @@ def agent_chain(args, py: str, t0: float) -> int:
               "pretrain_composer.py", "--config", *AGENT_STAGES, f"run.dir={sft}", *args.overrides], env)
     import yaml
 
-    samples = int(yaml.safe_load((ROOT / AGENT_RL).read_text())["eval"]["samples"])
-    train_tiers = _tier_eval(py, agent / "agent_tasks" / "train", sft, AGENT_TRAIN_EVAL_TASKS, samples)
+    rl_cfg = yaml.safe_load((ROOT / AGENT_RL).read_text())
+    samples = int(rl_cfg["eval"]["samples"])
+    train_tiers = _tier_eval(py, agent / "agent_tasks" / "train", sft, AGENT_TRAIN_EVAL_TASKS, samples,
+                             rl_cfg["rollout"])
     _run_env([py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", "rl_composer.py",
               "--config", AGENT_RL, f"run.dir={run_root / 'rl'}", f"checkpoint.init_from={sft}"], env)
     _summarise(run_root, AGENT_STAGES, time.time() - t0, base=AGENT_BASE)
@@ -243,13 +245,10 @@ def _step0_eval(rl_dir: Path, samples: int) -> dict:
                                               for t in tiers}}
 
 
-def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample_tasks: int, samples: int) -> dict:
-    """tools/evaluate.py on the SFT checkpoint with the RL run's episode settings (its rollout section: the
-    compact agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does not
-    hold."""
-    import yaml
-
-    rollout = yaml.safe_load((ROOT / AGENT_RL).read_text())["rollout"]
+def _tier_eval(py: str, tasks: Path, checkpoint: Path, sample_tasks: int, samples: int, rollout: dict) -> dict:
+    """tools/evaluate.py on the SFT checkpoint with the RL run's episode settings (`rollout`, its config's section:
+    the compact agent profile, turns, tokens, temperature, summary trigger), which an SFT run's own config does
+    not hold."""
     out = ROOT / checkpoint / f"eval_{tasks.name}.json"
     cmd = [py, str(ROOT / "tools" / "evaluate.py"), "--tasks", str(tasks), "--checkpoint", str(checkpoint),
            "--samples", str(samples), "--summary", str(out)] + (["--sample-tasks", str(sample_tasks)] if sample_tasks

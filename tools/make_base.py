@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from tqdm import tqdm  # noqa: E402
 
-from tools.copy_eval import FORMING_NATS, GATE_NATS, LAW_T, OPEN_GATE_NATS  # noqa: E402
+from tools.copy_eval import FORMING_NATS, GATE_NATS, LAW_T, OPEN_GATE_NATS, formation_point  # noqa: E402
 
 CONFIG = "examples/tiny/base.yaml"
 DATA = Path("data/tiny_base")  # what examples/tiny/base.yaml reads: tokenizer/, stdlib, copy_open, copy_task_family
@@ -116,16 +116,23 @@ def copy_documents(tokenizer, words: list[tuple[int, ...]], n_docs: int, doc_tok
     for _ in range(n_docs):
         k = rng.randint(min_words, max_words)
         row = rng.sample(range(len(words)), k)
-        out = list(row)
-        while sum(len(words[i]) for i in out) < doc_tokens:
-            start = rng.randrange(k - 1) if repeat == "shifted" and rng.random() < 0.5 else 0
-            out += row if start == 0 else row[start: start + rng.randint(2, k - start)]
+        out = repeat_list(rng, row, repeat, doc_tokens, lambda i: len(words[i]))
         fmt = formats[rng.randrange(len(formats))] if len(formats) > 1 else formats[0]
         if fmt == "space":
             ids = [t for i in out for t in words[i]]
         else:
             ids = tokenizer.encode(LIST_FORMATS[fmt]([names[i] for i in out]))
         yield ids[:doc_tokens] + [tokenizer.eod], 0
+
+
+def repeat_list(rng: random.Random, row: list, repeat: str, tokens: int, length=len) -> list:
+    """`row` and then repeats of it until the items' `length`s sum to `tokens`: `whole` repeats from the first item,
+    `shifted` ones from a random item half of the time (copy_documents)."""
+    out, k = list(row), len(row)
+    while sum(length(item) for item in out) < tokens:
+        start = rng.randrange(k - 1) if repeat == "shifted" and rng.random() < 0.5 else 0
+        out += row if start == 0 else row[start: start + rng.randint(2, k - start)]
+    return out
 
 
 def copy_conversations(tokenizer, n: int, min_words: int, max_words: int, seed: int) -> list[dict]:
@@ -235,7 +242,7 @@ def export(run_dir: Path, out: Path, py: str) -> dict:
     per_step = last["tokens_seen"] / last["step"] if last.get("step") else 0
     gate |= {"tokens_per_step": per_step, "law_tokens": LAW_T * per_step ** 0.5}
     for key, below in (("forming", FORMING_NATS), ("formed", GATE_NATS)):  # the open copy's formation points
-        row = next((r for r in rows if r.get("copy_open_second", below) < below), None)
+        row = formation_point(rows, below)
         gate |= {f"{key}_step": row["step"] if row else None, f"{key}_tokens": row["step"] * per_step if row else None}
     (tmp / "gate.json").write_text(json.dumps(gate, indent=2) + "\n")
     (tmp / "README.md").write_text(model_card(cfg, gate))

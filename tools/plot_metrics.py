@@ -158,7 +158,7 @@ def plot_copy(ax, data: list[tuple[Path, list[dict]]]) -> None:
     family's words and of other words, the gate, and the formation point the induction-head law predicts for the
     run's tokens per step."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools.copy_eval import FORMING_NATS, GATE_NATS, LAW_T
+    from tools.copy_eval import FORMING_NATS, GATE_NATS, LAW_T, formation_point
 
     for run, rows in data:
         per_step = max((r["tokens_seen"] / r["step"] for r in rows if r.get("step") and "tokens_seen" in r), default=0)
@@ -167,10 +167,11 @@ def plot_copy(ax, data: list[tuple[Path, list[dict]]]) -> None:
         for key, style in (("copy_pool_first", ":"), ("copy_pool_second", "-o"), ("copy_open_second", "-s")):
             ax.plot(x, [r[key] for r in rows], style, ms=3, lw=1.2, label=f"{run.name} {key[5:].replace('_', ' ')}")
         for below in (FORMING_NATS, GATE_NATS):  # the measured formation points of the open copy
-            i = next((i for i, r in enumerate(rows) if r.get("copy_open_second", below) < below), None)
-            if i is not None:
-                ax.plot([x[i]], [rows[i]["copy_open_second"]], "k*", ms=9, label=f"{run.name} open < {below:g}")
-                ax.annotate(f"open < {below:g} at {x[i]:.2f}M", (x[i], rows[i]["copy_open_second"]), fontsize=7,
+            row = formation_point(rows, below)
+            if row is not None:
+                at = row["step"] * per_step / 1e6
+                ax.plot([at], [row["copy_open_second"]], "k*", ms=9, label=f"{run.name} open < {below:g}")
+                ax.annotate(f"open < {below:g} at {at:.2f}M", (at, row["copy_open_second"]), fontsize=7,
                             xytext=(6, 6 if below == GATE_NATS else 14), textcoords="offset points")
         if per_step:
             law = LAW_T * per_step ** 0.5 / 1e6
